@@ -1,12 +1,17 @@
 """Plain-torch twins of the Triton kernels: the CPU production path and the tests' ground truth.
 
 Each function here states the exact semantics its Triton twin must reproduce (see
-``kernels/interface.py`` for the batch layout). Scores and softmax are computed in float32.
+``kernels/interface.py`` for the batch layout). Scores and softmax are computed in float32:
+decode rows explicitly, prefill chunks inside SDPA (whose CPU kernels accumulate in float32).
 """
 
 from __future__ import annotations
 
+import itertools
+
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from kernels.interface import (
     FP8_DTYPE,
@@ -56,13 +61,14 @@ def store_kv_reference(
 def _gather_context(
     cache: KVCacheView,
     block_tables: torch.Tensor,  # [S, num_blocks_needed] int
-) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [S, num_blocks_needed * block_size, Hkv, D] fp32
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [S, num_blocks_needed * block_size, Hkv, D]
     def gather(pages: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
         if cache.is_fp8:
             assert scales is not None
-            gathered = dequantize_fp8(pages[block_tables], scales[block_tables])
+            gathered = dequantize_fp8(pages[block_tables], scales[block_tables]).to(dtype)
         else:
-            gathered = pages[block_tables].float()
+            gathered = pages[block_tables].to(dtype)
         num_seqs, num_blocks, block_size, heads, dim = gathered.shape
         return gathered.reshape(num_seqs, num_blocks * block_size, heads, dim)
 
@@ -97,7 +103,7 @@ def paged_attention_reference(
     out = torch.empty_like(query)
     starts = meta.query_start_loc.tolist()
     seq_lens = meta.seq_lens.tolist()
-    query_lens = [end - start for start, end in zip(starts[:-1], starts[1:])]
+    query_lens = [end - start for start, end in itertools.pairwise(starts)]
 
     # Decode rows (one query each) attend in one padded batch; a loop over them would cost a
     # dozen small ops per sequence per layer.
@@ -107,9 +113,13 @@ def paged_attention_reference(
         lens = torch.tensor([seq_lens[i] for i in decode], device=query.device)
         num_blocks = -(-max(seq_lens[i] for i in decode) // block_size)
         tables = meta.block_tables[torch.tensor(decode, device=query.device), :num_blocks]
-        key, value = _gather_context(cache, tables.long())
+        key, value = _gather_context(cache, tables.long(), torch.float32)
         positions = torch.arange(key.shape[1], device=query.device)
-        allowed = (positions[None, :] < lens[:, None])[:, None, :]
+        valid = positions[None, :] < lens[:, None]
+        # Slots past a sequence's end were never written and may hold NaN, which a zero
+        # probability does not cancel (0 * NaN = NaN).
+        value = value.masked_fill(~valid[:, :, None, None], 0.0)
+        allowed = valid[:, None, :]
         attended = _attend(query[rows].float()[:, None], key, value, allowed, softmax_scale)
         out[rows] = attended[:, 0].to(query.dtype)
 
@@ -119,14 +129,18 @@ def paged_attention_reference(
         seq_len = seq_lens[i]
         num_blocks = -(-seq_len // block_size)
         tables = meta.block_tables[i : i + 1, :num_blocks].long()
-        key, value = _gather_context(cache, tables)
-        key, value = key[:, :seq_len], value[:, :seq_len]
-        query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-        key_pos = torch.arange(seq_len, device=query.device)
-        allowed = (key_pos[None, :] <= query_pos[:, None])[None]
+        key, value = _gather_context(cache, tables, query.dtype)
         rows = slice(starts[i], starts[i + 1])
-        attended = _attend(query[rows].float()[None], key, value, allowed, softmax_scale)
-        out[rows] = attended[0].to(query.dtype)
+        # Lower-right causal alignment: the chunk's queries are the context's last q_len positions.
+        attended = F.scaled_dot_product_attention(
+            query[rows].transpose(0, 1)[None],
+            key[0, :seq_len].transpose(0, 1)[None],
+            value[0, :seq_len].transpose(0, 1)[None],
+            attn_mask=causal_lower_right(q_len, seq_len),
+            scale=softmax_scale,
+            enable_gqa=True,
+        )
+        out[rows] = attended[0].transpose(0, 1)
     return out
 
 

@@ -1,11 +1,37 @@
-"""The `pdserve` command: a thin dispatcher that hands each subcommand to its package."""
+"""The `pdserve` command: a thin dispatcher that hands each subcommand to its package's main()."""
 
 from __future__ import annotations
 
+import importlib
 import sys
+
+# subcommand -> (module whose main(argv) runs it, one-line help). Imported only when chosen, so
+# `pdserve router` never loads torch's model code and `pdserve --help` is instant.
+SUBCOMMANDS = {
+    "generate": ("common.engine.generate", "generate a completion in one process"),
+    "convert": ("common.model.default_model", "convert the bundled default model"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: pdserve <command> [options]", "", "commands:"]
+    lines += [f"  {name:<10} {text}" for name, (_, text) in SUBCOMMANDS.items()]
+    lines += ["", "Run `pdserve <command> --help` for a command's options."]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    print("usage: pdserve {generate,prefill,decode,router,up,convert} ...")
-    return 2
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command not in SUBCOMMANDS:
+        print(f"pdserve: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[command][0])
+    return module.main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

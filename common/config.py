@@ -1,0 +1,177 @@
+"""Configuration: the model's shape (read from its folder) and the engine's knobs, in one place."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The shape of a Llama-family model, as read from its ``config.json``."""
+
+    path: Path
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # Qwen2: biases on q/k/v projections
+    qk_norm: bool  # Qwen3: RMSNorm on each head of q and k before RoPE
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    checkpoint_dtype: torch.dtype
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise ValueError(f"{path} is not a model folder: it has no config.json")
+        try:
+            raw = json.loads(config_file.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot read {config_file}: {exc}") from exc
+        return cls.from_dict(raw, path)
+
+    @classmethod
+    def from_dict(cls, raw: dict, path: Path) -> ModelConfig:
+        architectures = raw.get("architectures") or []
+        supported = [a for a in architectures if a in SUPPORTED_ARCHITECTURES]
+        if not supported:
+            raise ValueError(
+                f"unsupported architecture {architectures or raw.get('model_type')!r} in {path}; "
+                f"pdserve supports {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            )
+        family = SUPPORTED_ARCHITECTURES[supported[0]]
+        num_heads = raw["num_attention_heads"]
+        hidden = raw["hidden_size"]
+        head_dim = raw.get("head_dim") or hidden // num_heads
+        rope_theta, rope_scaling = _rope_settings(raw)
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+        return cls(
+            path=path,
+            architecture=supported[0],
+            vocab_size=raw["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            attention_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
+            qk_norm=family == "qwen3",
+            eos_token_ids=eos_ids,
+            bos_token_id=raw.get("bos_token_id"),
+            checkpoint_dtype=DTYPES.get(str(dtype_name), torch.float32),
+        )
+
+
+def _rope_settings(raw: dict) -> tuple[float, dict | None]:
+    """RoPE base and scaling; newer configs nest both under ``rope_parameters``."""
+    params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or None
+    theta = raw.get("rope_theta") or params.get("rope_theta") or 10000.0
+    if scaling is None and params.get("rope_type", "default") != "default":
+        scaling = params
+    if scaling is not None:
+        kind = scaling.get("rope_type") or scaling.get("type")
+        if kind not in ("default", "llama3"):
+            raise ValueError(f"unsupported rope scaling {kind!r}; pdserve supports llama3")
+        if kind == "default":
+            scaling = None
+    return float(theta), scaling
+
+
+def resolve_dtype(name: str, checkpoint_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """``auto`` keeps the checkpoint's half-precision dtype, else bf16 (fp16 has no CPU kernels)."""
+    if name == "auto":
+        if checkpoint_dtype in (torch.bfloat16, torch.float16):
+            return checkpoint_dtype if device.type == "cuda" else torch.bfloat16
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8
+    kv_cache_memory: int | None = None  # bytes for the pool; None: derive from the device
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    num_blocks: int | None = None  # fixes the pool size outright (tests, benchmarks)
+
+    def validate(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"--kv-cache-dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("--gpu-memory-utilization must be in (0, 1]")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError("--kv-cache-memory must be positive")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError("num_blocks must be >= 1")
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # token budget of one forward (prefill chunks + decodes)
+    max_num_seqs: int = 256  # sequences in the running batch
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+
+    def validate(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("--max-num-batched-tokens must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("--max-num-seqs must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("--max-model-len must be >= 1")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # a Hugging Face folder; None: the default model
+    dtype: str = "auto"
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    seed: int = 0
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)

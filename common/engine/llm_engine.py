@@ -1,0 +1,150 @@
+"""The one-process engine: chunked prefill and continuous batching in one loop.
+
+It is both a user-facing command (``pdserve generate``) and the reference the disaggregated
+path is checked against. The loop is ``schedule() -> run() -> postprocess()``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from common.config import EngineConfig, ModelConfig, resolve_dtype
+from common.engine.block_manager import BlockManager
+from common.engine.kv_pool import KVLayout, KVPool
+from common.engine.memory import plan_num_blocks
+from common.engine.model_runner import ModelRunner
+from common.engine.sampler import SampledToken, Sampler
+from common.engine.scheduler import Scheduler
+from common.engine.sequence import FinishReason, Sequence
+from common.model.default_model import resolve_model_path
+from common.model.loader import load_model
+from common.sampling_params import SamplingParams
+from kernels.interface import FP8_DTYPE
+from kernels.registry import get_attention_backend
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_samples: list[SampledToken]
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        config.cache.validate()
+        config.scheduler.validate()
+        self.config = config
+        self.device = config.resolve_device()
+        self.model_path = resolve_model_path(config.model)
+        self.model_config = ModelConfig.from_pretrained(self.model_path)
+        self.dtype = resolve_dtype(config.dtype, self.model_config.checkpoint_dtype, self.device)
+        torch.manual_seed(config.seed)
+        self.model = load_model(self.model_config, self.dtype, self.device)
+        self.max_model_len = min(
+            config.scheduler.max_model_len or self.model_config.max_position_embeddings,
+            self.model_config.max_position_embeddings,
+        )
+        kv_dtype = FP8_DTYPE if config.cache.kv_cache_dtype == "fp8" else self.dtype
+        self.kv_layout = KVLayout.create(
+            kv_dtype,
+            config.cache.block_size,
+            self.model_config.num_layers,
+            self.model_config.num_kv_heads,
+            self.model_config.head_dim,
+        )
+        self.backend = get_attention_backend(self.device)
+        self.sampler = Sampler(self.model_config.vocab_size, self.model_config.eos_token_ids)
+        num_blocks = plan_num_blocks(
+            self.model, self.kv_layout, config, self.device, self.backend, self.max_model_len
+        )
+        self.pool = KVPool(self.kv_layout, num_blocks, self.device)
+        self.block_manager = BlockManager(
+            num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            config.scheduler,
+            self.block_manager,
+            self.max_model_len,
+            self.model_config.eos_token_ids,
+        )
+        self.runner = ModelRunner(self.model, self.pool, self.backend, self.sampler)
+        self._ids = itertools.count()
+        logger.info(
+            "engine ready: %s on %s in %s, %d KV pages of %d tokens (%s)",
+            self.model_config.architecture,
+            self.device,
+            self.dtype,
+            num_blocks,
+            config.cache.block_size,
+            self.kv_layout.dtype,
+        )
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+    ) -> str:
+        params.validate(self.model_config.vocab_size)
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of the vocabulary: {bad[:5]}")
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        self.scheduler.add(Sequence.from_prompt(request_id, prompt_token_ids, params))
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        return self.scheduler.abort(request_id) is not None
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        sampled = self.runner.run(batch)
+        finished = self.scheduler.postprocess(batch, sampled)
+        done = {id(seq) for seq in finished}
+        outputs = []
+        for item in batch:
+            if not item.samples:
+                continue
+            seq = item.seq
+            outputs.append(
+                RequestOutput(
+                    seq.request_id,
+                    [seq.samples[-1]],
+                    id(seq) in done,
+                    seq.finish_reason,
+                    seq.num_prompt_tokens,
+                    seq.num_cached_tokens,
+                )
+            )
+        return outputs
+
+    def generate(
+        self, prompts: Iterable[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[list[int]]:
+        """Run prompts to completion together; returns each one's generated token ids."""
+        prompts = list(prompts)
+        all_params = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, all_params, strict=True)]
+        tokens: dict[str, list[int]] = {request_id: [] for request_id in ids}
+        while self.has_unfinished:
+            for output in self.step():
+                if output.request_id in tokens:
+                    tokens[output.request_id].extend(s.token_id for s in output.new_samples)
+        return [tokens[request_id] for request_id in ids]

@@ -1,0 +1,108 @@
+"""Sizes the KV pool from a memory budget, after a warm-up forward has shown peak activations."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from common.config import EngineConfig
+from common.engine.kv_pool import KVLayout, KVPool
+from common.model.llama import LlamaForCausalLM
+from kernels.interface import AttentionBackend, AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+# Without a GPU the pool lives in host memory beside everything else; without --kv-cache-memory it
+# takes this much, or a quarter of the memory available now if that is less.
+DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+
+
+def parse_memory_size(text: str) -> int:
+    """'4GiB', '512MiB', '1.5GB', '1000000' -> bytes."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+    units |= {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+    cleaned = text.strip().upper()
+    number = cleaned.rstrip("KMGTIB")
+    unit = cleaned[len(number) :]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in units or value <= 0:
+        raise ValueError(f"cannot read memory size {text!r}; write e.g. 4GiB, 512MiB or 1e9")
+    return int(value * units[unit])
+
+
+@torch.inference_mode()
+def warm_up(
+    model: LlamaForCausalLM, layout: KVLayout, num_tokens: int, backend: AttentionBackend
+) -> None:
+    """One forward of ``num_tokens`` prompt tokens through a scratch pool."""
+    device = next(model.parameters()).device
+    num_blocks = -(-num_tokens // layout.block_size)
+    pool = KVPool(layout, num_blocks, device)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None],
+        slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=device),
+        max_query_len=num_tokens,
+        max_seq_len=num_tokens,
+    )
+    tokens = torch.zeros(num_tokens, dtype=torch.long, device=device)
+    positions = torch.arange(num_tokens, device=device)
+    last = torch.tensor([num_tokens - 1], device=device)
+    model(tokens, positions, pool, meta, backend, last)
+
+
+def _available_host_memory() -> int:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def plan_num_blocks(
+    model: LlamaForCausalLM,
+    layout: KVLayout,
+    config: EngineConfig,
+    device: torch.device,
+    backend: AttentionBackend,
+    max_model_len: int,
+) -> int:
+    cache = config.cache
+    if cache.num_blocks is not None:
+        num_blocks = cache.num_blocks
+    else:
+        warm_tokens = min(config.scheduler.max_num_batched_tokens, max_model_len)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+            warm_up(model, layout, warm_tokens, backend)
+            peak = torch.cuda.max_memory_allocated(device)
+            total = torch.cuda.get_device_properties(device).total_memory
+            budget = cache.kv_cache_memory or int(total * cache.gpu_memory_utilization) - peak
+            logger.info("warm-up peak %.2f GiB of %.2f GiB", peak / 2**30, total / 2**30)
+        else:
+            warm_up(model, layout, warm_tokens, backend)
+            available = _available_host_memory()
+            budget = cache.kv_cache_memory or min(DEFAULT_CPU_KV_CACHE_BYTES, available // 4)
+            if budget > available:
+                raise ValueError(
+                    f"--kv-cache-memory asks for {budget / 2**30:.2f} GiB but only "
+                    f"{available / 2**30:.2f} GiB of host memory is available"
+                )
+        num_blocks = budget // layout.bytes_per_block
+    if num_blocks * layout.block_size < max_model_len:
+        raise ValueError(
+            f"the KV cache holds {num_blocks * layout.block_size} tokens, less than one "
+            f"sequence of the maximum model length {max_model_len}: give it more memory "
+            "(--kv-cache-memory) or lower --max-model-len"
+        )
+    return num_blocks

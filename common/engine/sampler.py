@@ -1,0 +1,328 @@
+"""Chooses the next token of every sequence in a batch from the model's logits.
+
+The order of operations is vLLM's:
+
+1. logprobs to report come from the raw logits (``log_softmax`` before anything below);
+2. ``min_tokens``: until a sequence has that many output tokens, its stop token ids, and EOS
+   unless ``ignore_eos``, get ``-inf``;
+3. repetition, frequency and presence penalties;
+4. greedy rows (``temperature == 0``) take the argmax;
+5. the other rows are divided by their temperature, filtered by top-k, top-p and min-p, and
+   sampled.
+
+Sampling is an exponential race, ``argmax(p / E)`` with ``E ~ Exponential(1)`` drawn per token,
+which picks token ``i`` with probability ``p[i]`` and is a pure function of the noise. A seeded
+row draws its noise from a generator seeded with a hash of ``(seed, step)`` only, ``step`` being
+the number of tokens it has generated, so any process sampling that step draws the same noise:
+the prefill worker's first token and the decode worker's later ones are what one process would
+have sampled, whatever else shares the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from common.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+# Top-p usually keeps a few dozen tokens, so its threshold is looked for among each row's largest
+# values, widening (64, then 1024, then the whole row) only for rows whose kept set reaches past
+# them: a full sort of 256 rows of a 50k vocabulary takes over a second on a CPU.
+_FIRST_CANDIDATES = 64
+_WIDEN = 16
+_MAX_CANDIDATES = 1024
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """What the sampler needs to know about one sequence."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]  # tokens generated so far, before this step
+
+
+@dataclass(slots=True)
+class SampledToken:
+    token_id: int
+    # Both are set when params.logprobs is not None, and come from the raw logits.
+    logprob: float | None
+    top_logprobs: list[tuple[int, float]] | None  # params.logprobs (token_id, logprob), best first
+
+
+class Sampler:
+    """Samples one token for each row of a batch of logits.
+
+    The model runner's owner calls ``sample`` once per forward with the logits of each
+    sequence's last position. ``sample`` modifies neither the logits nor the rows. Every row's
+    params must have passed ``validate(vocab_size)``, and every prompt and output token id must
+    lie in ``[0, vocab_size)``.
+
+    Seeded rows give the same tokens in any process on the same kind of device (CPU and CUDA
+    generators draw different streams from one seed). Unseeded rows draw from one generator per
+    sampler and device, seeded from the operating system's entropy.
+    """
+
+    def __init__(self, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        out_of_range = [t for t in eos_token_ids if not 0 <= t < vocab_size]
+        if out_of_range:
+            raise ValueError(f"eos_token_ids {out_of_range} are outside [0, {vocab_size})")
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
+        """Sample one token per row of ``logits [B, V_model]`` (any float dtype; columns past
+        ``vocab_size`` are padding and never sampled)."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows) or logits.shape[1] < self.vocab_size:
+            raise ValueError(
+                f"logits must be [len(rows), >= vocab_size] = [{len(rows)}, >= {self.vocab_size}],"
+                f" got {list(logits.shape)}"
+            )
+        if not rows:
+            return []
+        # Every step below edits this float32 copy of the real vocabulary in place.
+        x = logits[:, : self.vocab_size].to(
+            torch.float32, memory_format=torch.contiguous_format, copy=True
+        )
+        params = [row.params for row in rows]
+
+        want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw_logprobs = None
+        if want_logprobs:
+            raw_logprobs = torch.log_softmax(_select(x, want_logprobs), dim=-1)
+
+        self._mask_stop_tokens(x, rows)
+        apply_penalties(x, rows)
+
+        token_ids = torch.empty(len(rows), dtype=torch.long, device=x.device)
+        greedy = [i for i, p in enumerate(params) if p.is_greedy]
+        if greedy:
+            token_ids[greedy] = _select(x, greedy).argmax(dim=-1)
+        rest = [i for i, p in enumerate(params) if not p.is_greedy]
+        if rest:
+            # x is not read after this, so the sampler may edit it in place.
+            token_ids[rest] = self._sample_random(_select(x, rest), [rows[i] for i in rest])
+
+        results = [SampledToken(t, None, None) for t in token_ids.tolist()]
+        if raw_logprobs is not None:
+            _fill_logprobs(results, params, want_logprobs, raw_logprobs, token_ids)
+        return results
+
+    def _mask_stop_tokens(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        row_index: list[int] = []
+        token_index: list[int] = []
+        for i, row in enumerate(rows):
+            p = row.params
+            if len(row.output_token_ids) < p.min_tokens:
+                # With ignore_eos the scheduler does not stop on EOS, so it may be sampled.
+                banned = p.stop_token_ids if p.ignore_eos else p.stop_token_ids + self.eos_token_ids
+                row_index += [i] * len(banned)
+                token_index += banned
+        if row_index:
+            x[row_index, token_index] = -math.inf
+
+    def _sample_random(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Token ids [n] for rows of penalised logits ``x [n, V]`` (owned: edited in place)."""
+        params = [row.params for row in rows]
+        temperature = torch.tensor([p.temperature for p in params], device=x.device)
+        # Shifting each row's max to 0 first keeps a small temperature from overflowing to inf,
+        # and makes p[i] / p_max = exp(x[i]) for min-p.
+        x.sub_(x.amax(dim=-1, keepdim=True)).div_(temperature[:, None])
+        threshold = _filter_threshold(x, params)
+        if threshold is not None:
+            x.masked_fill_(x < threshold[:, None], -math.inf)
+        # Unnormalised probabilities are enough: scaling a row does not move its argmax.
+        probs = x.exp_()
+        # E = -log(U) with U uniform in [0, 1) is Exponential(1) and strictly positive (inf at
+        # U = 0), so p / E is never 0 / 0 and a filtered-out token can never win.
+        noise = self._uniform(rows, x.shape[1], x.device).log_().neg_()
+        return probs.div_(noise).argmax(dim=-1)
+
+    def _uniform(
+        self, rows: Sequence[SamplingRow], width: int, device: torch.device
+    ) -> torch.Tensor:
+        """Uniform [0, 1) noise [len(rows), width], drawn row by row so that a seeded row's noise
+        depends on nothing but its own (seed, step)."""
+        u = torch.empty(len(rows), width, device=device)
+        for i, row in enumerate(rows):
+            seed = row.params.seed
+            if seed is None:
+                generator = self._generator(device)
+            else:
+                generator = torch.Generator(device=device)
+                generator.manual_seed(_step_seed(seed, len(row.output_token_ids)))
+            u[i].uniform_(generator=generator)
+        return u
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        generator = self._generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            generator.seed()
+            self._generators[device] = generator
+        return generator
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Apply each row's repetition, frequency and presence penalties to ``logits [B, V]`` in place.
+
+    Repetition (HF/vLLM): a token seen in the prompt or the output has its logit divided by the
+    penalty when positive, multiplied by it otherwise. Frequency and presence count the output
+    only: ``logit -= frequency * count + presence * (count > 0)``.
+    """
+    penalised = [i for i, row in enumerate(rows) if _has_penalties(row.params)]
+    if not penalised:
+        return
+    params = [rows[i].params for i in penalised]
+    vocab_size, device = logits.shape[1], logits.device
+    x = _select(logits, penalised)
+    output_counts = _token_counts([rows[i].output_token_ids for i in penalised], vocab_size, device)
+
+    if any(p.repetition_penalty != 1 for p in params):
+        prompts = [
+            rows[i].prompt_token_ids if p.repetition_penalty != 1 else ()
+            for i, p in zip(penalised, params, strict=True)
+        ]
+        seen = (_token_counts(prompts, vocab_size, device) > 0) | (output_counts > 0)
+        r = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+        x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+
+    if any(p.frequency_penalty != 0 or p.presence_penalty != 0 for p in params):
+        frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+        presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+        x = x - (frequency * output_counts + presence * (output_counts > 0))
+    logits[penalised] = x
+
+
+def _select(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``x[rows]`` for increasing ``rows``; x itself, not a copy, when that is every row (the
+    usual case, and a 50 MB copy saved at 256 x 49152)."""
+    return x if len(rows) == x.shape[0] else x[rows]
+
+
+def _has_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0
+
+
+def _token_counts(
+    sequences: Sequence[Sequence[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """How often each token occurs in each sequence: [len(sequences), vocab_size] float32."""
+    ids = pad_sequence(
+        [torch.as_tensor(s, dtype=torch.long) for s in sequences],
+        batch_first=True,
+        padding_value=vocab_size,
+    ).to(device)
+    # The padding lands in one extra column, dropped on return.
+    counts = torch.zeros(len(sequences), vocab_size + 1, device=device)
+    counts.scatter_add_(1, ids, torch.ones(ids.shape, device=device))
+    return counts[:, :vocab_size]
+
+
+def _filter_threshold(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor | None:
+    """The lowest logit each row keeps under its top-k, top-p and min-p: [n], or None when no row
+    filters. ``x [n, V]`` holds temperature-scaled logits whose row max is 0."""
+    n, vocab_size = x.shape
+    sorted_rows = [
+        i
+        for i, p in enumerate(params)
+        if (p.top_k is not None and p.top_k < vocab_size) or p.top_p < 1
+    ]
+    min_p_rows = [i for i, p in enumerate(params) if p.min_p > 0]
+    if not sorted_rows and not min_p_rows:
+        return None
+    threshold = x.new_full((n,), -math.inf)
+    if sorted_rows:
+        chosen = [params[i] for i in sorted_rows]
+        top_k = torch.tensor([min(p.top_k or vocab_size, vocab_size) for p in chosen])
+        # top_p = 1 becomes inf so rounding in the running sums can never drop a tail token.
+        top_p = torch.tensor([p.top_p if p.top_p < 1 else math.inf for p in chosen])
+        threshold[sorted_rows] = _top_k_top_p_threshold(
+            _select(x, sorted_rows), top_k.to(x.device), top_p.to(x.device)
+        )
+    if min_p_rows:
+        # With the row max at 0, p[i] < min_p * p_max exactly when x[i] < log(min_p).
+        log_min_p = torch.tensor([math.log(params[i].min_p) for i in min_p_rows], device=x.device)
+        threshold[min_p_rows] = torch.maximum(threshold[min_p_rows], log_min_p)
+    return threshold
+
+
+def _top_k_top_p_threshold(
+    x: torch.Tensor,  # [n, V] float32, row max 0
+    top_k: torch.Tensor,  # [n] int64 in [1, V]; V means off
+    top_p: torch.Tensor,  # [n] float32 in (0, 1), or inf for off
+) -> torch.Tensor:
+    """The lowest logit each row keeps under top-k and then top-p over the renormalised top-k.
+
+    Top-p keeps the smallest set of most likely tokens whose mass reaches ``top_p``: a token is
+    kept while the mass before it is still short of ``top_p``. Values tied with the lowest kept
+    one are kept too, so the result depends only on the values, never on how a sort breaks ties.
+    """
+    n, vocab_size = x.shape
+    threshold = x.new_empty(n)
+    # Top-p without top-k measures mass against the whole row; under top-k the k largest values,
+    # all among the candidates, are the whole (renormalised) distribution.
+    full_mass = x.exp().sum(dim=-1) if bool((top_k == vocab_size).any()) else None
+    largest_k = int(top_k.masked_fill(top_k == vocab_size, 0).max())
+    width = min(vocab_size, max(_FIRST_CANDIDATES, largest_k))
+    todo = torch.arange(n, device=x.device)
+    while True:
+        k, p = top_k[todo], top_p[todo]
+        candidates = x if todo.numel() == n else x[todo]
+        values = candidates.topk(width, dim=-1).values  # descending
+        position = torch.arange(width, device=x.device)
+        values = values.masked_fill(position >= k[:, None], -math.inf)
+        weights = values.exp()  # unnormalised probabilities
+        mass = weights.cumsum(dim=-1)
+        total = mass[:, -1]
+        if full_mass is not None:
+            total = torch.where(k < vocab_size, total, full_mass[todo])
+        keep = (values > -math.inf) & (mass - weights < p[:, None] * total[:, None])
+        # A row is settled once its candidates hold the whole kept set.
+        done = (k < vocab_size) | (mass[:, -1] >= p * total) | (width == vocab_size)
+        threshold[todo[done]] = values[done].masked_fill(~keep[done], math.inf).amin(dim=-1)
+        todo = todo[~done]
+        if todo.numel() == 0:
+            return threshold
+        width = vocab_size if width >= _MAX_CANDIDATES else min(vocab_size, width * _WIDEN)
+
+
+def _fill_logprobs(
+    results: list[SampledToken],
+    params: Sequence[SamplingParams],
+    rows: list[int],
+    raw_logprobs: torch.Tensor,  # [len(rows), V] log_softmax of the raw logits
+    token_ids: torch.Tensor,  # [B] int64, the sampled tokens
+) -> None:
+    chosen = raw_logprobs.gather(1, token_ids[rows][:, None]).squeeze(1).tolist()
+    most = min(max(params[i].logprobs or 0 for i in rows), raw_logprobs.shape[1])
+    top_values, top_ids = raw_logprobs.topk(most, dim=-1)  # sorted, best first
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    for j, i in enumerate(rows):
+        k = params[i].logprobs or 0
+        results[i].logprob = chosen[j]
+        results[i].top_logprobs = list(zip(top_ids[j][:k], top_values[j][:k], strict=True))
+
+
+def _step_seed(seed: int, step: int) -> int:
+    """The generator seed for a seeded request's ``step``-th output token.
+
+    Two rounds of splitmix64 spread nearby seeds and steps over the whole 64-bit range. A CPU
+    generator keeps only the low 32 bits, which splitmix64 mixes as well as the high ones.
+    """
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ step)
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)

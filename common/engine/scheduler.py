@@ -1,0 +1,221 @@
+"""Chunked prefill plus continuous batching under one token budget per step.
+
+Every step the scheduler fills a budget of ``max_num_batched_tokens`` new tokens: first one token
+for each running sequence that is decoding, then the next chunk of each running sequence that
+is still prefilling, then new sequences from the waiting queue (first come, first served),
+each starting after whatever prefix the cache already holds. When pages run out, the newest
+running sequence is preempted: its pages are freed and it goes back to the front of the queue to
+be recomputed later (full pages it had filed in the prefix cache usually make that cheap).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+from common.config import SchedulerConfig
+from common.engine.block_manager import BlockManager
+from common.engine.sampler import SampledToken
+from common.engine.sequence import FinishReason, Sequence, SequenceStatus
+from common.hashing import hash_block
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int
+    samples: bool  # this step reaches the end of the sequence's known tokens, so it samples
+
+    @classmethod
+    def of(cls, seq: Sequence, num_new_tokens: int) -> ScheduledSequence:
+        reaches_end = seq.num_computed_tokens + num_new_tokens == seq.num_tokens
+        return cls(seq, num_new_tokens, reaches_end)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        max_model_len: int,
+        eos_token_ids: Seq[int],
+    ) -> None:
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.max_model_len = max_model_len
+        self.block_manager = block_manager
+        self.block_size = block_manager.block_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.num_prompt_tokens_computed = 0  # prompt tokens run through the model, cache hits not
+
+    # -- admission ------------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        if seq.num_prompt_tokens < 1:
+            raise ValueError("the prompt must contain at least one token")
+        if seq.num_tokens >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {seq.num_tokens} tokens, but the maximum model length is "
+                f"{self.max_model_len} (prompt plus at least one generated token)"
+            )
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Remove a request wherever it is and free its pages; None if it is unknown."""
+        for queue in (self.running, self.waiting):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    self._finish(seq, FinishReason.ABORT)
+                    return seq
+        return None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def schedule(self) -> list[ScheduledSequence]:
+        budget = self.max_num_batched_tokens
+        batch: list[ScheduledSequence] = []
+        scheduled: set[int] = set()
+        # Decodes before prefill chunks: a decoding sequence's latency is what users feel.
+        for seq in sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._reserve_for_running(seq, num_new, scheduled):
+                continue
+            batch.append(ScheduledSequence.of(seq, num_new))
+            scheduled.add(id(seq))
+            budget -= num_new
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            num_new = self._admit(seq, budget)
+            if num_new is None:
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.append(ScheduledSequence.of(seq, num_new))
+            budget -= num_new
+        return batch
+
+    def postprocess(
+        self, batch: list[ScheduledSequence], sampled: Seq[SampledToken]
+    ) -> list[Sequence]:
+        """Advance each scheduled sequence, append the tokens sampled for those that sampled
+        (in batch order), and return the sequences that finished in this step."""
+        tokens = iter(sampled)
+        finished = []
+        for item in batch:
+            seq = item.seq
+            prompt_left = seq.num_prompt_tokens - seq.num_computed_tokens
+            self.num_prompt_tokens_computed += max(0, min(item.num_new_tokens, prompt_left))
+            seq.num_computed_tokens += item.num_new_tokens
+            self._cache_full_blocks(seq)
+            if not item.samples:
+                continue
+            sample = next(tokens)
+            seq.token_ids.append(sample.token_id)
+            seq.samples.append(sample)
+            reason = self._stop_reason(seq, sample.token_id)
+            if reason is not None:
+                self.running.remove(seq)
+                self._finish(seq, reason)
+                finished.append(seq)
+        assert next(tokens, None) is None, "more sampled tokens than sampling sequences"
+        return finished
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _blocks_needed(self, seq: Sequence, num_new: int) -> int:
+        total = -(-(seq.num_computed_tokens + num_new) // self.block_size)
+        return max(0, total - len(seq.block_ids))
+
+    def _reserve_for_running(self, seq: Sequence, num_new: int, scheduled: set[int]) -> bool:
+        """Give ``seq`` the pages its next ``num_new`` tokens need, preempting the newest
+        unscheduled sequences for them; False if ``seq`` itself had to be preempted."""
+        needed = self._blocks_needed(seq, num_new)
+        while needed > self.block_manager.num_free_blocks:
+            victims = [s for s in self.running if id(s) not in scheduled and s is not seq]
+            victim = victims[-1] if victims else seq
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        seq.block_ids.extend(self.block_manager.allocate(needed))
+        return True
+
+    def _admit(self, seq: Sequence, budget: int) -> int | None:
+        """Take the cached prefix and first chunk's pages for a waiting sequence; returns the
+        chunk's token count, or None (nothing taken) if the pages are not there."""
+        # At least the last token is recomputed: its logits give the next token.
+        max_hit_blocks = (seq.num_tokens - 1) // self.block_size
+        hits = self.block_manager.match_prefix(seq.token_ids, max_hit_blocks)
+        num_computed = len(hits) * self.block_size
+        num_new = min(seq.num_tokens - num_computed, budget)
+        total_blocks = -(-(num_computed + num_new) // self.block_size)
+        reclaimed = sum(1 for b in hits if self.block_manager.ref_count(b) == 0)
+        if total_blocks - len(hits) > self.block_manager.num_free_blocks - reclaimed:
+            return None
+        self.block_manager.acquire(hits)
+        seq.block_ids = hits + self.block_manager.allocate(total_blocks - len(hits))
+        seq.block_hashes = self._chain_hashes(seq, len(hits))
+        seq.num_computed_tokens = num_computed
+        if seq.num_output_tokens == 0:
+            seq.num_cached_tokens = num_computed
+        return num_new
+
+    def _chain_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        hashes: list[int] = []
+        parent = None
+        for index in range(num_blocks):
+            start = index * self.block_size
+            parent = hash_block(parent, seq.token_ids[start : start + self.block_size])
+            hashes.append(parent)
+        return hashes
+
+    def _cache_full_blocks(self, seq: Sequence) -> None:
+        """File every newly completed page of ``seq`` in the prefix cache."""
+        num_full = seq.num_computed_tokens // self.block_size
+        while len(seq.block_hashes) < num_full:
+            index = len(seq.block_hashes)
+            start = index * self.block_size
+            tokens = seq.token_ids[start : start + self.block_size]
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            block_hash = hash_block(parent, tokens)
+            self.block_manager.cache_block(seq.block_ids[index], block_hash, tokens)
+            seq.block_hashes.append(block_hash)
+
+    def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        params = seq.params
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return FinishReason.STOP
+        if token_id in params.stop_token_ids:
+            return FinishReason.STOP
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq.block_ids)
+        seq.block_ids = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.block_manager.free(seq.block_ids)
+        seq.block_ids = []
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

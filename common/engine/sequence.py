@@ -1,0 +1,64 @@
+"""The state of one request inside an engine: its tokens, its pages, how far its KV is computed."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from common.engine.sampler import SampledToken
+from common.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # an end-of-sequence or stop token
+    LENGTH = "length"  # max_tokens or the model's length limit
+    ABORT = "abort"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    request_id: str
+    token_ids: list[int]  # prompt followed by every generated token
+    num_prompt_tokens: int
+    params: SamplingParams
+    samples: list[SampledToken] = field(default_factory=list)  # one per generated token
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full pages, in order
+    num_computed_tokens: int = 0  # leading tokens whose KV is in the pool
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    @classmethod
+    def from_prompt(
+        cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> Sequence:
+        return cls(request_id, list(prompt_token_ids), len(prompt_token_ids), params)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

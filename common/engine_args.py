@@ -1,0 +1,59 @@
+"""The engine flags every model-running command shares (`generate`, `prefill`, `decode`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from common.config import CacheConfig, EngineConfig, SchedulerConfig
+from common.engine.memory import parse_memory_size
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument(
+        "--model", default=None, help="Hugging Face model folder (default: SmolLM2-135M-Instruct)"
+    )
+    group.add_argument(
+        "--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"]
+    )
+    group.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV page")
+    group.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    group.add_argument(
+        "--kv-cache-memory",
+        type=parse_memory_size,
+        default=None,
+        help="memory for the KV pool, e.g. 4GiB (default: derived from the device)",
+    )
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    group.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+    )
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    group.add_argument("--max-num-seqs", type=int, default=256)
+    group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument("--seed", type=int, default=0)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        cache=CacheConfig(
+            block_size=args.block_size,
+            kv_cache_dtype=args.kv_cache_dtype,
+            kv_cache_memory=args.kv_cache_memory,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            enable_prefix_caching=args.enable_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
+        ),
+        seed=args.seed,
+    )
+    config.cache.validate()
+    config.scheduler.validate()
+    return config

@@ -1,0 +1,163 @@
+"""How one request wants its tokens chosen: the OpenAI/vLLM sampling knobs, checked and wire-ready.
+
+The router builds a ``SamplingParams`` from the OpenAI request and calls ``validate``; it travels
+to the workers as ``to_dict()`` inside a msgpack message and is rebuilt there with
+``from_dict``, which checks every key, type and range again because it comes off a socket.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+# OpenAI's limit on `top_logprobs`; vLLM enforces the same by default.
+MAX_LOGPROBS = 20
+# The range torch.Generator.manual_seed accepts; negative seeds wrap modulo 2**64 as they do there.
+SEED_MIN = -(1 << 63)
+SEED_MAX = (1 << 64) - 1
+
+_FLOAT_FIELDS = frozenset(
+    {
+        "temperature",
+        "top_p",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    }
+)
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int | None = None  # None means off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # None: no logprobs; k: the sampled token's logprob plus the k most likely alternatives.
+    logprobs: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    min_tokens: int = 0
+    ignore_eos: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ``ValueError`` naming the first field that is of the wrong type or out of range.
+
+        ``vocab_size``, when given, also bounds ``stop_token_ids``.
+        """
+        _check_int("max_tokens", self.max_tokens, ">= 1", lambda v: v >= 1)
+        _check_int(
+            "min_tokens",
+            self.min_tokens,
+            f"in [0, max_tokens] = [0, {self.max_tokens}]",
+            lambda v: 0 <= v <= self.max_tokens,
+        )
+        _check_float("temperature", self.temperature, ">= 0 (0 means greedy)", lambda v: v >= 0)
+        _check_float("top_p", self.top_p, "in (0, 1]", lambda v: 0 < v <= 1)
+        if self.top_k is not None:
+            _check_int("top_k", self.top_k, ">= 1, or None for off", lambda v: v >= 1)
+        _check_float("min_p", self.min_p, "in [0, 1]", lambda v: 0 <= v <= 1)
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_float(name, getattr(self, name), "in [-2, 2]", lambda v: -2 <= v <= 2)
+        _check_float("repetition_penalty", self.repetition_penalty, "> 0", lambda v: v > 0)
+        if self.logprobs is not None:
+            _check_int(
+                "logprobs",
+                self.logprobs,
+                f"in [0, {MAX_LOGPROBS}], or None for none",
+                lambda v: 0 <= v <= MAX_LOGPROBS,
+            )
+        if self.seed is not None:
+            _check_int(
+                "seed",
+                self.seed,
+                "in [-2**63, 2**64 - 1] (64 bits), or None",
+                lambda v: SEED_MIN <= v <= SEED_MAX,
+            )
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if not isinstance(self.stop_token_ids, list):
+            raise ValueError(
+                f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}"
+            )
+        upper = "" if vocab_size is None else f" and < vocab_size = {vocab_size}"
+        for token_id in self.stop_token_ids:
+            if not (
+                _is_int(token_id)
+                and token_id >= 0
+                and (vocab_size is None or token_id < vocab_size)
+            ):
+                raise ValueError(
+                    f"stop_token_ids must hold integer token ids >= 0{upper}, got {token_id!r}"
+                )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict of every field (ints, floats, bools, None, a list of ints) for msgpack."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["stop_token_ids"] = list(self.stop_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> SamplingParams:
+        """Rebuild and validate params from ``to_dict()``'s output; missing keys take defaults.
+
+        Unknown keys, wrong types and out-of-range values raise ``ValueError``. Integers are
+        accepted for float fields (JSON and msgpack peers may send ``1`` for ``1.0``), and a tuple
+        for ``stop_token_ids`` (msgpack decodes arrays to tuples with ``use_list=False``).
+        """
+        if not isinstance(d, Mapping):
+            raise ValueError(f"sampling params must be a mapping, got {type(d).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = [key for key in d if key not in known]
+        if unknown:
+            raise ValueError(
+                f"unknown sampling params {sorted(map(repr, unknown))}; known: {sorted(known)}"
+            )
+        kwargs = dict(d)
+        for name in _FLOAT_FIELDS & kwargs.keys():
+            as_float = _finite_float(kwargs[name])
+            if as_float is not None:
+                kwargs[name] = as_float
+        if isinstance(kwargs.get("stop_token_ids"), tuple):
+            kwargs["stop_token_ids"] = list(kwargs["stop_token_ids"])
+        params = cls(**kwargs)
+        params.validate()
+        return params
+
+
+def _is_int(value: object) -> bool:
+    # bool is a subclass of int, but `max_tokens=True` is a client bug, not a count.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: Any, rule: str, ok: Callable[[Any], bool]) -> None:
+    if not (_is_int(value) and ok(value)):
+        raise ValueError(f"{name} must be an integer {rule}, got {value!r}")
+
+
+def _check_float(name: str, value: Any, rule: str, ok: Callable[[float], bool]) -> None:
+    as_float = _finite_float(value)
+    if as_float is None or not ok(as_float):
+        raise ValueError(f"{name} must be a finite number {rule}, got {value!r}")
+
+
+def _finite_float(value: Any) -> float | None:
+    """``value`` as a finite float if it is an int or float that is one, else None."""
+    if not (_is_int(value) or isinstance(value, float)):
+        return None
+    try:
+        as_float = float(value)
+    except OverflowError:  # an int beyond float range
+        return None
+    return as_float if math.isfinite(as_float) else None

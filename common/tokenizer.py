@@ -1,0 +1,42 @@
+"""The model's own tokenizer, with its chat template."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+
+class Tokenizer:
+    def __init__(self, path: str | Path) -> None:
+        try:
+            self._tokenizer = AutoTokenizer.from_pretrained(str(path))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot load a tokenizer from {path}: {exc}") from exc
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._tokenizer.eos_token_id
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._tokenizer, "chat_template", None))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render a conversation to the prompt text the model was trained on."""
+        if not self.has_chat_template:
+            raise ValueError("this model's tokenizer has no chat template")
+        return self._tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        # The rendered template already holds the special tokens; adding BOS again would double it.
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        return self.encode(text, add_special_tokens=False)

@@ -1,0 +1,111 @@
+"""The block manager's books: no leaked page, no double free, exact prefix-cache events."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common.engine.block_manager import BlockManager
+from common.hashing import block_hashes, hash_block
+
+BLOCK = 4
+
+
+def test_hash_chain_depends_on_every_earlier_token():
+    base = block_hashes(list(range(12)), BLOCK)
+    changed = block_hashes([99, *range(1, 12)], BLOCK)
+    assert len(base) == 3
+    assert all(a != b for a, b in zip(base, changed, strict=True))
+    assert block_hashes(list(range(14)), BLOCK) == base  # a partial tail block has no hash
+    assert base[1] == hash_block(base[0], [4, 5, 6, 7])
+
+
+def cache_prompt(manager: BlockManager, tokens: list[int]) -> list[int]:
+    blocks = manager.allocate(len(tokens) // BLOCK)
+    for index, block_hash in enumerate(block_hashes(tokens, BLOCK)):
+        manager.cache_block(blocks[index], block_hash, tokens[index * BLOCK : (index + 1) * BLOCK])
+    return blocks
+
+
+def test_prefix_hit_requires_matching_tokens_and_reports_events():
+    manager = BlockManager(8, BLOCK)
+    tokens = list(range(12))
+    blocks = cache_prompt(manager, tokens)
+    assert manager.drain_events().stored == block_hashes(tokens, BLOCK)
+    assert manager.match_prefix([*range(8), 50, 51, 52, 53]) == blocks[:2]
+    assert manager.match_prefix(tokens, max_blocks=1) == blocks[:1]
+    manager.free(blocks)
+    assert manager.num_free_blocks == 8
+    # Free but cached: still found, and taking it back removes it from the free pool.
+    assert manager.match_prefix(tokens) == blocks
+    manager.acquire(blocks[:2])
+    assert manager.num_free_blocks == 6
+
+
+def test_eviction_prefers_never_cached_pages_then_least_recently_freed():
+    manager = BlockManager(6, BLOCK)
+    first = cache_prompt(manager, list(range(8)))
+    second = cache_prompt(manager, list(range(100, 108)))
+    plain = manager.allocate(2)
+    manager.drain_events()
+    manager.free(first)
+    manager.free(second)
+    manager.free(plain)
+    assert set(manager.allocate(2)) == set(plain)
+    assert not manager.drain_events()
+    manager.allocate(2)  # evicts `first`, freed before `second`
+    assert manager.drain_events().removed == list(reversed(block_hashes(list(range(8)), BLOCK)))
+    assert manager.match_prefix(list(range(100, 108))) == second
+
+
+def test_allocate_beyond_capacity_raises():
+    manager = BlockManager(2, BLOCK)
+    manager.allocate(2)
+    with pytest.raises(MemoryError):
+        manager.allocate(1)
+
+
+def test_duplicate_content_keeps_one_cached_copy():
+    manager = BlockManager(4, BLOCK)
+    tokens = list(range(4))
+    [a] = manager.allocate(1)
+    [b] = manager.allocate(1)
+    [block_hash] = block_hashes(tokens, BLOCK)
+    assert manager.cache_block(a, block_hash, tokens) == a
+    assert manager.cache_block(b, block_hash, tokens) == a
+    assert manager.num_cached_blocks() == 1
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from(["alloc", "free", "share", "cache"]), st.integers(0, 50)))
+)
+def test_random_allocate_free_share_never_leaks_or_double_frees(ops):
+    manager = BlockManager(16, BLOCK)
+    held: list[int] = []  # one entry per reference we hold
+    for op, arg in ops:
+        if op == "alloc":
+            count = arg % 4 + 1
+            if count <= manager.num_free_blocks:
+                held += manager.allocate(count)
+        elif op == "free" and held:
+            manager.free([held.pop(arg % len(held))])
+        elif op == "share" and held:
+            block = held[arg % len(held)]
+            manager.acquire([block])
+            held.append(block)
+        elif op == "cache" and held:
+            block = held[arg % len(held)]
+            tokens = [arg, arg + 1, arg + 2, arg + 3]
+            manager.cache_block(block, hash_block(None, tokens), tokens)
+        # The books balance after every operation.
+        for block in range(16):
+            assert manager.ref_count(block) == held.count(block)
+        assert manager.num_free_blocks == 16 - len(set(held))
+        hits = manager.match_prefix([arg, arg + 1, arg + 2, arg + 3])
+        assert len(hits) <= 1
+    manager.free(held)
+    assert manager.num_free_blocks == 16
+    with pytest.raises(AssertionError):
+        manager.free([0])

@@ -1,0 +1,47 @@
+"""Greedy tokens of the one-process engine equal transformers' in float32, for every family."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_models import FAMILIES, build_tiny_model, hf_greedy, random_prompts
+
+from common.config import CacheConfig, EngineConfig, SchedulerConfig
+from common.engine.llm_engine import LLMEngine
+from common.sampling_params import SamplingParams
+
+NUM_PROMPTS = 8
+NEW_TOKENS = 32
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_case(request, tmp_path_factory):
+    folder = build_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
+    prompts = random_prompts(NUM_PROMPTS, seed=len(request.param))
+    return folder, prompts, hf_greedy(folder, prompts, NEW_TOKENS)
+
+
+def make_engine(folder, chunk: int = 2048, block_size: int = 16) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=str(folder),
+            dtype="float32",
+            device="cpu",
+            cache=CacheConfig(block_size=block_size, num_blocks=256),
+            scheduler=SchedulerConfig(max_num_batched_tokens=chunk, max_model_len=512),
+        )
+    )
+
+
+def test_prompts_alone(family_case):
+    folder, prompts, expected = family_case
+    engine = make_engine(folder)
+    got = [engine.generate([prompt], GREEDY)[0] for prompt in prompts]
+    assert got == expected
+
+
+@pytest.mark.parametrize("chunk", [2048, 1, 7, 16, 64])
+def test_batched_and_chunked(family_case, chunk):
+    folder, prompts, expected = family_case
+    engine = make_engine(folder, chunk=chunk)
+    assert engine.generate(prompts, GREEDY) == expected
