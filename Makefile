@@ -40,7 +40,7 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 
 bench: $(STAMP)
-	$(PY) benchmarks/engine.py
+	$(PY) -m benchmarks.engine
 
 clean:
 	rm -rf $(VENV) build *.egg-info

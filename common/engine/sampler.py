@@ -25,7 +25,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 from common.sampling_params import SamplingParams
 
@@ -58,10 +57,10 @@ class SampledToken:
 class Sampler:
     """Samples one token for each row of a batch of logits.
 
-    The model runner's owner calls ``sample`` once per forward with the logits of each
-    sequence's last position. ``sample`` modifies neither the logits nor the rows. Every row's
-    params must have passed ``validate(vocab_size)``, and every prompt and output token id must
-    lie in ``[0, vocab_size)``.
+    A worker calls ``sample`` once per forward with the logits of each sequence's last position.
+    ``sample`` modifies neither the logits nor the rows. Every row's params must have passed
+    ``validate(vocab_size)``, and every prompt and output token id must lie in
+    ``[0, vocab_size)``.
 
     Seeded rows give the same tokens in any process on the same kind of device (CPU and CUDA
     generators draw different streams from one seed). Unseeded rows draw from one generator per
@@ -181,25 +180,50 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     penalised = [i for i, row in enumerate(rows) if _has_penalties(row.params)]
     if not penalised:
         return
-    params = [rows[i].params for i in penalised]
     vocab_size, device = logits.shape[1], logits.device
-    x = _select(logits, penalised)
-    output_counts = _token_counts([rows[i].output_token_ids for i in penalised], vocab_size, device)
+    # Only the logits of tokens a row has seen change: a few thousand per row, not the whole
+    # vocabulary, so the work is done on their flat positions (row * V + token) rather than on
+    # dense [B, V] count tensors.
+    repeated = [i for i in penalised if rows[i].params.repetition_penalty != 1]
+    if repeated:
+        history = [rows[i].prompt_token_ids for i in repeated]
+        history += [rows[i].output_token_ids for i in repeated]
+        seen = torch.unique(_positions(history, repeated * 2, vocab_size).to(device))
+        row_index, token_index = seen // vocab_size, seen % vocab_size
+        r = _per_row(rows, "repetition_penalty", device)[row_index]
+        values = logits[row_index, token_index]
+        logits[row_index, token_index] = torch.where(values > 0, values / r, values * r)
 
-    if any(p.repetition_penalty != 1 for p in params):
-        prompts = [
-            rows[i].prompt_token_ids if p.repetition_penalty != 1 else ()
-            for i, p in zip(penalised, params, strict=True)
-        ]
-        seen = (_token_counts(prompts, vocab_size, device) > 0) | (output_counts > 0)
-        r = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
-        x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+    counted = [
+        i
+        for i in penalised
+        if rows[i].params.frequency_penalty != 0 or rows[i].params.presence_penalty != 0
+    ]
+    if counted:
+        output = _positions([rows[i].output_token_ids for i in counted], counted, vocab_size)
+        positions, counts = torch.unique(output.to(device), return_counts=True)
+        row_index, token_index = positions // vocab_size, positions % vocab_size
+        frequency = _per_row(rows, "frequency_penalty", device)[row_index]
+        presence = _per_row(rows, "presence_penalty", device)[row_index]
+        logits[row_index, token_index] -= frequency * counts + presence
 
-    if any(p.frequency_penalty != 0 or p.presence_penalty != 0 for p in params):
-        frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
-        presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
-        x = x - (frequency * output_counts + presence * (output_counts > 0))
-    logits[penalised] = x
+
+def _positions(
+    sequences: Sequence[Sequence[int]], row_ids: Sequence[int], vocab_size: int
+) -> torch.Tensor:
+    """The flat positions ``row * vocab_size + token`` of every token of every sequence."""
+    tokens = [torch.as_tensor(s, dtype=torch.long) for s in sequences]
+    flat = torch.cat(tokens)
+    # An id past the vocabulary would silently land in the next row's logits.
+    if flat.numel() and not 0 <= int(flat.min()) <= int(flat.max()) < vocab_size:
+        raise ValueError(f"token ids must lie in [0, {vocab_size}) to be penalised")
+    lengths = torch.tensor([len(t) for t in tokens])
+    return torch.repeat_interleave(torch.tensor(row_ids), lengths) * vocab_size + flat
+
+
+def _per_row(rows: Sequence[SamplingRow], name: str, device: torch.device) -> torch.Tensor:
+    """One sampling parameter of every row, as a float32 tensor [B]."""
+    return torch.tensor([getattr(row.params, name) for row in rows], device=device)
 
 
 def _select(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -210,21 +234,6 @@ def _select(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
 
 def _has_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0
-
-
-def _token_counts(
-    sequences: Sequence[Sequence[int]], vocab_size: int, device: torch.device
-) -> torch.Tensor:
-    """How often each token occurs in each sequence: [len(sequences), vocab_size] float32."""
-    ids = pad_sequence(
-        [torch.as_tensor(s, dtype=torch.long) for s in sequences],
-        batch_first=True,
-        padding_value=vocab_size,
-    ).to(device)
-    # The padding lands in one extra column, dropped on return.
-    counts = torch.zeros(len(sequences), vocab_size + 1, device=device)
-    counts.scatter_add_(1, ids, torch.ones(ids.shape, device=device))
-    return counts[:, :vocab_size]
 
 
 def _filter_threshold(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor | None:

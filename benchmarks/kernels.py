@@ -1,0 +1,285 @@
+"""Speed of the Triton attention kernels on a CUDA GPU.
+
+Prefill: TFLOP/s of chunked-prefill attention over the paged pool, beside torch SDPA (and
+flash-attn / FlashInfer where installed) on the same shapes with contiguous K/V. FLOPs count only
+the causally allowed scores (4 * head_dim per query-key pair and head), the same for every
+implementation.
+
+Decode: GB/s of paged decode attention (K/V pages, FP8 scales, queries and outputs read or
+written once) against the GPU's memory bandwidth: its specification where torch reports the
+memory clock and bus width, and what a device-to-device copy reaches.
+
+    python -m benchmarks.kernels [--kv-dtypes bf16,fp8]
+
+Without CUDA it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+
+from kernels.interface import FP8_DTYPE, AttentionMetadata, KVCacheView
+from kernels.reference import quantize_fp8
+from kernels.triton_decode_attention import decode_attention, default_num_splits
+from kernels.triton_prefill_attention import prefill_attention
+
+BLOCK_SIZE = 16
+# Llama-3-8B's attention: 32 query heads over 8 KV heads of 128. A pool laid out for two layers
+# gives pages the stride of a real multi-layer pool.
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS = 32, 8, 128, 2
+DTYPE = torch.bfloat16
+KV_DTYPES = {"bf16": torch.bfloat16, "fp8": FP8_DTYPE}
+
+
+@dataclass(frozen=True)
+class PrefillCase:
+    num_seqs: int
+    prefix: int  # cached tokens before the chunk
+    chunk: int  # new query tokens per sequence
+
+    def __str__(self) -> str:
+        return f"{self.num_seqs} x ({self.prefix} cached + {self.chunk} new)"
+
+    @property
+    def flops(self) -> float:
+        # Query j of a chunk sees prefix + j + 1 keys; QK^T and PV are 2 * head_dim flops each.
+        pairs = self.chunk * self.prefix + self.chunk * (self.chunk + 1) / 2
+        return 4.0 * HEAD_DIM * NUM_HEADS * self.num_seqs * pairs
+
+
+PREFILL_CASES = [
+    PrefillCase(1, 0, 1024),
+    PrefillCase(1, 0, 4096),
+    PrefillCase(1, 0, 16384),
+    PrefillCase(4, 0, 2048),
+    PrefillCase(1, 4096, 512),
+    PrefillCase(8, 2048, 256),
+    PrefillCase(1, 16384, 2048),
+]
+
+# (num_seqs, context length)
+DECODE_CASES = [(1, 4096), (1, 32768), (16, 4096), (64, 2048), (128, 1024), (256, 4096)]
+
+
+def time_ms(fn: Callable[[], object]) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def paged_inputs(
+    query_lens: list[int], seq_lens: list[int], kv_dtype: torch.dtype
+) -> tuple[torch.Tensor, KVCacheView, AttentionMetadata]:
+    """A filled pool with each sequence's pages in random order, and its metadata."""
+    pages_per_seq = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    num_blocks = sum(pages_per_seq)
+    shape = (num_blocks, NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    # Only layer 0 is read: fill it alone, one half at a time, to keep the peak memory down.
+    data = torch.empty(shape, dtype=kv_dtype, device="cuda")
+    scales = None
+    if kv_dtype == FP8_DTYPE:
+        scales = torch.empty(shape[:-1], dtype=torch.float32, device="cuda")
+    for half in (0, 1):
+        values = torch.randn(data[:, 0, half].shape, dtype=DTYPE, device="cuda")
+        if scales is None:
+            data[:, 0, half] = values
+        else:
+            quantized, scale = quantize_fp8(values)
+            data[:, 0, half].copy_(quantized)
+            scales[:, 0, half] = scale
+        del values
+    cache = KVCacheView(
+        data[:, 0, 0],
+        data[:, 0, 1],
+        None if scales is None else scales[:, 0, 0],
+        None if scales is None else scales[:, 0, 1],
+    )
+    order = torch.randperm(num_blocks, device="cuda").to(torch.int32)
+    tables = torch.zeros((len(seq_lens), max(pages_per_seq)), dtype=torch.int32, device="cuda")
+    used = 0
+    for i, count in enumerate(pages_per_seq):
+        tables[i, :count] = order[used : used + count]
+        used += count
+    starts = torch.tensor([0, *query_lens], device="cuda").cumsum(0).to(torch.int32)
+    meta = AttentionMetadata(
+        query_start_loc=starts,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+        block_tables=tables,
+        slot_mapping=torch.zeros(0, dtype=torch.int64, device="cuda"),  # attention reads none
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+    query = torch.randn(sum(query_lens), NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    return query, cache, meta
+
+
+def baselines(case: PrefillCase) -> dict[str, Callable[[], object]]:
+    """The comparison kernels on contiguous K/V, each only where it is installed."""
+    seq_len = case.prefix + case.chunk
+    q = torch.randn(case.num_seqs, case.chunk, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    k, v = (
+        torch.randn(case.num_seqs, seq_len, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+        for _ in range(2)
+    )
+    scale = HEAD_DIM**-0.5
+    fns: dict[str, Callable[[], object]] = {}
+
+    # SDPA without GQA support in its fused kernels: expand K/V heads outside the timing.
+    group = NUM_HEADS // NUM_KV_HEADS
+    q_t = q.transpose(1, 2)
+    k_t, v_t = (x.repeat_interleave(group, dim=2).transpose(1, 2) for x in (k, v))
+    if case.prefix == 0:
+        fns["torch sdpa"] = lambda: F.scaled_dot_product_attention(
+            q_t, k_t, v_t, is_causal=True, scale=scale
+        )
+    else:
+        from torch.nn.attention.bias import causal_lower_right
+
+        mask = causal_lower_right(case.chunk, seq_len)
+        fns["torch sdpa"] = lambda: F.scaled_dot_product_attention(
+            q_t, k_t, v_t, attn_mask=mask, scale=scale
+        )
+
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        pass
+    else:
+        cu_q = torch.arange(case.num_seqs + 1, dtype=torch.int32, device="cuda") * case.chunk
+        cu_k = torch.arange(case.num_seqs + 1, dtype=torch.int32, device="cuda") * seq_len
+        q_flat, k_flat, v_flat = (x.flatten(0, 1) for x in (q, k, v))
+        # flash-attn aligns a causal mask with q shorter than k to the bottom right, as we do.
+        fns["flash-attn"] = lambda: flash_attn_varlen_func(
+            q_flat,
+            k_flat,
+            v_flat,
+            cu_q,
+            cu_k,
+            case.chunk,
+            seq_len,
+            causal=True,
+            softmax_scale=scale,
+        )
+
+    try:
+        import flashinfer
+    except ImportError:
+        pass
+    else:
+        if case.num_seqs == 1:
+            fns["flashinfer"] = lambda: flashinfer.single_prefill_with_kv_cache(
+                q[0], k[0], v[0], causal=True, sm_scale=scale
+            )
+    return fns
+
+
+def bench_prefill(kv_dtypes: list[str]) -> None:
+    print(
+        f"\nprefill attention, TFLOP/s (bf16 queries; {NUM_HEADS}/{NUM_KV_HEADS} heads of "
+        f"{HEAD_DIM}; paged KV, page {BLOCK_SIZE}; baselines read contiguous bf16 K/V)"
+    )
+    for case in PREFILL_CASES:
+        results = []
+        seq_lens = [case.prefix + case.chunk] * case.num_seqs
+        for name in kv_dtypes:
+            query, cache, meta = paged_inputs(
+                [case.chunk] * case.num_seqs, seq_lens, KV_DTYPES[name]
+            )
+            ms = time_ms(functools.partial(prefill_attention, query, cache, meta, HEAD_DIM**-0.5))
+            results.append(f"triton {name} {case.flops / ms / 1e9:7.1f}")
+            del query, cache, meta
+        for name, fn in baselines(case).items():
+            try:
+                ms = time_ms(fn)
+            except Exception as error:  # a baseline that can't run this shape is not our failure
+                results.append(f"{name} n/a ({type(error).__name__})")
+            else:
+                results.append(f"{name} {case.flops / ms / 1e9:7.1f}")
+        torch.cuda.empty_cache()
+        print(f"  {case!s:30} " + " | ".join(results))
+
+
+def peak_bandwidth() -> float | None:
+    """The specification's memory bandwidth in bytes/s, where torch reports what it needs."""
+    props = torch.cuda.get_device_properties(0)
+    clock_khz = getattr(props, "memory_clock_rate", None)
+    bus_bits = getattr(props, "memory_bus_width", None)
+    if not clock_khz or not bus_bits:
+        return None
+    return 2 * clock_khz * 1e3 * bus_bits / 8  # double data rate
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 1 GiB device-to-device copy, counting the read and the write."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() / ms * 1e3
+
+
+def bench_decode(kv_dtypes: list[str]) -> None:
+    peak = peak_bandwidth()
+    copy = copy_bandwidth()
+    reference = peak or copy
+    print(
+        f"\ndecode attention, GB/s (bf16 queries; {NUM_HEADS}/{NUM_KV_HEADS} heads of {HEAD_DIM}; "
+        f"page {BLOCK_SIZE})"
+    )
+    print(
+        f"  memory bandwidth: specification "
+        f"{'unknown' if peak is None else f'{peak / 1e9:.0f} GB/s'}, "
+        f"device copy {copy / 1e9:.0f} GB/s; percentages are of the "
+        f"{'specification' if peak else 'copy'}"
+    )
+    for num_seqs, context in DECODE_CASES:
+        results = []
+        splits = default_num_splits(num_seqs, NUM_KV_HEADS, context, torch.device("cuda"))
+        for name in kv_dtypes:
+            kv_dtype = KV_DTYPES[name]
+            query, cache, meta = paged_inputs([1] * num_seqs, [context] * num_seqs, kv_dtype)
+            ms = time_ms(functools.partial(decode_attention, query, cache, meta, HEAD_DIM**-0.5))
+            tokens = num_seqs * context
+            kv_bytes = 2 * tokens * NUM_KV_HEADS * HEAD_DIM * kv_dtype.itemsize
+            scale_bytes = 2 * tokens * NUM_KV_HEADS * 4 if kv_dtype == FP8_DTYPE else 0
+            io_bytes = 2 * query.numel() * query.element_size()
+            rate = (kv_bytes + scale_bytes + io_bytes) / ms * 1e3
+            results.append(f"{name} {rate / 1e9:6.0f} GB/s ({100 * rate / reference:3.0f}%)")
+            del query, cache, meta
+            torch.cuda.empty_cache()
+        label = f"{num_seqs} x {context} tokens, {splits} split{'s' if splits > 1 else ''}"
+        print(f"  {label:36} " + " | ".join(results))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--kv-dtypes", default="bf16,fp8", help="comma-separated subset of bf16,fp8"
+    )
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("benchmarks/kernels.py measures the Triton kernels on a CUDA GPU; none is visible.")
+        return 0
+    kv_dtypes = [name for name in args.kv_dtypes.split(",") if name]
+    unknown = set(kv_dtypes) - set(KV_DTYPES)
+    if unknown:
+        parser.error(f"unknown KV dtypes {sorted(unknown)}; choose from {sorted(KV_DTYPES)}")
+    if FP8_DTYPE in (KV_DTYPES[name] for name in kv_dtypes) and (
+        torch.cuda.get_device_capability() < (8, 9)
+    ):
+        print("FP8 KV needs compute capability 8.9 or newer; measuring bf16 only.")
+        kv_dtypes = [name for name in kv_dtypes if KV_DTYPES[name] != FP8_DTYPE]
+    print(f"device: {torch.cuda.get_device_name()}")
+    torch.manual_seed(0)
+    bench_prefill(kv_dtypes)
+    bench_decode(kv_dtypes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,280 @@
+"""Paged decode attention: one query token per sequence, split-K over long contexts.
+
+One program handles one sequence, one KV head (with all ``GROUP`` query heads that share it, so
+each page is read once) and one split of the context. With few sequences a GPU would sit mostly
+idle, so the context is cut into ``num_splits`` slices whose partial results, each normalised
+and tagged with its log-sum-exp, a second kernel combines (flash-decoding).
+
+Twin: ``kernels.reference.paged_attention_reference`` with every query length 1.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.interface import AttentionMetadata, KVCacheView
+from kernels.triton_paged import (
+    LOG2E,
+    attend_tile,
+    check_cache,
+    check_metadata,
+    check_query,
+    head_block,
+    page_slots,
+)
+
+# A split shorter than this spends more on its launch share and combine than it saves.
+_MIN_TOKENS_PER_SPLIT = 256
+_MAX_SPLITS = 64
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,  # [S, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], strided
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], strided
+    k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32, strided; FP8 only
+    v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32, strided; FP8 only
+    block_tables_ptr,  # [S, max_blocks_per_seq] int32
+    seq_lens_ptr,  # [S] int32
+    out_ptr,  # [S, num_heads, num_splits, head_dim], or the output itself when num_splits == 1
+    lse_ptr,  # [S, num_heads, num_splits] float32, log2-domain log-sum-exp of each split
+    num_splits,
+    block_size,
+    qk_scale,
+    stride_q_seq,
+    stride_q_head,
+    stride_out_seq,
+    stride_out_head,
+    stride_out_split,
+    stride_kv_block,
+    stride_kv_slot,
+    stride_kv_head,
+    stride_scale_block,
+    stride_scale_slot,
+    stride_scale_head,
+    stride_table_seq,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_FP8: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # Splits start on a tile boundary; the last ones may be empty for a short sequence.
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    head = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    # Padding rows (BLOCK_G > GROUP, since tl.dot needs 16 rows) are zero queries, never stored.
+    q = tl.load(
+        q_ptr + seq * stride_q_seq + head[:, None] * stride_q_head + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+
+    k_cache_ptr += kv_head * stride_kv_head
+    v_cache_ptr += kv_head * stride_kv_head
+    k_scale_ptr += kv_head * stride_scale_head
+    v_scale_ptr += kv_head * stride_scale_head
+    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for tile_start in range(start, end, BLOCK_N):
+        pos = tile_start + tl.arange(0, BLOCK_N)
+        kv_mask = pos < end
+        block, slot = page_slots(block_table_ptr, pos, kv_mask, block_size)
+        acc, m_i, l_i = attend_tile(
+            q,
+            acc,
+            m_i,
+            l_i,
+            k_cache_ptr,
+            v_cache_ptr,
+            k_scale_ptr,
+            v_scale_ptr,
+            block,
+            slot,
+            kv_mask,
+            kv_mask[None, :],
+            offs_d,
+            d_mask,
+            stride_kv_block,
+            stride_kv_slot,
+            stride_scale_block,
+            stride_scale_slot,
+            qk_scale,
+            IS_FP8,
+        )
+
+    # An empty split leaves l_i == 0: it stores zeros with a log-sum-exp of -inf (weight 0).
+    nonempty = l_i > 0
+    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    row = seq.to(tl.int64) * stride_out_seq + head * stride_out_head + split * stride_out_split
+    tl.store(
+        out_ptr + row[:, None] + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=g_mask[:, None] & d_mask[None, :],
+    )
+    lse_row = (seq * tl.num_programs(1) * GROUP + head) * num_splits + split
+    tl.store(lse_ptr + lse_row, lse, mask=g_mask)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    partial_ptr,  # [S, num_heads, num_splits, head_dim] float32, contiguous
+    lse_ptr,  # [S, num_heads, num_splits] float32, contiguous
+    out_ptr,  # [S, num_heads, head_dim]
+    num_splits,
+    stride_out_seq,
+    stride_out_head,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    row = seq * tl.num_programs(1) + head
+    offs_s = tl.arange(0, BLOCK_SPLITS)
+    s_mask = offs_s < num_splits
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+
+    # Split 0 always holds the first key, so the max is finite.
+    lse = tl.load(lse_ptr + row * num_splits + offs_s, mask=s_mask, other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, 0))
+    partial = tl.load(
+        partial_ptr + (row * num_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    out = tl.sum(weight[:, None] * partial, 0) / tl.sum(weight, 0)
+    tl.store(
+        out_ptr + seq * stride_out_seq + head * stride_out_head + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d_mask,
+    )
+
+
+@functools.cache
+def _multiprocessor_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: keep the grid small
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_num_splits(
+    num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device
+) -> int:
+    """Enough splits for about two programs per multiprocessor, none shorter than 256 tokens."""
+    programs = num_seqs * num_kv_heads
+    target = 2 * _multiprocessor_count(device)
+    if programs >= target:
+        return 1
+    by_occupancy = triton.cdiv(target, programs)
+    by_length = triton.cdiv(max_seq_len, _MIN_TOKENS_PER_SPLIT)
+    return max(1, min(by_occupancy, by_length, _MAX_SPLITS))
+
+
+def decode_attention(
+    query: torch.Tensor,  # [S, num_heads, head_dim]
+    cache: KVCacheView,
+    meta: AttentionMetadata,
+    softmax_scale: float,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:  # [S, num_heads, head_dim], query's dtype
+    """Attention of each sequence's single new token over its whole context in ``cache``.
+
+    ``meta`` must describe one query token per sequence. ``num_splits`` overrides the split-K
+    heuristic (tests, benchmarks); it does not change the result beyond rounding.
+    """
+    args = check_cache(cache, query.device)
+    group = check_query(query, args)
+    check_metadata(meta, query.device)
+    num_seqs, num_heads, head_dim = query.shape
+    if num_seqs != meta.num_seqs or meta.max_query_len != 1:
+        raise ValueError(
+            f"decode attention takes one query per sequence: {num_seqs} queries for "
+            f"{meta.num_seqs} sequences, max_query_len {meta.max_query_len}"
+        )
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_seqs == 0:
+        return out
+    if num_splits is None:
+        num_splits = default_num_splits(num_seqs, args.num_kv_heads, meta.max_seq_len, query.device)
+    if not 1 <= num_splits <= _MAX_SPLITS:
+        raise ValueError(f"num_splits must be in 1..{_MAX_SPLITS}, got {num_splits}")
+
+    # One split needs no combine: its normalised partial result is the output.
+    if num_splits == 1:
+        partial = out.unsqueeze(2)
+    else:
+        partial = torch.empty(
+            (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
+        )
+    lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
+    block_d = head_block(head_dim)
+    _decode_kernel[(num_seqs, args.num_kv_heads, num_splits)](
+        query,
+        args.key,
+        args.value,
+        # Without FP8 the scale pointers are never dereferenced; any tensor will do.
+        args.key_scale if args.is_fp8 else args.key,
+        args.value_scale if args.is_fp8 else args.value,
+        meta.block_tables,
+        meta.seq_lens,
+        partial,
+        lse,
+        num_splits,
+        args.block_size,
+        softmax_scale * LOG2E,
+        query.stride(0),
+        query.stride(1),
+        partial.stride(0),
+        partial.stride(1),
+        partial.stride(2),
+        *args.kv_strides,
+        *args.scale_strides,
+        meta.block_tables.stride(0),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=block_d,
+        # Decode is bound by memory: a wide key tile keeps more loads in flight.
+        BLOCK_N=64 if block_d <= 128 else 32,
+        IS_FP8=args.is_fp8,
+        num_warps=4,
+        num_stages=2,
+    )
+    if num_splits > 1:
+        _combine_splits_kernel[(num_seqs, num_heads)](
+            partial,
+            lse,
+            out,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_SPLITS=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )
+    return out

@@ -1,0 +1,222 @@
+"""Pieces shared by the Triton kernels that read or write the paged KV pool.
+
+The Python half checks a ``KVCacheView`` once and hands its strides to a kernel; the Triton half
+is the page lookup and the online-softmax step over one tile of keys, which the prefill and the
+decode kernels both run.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.interface import FP8_DTYPE, AttentionMetadata, KVCacheView
+
+ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+CACHE_DTYPES = (*ACTIVATION_DTYPES, FP8_DTYPE)
+
+# exp2 is the native instruction; folding log2(e) into the softmax scale costs nothing.
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class CacheArgs:
+    """A checked ``KVCacheView`` flattened into what the kernels take."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    key_scale: torch.Tensor | None
+    value_scale: torch.Tensor | None
+    is_fp8: bool
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    kv_strides: tuple[int, int, int]  # block, slot, head (the dim stride is 1)
+    scale_strides: tuple[int, int, int]  # block, slot, head; zeros when not FP8
+
+
+def check_cache(cache: KVCacheView, device: torch.device) -> CacheArgs:
+    """Validate one layer's view of the pool; raise ``ValueError`` on anything a kernel can't read.
+
+    K and V must share a layout (they are two views of one pool), so the kernels take one set of
+    strides for both; the same holds for the two scale views.
+    """
+    key, value = cache.key, cache.value
+    if key.dim() != 4 or key.shape != value.shape:
+        raise ValueError(
+            f"cache key/value must both be [num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {tuple(key.shape)} and {tuple(value.shape)}"
+        )
+    if key.dtype != value.dtype or key.dtype not in CACHE_DTYPES:
+        raise ValueError(f"unsupported cache dtypes {key.dtype}/{value.dtype}")
+    if key.stride() != value.stride() or key.stride(-1) != 1:
+        raise ValueError(
+            f"cache key/value need equal strides and a unit head_dim stride, "
+            f"got {key.stride()} and {value.stride()}"
+        )
+    if key.device != device or value.device != device:
+        raise ValueError(f"cache is on {key.device}, inputs on {device}")
+
+    is_fp8 = key.dtype == FP8_DTYPE
+    scale_strides = (0, 0, 0)
+    if is_fp8:
+        k_scale, v_scale = cache.key_scale, cache.value_scale
+        if k_scale is None or v_scale is None:
+            raise ValueError("an FP8 cache needs key_scale and value_scale")
+        for scale in (k_scale, v_scale):
+            if scale.dtype != torch.float32 or scale.shape != key.shape[:3]:
+                raise ValueError(
+                    f"FP8 scales must be float32 {tuple(key.shape[:3])}, "
+                    f"got {scale.dtype} {tuple(scale.shape)}"
+                )
+            if scale.device != device:
+                raise ValueError(f"cache scales are on {scale.device}, inputs on {device}")
+        if k_scale.stride() != v_scale.stride():
+            raise ValueError(f"scale strides differ: {k_scale.stride()} vs {v_scale.stride()}")
+        scale_strides = (k_scale.stride(0), k_scale.stride(1), k_scale.stride(2))
+    elif cache.key_scale is not None or cache.value_scale is not None:
+        raise ValueError(f"scales are only meaningful for an FP8 cache, not {key.dtype}")
+
+    return CacheArgs(
+        key=key,
+        value=value,
+        key_scale=cache.key_scale,
+        value_scale=cache.value_scale,
+        is_fp8=is_fp8,
+        block_size=key.shape[1],
+        num_kv_heads=key.shape[2],
+        head_dim=key.shape[3],
+        kv_strides=(key.stride(0), key.stride(1), key.stride(2)),
+        scale_strides=scale_strides,
+    )
+
+
+@functools.cache
+def _check_fp8_supported(device: torch.device) -> None:
+    # Triton has no e4m3 type before Ada/Hopper, and the attention kernels convert e4m3 natively;
+    # failing here beats a compiler error in the middle of a forward.
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(
+            "FP8 KV with the Triton kernels needs compute capability 8.9 or newer; "
+            "use a bf16/fp16 cache on this GPU"
+        )
+
+
+def check_query(query: torch.Tensor, cache: CacheArgs) -> int:
+    """Validate ``query [N, num_heads, head_dim]`` against the cache; return the GQA group size."""
+    if query.dim() != 3 or query.dtype not in ACTIVATION_DTYPES:
+        raise ValueError(
+            f"query must be [N, num_heads, head_dim] fp16/bf16/fp32, "
+            f"got {query.dtype} {tuple(query.shape)}"
+        )
+    if query.stride(-1) != 1:
+        raise ValueError(f"query needs a unit head_dim stride, got strides {query.stride()}")
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    if head_dim != cache.head_dim:
+        raise ValueError(f"query head_dim {head_dim} != cache head_dim {cache.head_dim}")
+    if num_heads % cache.num_kv_heads != 0:
+        raise ValueError(
+            f"num_heads {num_heads} is not a multiple of num_kv_heads {cache.num_kv_heads}"
+        )
+    if cache.is_fp8:
+        _check_fp8_supported(query.device)
+    elif cache.key.dtype != query.dtype:
+        raise ValueError(f"query is {query.dtype} but the cache is {cache.key.dtype}")
+    return num_heads // cache.num_kv_heads
+
+
+def check_metadata(meta: AttentionMetadata, device: torch.device) -> None:
+    """Validate the index tensors (not their values: that would cost a host sync)."""
+    num_seqs = meta.num_seqs
+    expected = {
+        "query_start_loc": (meta.query_start_loc, 1),
+        "seq_lens": (meta.seq_lens, 1),
+        "block_tables": (meta.block_tables, 2),
+    }
+    for name, (tensor, ndim) in expected.items():
+        if tensor.dtype != torch.int32 or tensor.dim() != ndim or tensor.device != device:
+            raise ValueError(
+                f"{name} must be a {ndim}-d int32 tensor on {device}, "
+                f"got {tensor.dtype} {tuple(tensor.shape)} on {tensor.device}"
+            )
+    if meta.query_start_loc.shape[0] != num_seqs + 1 or meta.block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"query_start_loc needs {num_seqs + 1} entries and block_tables {num_seqs} rows, "
+            f"got {tuple(meta.query_start_loc.shape)} and {tuple(meta.block_tables.shape)}"
+        )
+    if meta.block_tables.stride(1) != 1 or meta.query_start_loc.stride(0) != 1:
+        raise ValueError("block_tables rows and query_start_loc must be contiguous")
+    if meta.seq_lens.stride(0) != 1:
+        raise ValueError("seq_lens must be contiguous")
+
+
+def head_block(head_dim: int) -> int:
+    # tl.dot needs every tile side >= 16; a head_dim of 80 or 96 pads to the next power of two.
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+@triton.jit
+def page_slots(block_table_ptr, positions, mask, block_size):
+    """Page id (int64) and in-page slot of each context position of one sequence.
+
+    The page id is widened before any multiplication: page id x page stride overflows int32 in a
+    pool of a few GiB.
+    """
+    block = tl.load(block_table_ptr + positions // block_size, mask=mask, other=0)
+    return block.to(tl.int64), positions % block_size
+
+
+@triton.jit
+def attend_tile(
+    q,  # [M, BLOCK_D] query rows, in the query's dtype
+    acc,  # [M, BLOCK_D] float32, unnormalised output so far
+    m_i,  # [M] float32, running max of the log2-scaled scores
+    l_i,  # [M] float32, running softmax denominator
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], at this KV head
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], at this KV head
+    k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32, at this KV head; FP8 only
+    v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32, at this KV head; FP8 only
+    block,  # [BLOCK_N] int64 page id of each key
+    slot,  # [BLOCK_N] slot of each key within its page
+    kv_mask,  # [BLOCK_N] key exists (masked keys are never read: unwritten slots may hold NaN)
+    allowed,  # [M, BLOCK_N] query row may attend to key
+    offs_d,  # [BLOCK_D]
+    d_mask,  # [BLOCK_D]
+    stride_kv_block,
+    stride_kv_slot,
+    stride_scale_block,
+    stride_scale_slot,
+    qk_scale,  # softmax scale * log2(e)
+    IS_FP8: tl.constexpr,
+):
+    """One FlashAttention-2 step: fold a tile of keys/values into the running softmax state."""
+    kv_offsets = block * stride_kv_block + slot * stride_kv_slot
+    tile_mask = kv_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_cache_ptr + kv_offsets[:, None] + offs_d[None, :], mask=tile_mask, other=0.0)
+    # "ieee" only matters for float32 operands, where TF32 would be less exact than the reference.
+    scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
+    if IS_FP8:
+        # The scale is constant along head_dim, so it factors out of q.k: e4m3 values convert
+        # exactly to fp16/bf16, and the scale is applied to the float32 score.
+        scale_offsets = block * stride_scale_block + slot * stride_scale_slot
+        k_scale = tl.load(k_scale_ptr + scale_offsets, mask=kv_mask, other=0.0)
+        scores = scores * k_scale[None, :]
+    scores = tl.where(allowed, scores * qk_scale, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+
+    v = tl.load(v_cache_ptr + kv_offsets[:, None] + offs_d[None, :], mask=tile_mask, other=0.0)
+    if IS_FP8:
+        # V's scale varies along the reduction axis of p @ v; folding it into p would push small
+        # probabilities into fp16 subnormals, so V is dequantised instead.
+        v_scale = tl.load(v_scale_ptr + scale_offsets, mask=kv_mask, other=0.0)
+        v = v.to(tl.float32) * v_scale[:, None]
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
+    return acc, m_new, l_i

@@ -1,0 +1,220 @@
+"""Chunked-prefill flash attention over the paged pool.
+
+Every sequence of the batch brings a chunk of ``q`` new query tokens whose keys and values are
+already stored; each attends causally over its cached prefix and the chunk itself. A chunk of one
+token is an ordinary decode step, and a short chunk verifies speculative tokens, so this kernel
+serves any mix.
+
+Work is split into query tiles of ``BLOCK_Q`` tokens of one sequence for all ``GROUP`` query
+heads that share a KV head: the tile's ``BLOCK_M = BLOCK_Q * GROUP`` rows are (token, head)
+pairs, so each key/value tile is read once per KV head and a one-token chunk still fills
+``GROUP`` rows. The grid is flat over query tiles (``N // BLOCK_Q + S`` bound, no host sync) and
+each program finds its sequence by binary search over ``query_start_loc``.
+
+Twin: ``kernels.reference.paged_attention_reference``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.interface import AttentionMetadata, KVCacheView
+from kernels.triton_paged import (
+    LOG2E,
+    attend_tile,
+    check_cache,
+    check_metadata,
+    check_query,
+    head_block,
+    page_slots,
+)
+
+
+@triton.jit
+def _find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
+    """The sequence owning query tile ``tile``.
+
+    Sequence ``i`` owns tiles ``query_start_loc[i] // BLOCK_Q + i`` onwards: a bound that rises
+    with ``i`` and leaves room for each sequence's last, partial tile.
+    """
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,  # [N, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], strided
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], strided
+    k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32, strided; FP8 only
+    v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32, strided; FP8 only
+    block_tables_ptr,  # [S, max_blocks_per_seq] int32
+    query_start_loc_ptr,  # [S + 1] int32
+    seq_lens_ptr,  # [S] int32
+    out_ptr,  # [N, num_heads, head_dim]
+    num_seqs,
+    block_size,
+    qk_scale,
+    stride_q_token,
+    stride_q_head,
+    stride_out_token,
+    stride_out_head,
+    stride_kv_block,
+    stride_kv_slot,
+    stride_kv_head,
+    stride_scale_block,
+    stride_scale_slot,
+    stride_scale_head,
+    stride_table_seq,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_FP8: tl.constexpr,
+):
+    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+
+    seq = _find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    first = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # first chunk token of this tile
+    if first >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix_len = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    token = first + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_mask = (rows < BLOCK_Q * GROUP) & (token < q_len)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q_row = (q_start + token).to(tl.int64)
+    q = tl.load(
+        q_ptr + q_row[:, None] * stride_q_token + head[:, None] * stride_q_head + offs_d[None, :],
+        mask=row_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    query_pos = prefix_len + token
+
+    k_cache_ptr += kv_head * stride_kv_head
+    v_cache_ptr += kv_head * stride_kv_head
+    k_scale_ptr += kv_head * stride_scale_head
+    v_scale_ptr += kv_head * stride_scale_head
+    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # Keys past the tile's last query are causally masked for every row: stop there.
+    kv_end = tl.minimum(prefix_len + first + BLOCK_Q, seq_len)
+    for start in range(0, kv_end, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        kv_mask = pos < kv_end
+        block, slot = page_slots(block_table_ptr, pos, kv_mask, block_size)
+        allowed = (pos[None, :] <= query_pos[:, None]) & kv_mask[None, :]
+        acc, m_i, l_i = attend_tile(
+            q,
+            acc,
+            m_i,
+            l_i,
+            k_cache_ptr,
+            v_cache_ptr,
+            k_scale_ptr,
+            v_scale_ptr,
+            block,
+            slot,
+            kv_mask,
+            allowed,
+            offs_d,
+            d_mask,
+            stride_kv_block,
+            stride_kv_slot,
+            stride_scale_block,
+            stride_scale_slot,
+            qk_scale,
+            IS_FP8,
+        )
+
+    # Every real row sees key 0, so l_i > 0 there; padding rows are not stored.
+    out = acc / l_i[:, None]
+    tl.store(
+        out_ptr
+        + q_row[:, None] * stride_out_token
+        + head[:, None] * stride_out_head
+        + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & d_mask[None, :],
+    )
+
+
+def prefill_attention(
+    query: torch.Tensor,  # [N, num_heads, head_dim]
+    cache: KVCacheView,
+    meta: AttentionMetadata,
+    softmax_scale: float,
+) -> torch.Tensor:  # [N, num_heads, head_dim], query's dtype
+    """Causal attention of every query token over its sequence's context in ``cache``.
+
+    Any mix of query lengths (including one) is allowed; the step's keys and values must
+    already be stored.
+    """
+    args = check_cache(cache, query.device)
+    group = check_query(query, args)
+    check_metadata(meta, query.device)
+    num_tokens, _, head_dim = query.shape
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_tokens == 0:
+        return out
+
+    block_d = head_block(head_dim)
+    # Tile sizes for Hopper-class GPUs at head_dim 128: a 128-row query tile keeps the tensor
+    # cores busy and its float32 accumulator in registers; wider heads halve both tiles.
+    block_m = max(128 if block_d <= 128 else 64, triton.next_power_of_2(group))
+    block_n = 64 if block_d <= 128 else 32
+    block_q = block_m // group
+    grid = (num_tokens // block_q + meta.num_seqs, args.num_kv_heads)
+    _prefill_kernel[grid](
+        query,
+        args.key,
+        args.value,
+        # Without FP8 the scale pointers are never dereferenced; any tensor will do.
+        args.key_scale if args.is_fp8 else args.key,
+        args.value_scale if args.is_fp8 else args.value,
+        meta.block_tables,
+        meta.query_start_loc,
+        meta.seq_lens,
+        out,
+        meta.num_seqs,
+        args.block_size,
+        softmax_scale * LOG2E,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        *args.kv_strides,
+        *args.scale_strides,
+        meta.block_tables.stride(0),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        IS_FP8=args.is_fp8,
+        num_warps=8 if block_d >= 128 else 4,
+        num_stages=2,
+    )
+    return out

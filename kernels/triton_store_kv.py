@@ -1,0 +1,184 @@
+"""KV store: write a step's new keys and values into their pages, quantising to FP8 if needed.
+
+Twin: ``kernels.reference.store_kv_reference``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.interface import FP8_MAX, FP8_MIN_SCALE, KVCacheView
+from kernels.triton_paged import ACTIVATION_DTYPES, check_cache
+
+# Globals read inside a kernel must be constexpr.
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_FP8_MIN_SCALE = tl.constexpr(FP8_MIN_SCALE)
+
+
+@triton.jit
+def _e4m3_bits(x):
+    """Round float32 ``x`` (finite, ``|x| <= 448``) to nearest-even e4m3fn; return its byte.
+
+    Written with integer ops rather than ``x.to(tl.float8e4nv)``: Triton 3.9's interpreter drops
+    the carry when rounding overflows the mantissa (124.4 becomes 64, not 128). Integer ops round
+    the same on every backend, so the pages match the torch reference byte for byte.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    magnitude = bits & 0x7FFFFFFF
+    # Normal range (|x| >= 2^-6): round the 23-bit mantissa to 3 bits, half to even; a carry
+    # runs on into the exponent, which is then rebiased from 127 to 7.
+    normal = ((magnitude + 0x7FFFF + ((magnitude >> 20) & 1)) >> 20) - (120 << 3)
+    # Subnormal range: adding 2^14 leaves a float32 ulp of 2^-9, the e4m3 subnormal step, so the
+    # hardware's round-to-nearest-even does the rounding and the low bits are the code.
+    subnormal = (tl.abs(x) + 16384.0).to(tl.int32, bitcast=True) - 0x46800000
+    code = tl.where(magnitude < 0x3C800000, subnormal, normal)  # 0x3C800000 is 2^-6
+    return (code | sign).to(tl.uint8)
+
+
+@triton.jit
+def _store_one(
+    src_ptr,  # [N, num_kv_heads, head_dim], at this token
+    cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] at this slot; uint8 if FP8
+    scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32, at this token's slot; FP8 only
+    stride_src_head,
+    stride_kv_head,
+    stride_scale_head,
+    offs_h,  # [BLOCK_H]
+    offs_d,  # [BLOCK_D]
+    h_mask,  # [BLOCK_H]
+    d_mask,  # [BLOCK_D]
+    IS_FP8: tl.constexpr,
+):
+    mask = h_mask[:, None] & d_mask[None, :]
+    x = tl.load(src_ptr + offs_h[:, None] * stride_src_head + offs_d[None, :], mask=mask, other=0.0)
+    dst = cache_ptr + offs_h[:, None] * stride_kv_head + offs_d[None, :]
+    if IS_FP8:
+        x = x.to(tl.float32)
+        # div_rn: a plain fp32 division may be approximate on GPU, and the scales must match
+        # the reference bit for bit.
+        amax = tl.max(tl.abs(x), 1)
+        scale = tl.maximum(tl.math.div_rn(amax, _FP8_MAX), _FP8_MIN_SCALE)
+        x = tl.clamp(tl.math.div_rn(x, scale[:, None]), -_FP8_MAX, _FP8_MAX)
+        tl.store(scale_ptr + offs_h * stride_scale_head, scale, mask=h_mask)
+        tl.store(dst, _e4m3_bits(x), mask=mask)
+    else:
+        tl.store(dst, x.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr,  # [N, num_kv_heads, head_dim]
+    value_ptr,  # [N, num_kv_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], strided; uint8 if FP8
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], strided; uint8 if FP8
+    k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32, strided; FP8 only
+    v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32, strided; FP8 only
+    slot_mapping_ptr,  # [N] int64
+    block_size,
+    num_kv_heads,
+    stride_key_token,
+    stride_key_head,
+    stride_value_token,
+    stride_value_head,
+    stride_kv_block,
+    stride_kv_slot,
+    stride_kv_head,
+    stride_scale_block,
+    stride_scale_slot,
+    stride_scale_head,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IS_FP8: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot_id = tl.load(slot_mapping_ptr + token)  # int64, so the page offsets below are too
+    block = slot_id // block_size
+    slot = slot_id % block_size
+    kv_offset = block * stride_kv_block + slot * stride_kv_slot
+    scale_offset = block * stride_scale_block + slot * stride_scale_slot
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_mask = offs_h < num_kv_heads
+    d_mask = offs_d < HEAD_DIM
+    _store_one(
+        key_ptr + token.to(tl.int64) * stride_key_token,
+        k_cache_ptr + kv_offset,
+        k_scale_ptr + scale_offset,
+        stride_key_head,
+        stride_kv_head,
+        stride_scale_head,
+        offs_h,
+        offs_d,
+        h_mask,
+        d_mask,
+        IS_FP8,
+    )
+    _store_one(
+        value_ptr + token.to(tl.int64) * stride_value_token,
+        v_cache_ptr + kv_offset,
+        v_scale_ptr + scale_offset,
+        stride_value_head,
+        stride_kv_head,
+        stride_scale_head,
+        offs_h,
+        offs_d,
+        h_mask,
+        d_mask,
+        IS_FP8,
+    )
+
+
+def store_kv(
+    key: torch.Tensor,  # [N, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [N, num_kv_heads, head_dim]
+    cache: KVCacheView,
+    slot_mapping: torch.Tensor,  # [N] int64
+) -> None:
+    """Write token ``n``'s key and value into slot ``slot_mapping[n]`` of ``cache``."""
+    args = check_cache(cache, key.device)
+    shape = (slot_mapping.shape[0], args.num_kv_heads, args.head_dim)
+    for name, tensor in (("key", key), ("value", value)):
+        if tuple(tensor.shape) != shape or tensor.dtype not in ACTIVATION_DTYPES:
+            raise ValueError(
+                f"{name} must be fp16/bf16/fp32 {shape}, got {tensor.dtype} {tuple(tensor.shape)}"
+            )
+        if tensor.stride(-1) != 1 or tensor.device != key.device:
+            raise ValueError(f"{name} needs a unit head_dim stride and the cache's device")
+        if not args.is_fp8 and tensor.dtype != args.key.dtype:
+            raise ValueError(f"{name} is {tensor.dtype} but the cache is {args.key.dtype}")
+    if slot_mapping.dtype != torch.int64 or slot_mapping.dim() != 1:
+        raise ValueError(f"slot_mapping must be 1-d int64, got {slot_mapping.dtype}")
+    if slot_mapping.device != key.device or slot_mapping.stride(0) != 1:
+        raise ValueError("slot_mapping must be contiguous and on the cache's device")
+    num_tokens = slot_mapping.shape[0]
+    if num_tokens == 0:
+        return
+
+    _store_kv_kernel[(num_tokens,)](
+        key,
+        value,
+        args.key.view(torch.uint8) if args.is_fp8 else args.key,
+        args.value.view(torch.uint8) if args.is_fp8 else args.value,
+        # Without FP8 the scale pointers are never dereferenced; any tensor will do.
+        args.key_scale if args.is_fp8 else args.key,
+        args.value_scale if args.is_fp8 else args.value,
+        slot_mapping,
+        args.block_size,
+        args.num_kv_heads,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        *args.kv_strides,
+        *args.scale_strides,
+        HEAD_DIM=args.head_dim,
+        BLOCK_H=triton.next_power_of_2(args.num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(args.head_dim),
+        IS_FP8=args.is_fp8,
+        num_warps=4,
+    )

@@ -1,0 +1,498 @@
+"""The Triton kernels against their torch twins in ``kernels/reference.py``.
+
+Without CUDA the kernels run in Triton's interpreter (``tests/conftest.py``), so sizes are small
+but chosen to cross every boundary: several query and key tiles, context lengths of 1 and
+non-multiples of the page size, pages scattered over the pool, GQA groups that are not powers of
+two, and one pool whose offsets overflow int32.
+
+Every pool starts filled with NaN (0x7F bytes for FP8), and block tables are padded with a page
+that is never written: a kernel that reads an unwritten slot returns NaN and fails.
+
+Tolerances: float32 runs differ from the reference only in summation order and exp2 vs exp
+(~1e-6); fp16/bf16 runs also round the probabilities to the query dtype before P @ V, as
+FlashAttention does, and round the output (2^-11 relative for fp16, 2^-8 for bf16). FP8 pages
+are dequantised exactly, so FP8 adds no tolerance of its own.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kernels.interface import FP8_DTYPE, AttentionMetadata, KVCacheView
+from kernels.reference import TorchAttentionBackend, paged_attention_reference, store_kv_reference
+from kernels.registry import get_attention_backend
+from kernels.triton_backend import TritonAttentionBackend
+from kernels.triton_decode_attention import decode_attention
+from kernels.triton_prefill_attention import prefill_attention
+from kernels.triton_store_kv import store_kv
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+TOLERANCE = {
+    torch.float32: {"atol": 2e-5, "rtol": 1e-4},
+    torch.float16: {"atol": 2e-3, "rtol": 2e-3},
+    torch.bfloat16: {"atol": 1.6e-2, "rtol": 1.6e-2},
+}
+
+
+def on_gpu_only_for_bf16(*values: object) -> object:
+    """A parameter set that uses bf16 attention: skipped in the interpreter.
+
+    Triton 3.9's interpreter computes tl.dot wrongly on bf16 operands, so bf16 attention is
+    checked only where the kernels are compiled.
+    """
+    return pytest.param(
+        *values,
+        marks=pytest.mark.skipif(INTERPRETED, reason="interpreter tl.dot is wrong on bf16"),
+    )
+
+
+def dtype_id(value: object) -> str | None:
+    return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else None
+
+
+DTYPES = [torch.float16, torch.float32, on_gpu_only_for_bf16(torch.bfloat16)]
+# (num_kv_heads, query heads per KV head): GQA ratios 1, 3 and 4.
+GQA = [(2, 1), (2, 3), (1, 4)]
+
+
+@dataclass
+class Pool:
+    """One block-major pool, ``(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)``."""
+
+    pages: torch.Tensor
+    scales: torch.Tensor | None  # (num_blocks, num_layers, 2, block_size, num_kv_heads)
+
+    @classmethod
+    def create(
+        cls,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        num_layers: int = 2,
+    ) -> Pool:
+        shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
+        if dtype == FP8_DTYPE:
+            pages = torch.full(shape, 0x7F, dtype=torch.uint8, device=DEVICE).view(FP8_DTYPE)
+            scales = torch.full(shape[:-1], float("nan"), device=DEVICE)
+            return cls(pages, scales)
+        return cls(torch.full(shape, float("nan"), dtype=dtype, device=DEVICE), None)
+
+    def layer(self, layer: int) -> KVCacheView:
+        if self.scales is None:
+            return KVCacheView(self.pages[:, layer, 0], self.pages[:, layer, 1])
+        return KVCacheView(
+            self.pages[:, layer, 0],
+            self.pages[:, layer, 1],
+            self.scales[:, layer, 0],
+            self.scales[:, layer, 1],
+        )
+
+    def clone(self) -> Pool:
+        return Pool(self.pages.clone(), None if self.scales is None else self.scales.clone())
+
+    def assert_matches(self, expected: Pool) -> None:
+        """Pages and scales equal ``expected``'s; unwritten (NaN) slots must still be NaN.
+
+        On the CPU FP8 pages must match byte for byte. On CUDA torch divides by a scalar as a
+        multiplication by its reciprocal, so the reference's scales may be a float32 ulp off the
+        kernel's exact division, and a value on a rounding boundary one e4m3 step off.
+        """
+        if self.scales is None or expected.scales is None:
+            assert self.scales is None and expected.scales is None
+            assert torch.equal(self.pages.view(torch.uint8), expected.pages.view(torch.uint8))
+            return
+        if DEVICE.type == "cpu":
+            assert torch.equal(self.pages.view(torch.uint8), expected.pages.view(torch.uint8))
+            assert torch.equal(self.scales.view(torch.int32), expected.scales.view(torch.int32))
+            return
+        steps = e4m3_index(self.pages) - e4m3_index(expected.pages)
+        assert steps.abs().max().item() <= 1
+        torch.testing.assert_close(
+            self.scales, expected.scales, rtol=2.5e-7, atol=0, equal_nan=True
+        )
+
+
+def e4m3_index(pages: torch.Tensor) -> torch.Tensor:
+    """Each e4m3 byte's position on the number line: neighbouring values differ by one."""
+    byte = pages.view(torch.uint8).to(torch.int16)
+    magnitude = byte & 0x7F
+    return torch.where(byte >= 0x80, -magnitude, magnitude)
+
+
+def block_tables_for(
+    seq_lens: list[int], block_size: int, pages: torch.Tensor, padding_page: int
+) -> torch.Tensor:
+    """Give each sequence its pages from ``pages`` in order; pad the rest of each row."""
+    width = max(-(-n // block_size) for n in seq_lens) + 1
+    tables = torch.full((len(seq_lens), width), padding_page, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(seq_lens):
+        count = -(-n // block_size)
+        tables[i, :count] = pages[used : used + count]
+        used += count
+    return tables.to(DEVICE)
+
+
+def slots_for(
+    tables: torch.Tensor, block_size: int, starts: list[int], ends: list[int]
+) -> torch.Tensor:
+    """Slot ids of positions ``starts[i]:ends[i]`` of every sequence ``i``, flattened."""
+    slots = []
+    for i, (start, end) in enumerate(zip(starts, ends, strict=True)):
+        pos = torch.arange(start, end)
+        slots.append(tables[i].cpu().long()[pos // block_size] * block_size + pos % block_size)
+    return torch.cat(slots).to(DEVICE)
+
+
+@dataclass
+class Batch:
+    """A filled pool and the metadata of one forward of ``query_lens`` new tokens."""
+
+    pool: Pool
+    cache: KVCacheView
+    meta: AttentionMetadata
+    query: torch.Tensor
+
+
+def make_batch(
+    query_lens: list[int],
+    seq_lens: list[int],
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    block_size: int = 16,
+) -> Batch:
+    """Scatter each sequence over random pages and store its whole context (reference store)."""
+    total_pages = sum(-(-n // block_size) for n in seq_lens)
+    pool = Pool.create(total_pages + 2, block_size, num_kv_heads, head_dim, kv_dtype)
+    # Page 0 is never written: it pads the block tables.
+    tables = block_tables_for(seq_lens, block_size, torch.randperm(total_pages) + 1, 0)
+    cache = pool.layer(1)
+    slots = slots_for(tables, block_size, [0] * len(seq_lens), seq_lens)
+    source_dtype = dtype if kv_dtype == FP8_DTYPE else kv_dtype
+    shape = (slots.shape[0], num_kv_heads, head_dim)
+    key = torch.randn(shape, device=DEVICE).to(source_dtype)
+    value = torch.randn(shape, device=DEVICE).to(source_dtype)
+    store_kv_reference(key, value, cache, slots)
+
+    starts = torch.tensor([0, *query_lens]).cumsum(0).to(torch.int32)
+    meta = AttentionMetadata(
+        query_start_loc=starts.to(DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=tables,
+        slot_mapping=slots_for(
+            tables, block_size, [n - q for n, q in zip(seq_lens, query_lens, strict=True)], seq_lens
+        ),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+    num_tokens = sum(query_lens)
+    query = torch.randn(num_tokens, num_kv_heads * group, head_dim, device=DEVICE).to(dtype)
+    return Batch(pool, cache, meta, query)
+
+
+def assert_matches_reference(out: torch.Tensor, batch: Batch, dtype: torch.dtype) -> None:
+    scale = batch.query.shape[-1] ** -0.5
+    expected = paged_attention_reference(batch.query, batch.cache, batch.meta, scale)
+    assert out.dtype == batch.query.dtype and out.shape == batch.query.shape
+    torch.testing.assert_close(out.float(), expected.float(), **TOLERANCE[dtype])
+
+
+# ---------------------------------------------------------------------------------------------
+# KV store
+
+
+@pytest.mark.parametrize(
+    "source_dtype, kv_dtype",
+    [
+        (torch.float16, torch.float16),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.float32),
+        (torch.float16, FP8_DTYPE),
+        (torch.bfloat16, FP8_DTYPE),
+        (torch.float32, FP8_DTYPE),
+    ],
+    ids=dtype_id,
+)
+@pytest.mark.parametrize("num_kv_heads, head_dim", [(1, 64), (3, 128)])
+def test_store_kv_matches_reference(
+    source_dtype: torch.dtype, kv_dtype: torch.dtype, num_kv_heads: int, head_dim: int
+) -> None:
+    """Pages and scales match the reference, and only the given slots change.
+
+    The kernel encodes e4m3 with integer round-to-nearest-even (the interpreter's own float8
+    cast is off by a whole binade when rounding carries), so on the CPU FP8 pages are compared
+    byte for byte: a one-ulp tolerance would let a kernel that truncates pass.
+    """
+    block_size, num_tokens = 16, 37
+    pool = Pool.create(12, block_size, num_kv_heads, head_dim, kv_dtype)
+    expected = pool.clone()
+    slots = torch.randperm(12 * block_size)[:num_tokens].to(DEVICE)
+    # K and V as strided views of one fused projection, the way a model produces them.
+    fused = torch.randn(num_tokens, 2 * num_kv_heads + 1, head_dim, device=DEVICE) * 4
+    fused[3] = 0.0  # an all-zero vector takes the minimum scale
+    fused[5, :, :8] = 1e-4  # e4m3 subnormals after scaling
+    fused = fused.to(source_dtype)
+    key, value = fused[:, 1 : 1 + num_kv_heads], fused[:, 1 + num_kv_heads :]
+
+    store_kv(key, value, pool.layer(1), slots)
+    store_kv_reference(key, value, expected.layer(1), slots)
+    pool.assert_matches(expected)
+
+
+def test_store_kv_rejects_bad_input() -> None:
+    pool = Pool.create(4, 16, 2, 64, FP8_DTYPE)
+    key = torch.randn(3, 2, 64, device=DEVICE)
+    slots = torch.arange(3, device=DEVICE)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        store_kv(key, key, pool.layer(0), slots.int())
+    with pytest.raises(ValueError, match="scale"):
+        store_kv(key, key, KVCacheView(pool.pages[:, 0, 0], pool.pages[:, 0, 1]), slots)
+    with pytest.raises(ValueError, match="key must be"):
+        store_kv(key[:, :1], key, pool.layer(0), slots)
+    fp16 = Pool.create(4, 16, 2, 64, torch.float16)
+    with pytest.raises(ValueError, match="cache is"):
+        store_kv(key, key, fp16.layer(0), slots)
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunked-prefill attention
+
+# (query_lens, seq_lens): the chunk of each sequence and its context length after this step.
+PREFILL_BATCHES = {
+    # A single token of context: q = 1 through the prefill kernel.
+    "one-token": ([1], [1]),
+    # A whole prompt: several query tiles and key tiles under the causal mask.
+    "prompt": ([150], [150]),
+    # Chunks over cached prefixes, a decode row among them, one chunk ending on a page boundary.
+    "chunks": ([20, 1, 7, 33], [53, 1, 16, 100]),
+    # Speculative verification: a few tokens on long contexts.
+    "verify": ([4, 3, 5], [77, 30, 5]),
+}
+
+
+@pytest.mark.parametrize("batch_name", list(PREFILL_BATCHES))
+@pytest.mark.parametrize("num_kv_heads, group", GQA)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_prefill_attention_matches_reference(
+    batch_name: str, num_kv_heads: int, group: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    query_lens, seq_lens = PREFILL_BATCHES[batch_name]
+    batch = make_batch(query_lens, seq_lens, num_kv_heads, group, head_dim, dtype, dtype)
+    out = prefill_attention(batch.query, batch.cache, batch.meta, head_dim**-0.5)
+    assert_matches_reference(out, batch, dtype)
+
+
+@pytest.mark.parametrize("batch_name", ["chunks", "verify"])
+@pytest.mark.parametrize("num_kv_heads, group", GQA)
+@pytest.mark.parametrize(
+    "head_dim, dtype",
+    [(64, torch.float32), (128, torch.float16), on_gpu_only_for_bf16(128, torch.bfloat16)],
+    ids=dtype_id,
+)
+def test_prefill_attention_fp8(
+    batch_name: str, num_kv_heads: int, group: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    query_lens, seq_lens = PREFILL_BATCHES[batch_name]
+    batch = make_batch(query_lens, seq_lens, num_kv_heads, group, head_dim, dtype, FP8_DTYPE)
+    out = prefill_attention(batch.query, batch.cache, batch.meta, head_dim**-0.5)
+    assert_matches_reference(out, batch, dtype)
+
+
+@pytest.mark.parametrize("block_size, head_dim", [(5, 80), (32, 64)])
+def test_prefill_attention_other_layouts(block_size: int, head_dim: int) -> None:
+    """A page size that is not a power of two and a head_dim that needs padding."""
+    batch = make_batch(
+        [9, 1, 30], [40, 3, 30], 2, 3, head_dim, torch.float32, torch.float32, block_size
+    )
+    out = prefill_attention(batch.query, batch.cache, batch.meta, head_dim**-0.5)
+    assert_matches_reference(out, batch, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Paged decode attention
+
+DECODE_SEQ_LENS = {
+    "one-token": [1],
+    # Lengths of 1, exactly one page, one past it, and long enough to split.
+    "mixed": [1, 16, 17, 300],
+}
+
+
+@pytest.mark.parametrize("seqs_name", list(DECODE_SEQ_LENS))
+@pytest.mark.parametrize("num_kv_heads, group", GQA)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("kv_fp8", [False, True], ids=["kv-native", "kv-fp8"])
+def test_decode_attention_matches_reference(
+    seqs_name: str, num_kv_heads: int, group: int, head_dim: int, dtype: torch.dtype, kv_fp8: bool
+) -> None:
+    seq_lens = DECODE_SEQ_LENS[seqs_name]
+    kv_dtype = FP8_DTYPE if kv_fp8 else dtype
+    batch = make_batch(
+        [1] * len(seq_lens), seq_lens, num_kv_heads, group, head_dim, dtype, kv_dtype
+    )
+    out = decode_attention(batch.query, batch.cache, batch.meta, head_dim**-0.5)
+    assert_matches_reference(out, batch, dtype)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7])
+def test_decode_attention_split_k(num_splits: int) -> None:
+    """Any number of splits, including more splits than a short sequence has key tiles."""
+    batch = make_batch([1] * 4, [1, 16, 17, 300], 2, 4, 64, torch.float32, FP8_DTYPE)
+    out = decode_attention(batch.query, batch.cache, batch.meta, 64**-0.5, num_splits=num_splits)
+    assert_matches_reference(out, batch, torch.float32)
+
+
+def test_decode_attention_rejects_prefill_metadata() -> None:
+    batch = make_batch([2, 1], [5, 9], 1, 2, 64, torch.float32, torch.float32)
+    with pytest.raises(ValueError, match="one query per sequence"):
+        decode_attention(batch.query, batch.cache, batch.meta, 0.125)
+    meta = batch.meta
+    bad = AttentionMetadata(
+        meta.query_start_loc.long(),
+        meta.seq_lens,
+        meta.block_tables,
+        meta.slot_mapping,
+        meta.max_query_len,
+        meta.max_seq_len,
+    )
+    with pytest.raises(ValueError, match="query_start_loc"):
+        prefill_attention(batch.query, batch.cache, bad, 0.125)
+
+
+# ---------------------------------------------------------------------------------------------
+# The backend: store, then attend, over a mixed batch
+
+
+@pytest.mark.parametrize(
+    "dtype, kv_dtype, head_dim",
+    [
+        (torch.float16, torch.float16, 128),
+        (torch.float32, FP8_DTYPE, 64),
+        on_gpu_only_for_bf16(torch.bfloat16, FP8_DTYPE, 128),
+    ],
+    ids=dtype_id,
+)
+def test_backend_mixed_batch(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> None:
+    """Two forwards through each backend on its own pool: a first chunk of two prompts, then a
+    mixed step where two sequences decode and two prefill chunks over a cached prefix, then a
+    pure decode step. Pools and outputs must agree at every step."""
+    num_kv_heads, group, block_size = 2, 3, 16
+    triton_backend = get_attention_backend(DEVICE, "triton")
+    torch_backend = TorchAttentionBackend()
+    assert isinstance(triton_backend, TritonAttentionBackend)
+
+    # Sequences 0 and 1 are prompts of 25 and 40 tokens, prefilled as 18 + 7 and 16 + 24;
+    # 2 and 3 were prefilled earlier (30 and 3 tokens) and now decode.
+    steps = [
+        ([0, 1, 2, 3], [0, 0, 0, 0], [18, 16, 30, 3]),  # prefill everything cached so far
+        ([0, 1, 2, 3], [18, 16, 30, 3], [25, 40, 31, 4]),  # mixed: chunks and decodes
+        ([0, 1, 2, 3], [25, 40, 31, 4], [26, 41, 32, 5]),  # pure decode
+    ]
+    final_lens = steps[-1][2]
+    total_pages = sum(-(-n // block_size) for n in final_lens)
+    pool = Pool.create(total_pages + 1, block_size, num_kv_heads, head_dim, kv_dtype)
+    tables = block_tables_for(final_lens, block_size, torch.randperm(total_pages) + 1, 0)
+    pools = {"triton": pool, "torch": pool.clone()}
+    for _, starts, ends in steps:
+        query_lens = [e - s for s, e in zip(starts, ends, strict=True)]
+        slots = slots_for(tables, block_size, starts, ends)
+        num_tokens = slots.shape[0]
+        query, key, value = (
+            torch.randn(num_tokens, num_kv_heads * heads, head_dim, device=DEVICE).to(dtype)
+            for heads in (group, 1, 1)
+        )
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, *query_lens]).cumsum(0).to(torch.int32).to(DEVICE),
+            seq_lens=torch.tensor(ends, dtype=torch.int32, device=DEVICE),
+            block_tables=tables,
+            slot_mapping=slots,
+            max_query_len=max(query_lens),
+            max_seq_len=max(ends),
+        )
+        outputs = {}
+        for name, backend in (("triton", triton_backend), ("torch", torch_backend)):
+            cache = pools[name].layer(0)
+            backend.store_kv(key, value, cache, meta.slot_mapping)
+            outputs[name] = backend.attention(query, cache, meta, head_dim**-0.5)
+        pools["triton"].assert_matches(pools["torch"])
+        torch.testing.assert_close(
+            outputs["triton"].float(), outputs["torch"].float(), **TOLERANCE[dtype]
+        )
+
+
+def test_registry_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_ATTENTION_BACKEND", "triton")
+    assert get_attention_backend(torch.device("cpu")).name == "triton"
+    monkeypatch.setenv("PDSERVE_ATTENTION_BACKEND", "torch")
+    assert get_attention_backend(torch.device("cuda")).name == "torch"
+
+
+# ---------------------------------------------------------------------------------------------
+# A pool past int32 offsets
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, FP8_DTYPE], ids=dtype_id)
+def test_pool_offsets_beyond_int32(kv_dtype: torch.dtype) -> None:
+    """Page id x page stride > 2^31 elements: every kernel must index in int64.
+
+    torch.empty reserves a pool without touching it, and the interpreter reads CPU tensors in
+    place, so only the few highest pages used here are ever paged in (a few MiB resident).
+    """
+    block_size, num_kv_heads, head_dim = 16, 1, 64
+    page_elements = 2 * block_size * num_kv_heads * head_dim  # a single layer
+    num_blocks = 2**31 // page_elements + 8
+    used = slice(num_blocks - 8, num_blocks)
+    pools = {}
+    for name in ("triton", "torch"):
+        shape = (num_blocks, 1, 2, block_size, num_kv_heads, head_dim)
+        pages = torch.empty(shape, dtype=kv_dtype, device=DEVICE)
+        pages[used].view(torch.uint8).fill_(0x7F if kv_dtype == FP8_DTYPE else 0xFF)  # NaN
+        scales = None
+        if kv_dtype == FP8_DTYPE:
+            scales = torch.empty(shape[:-1], device=DEVICE)
+            scales[used] = float("nan")
+        pools[name] = Pool(pages, scales)
+    assert (num_blocks - 1) * pools["triton"].pages.stride(0) > 2**31
+
+    # Five pages, highest first; the sixth pads the tables and is never written.
+    seq_lens = [40, 7, 1]
+    top = torch.arange(num_blocks - 1, num_blocks - 7, -1)
+    tables = block_tables_for(seq_lens, block_size, top, num_blocks - 6)
+    slots = slots_for(tables, block_size, [0, 0, 0], seq_lens)
+    key = torch.randn(slots.shape[0], num_kv_heads, head_dim, device=DEVICE).half()
+    value = torch.randn_like(key)
+    store_kv(key, value, pools["triton"].layer(0), slots)
+    store_kv_reference(key, value, pools["torch"].layer(0), slots)
+    used_pools = [
+        Pool(pool.pages[used], None if pool.scales is None else pool.scales[used])
+        for pool in pools.values()
+    ]
+    used_pools[0].assert_matches(used_pools[1])
+
+    cache = pools["triton"].layer(0)
+    for query_lens in ([1, 1, 1], [5, 7, 1]):  # the decode kernel, then the prefill kernel
+        starts = torch.tensor([0, *query_lens]).cumsum(0).to(torch.int32)
+        meta = AttentionMetadata(
+            query_start_loc=starts.to(DEVICE),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+            block_tables=tables,
+            slot_mapping=slots[:0],
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+        query = torch.randn(sum(query_lens), 4, head_dim, device=DEVICE).half()
+        out = TritonAttentionBackend().attention(query, cache, meta, head_dim**-0.5)
+        assert_matches_reference(out, Batch(pools["triton"], cache, meta, query), torch.float16)

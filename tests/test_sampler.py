@@ -1,0 +1,550 @@
+"""SamplingParams validation and wire form; the Sampler's filters, penalties, logprobs and seeds."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import msgpack
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common.engine.sampler import (
+    SampledToken,
+    Sampler,
+    SamplingRow,
+    _filter_threshold,
+    apply_penalties,
+)
+from common.sampling_params import SamplingParams
+
+EOS = 3
+
+
+def make_logits(rows: int, vocab: int, seed: int, scale: float = 2.0) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def row(output: list[int] | None = None, prompt: list[int] | None = None, **params) -> SamplingRow:
+    return SamplingRow(SamplingParams(**params), prompt or [], output or [])
+
+
+def token_ids(results: list[SampledToken]) -> list[int]:
+    return [r.token_id for r in results]
+
+
+# --------------------------------------------------------------------------- SamplingParams
+
+
+def test_defaults_are_valid_and_not_greedy():
+    params = SamplingParams()
+    params.validate(vocab_size=10)
+    assert not params.is_greedy
+    assert SamplingParams(temperature=0).is_greedy
+    assert SamplingParams().stop_token_ids is not SamplingParams().stop_token_ids
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", -0.1),
+        ("temperature", math.nan),
+        ("temperature", math.inf),
+        ("temperature", "1"),
+        ("temperature", None),
+        ("temperature", 10**400),
+        ("top_p", 0.0),
+        ("top_p", 1.01),
+        ("top_p", math.nan),
+        ("top_k", 0),
+        ("top_k", -1),
+        ("top_k", 2.0),
+        ("top_k", True),
+        ("min_p", -0.1),
+        ("min_p", 1.5),
+        ("presence_penalty", 2.5),
+        ("presence_penalty", -2.01),
+        ("frequency_penalty", 3),
+        ("frequency_penalty", -math.inf),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", -1.0),
+        ("max_tokens", 0),
+        ("max_tokens", 16.0),
+        ("max_tokens", True),
+        ("max_tokens", None),
+        ("max_tokens", "16"),
+        ("min_tokens", -1),
+        ("min_tokens", 17),
+        ("logprobs", -1),
+        ("logprobs", 21),
+        ("logprobs", 1.0),
+        ("seed", 1 << 64),
+        ("seed", -(1 << 63) - 1),
+        ("seed", 1.5),
+        ("seed", "7"),
+        ("stop_token_ids", [-1]),
+        ("stop_token_ids", [1.0]),
+        ("stop_token_ids", [True]),
+        ("stop_token_ids", "12"),
+        ("stop_token_ids", None),
+        ("ignore_eos", 1),
+        ("ignore_eos", "yes"),
+    ],
+)
+def test_bad_values_are_rejected_naming_the_field(field, value):
+    params = SamplingParams(**{field: value})
+    with pytest.raises(ValueError, match=field):
+        params.validate()
+    with pytest.raises(ValueError, match=field):
+        SamplingParams.from_dict({**SamplingParams().to_dict(), field: value})
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"temperature": 0.0, "top_p": 1.0, "top_k": 1, "min_p": 1.0},
+        {"min_p": 0.0, "presence_penalty": -2.0, "frequency_penalty": 2.0},
+        {"repetition_penalty": 1e-3, "logprobs": 0, "seed": -(1 << 63)},
+        {"logprobs": 20, "seed": (1 << 64) - 1, "min_tokens": 16, "max_tokens": 16},
+        {"stop_token_ids": [0, 99], "ignore_eos": True, "top_k": 10**6},
+    ],
+)
+def test_boundary_values_are_accepted(changes):
+    SamplingParams(**changes).validate(vocab_size=100)
+    SamplingParams.from_dict(changes)
+
+
+def test_stop_token_ids_are_bounded_by_the_vocabulary():
+    SamplingParams(stop_token_ids=[99]).validate(vocab_size=100)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=[100]).validate(vocab_size=100)
+
+
+@pytest.mark.parametrize(
+    "payload,match",
+    [
+        ({"temprature": 0.5}, "unknown"),
+        ({1: 0.5}, "unknown"),
+        ({"n": 2, "best_of": 3}, "unknown"),
+        ([("temperature", 0.5)], "mapping"),
+        ("temperature=0.5", "mapping"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+    ],
+)
+def test_from_dict_rejects_malformed_payloads(payload, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams.from_dict(payload)
+
+
+@pytest.mark.parametrize("use_list", [True, False])
+def test_wire_round_trip_through_msgpack(use_list):
+    params = SamplingParams(
+        max_tokens=100,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=40,
+        min_p=0.05,
+        seed=(1 << 64) - 5,
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        repetition_penalty=1.1,
+        logprobs=5,
+        stop_token_ids=[7, 11],
+        min_tokens=3,
+        ignore_eos=True,
+    )
+    wire = msgpack.unpackb(msgpack.packb(params.to_dict()), use_list=use_list)
+    assert SamplingParams.from_dict(wire) == params
+    assert SamplingParams.from_dict(SamplingParams().to_dict()) == SamplingParams()
+
+
+def test_from_dict_fills_defaults_and_takes_ints_for_floats():
+    params = SamplingParams.from_dict({"temperature": 0, "top_p": 1})
+    assert params == SamplingParams(temperature=0.0)
+    assert isinstance(params.temperature, float) and isinstance(params.top_p, float)
+
+
+# --------------------------------------------------------------------------- greedy and filters
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 0.0},
+        {"temperature": 0.0, "seed": 5},
+        {"top_k": 1},
+        {"top_k": 1, "temperature": 2.0, "seed": 9},
+        {"top_p": 1e-6},
+        {"top_p": 1e-6, "temperature": 1.5, "seed": 3},
+        {"min_p": 1.0},
+        {"min_p": 1.0, "temperature": 0.3, "seed": 1},
+    ],
+)
+def test_settings_that_leave_one_token_equal_argmax(params):
+    logits = make_logits(16, 300, seed=0)
+    sampler = Sampler(300, [EOS])
+    for step in range(3):
+        rows = [row(output=[0] * step, **params) for _ in range(16)]
+        assert token_ids(sampler.sample(logits, rows)) == logits.argmax(-1).tolist()
+
+
+def reference_kept(logits: list[float], temperature: float, top_k, top_p, min_p) -> list[float]:
+    """The filtered, renormalised distribution, written out the slow and obvious way."""
+    probs = torch.softmax(torch.tensor(logits, dtype=torch.float64) / temperature, -1).tolist()
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])
+    kept = order[:top_k] if top_k is not None else order
+    mass = sum(probs[i] for i in kept)
+    taken, before = [], 0.0
+    for i in kept:
+        if before >= top_p:
+            break
+        taken.append(i)
+        before += probs[i] / mass
+    largest = probs[order[0]]
+    taken = [i for i in taken if probs[i] >= min_p * largest]
+    total = sum(probs[i] for i in taken)
+    return [probs[i] / total if i in taken else 0.0 for i in range(len(probs))]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {},
+        {"temperature": 0.5},
+        {"temperature": 2.0},
+        {"top_k": 5},
+        {"top_p": 0.6},
+        {"min_p": 0.2},
+        {"top_k": 8, "top_p": 0.7, "temperature": 1.3},
+        {"top_k": 6, "min_p": 0.3},
+        {"top_p": 0.8, "min_p": 0.1, "temperature": 0.8},
+    ],
+)
+def test_sampled_frequencies_match_the_filtered_distribution(params):
+    vocab, draws = 24, 4000
+    logits = make_logits(1, vocab, seed=1, scale=1.5)
+    expected = reference_kept(
+        logits[0].tolist(),
+        params.get("temperature", 1.0),
+        params.get("top_k"),
+        params.get("top_p", 1.0),
+        params.get("min_p", 0.0),
+    )
+    rows = [row(seed=s, **params) for s in range(draws)]
+    counts = Counter(token_ids(Sampler(vocab, [EOS]).sample(logits.expand(draws, -1), rows)))
+    for token in range(vocab):
+        if expected[token] == 0:
+            assert counts[token] == 0, f"token {token} should have been filtered out"
+        else:
+            assert abs(counts[token] / draws - expected[token]) < 0.03, (token, counts)
+
+
+@pytest.mark.parametrize("seeded", [True, False])
+def test_draws_from_four_tokens_follow_softmax(seeded):
+    logits = torch.tensor([[1.0, 0.5, -1.0, 0.2]])
+    draws = 8000
+    rows = [row(seed=s if seeded else None) for s in range(draws)]
+    tokens = token_ids(Sampler(4, [EOS]).sample(logits.expand(draws, -1), rows))
+    frequencies = torch.bincount(torch.tensor(tokens), minlength=4) / draws
+    # About five standard deviations: an unseeded false alarm is a one-in-a-million event.
+    assert torch.allclose(frequencies, torch.softmax(logits[0], -1), atol=0.03)
+
+
+def reference_top_k_top_p(
+    x: torch.Tensor, top_k: int | None, top_p: float
+) -> tuple[torch.Tensor, bool]:
+    """What top-k then top-p keep of one row, by a full sort in float64; and whether some token's
+    preceding mass is so close to top_p that float32 rounding may decide it either way."""
+    values, order = x.double().sort(descending=True)
+    if top_k is not None:
+        values[top_k:] = -math.inf
+    probs = torch.softmax(values, -1)
+    before = probs.cumsum(-1) - probs
+    real = values > -math.inf
+    keep_sorted = real & (before < top_p) if top_p < 1 else real
+    kept = torch.zeros_like(x, dtype=torch.bool)
+    kept[order[keep_sorted]] = True
+    near = bool(((before - top_p).abs() < 2e-5)[real].any())
+    return kept, near
+
+
+@pytest.mark.parametrize("vocab", [7, 64, 300, 5000])
+def test_top_k_top_p_threshold_matches_a_full_sort(vocab):
+    # Flat rows keep thousands of tokens (past the first candidates), peaked rows a handful.
+    gen = torch.Generator().manual_seed(vocab)
+    scales = [0.01, 0.3, 1.0, 3.0, 8.0]
+    configs = [(None, 0.5), (None, 0.95), (5, 1.0), (50, 0.9), (None, 0.05), (2000, 0.99)]
+    params, rows = [], []
+    for scale in scales:
+        for top_k, top_p in configs:
+            params.append(SamplingParams(top_k=top_k, top_p=top_p))
+            rows.append(torch.randn(vocab, generator=gen) * scale)
+    x = torch.stack(rows)
+    x -= x.amax(-1, keepdim=True)
+    threshold = _filter_threshold(x, params)
+    assert threshold is not None
+    checked, largest_kept = 0, 0
+    for i, p in enumerate(params):
+        kept = x[i] >= threshold[i]
+        top_k = p.top_k if p.top_k is not None and p.top_k < vocab else None
+        expected, near = reference_top_k_top_p(x[i], top_k, p.top_p)
+        if not near:
+            assert torch.equal(kept, expected), (i, p, int(kept.sum()), int(expected.sum()))
+            checked += 1
+            largest_kept = max(largest_kept, int(kept.sum()))
+    assert checked >= len(params) - 3
+    if vocab == 5000:
+        assert largest_kept > 1024  # the search had to widen to the whole row
+
+
+def test_padding_columns_are_never_sampled_and_logits_are_not_modified():
+    vocab = 50
+    logits = torch.cat([make_logits(6, vocab, seed=2), torch.full((6, 14), 1e4)], dim=1)
+    original = logits.clone()
+    rows = [
+        row(temperature=0.0, repetition_penalty=1.5, output=[1, 2]),
+        row(seed=1, presence_penalty=1.0, output=[4]),
+        row(min_tokens=2, stop_token_ids=[7]),
+        row(top_k=3),
+        row(top_p=0.5, logprobs=5),
+        row(min_p=0.1),
+    ]
+    for _ in range(20):
+        assert all(t < vocab for t in token_ids(Sampler(vocab, [EOS]).sample(logits, rows)))
+    assert torch.equal(logits, original)
+
+
+def test_bad_logits_shape_and_eos_are_rejected():
+    with pytest.raises(ValueError, match="logits"):
+        Sampler(10, [EOS]).sample(torch.zeros(2, 9), [row(), row()])
+    with pytest.raises(ValueError, match="logits"):
+        Sampler(10, [EOS]).sample(torch.zeros(3, 10), [row(), row()])
+    with pytest.raises(ValueError, match="eos_token_ids"):
+        Sampler(10, [10])
+    assert Sampler(10, [EOS]).sample(torch.zeros(0, 10), []) == []
+
+
+# --------------------------------------------------------------------------- min_tokens
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached():
+    vocab, stop = 8, 5
+    logits = torch.zeros(1, vocab)
+    logits[0, EOS], logits[0, stop], logits[0, 6] = 20.0, 19.0, 1.0
+    sampler = Sampler(vocab, [EOS])
+
+    def first(output_len: int, **params) -> int:
+        rows = [row(output=[0] * output_len, min_tokens=3, stop_token_ids=[stop], **params)]
+        return sampler.sample(logits, rows)[0].token_id
+
+    assert [first(n, temperature=0.0) for n in range(5)] == [6, 6, 6, EOS, EOS]
+    # ignore_eos: EOS may be sampled (the scheduler just does not stop on it); stop ids may not.
+    assert first(0, temperature=0.0, ignore_eos=True) == EOS
+    logits[0, stop] = 30.0
+    assert first(0, temperature=0.0, ignore_eos=True) == EOS
+    assert first(3, temperature=0.0, ignore_eos=True) == stop
+    # Random rows too: EOS and the stop id carry almost all the mass, yet never come out.
+    rows = [row(output=[1], min_tokens=2, stop_token_ids=[stop], seed=s) for s in range(500)]
+    tokens = token_ids(sampler.sample(logits.expand(500, -1), rows))
+    assert EOS not in tokens and stop not in tokens
+
+
+# --------------------------------------------------------------------------- penalties
+
+
+def reference_penalties(logits, prompt, output, repetition, frequency, presence) -> list[float]:
+    counts = Counter(output)
+    seen = set(prompt) | set(output)
+    result = []
+    for token, logit in enumerate(logits):
+        if token in seen:
+            logit = logit / repetition if logit > 0 else logit * repetition
+        logit -= frequency * counts[token] + presence * (counts[token] > 0)
+        result.append(logit)
+    return result
+
+
+@st.composite
+def penalised_batches(draw):
+    vocab = draw(st.integers(1, 12))
+    tokens = st.lists(st.integers(0, vocab - 1), max_size=20)
+    logit = st.floats(-10, 10, width=32) | st.just(0.0)
+    batch = []
+    for _ in range(draw(st.integers(1, 5))):
+        params = SamplingParams(
+            temperature=0.0,
+            repetition_penalty=draw(st.just(1.0) | st.floats(0.05, 5.0)),
+            frequency_penalty=draw(st.just(0.0) | st.floats(-2.0, 2.0)),
+            presence_penalty=draw(st.just(0.0) | st.floats(-2.0, 2.0)),
+        )
+        logits = draw(st.lists(logit, min_size=vocab, max_size=vocab))
+        batch.append((logits, SamplingRow(params, draw(tokens), draw(tokens))))
+    return vocab, batch
+
+
+@settings(max_examples=150, deadline=None)
+@given(penalised_batches())
+def test_penalties_match_a_per_row_reference(case):
+    vocab, batch = case
+    logits = torch.tensor([logits for logits, _ in batch])
+    rows = [r for _, r in batch]
+    expected = [
+        reference_penalties(
+            values,
+            r.prompt_token_ids,
+            r.output_token_ids,
+            r.params.repetition_penalty,
+            r.params.frequency_penalty,
+            r.params.presence_penalty,
+        )
+        for values, r in batch
+    ]
+    penalised = logits.clone()
+    apply_penalties(penalised, rows)
+    torch.testing.assert_close(penalised, torch.tensor(expected), rtol=1e-5, atol=1e-5)
+
+    # The sampler applies them before a greedy argmax; compare rows with a clear winner only.
+    tokens = token_ids(Sampler(vocab, []).sample(logits, rows))
+    for token, values in zip(tokens, expected, strict=True):
+        best = sorted(values, reverse=True)
+        if len(best) == 1 or best[0] - best[1] > 1e-3:
+            assert token == values.index(best[0])
+
+
+def test_penalties_skip_rows_without_them():
+    logits = make_logits(3, 10, seed=3)
+    penalised = logits.clone()
+    rows = [row(output=[1, 1]), row(output=[1, 1], presence_penalty=1.0), row(prompt=[2])]
+    apply_penalties(penalised, rows)
+    assert torch.equal(penalised[0], logits[0]) and torch.equal(penalised[2], logits[2])
+    assert penalised[1, 1] == logits[1, 1] - 1.0
+
+
+def test_penalised_token_ids_outside_the_vocabulary_are_rejected():
+    # Flat positions row * V + token would otherwise penalise the next row's logits.
+    rows = [row(prompt=[10], repetition_penalty=1.2), row(output=[-1], frequency_penalty=1.0)]
+    for bad in rows:
+        with pytest.raises(ValueError, match="token ids"):
+            apply_penalties(torch.zeros(2, 10), [bad, row()])
+
+
+# --------------------------------------------------------------------------- logprobs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logprobs_come_from_the_raw_logits(dtype):
+    vocab = 40
+    logits = make_logits(4, vocab, seed=4).to(dtype)
+    rows = [
+        row(logprobs=5, temperature=0.0, repetition_penalty=2.0, prompt=[0, 1, 2]),
+        row(logprobs=0, seed=1, temperature=0.5, top_k=3),
+        row(),
+        row(logprobs=20, seed=2, frequency_penalty=1.5, output=[5, 5, 6], top_p=0.5),
+    ]
+    results = Sampler(vocab, [EOS]).sample(logits, rows)
+    raw = torch.log_softmax(logits.float(), -1)
+    for i in (0, 1, 3):
+        result, k = results[i], rows[i].params.logprobs
+        assert result.logprob == pytest.approx(raw[i, result.token_id].item(), abs=1e-5)
+        assert result.top_logprobs is not None and len(result.top_logprobs) == k
+        values = [v for _, v in result.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        for token, value in result.top_logprobs:
+            assert value == pytest.approx(raw[i, token].item(), abs=1e-5)
+        assert values == pytest.approx(raw[i].topk(k).values.tolist(), abs=1e-5)
+    assert results[1].top_logprobs == []
+    assert results[2].logprob is None and results[2].top_logprobs is None
+
+
+# --------------------------------------------------------------------------- seeds
+
+
+SEEDED_PARAMS = [
+    {"seed": 11},
+    {"seed": 12, "temperature": 0.7},
+    {"seed": 13, "top_k": 20},
+    {"seed": 14, "top_p": 0.9},
+    {"seed": 15, "min_p": 0.05, "temperature": 1.4},
+    {"seed": 16, "repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.2},
+    {"seed": -17, "top_k": 50, "top_p": 0.8, "logprobs": 3},
+]
+VOCAB = 200
+
+
+def step_logits(request: int | None, step: int) -> torch.Tensor:
+    """The logits a model would give a request at a step: fixed, whatever else is batched."""
+    return make_logits(1, VOCAB, seed=1000 * step + (999 if request is None else request))[0]
+
+
+def run_steps(
+    samplers: list[Sampler], requests: dict[int, dict], steps: int, shuffle_seed: int
+) -> dict[int, list[int]]:
+    """Generate ``steps`` tokens for each request (key -> params): step s runs on
+    ``samplers[min(s, len(samplers) - 1)]``, so ``[prefill, decode]`` samples the first token on
+    one and the rest on the other. Each batch holds the requests in a shuffled order among
+    unseeded and greedy rows."""
+    shuffle = random.Random(shuffle_seed)
+    outputs: dict[int, list[int]] = {key: [] for key in requests}
+    for step in range(steps):
+        batch: list[tuple[int | None, SamplingRow]] = [
+            (key, row(output=list(outputs[key]), prompt=[1, 2, 3], **params))
+            for key, params in requests.items()
+        ]
+        batch += [(None, row(output=[0] * step)) for _ in range(shuffle.randrange(4))]
+        batch += [(None, row(temperature=0.0)) for _ in range(shuffle.randrange(3))]
+        shuffle.shuffle(batch)
+        logits = torch.stack([step_logits(key, step) for key, _ in batch])
+        sampler = samplers[min(step, len(samplers) - 1)]
+        for (key, _), result in zip(
+            batch, sampler.sample(logits, [r for _, r in batch]), strict=True
+        ):
+            if key is not None:
+                outputs[key].append(result.token_id)
+    return outputs
+
+
+ALL_SEEDED = dict(enumerate(SEEDED_PARAMS))
+
+
+def test_seeded_tokens_do_not_depend_on_the_batch_or_its_order():
+    reference = run_steps([Sampler(VOCAB, [EOS])], ALL_SEEDED, steps=12, shuffle_seed=1)
+    assert run_steps([Sampler(VOCAB, [EOS])], ALL_SEEDED, steps=12, shuffle_seed=2) == reference
+    for key, params in ALL_SEEDED.items():
+        alone = run_steps([Sampler(VOCAB, [EOS])], {key: params}, steps=12, shuffle_seed=3)
+        assert alone[key] == reference[key]
+
+
+def test_first_token_on_one_sampler_and_the_rest_on_another_equals_one_sampler():
+    reference = run_steps([Sampler(VOCAB, [EOS])], ALL_SEEDED, steps=12, shuffle_seed=1)
+    prefill, decode = Sampler(VOCAB, [EOS]), Sampler(VOCAB, [EOS])
+    assert run_steps([prefill, decode], ALL_SEEDED, steps=12, shuffle_seed=5) == reference
+
+
+def test_a_seeded_token_depends_only_on_seed_and_step():
+    # Without penalties the history's content does not matter, only its length (the step).
+    requests = {key: p for key, p in ALL_SEEDED.items() if "repetition_penalty" not in p}
+    reference = run_steps([Sampler(VOCAB, [EOS])], requests, steps=8, shuffle_seed=1)
+    history = random.Random(0)
+    for key, params in requests.items():
+        for step in (0, 3, 7):
+            made_up = [history.randrange(VOCAB) for _ in range(step)]
+            rows = [row(output=made_up, **params)]
+            result = Sampler(VOCAB, [EOS]).sample(step_logits(key, step)[None], rows)
+            assert result[0].token_id == reference[key][step]
+
+
+def test_different_seeds_and_steps_draw_different_tokens():
+    vocab, draws = 1000, 300
+    flat = torch.zeros(draws, vocab)
+    sampler = Sampler(vocab, [EOS])
+    # Uniform over 1000 tokens, 300 independent draws hit about 259 distinct tokens.
+    by_seed = token_ids(sampler.sample(flat, [row(seed=s) for s in range(draws)]))
+    by_step = token_ids(sampler.sample(flat, [row(output=[0] * s, seed=7) for s in range(draws)]))
+    high_bits = token_ids(sampler.sample(flat, [row(seed=s << 32) for s in range(draws)]))
+    negative = token_ids(sampler.sample(flat, [row(seed=-s - 1) for s in range(draws)]))
+    for tokens in (by_seed, by_step, high_bits, negative):
+        assert len(set(tokens)) > 220
+    assert sum(a == b for a, b in zip(by_seed, high_bits, strict=True)) < 10
