@@ -10,6 +10,10 @@ import sys
 SUBCOMMANDS = {
     "generate": ("common.engine.generate", "generate a completion in one process"),
     "convert": ("common.model.default_model", "convert the bundled default model"),
+    "prefill": ("prefill_worker.worker", "run a prefill worker"),
+    "decode": ("decode_worker.worker", "run a decode worker"),
+    "router": ("router.server", "run the OpenAI-compatible router"),
+    "up": ("pdserve.launcher", "start a local cluster: router, prefill and decode workers"),
 }
 
 

@@ -43,7 +43,8 @@ class RequestOutput:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, first_token_only: bool = False) -> None:
+        """``first_token_only``: the prefill worker's mode (see ``Scheduler``)."""
         config.cache.validate()
         config.scheduler.validate()
         self.config = config
@@ -79,6 +80,7 @@ class LLMEngine:
             self.block_manager,
             self.max_model_len,
             self.model_config.eos_token_ids,
+            first_token_only,
         )
         self.runner = ModelRunner(self.model, self.pool, self.backend, self.sampler)
         self._ids = itertools.count()

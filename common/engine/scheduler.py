@@ -40,13 +40,18 @@ class Scheduler:
         block_manager: BlockManager,
         max_model_len: int,
         eos_token_ids: Seq[int],
+        first_token_only: bool = False,
     ) -> None:
+        """``first_token_only`` is the prefill worker's mode: a sequence leaves the batch once
+        its first token is sampled, and unless that token ended it (``finish_reason`` set), it
+        keeps its pages for the transfer until the caller hands them to ``release``."""
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
         self.max_model_len = max_model_len
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.first_token_only = first_token_only
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -73,6 +78,11 @@ class Scheduler:
                     self._finish(seq, FinishReason.ABORT)
                     return seq
         return None
+
+    def release(self, seq: Sequence) -> None:
+        """Free the pages a sequence still holds (a prefilled sequence, once shipped)."""
+        self.block_manager.free(seq.block_ids)
+        seq.block_ids = []
 
     @property
     def has_work(self) -> bool:
@@ -127,9 +137,9 @@ class Scheduler:
             seq.token_ids.append(sample.token_id)
             seq.samples.append(sample)
             reason = self._stop_reason(seq, sample.token_id)
-            if reason is not None:
+            if reason is not None or self.first_token_only:
                 self.running.remove(seq)
-                self._finish(seq, reason)
+                self._finish(seq, reason, free_pages=reason is not None)
                 finished.append(seq)
         assert next(tokens, None) is None, "more sampled tokens than sampling sequences"
         return finished
@@ -156,6 +166,8 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int) -> int | None:
         """Take the cached prefix and first chunk's pages for a waiting sequence; returns the
         chunk's token count, or None (nothing taken) if the pages are not there."""
+        if seq.block_ids:
+            return self._admit_with_pages(seq, budget)
         # At least the last token is recomputed: its logits give the next token.
         max_hit_blocks = (seq.num_tokens - 1) // self.block_size
         hits = self.block_manager.match_prefix(seq.token_ids, max_hit_blocks)
@@ -171,6 +183,17 @@ class Scheduler:
         seq.num_computed_tokens = num_computed
         if seq.num_output_tokens == 0:
             seq.num_cached_tokens = num_computed
+        return num_new
+
+    def _admit_with_pages(self, seq: Sequence, budget: int) -> int | None:
+        """Admit a sequence whose leading KV already sits in its own pages (shipped from a
+        prefill worker): file those pages in the prefix cache and take the next chunk's pages."""
+        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        needed = self._blocks_needed(seq, num_new)
+        if needed > self.block_manager.num_free_blocks:
+            return None
+        seq.block_ids.extend(self.block_manager.allocate(needed))
+        self._cache_full_blocks(seq)
         return num_new
 
     def _chain_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
@@ -214,8 +237,8 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
-        self.block_manager.free(seq.block_ids)
-        seq.block_ids = []
+    def _finish(self, seq: Sequence, reason: FinishReason | None, free_pages: bool = True) -> None:
+        if free_pages:
+            self.release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -1,0 +1,267 @@
+"""Wire messages shared by every pdserve process: typed dataclasses carried as msgpack maps.
+
+A message is a slotted dataclass registered under a ``type`` string::
+
+    @message("router.abort")
+    @dataclass(slots=True)
+    class Abort(Message):
+        request_id: str
+
+``encode`` writes a msgpack map holding ``type`` and the fields; ``decode`` is strict and turns
+anything that is not exactly such a map into a ``ProtocolError``: oversized frames, bad msgpack,
+msgpack extension types (nothing on the wire is ever unpickled or otherwise constructed from
+code-bearing data), unknown types, missing or extra fields, and fields whose value does not match
+the dataclass annotation. Supported annotations: ``int`` (never ``bool``), ``float`` (an ``int``
+is accepted), ``str``, ``bool``, ``bytes``, ``dict`` / ``dict[str, X]``, ``list[X]``,
+``X | None``, and nested dataclasses (carried as maps of their fields, without a ``type``).
+
+A field with a default may be left out of a frame; the default applies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+
+# Control messages are small; a frame above this is refused before it is parsed. Sockets that
+# carry larger control frames (e.g. a NIXL agent's metadata) pass their own limit.
+MAX_FRAME_BYTES = 1 << 20
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid pdserve message."""
+
+
+class Message:
+    """Base of every wire message; ``TYPE`` is set by the ``message`` decorator."""
+
+    __slots__ = ()
+    TYPE: typing.ClassVar[str]
+
+
+M = TypeVar("M", bound=type)
+
+_TYPES: dict[str, type[Message]] = {}
+# One converter per dataclass, built on first use (annotations may name classes defined later).
+_Converter = Callable[[Any, str], Any]
+_FIELD_CONVERTERS: dict[type, dict[str, _Converter]] = {}
+
+
+def message(type_name: str) -> Callable[[M], M]:
+    """Register a slotted message dataclass under ``type_name`` (unique across pdserve)."""
+
+    def register(cls: M) -> M:
+        if not dataclasses.is_dataclass(cls) or "__slots__" not in cls.__dict__:
+            raise TypeError(f"{cls.__name__} must be a @dataclass(slots=True)")
+        if not issubclass(cls, Message):
+            raise TypeError(f"{cls.__name__} must subclass Message")
+        if type_name in _TYPES and _TYPES[type_name] is not cls:
+            raise TypeError(f"message type {type_name!r} is already {_TYPES[type_name].__name__}")
+        cls.TYPE = type_name
+        _TYPES[type_name] = cls
+        return cls
+
+    return register
+
+
+def registered_types() -> dict[str, type[Message]]:
+    return dict(_TYPES)
+
+
+def encode(msg: Message) -> bytes:
+    cls = type(msg)
+    if _TYPES.get(getattr(cls, "TYPE", "")) is not cls:
+        raise TypeError(f"{cls.__name__} is not a registered message")
+    fields = to_wire(msg)
+    if "type" in fields:
+        raise TypeError(f"{cls.__name__} may not have a field named 'type'")
+    return msgpack.packb({"type": cls.TYPE, **fields}, use_bin_type=True)
+
+
+def decode(frame: bytes | bytearray | memoryview, max_size: int = MAX_FRAME_BYTES) -> Message:
+    """Parse one frame into its message; any defect raises ``ProtocolError``."""
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"a frame must be bytes, got {type(frame).__name__}")
+    if len(frame) > max_size:
+        raise ProtocolError(f"frame of {len(frame)} bytes exceeds the limit of {max_size}")
+    try:
+        raw = msgpack.unpackb(
+            frame,
+            raw=False,
+            strict_map_key=True,
+            ext_hook=_refuse_ext,
+        )
+    except ProtocolError:
+        raise
+    except Exception as exc:  # msgpack raises several unrelated types for corrupt input
+        raise ProtocolError(f"bad msgpack: {type(exc).__name__}: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ProtocolError(f"a message must be a map, got {type(raw).__name__}")
+    type_name = raw.pop("type", None)
+    if not isinstance(type_name, str):
+        raise ProtocolError("message has no string 'type'")
+    cls = _TYPES.get(type_name)
+    if cls is None:
+        raise ProtocolError(f"unknown message type {type_name[:64]!r}")
+    return from_wire(cls, raw)
+
+
+def to_wire(obj: Any) -> dict[str, Any]:
+    """A dataclass as the plain map that travels on the wire (nested dataclasses included)."""
+    return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+
+
+def from_wire(cls: type[Any], raw: Any, where: str | None = None) -> Any:
+    """Build ``cls`` from a wire map, checking every field against its annotation."""
+    where = where or cls.__name__
+    if not isinstance(raw, dict):
+        raise ProtocolError(f"{where}: expected a map, got {type(raw).__name__}")
+    converters = _converters(cls)
+    extra = raw.keys() - converters.keys()
+    if extra:
+        raise ProtocolError(f"{where}: unexpected fields {sorted(map(str, extra))[:8]}")
+    values = {}
+    for name, convert in converters.items():
+        if name in raw:
+            values[name] = convert(raw[name], f"{where}.{name}")
+        elif not _has_default(cls, name):
+            raise ProtocolError(f"{where}: missing field {name!r}")
+    return cls(**values)
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise ProtocolError(f"msgpack extension type {code} is not allowed")
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return to_wire(value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _has_default(cls: type, name: str) -> bool:
+    field = cls.__dataclass_fields__[name]
+    return (
+        field.default is not dataclasses.MISSING or field.default_factory is not dataclasses.MISSING
+    )
+
+
+def _converters(cls: type) -> dict[str, _Converter]:
+    converters = _FIELD_CONVERTERS.get(cls)
+    if converters is None:
+        hints = typing.get_type_hints(cls)
+        converters = {
+            f.name: _converter_for(hints[f.name]) for f in dataclasses.fields(cls) if f.init
+        }
+        _FIELD_CONVERTERS[cls] = converters
+    return converters
+
+
+def _converter_for(hint: Any) -> _Converter:
+    """A function that checks (and, for float and nested dataclasses, converts) one value."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if hint is int:
+        return _check_int
+    if hint is float:
+        return _check_float
+    if hint in (str, bool, bytes):
+        return _check_exact(hint)
+    if hint is dict or (origin is dict and args[0] is str):
+        value_converter = _converter_for(args[1]) if args else None
+        return _check_dict(value_converter)
+    if origin is list:
+        return _check_list(_converter_for(args[0]))
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in args if a is not type(None)]
+        if len(args) == 2 and len(options) == 1:
+            return _check_optional(_converter_for(options[0]))
+    if dataclasses.is_dataclass(hint):
+        return lambda value, where: from_wire(hint, value, where)
+    raise TypeError(f"unsupported message field annotation {hint!r}")
+
+
+def _expected(where: str, what: str, value: Any) -> ProtocolError:
+    return ProtocolError(f"{where}: expected {what}, got {type(value).__name__}")
+
+
+def _check_int(value: Any, where: str) -> int:
+    if type(value) is not int:
+        raise _expected(where, "int", value)
+    return value
+
+
+def _check_float(value: Any, where: str) -> float:
+    if type(value) not in (int, float):
+        raise _expected(where, "float", value)
+    return float(value)
+
+
+def _check_exact(kind: type) -> _Converter:
+    def check(value: Any, where: str) -> Any:
+        if type(value) is not kind:
+            raise _expected(where, kind.__name__, value)
+        return value
+
+    return check
+
+
+def _check_list(item: _Converter) -> _Converter:
+    def check(value: Any, where: str) -> list:
+        if type(value) is not list:
+            raise _expected(where, "list", value)
+        return [item(v, f"{where}[{i}]") for i, v in enumerate(value)]
+
+    return check
+
+
+def _check_dict(item: _Converter | None) -> _Converter:
+    def check(value: Any, where: str) -> dict:
+        if type(value) is not dict:
+            raise _expected(where, "map", value)
+        if item is None:
+            _check_plain(value, where, depth=0)
+            return value
+        out = {}
+        for key, v in value.items():
+            if type(key) is not str:
+                raise _expected(f"{where} key", "str", key)
+            out[key] = item(v, f"{where}[{key[:32]!r}]")
+        return out
+
+    return check
+
+
+_PLAIN_SCALARS = (type(None), bool, int, float, str, bytes)
+_MAX_PLAIN_DEPTH = 32
+
+
+def _check_plain(value: Any, where: str, depth: int) -> None:
+    """An untyped map may hold only plain msgpack values (no timestamps or other objects)."""
+    if depth > _MAX_PLAIN_DEPTH:
+        raise ProtocolError(f"{where}: nested deeper than {_MAX_PLAIN_DEPTH}")
+    kind = type(value)
+    if kind is dict:
+        for v in value.values():
+            _check_plain(v, where, depth + 1)
+    elif kind is list:
+        for v in value:
+            _check_plain(v, where, depth + 1)
+    elif kind not in _PLAIN_SCALARS:
+        raise _expected(where, "plain msgpack values", value)
+
+
+def _check_optional(inner: _Converter) -> _Converter:
+    def check(value: Any, where: str) -> Any:
+        return None if value is None else inner(value, where)
+
+    return check

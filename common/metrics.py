@@ -1,0 +1,42 @@
+"""Prometheus metrics every worker exports, and the endpoint that serves them.
+
+Counters are process-wide (prometheus_client's default registry): one worker per process.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, start_http_server
+
+PROMPT_TOKENS_COMPUTED = Counter(
+    "pdserve_prompt_tokens_computed",
+    "Prompt tokens this worker ran through the model itself (prefix-cache hits and shipped KV "
+    "excluded)",
+)
+PREFIX_CACHE_HIT_TOKENS = Counter(
+    "pdserve_prefix_cache_hit_tokens", "Prompt tokens served from this worker's prefix cache"
+)
+GENERATED_TOKENS = Counter("pdserve_generated_tokens", "Tokens sampled by this worker")
+REQUESTS = Counter("pdserve_requests", "Requests this worker finished, by outcome", ["outcome"])
+BAD_MESSAGES = Counter(
+    "pdserve_bad_messages",
+    "Frames dropped as malformed, oversized, unknown or unexpected, by socket",
+    ["socket"],
+)
+KV_PAGES_SENT = Counter(
+    "pdserve_kv_pages_sent", "KV pages a decode worker confirmed it received from this worker"
+)
+KV_PAGES_RECEIVED = Counter("pdserve_kv_pages_received", "KV pages received from prefill workers")
+KV_TRANSFER_FALLBACKS = Counter(
+    "pdserve_kv_transfer_fallbacks",
+    "Handoffs whose pages could not be fetched, so the prompt was prefilled locally",
+)
+RUNNING = Gauge("pdserve_running_requests", "Requests in the running batch")
+WAITING = Gauge("pdserve_waiting_requests", "Requests waiting to be scheduled")
+KV_USAGE = Gauge("pdserve_kv_cache_usage", "Fraction of KV pages in use")
+NUM_PREEMPTIONS = Gauge("pdserve_preemptions", "Sequences preempted so far (recomputed later)")
+
+
+def serve_metrics(host: str, port: int) -> str:
+    """Serve /metrics on ``host:port`` (0: any free port) in a daemon thread; returns its URL."""
+    server, _ = start_http_server(port, addr=host)
+    return f"http://{host}:{server.server_address[1]}/metrics"

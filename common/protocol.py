@@ -1,0 +1,158 @@
+"""Messages between the router and the workers, and from a prefill worker to a decode worker.
+
+Sockets (all ZeroMQ, every frame one message from ``common.messages``)::
+
+    router  ROUTER bind  (--control)  ◀──DEALER──  every worker, identity = worker id
+        worker -> router: RegisterWorker, Heartbeat, CacheEvents, TokenDelta, RequestFailed
+        router -> worker: RegisterAck, PrefillRequest, DecodeRequest, AbortRequest
+    decode  PULL   bind  (handoff)    ◀──PUSH────  prefill workers: Handoff
+
+A request keeps the id the router gave it in every message. The first token of a disaggregated
+request comes from the prefill worker (a ``TokenDelta`` with ``first=True``); the rest come from
+the decode worker that received the handoff.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.messages import Message, message
+
+ROLE_PREFILL = "prefill"
+ROLE_DECODE = "decode"
+
+
+@dataclass(slots=True)
+class TokenSample:
+    """One generated token and, when asked for, its logprob and the top alternatives."""
+
+    token_id: int
+    logprob: float | None = None
+    top_token_ids: list[int] | None = None  # best first
+    top_logprobs: list[float] | None = None  # parallel to top_token_ids
+
+
+# -- worker -> router --------------------------------------------------------------------------
+
+
+@message("worker.register")
+@dataclass(slots=True)
+class RegisterWorker(Message):
+    protocol_version: int
+    worker_id: str
+    role: str  # ROLE_PREFILL | ROLE_DECODE
+    model: str  # the served model's name (its folder name)
+    kv_layout: dict  # KVLayout.to_dict()
+    kv_transfer: str  # "zmq" | "nixl"
+    num_blocks: int
+    max_model_len: int
+    metrics_url: str
+    handoff_endpoint: str | None = None  # decode workers: where prefill workers PUSH handoffs
+
+
+@message("worker.heartbeat")
+@dataclass(slots=True)
+class Heartbeat(Message):
+    worker_id: str
+    num_running: int
+    num_waiting: int
+    queued_prefill_tokens: int  # prompt tokens admitted but not yet computed
+    num_free_blocks: int
+    kv_usage: float  # fraction of pages in use, 0..1
+
+
+@message("worker.cache_events")
+@dataclass(slots=True)
+class CacheEvents(Message):
+    """Prefix-cache block hashes filed and evicted, in order, since the last report."""
+
+    worker_id: str
+    stored: list[int]
+    removed: list[int]
+    # True when this report replaces everything the router knew of this worker's cache
+    # (sent at registration, so a router that restarted rebuilds an exact index).
+    reset: bool = False
+
+
+@message("worker.token_delta")
+@dataclass(slots=True)
+class TokenDelta(Message):
+    request_id: str
+    samples: list[TokenSample]
+    # Output position of samples[0]: deltas of one request come from two workers (the first
+    # token from the prefill worker, the rest from the decode worker), so the router orders
+    # them by position rather than by arrival.
+    start_index: int
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once the request is done
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    first: bool = False  # carries the request's first token (sent by the prefill worker)
+
+
+@message("worker.request_failed")
+@dataclass(slots=True)
+class RequestFailed(Message):
+    """The worker gave up on a request; the router may re-dispatch it if ``retryable``."""
+
+    request_id: str
+    error: str
+    retryable: bool
+
+
+# -- router -> worker --------------------------------------------------------------------------
+
+
+@message("router.register_ack")
+@dataclass(slots=True)
+class RegisterAck(Message):
+    accepted: bool
+    reason: str | None = None
+    heartbeat_interval: float = 1.0
+
+
+@message("router.prefill")
+@dataclass(slots=True)
+class PrefillRequest(Message):
+    """Compute the prompt's KV, send the first token to the router and hand off to a decode
+    worker at ``handoff_endpoint``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: dict  # SamplingParams.to_dict()
+    decode_worker_id: str
+    handoff_endpoint: str
+
+
+@message("router.decode")
+@dataclass(slots=True)
+class DecodeRequest(Message):
+    """Serve a request end to end on a decode worker, prefilling locally: a short prompt
+    (conditional disaggregation) or a migrated request, whose tokens generated so far are in
+    ``output_token_ids`` and continue rather than restart."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: dict  # SamplingParams.to_dict()
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+@message("router.abort")
+@dataclass(slots=True)
+class AbortRequest(Message):
+    request_id: str
+
+
+# -- prefill worker -> decode worker -----------------------------------------------------------
+
+
+@message("prefill.handoff")
+@dataclass(slots=True)
+class Handoff(Message):
+    """A prompt whose KV is ready on a prefill worker, with its first token sampled there."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: dict  # SamplingParams.to_dict()
+    first_token: TokenSample
+    transfer: dict  # kvtransfer.TransferParams.to_dict()
+    num_cached_tokens: int = 0

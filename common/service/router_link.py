@@ -1,0 +1,81 @@
+"""A worker's connection to the router's control socket (a DEALER named by the worker id)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import zmq
+
+from common.messages import Message, ProtocolError, decode, encode
+from common.metrics import BAD_MESSAGES
+from common.protocol import RegisterAck, RegisterWorker
+
+logger = logging.getLogger(__name__)
+
+# Messages to the router wait in ZMQ's queue while it restarts; past this many, sending blocks
+# nobody but drops the newest (token deltas for a router that is gone are of no use).
+_SEND_HWM = 100_000
+
+
+class RouterUnavailable(RuntimeError):
+    """The router did not accept the registration in time."""
+
+
+class RouterLink:
+    def __init__(self, context: zmq.Context, router_address: str, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self.socket = context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.IDENTITY, worker_id.encode())
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.SNDHWM, _SEND_HWM)
+        self.socket.connect(router_address)
+        self.router_address = router_address
+        self.heartbeat_interval = 1.0
+
+    def register(self, registration: RegisterWorker, timeout: float) -> None:
+        """Register and wait for the router's acknowledgement, re-sending every second (the
+        router may still be starting). Raises ``RouterUnavailable`` or, when the router refuses
+        this worker, ``ValueError`` with its reason."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.send(registration)
+            if self.socket.poll(1000):
+                for msg in self.receive():
+                    if isinstance(msg, RegisterAck):
+                        if not msg.accepted:
+                            raise ValueError(f"the router refused this worker: {msg.reason}")
+                        self.heartbeat_interval = msg.heartbeat_interval
+                        return
+                    logger.warning("ignoring %s before registration", type(msg).__name__)
+        raise RouterUnavailable(f"no router answered at {self.router_address} in {timeout:.0f} s")
+
+    def send(self, msg: Message) -> None:
+        try:
+            self.socket.send(encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("router queue full; dropped %s", type(msg).__name__)
+
+    def receive(self) -> list[Message]:
+        """Every message waiting on the socket; malformed frames are logged, counted, dropped."""
+        messages = []
+        while True:
+            try:
+                frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return messages
+            if len(frames) != 1:
+                self._drop(f"{len(frames)} frames instead of 1")
+                continue
+            try:
+                messages.append(decode(frames[0]))
+            except ProtocolError as exc:
+                self._drop(str(exc))
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+    @staticmethod
+    def _drop(reason: str) -> None:
+        BAD_MESSAGES.labels(socket="router").inc()
+        logger.warning("dropped a bad frame from the router: %s", reason)

@@ -1,0 +1,285 @@
+"""What a prefill and a decode worker share: the engine, the router link, metrics, the loop.
+
+A worker's one main loop is::
+
+    handle what arrived (router requests, handoffs, transfer progress)
+    schedule() -> run() -> postprocess()   while there is work
+    report to the router (token deltas, heartbeats, prefix-cache events)
+
+It polls its sockets without blocking while it has work, and sleeps in a ``zmq.Poller`` on them
+while it has none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import zmq
+
+from common.engine.llm_engine import LLMEngine
+from common.engine.scheduler import ScheduledSequence
+from common.engine.sequence import Sequence
+from common.engine_args import add_engine_args, engine_config_from_args
+from common.messages import PROTOCOL_VERSION, Message
+from common.metrics import (
+    GENERATED_TOKENS,
+    KV_USAGE,
+    NUM_PREEMPTIONS,
+    PREFIX_CACHE_HIT_TOKENS,
+    PROMPT_TOKENS_COMPUTED,
+    RUNNING,
+    WAITING,
+    serve_metrics,
+)
+from common.protocol import (
+    CacheEvents,
+    Heartbeat,
+    RegisterWorker,
+    RequestFailed,
+    TokenDelta,
+    TokenSample,
+)
+from common.sampling_params import SamplingParams
+from common.service.router_link import RouterLink
+
+logger = logging.getLogger(__name__)
+
+# While idle the loop wakes at least this often, for heartbeats and lease deadlines.
+_IDLE_POLL_MS = 20
+
+
+def add_worker_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--router", required=True, help="the router's control socket, tcp://HOST:PORT"
+    )
+    parser.add_argument("--worker-id", default=None, help="default: ROLE-HOSTNAME-PID")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address this worker's sockets bind and advertise"
+    )
+    parser.add_argument("--metrics-port", type=int, default=0, help="0: any free port")
+    parser.add_argument("--kv-transfer", default="zmq", choices=["zmq", "nixl"])
+    parser.add_argument("--register-timeout", type=float, default=120.0)
+    parser.add_argument("--log-level", default="INFO")
+    add_engine_args(parser)
+
+
+def sample_to_wire(sample) -> TokenSample:
+    if sample.top_logprobs is None:
+        return TokenSample(sample.token_id, sample.logprob)
+    ids = [token_id for token_id, _ in sample.top_logprobs]
+    logprobs = [logprob for _, logprob in sample.top_logprobs]
+    return TokenSample(sample.token_id, sample.logprob, ids, logprobs)
+
+
+class WorkerService(ABC):
+    role: str
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.worker_id = args.worker_id or f"{self.role}-{socket.gethostname()}-{os.getpid()}"
+        self.engine = LLMEngine(
+            engine_config_from_args(args), first_token_only=self.role == "prefill"
+        )
+        self.scheduler = self.engine.scheduler
+        self.block_manager = self.engine.block_manager
+        self.context = zmq.Context()
+        self.link = RouterLink(self.context, args.router, self.worker_id)
+        self.metrics_url = serve_metrics(args.host, args.metrics_port)
+        self._stopping = False
+        self._last_heartbeat = 0.0
+        self._prompt_tokens_seen = 0
+
+    # -- what each role supplies ----------------------------------------------------------------
+
+    @abstractmethod
+    def registration(self) -> RegisterWorker: ...
+
+    @abstractmethod
+    def handle(self, msg: Message) -> None:
+        """Act on one message from the router."""
+
+    @abstractmethod
+    def poll_io(self) -> None:
+        """Serve the role's own sockets (handoffs, KV transfers) without blocking."""
+
+    @abstractmethod
+    def extra_sockets(self) -> list:
+        """Sockets besides the router link whose traffic should wake the idle loop."""
+
+    @abstractmethod
+    def on_finished_step(self, batch: list[ScheduledSequence], finished: list[Sequence]) -> None:
+        """Report what one step produced."""
+
+    def num_pending(self) -> int:
+        """Requests held outside the scheduler (e.g. waiting for their pages)."""
+        return 0
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def serve(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: self.stop())
+        self.link.register(self.registration(), self.args.register_timeout)
+        self.link.send(CacheEvents(self.worker_id, [], [], reset=True))
+        self.block_manager.drain_events()
+        logger.info(
+            "%s registered with %s; metrics at %s",
+            self.worker_id,
+            self.args.router,
+            self.metrics_url,
+        )
+        poller = zmq.Poller()
+        try:
+            while not self._stopping:
+                busy = self.scheduler.has_work
+                if not busy:
+                    self._wait(poller)
+                for msg in self.link.receive():
+                    self.handle(msg)
+                self.poll_io()
+                if self.scheduler.has_work:
+                    self.step()
+                self._report()
+        finally:
+            self.close()
+
+    def stop(self) -> None:
+        self._stopping = True
+
+    def step(self) -> None:
+        batch = self.scheduler.schedule()
+        sampled = self.engine.runner.run(batch)
+        finished = self.scheduler.postprocess(batch, sampled)
+        GENERATED_TOKENS.inc(len(sampled))
+        self.on_finished_step(batch, finished)
+
+    def _wait(self, poller: zmq.Poller) -> None:
+        sockets = [self.link.socket, *self.extra_sockets()]
+        for sock in list(poller.sockets):
+            poller.unregister(sock[0])
+        for sock in sockets:
+            poller.register(sock, zmq.POLLIN)
+        poller.poll(_IDLE_POLL_MS)
+
+    def _report(self) -> None:
+        events = self.block_manager.drain_events()
+        if events:
+            self.link.send(CacheEvents(self.worker_id, events.stored, events.removed))
+        computed = self.scheduler.num_prompt_tokens_computed
+        if computed > self._prompt_tokens_seen:
+            PROMPT_TOKENS_COMPUTED.inc(computed - self._prompt_tokens_seen)
+            self._prompt_tokens_seen = computed
+        now = time.monotonic()
+        if now - self._last_heartbeat >= self.link.heartbeat_interval:
+            self._last_heartbeat = now
+            self.link.send(self.heartbeat())
+
+    def heartbeat(self) -> Heartbeat:
+        scheduler, blocks = self.scheduler, self.block_manager
+        queued = sum(
+            max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
+            for seq in (*scheduler.waiting, *scheduler.running)
+        )
+        RUNNING.set(len(scheduler.running))
+        WAITING.set(len(scheduler.waiting) + self.num_pending())
+        KV_USAGE.set(blocks.usage)
+        NUM_PREEMPTIONS.set(scheduler.num_preemptions)
+        return Heartbeat(
+            self.worker_id,
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting) + self.num_pending(),
+            queued_prefill_tokens=queued,
+            num_free_blocks=blocks.num_free_blocks,
+            kv_usage=blocks.usage,
+        )
+
+    # -- shared helpers -------------------------------------------------------------------------
+
+    def parse_params(self, request_id: str, raw: dict) -> SamplingParams | None:
+        """The request's sampling params, or None after telling the router they are bad."""
+        try:
+            params = SamplingParams.from_dict(raw)
+            params.validate(self.engine.model_config.vocab_size)
+        except ValueError as exc:
+            self.fail(request_id, f"bad sampling params: {exc}", retryable=False)
+            return None
+        return params
+
+    def admit(self, seq: Sequence) -> bool:
+        try:
+            self.scheduler.add(seq)
+        except ValueError as exc:
+            self.fail(seq.request_id, str(exc), retryable=False)
+            return False
+        return True
+
+    def fail(self, request_id: str, error: str, retryable: bool) -> None:
+        logger.warning("request %s failed: %s", request_id, error)
+        self.link.send(RequestFailed(request_id, error, retryable))
+
+    def send_delta(self, seq: Sequence, first: bool = False) -> None:
+        reason = seq.finish_reason.value if seq.finish_reason is not None else None
+        if seq.num_output_tokens == 1 and seq.num_cached_tokens:
+            PREFIX_CACHE_HIT_TOKENS.inc(seq.num_cached_tokens)
+        self.link.send(
+            TokenDelta(
+                seq.request_id,
+                [sample_to_wire(seq.samples[-1])],
+                start_index=seq.num_output_tokens - 1,
+                finish_reason=reason,
+                num_prompt_tokens=seq.num_prompt_tokens,
+                num_cached_tokens=seq.num_cached_tokens,
+                first=first,
+            )
+        )
+
+    def base_registration(self, **extra) -> RegisterWorker:
+        return RegisterWorker(
+            protocol_version=PROTOCOL_VERSION,
+            worker_id=self.worker_id,
+            role=self.role,
+            model=self.engine.model_path.name,
+            kv_layout=self.engine.kv_layout.to_dict(),
+            kv_transfer=self.args.kv_transfer,
+            num_blocks=self.block_manager.num_blocks,
+            max_model_len=self.engine.max_model_len,
+            metrics_url=self.metrics_url,
+            **extra,
+        )
+
+    def close(self) -> None:
+        self.link.close()
+
+
+def run_worker(
+    service_class: type[WorkerService],
+    prog: str,
+    argv: list[str] | None,
+    add_role_args: Callable[[argparse.ArgumentParser], None],
+) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=service_class.__doc__)
+    add_worker_args(parser)
+    add_role_args(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        worker = service_class(args)
+    except ValueError as exc:
+        logging.getLogger(prog).error("%s", exc)
+        return 2
+    try:
+        worker.serve()
+    except KeyboardInterrupt:
+        pass
+    except (ValueError, RuntimeError) as exc:
+        logging.getLogger(prog).error("%s", exc)
+        return 1
+    return 0

@@ -1,0 +1,201 @@
+"""The KV-transfer contract: a sender on the prefill side and a receiver on the decode side.
+
+One request's pages move like this::
+
+    prefill worker                                  decode worker
+    params = sender.publish(rid, pages, lease)
+    ... params travel in the handoff ...  ───────▶  receiver.start_fetch(rid, params, dst, timeout)
+    sender.poll()  (serves handshakes, fetches)     receiver.poll() -> [TransferResult(rid, ok)]
+    sender.poll() -> [rid]: free the pages   ◀────  (the receiver acknowledged, or gave up)
+
+Both sides are driven by their worker's main loop: neither ever blocks, and neither starts a
+thread (ZeroMQ's I/O thread and UCX's event thread sleep while there is no traffic). Every
+transfer ends, whatever happens: the receiver's fetch has a deadline (its timeout, and never
+later than the sender's lease), and the sender's lease has a deadline after which its pages are
+released even if no receiver ever came. Either side may abort.
+
+Neither side allocates or frees pages: the sender's caller keeps its pages allocated until
+``KVSender.poll`` returns the request id, and the receiver's caller keeps the destination pages
+reserved until ``KVReceiver.poll`` returns the request's result.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from common.messages import ProtocolError, from_wire, to_wire
+
+# A receiver treats a lease as over this long before its deadline, so that a page read just as
+# the sender frees it is never reported good (covers polling granularity and clock skew).
+LEASE_SAFETY_MARGIN_S = 0.25
+
+
+class TransferError(ValueError):
+    """A transfer request that can never succeed (bad page ids, wrong backend, ...)."""
+
+
+def check_block_ids(block_ids: list[int], num_blocks: int | None, what: str) -> None:
+    """Raise TransferError unless ``block_ids`` are distinct pages of a pool of ``num_blocks``
+    (None: of a pool whose size is not known here)."""
+    if not block_ids:
+        raise TransferError(f"{what} must not be empty")
+    for block_id in block_ids:
+        if not isinstance(block_id, int) or isinstance(block_id, bool):
+            raise TransferError(f"{what} must be ints, got {block_id!r}")
+        if block_id < 0 or (num_blocks is not None and block_id >= num_blocks):
+            raise TransferError(f"{what} holds page {block_id} outside a pool of {num_blocks}")
+    if len(set(block_ids)) != len(block_ids):
+        raise TransferError(f"{what} repeats a page")
+
+
+@dataclass(slots=True, frozen=True)
+class TransferParams:
+    """How a decode worker fetches one request's pages: the sender's part of the handoff."""
+
+    backend: str  # "zmq" | "nixl"
+    endpoint: str  # the sender's side channel, tcp://HOST:PORT
+    engine_id: str  # the sender's identity; receivers cache handshakes under it
+    block_ids: list[int]  # source pages, in context order
+    lease_deadline: float  # time.time() until which the sender keeps the pages
+
+    def to_dict(self) -> dict:
+        return to_wire(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> TransferParams:
+        try:
+            return from_wire(cls, raw)
+        except ProtocolError as exc:
+            raise TransferError(f"malformed transfer params: {exc}") from None
+
+
+@dataclass(slots=True, frozen=True)
+class TransferResult:
+    """How one fetch ended; ``error`` says why when ``ok`` is false."""
+
+    request_id: str
+    ok: bool
+    error: str | None
+    num_pages: int
+    nbytes: int  # bytes moved (scales included); 0 for a failed fetch
+    seconds: float  # from start_fetch to the end
+
+
+class KVSender(ABC):
+    """Prefill side: offers pages to receivers over a side channel and reports when to free them.
+
+    Constructed as ``Sender(pool, engine_id, host="127.0.0.1", port=0)``: binds the side channel
+    on ``host:port`` (0: any free port; ``host`` is advertised as is, so it must be an address
+    receivers can reach) and registers the pool. Owned and called by one thread,
+    the prefill worker's main loop. It never blocks and never writes to the pool; it only reads
+    the pages it has published.
+    """
+
+    backend: str  # the registry name, copied into every TransferParams
+
+    @property
+    @abstractmethod
+    def endpoint(self) -> str:
+        """The side channel's address, ``tcp://HOST:PORT``, as receivers must dial it."""
+
+    @abstractmethod
+    def publish(
+        self, request_id: str, block_ids: list[int], lease_seconds: float
+    ) -> TransferParams:
+        """Offer ``block_ids`` (context order) under a lease; return what the receiver needs.
+
+        Called by the worker once a request's pages are final. Pins nothing: the caller keeps the
+        pages allocated and unmodified until ``poll`` returns ``request_id``. Raises ValueError
+        for a page outside the pool, a repeated page, a non-positive lease or a request id that
+        is already published.
+        """
+
+    @abstractmethod
+    def poll(self) -> list[str]:
+        """Serve pending side-channel traffic without blocking; return ids whose pages are free.
+
+        Called every iteration of the worker's loop (and often while idle): handshakes, fetches
+        and acknowledgements are only served from here. A published id is returned exactly once:
+        when the receiver has acknowledged (or given up on) the pages, when its lease ends, or
+        after ``abort``, once no transfer can still be reading the pages.
+        """
+
+    @abstractmethod
+    def poll_sockets(self) -> list:
+        """The ZMQ sockets on which traffic for this sender arrives.
+
+        For a worker that waits in a ``zmq.Poller`` while idle: adding these wakes it when a
+        receiver calls, instead of only at its next timeout. Reading them stays ``poll``'s job.
+        """
+
+    @abstractmethod
+    def abort(self, request_id: str) -> None:
+        """Withdraw a publication (client gone, request cancelled).
+
+        A receiver that has not started reading is refused; one that is reading is told to fail.
+        ``poll`` returns the id once nothing reads the pages any more. Unknown ids are ignored.
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Close the side channel and unregister the pool; every publication is dropped."""
+
+
+class KVReceiver(ABC):
+    """Decode side: fetches published pages into this worker's pool.
+
+    Constructed as ``Receiver(pool, engine_id)``: registers the pool for incoming pages;
+    ``engine_id`` names this worker to senders. Owned and called by one thread, the decode
+    worker's main loop. It never blocks. It writes only to the destination pages of fetches in
+    progress.
+    """
+
+    backend: str  # the registry name; start_fetch refuses params of another backend
+
+    @abstractmethod
+    def start_fetch(
+        self,
+        request_id: str,
+        params: TransferParams,
+        dst_block_ids: list[int],
+        timeout: float,
+    ) -> None:
+        """Begin fetching ``params.block_ids`` into ``dst_block_ids`` (same order, same length).
+
+        Called when a handoff arrives, with the destination pages already reserved. Raises
+        TransferError at once for input that can never work (length mismatch, other backend,
+        a page outside the pool, a repeated page, an id already in flight). Everything else,
+        including a failed handshake (protocol version or KV layout differ) is reported by
+        ``poll``. The first fetch from a sender performs the handshake; later ones reuse it.
+        The fetch's deadline is ``timeout`` seconds from now, or the lease's end if sooner.
+        """
+
+    @abstractmethod
+    def poll(self) -> list[TransferResult]:
+        """Make progress without blocking; return the fetches that ended since the last call.
+
+        Each started fetch yields exactly one result. When it does, nothing writes to its
+        destination pages any more, and the sender has been told to release its pages. On
+        success the pages hold exactly the sender's bytes.
+        """
+
+    @abstractmethod
+    def poll_sockets(self) -> list:
+        """The ZMQ sockets on which traffic for fetches in progress arrives (one per sender).
+
+        Like ``KVSender.poll_sockets``; the list changes as senders come and go, so ask again
+        before each wait.
+        """
+
+    @abstractmethod
+    def abort(self, request_id: str) -> None:
+        """Stop fetching; the sender is told to release. Unknown ids are ignored.
+
+        ``poll`` then reports the fetch as failed (error "aborted") once nothing writes to its
+        destination pages any more; only then may they be reused.
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Drop every fetch (telling senders to release) and free sockets and registrations."""

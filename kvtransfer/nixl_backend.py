@@ -1,0 +1,266 @@
+"""KV transfer over NIXL (UCX): the receiver READs the pages straight out of the sender's pool.
+
+Both sides register their whole pool with a NIXL agent once. The handshake on the ZMQ side
+channel carries the sender's agent metadata and the pool's base addresses; a fetch is then a
+FetchRequest / FetchReady exchange (so the sender knows its pages are being read, and a lease
+that is over or aborted is refused before any READ), one READ with a descriptor per page (and
+per page of scales), and a ReleasePages acknowledgement.
+
+The agents run without NIXL's progress thread, which busy-polls a core even when idle: UCX is
+progressed from ``poll()`` instead, on both sides, by the worker's own loop. With the UCX TCP +
+CMA transports used on one host, the READ itself is carried out by the reading process
+(process_vm_readv) once the connection is up; the sender's ``poll`` only has to run for the
+connection set-up.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import numpy as np
+from nixl._api import nixl_agent, nixl_agent_config
+
+from common.engine.kv_pool import KVLayout, KVPool
+from kvtransfer.messages import FetchReady, HandshakeReply, NixlAgentInfo
+from kvtransfer.metrics import Failure
+from kvtransfer.receiver import DRAINING, READING, REQUESTED, Fetch, Peer, SideChannelReceiver
+from kvtransfer.sender import Lease, SideChannelSender
+from kvtransfer.side_channel import Incoming
+
+logger = logging.getLogger(__name__)
+
+# How long past its deadline a failed fetch waits for a READ that could not be cancelled.
+DRAIN_GRACE_S = 5.0
+
+
+def create_agent(name: str) -> nixl_agent:
+    """A NIXL agent with the UCX backend and no threads of its own: nothing spins while idle."""
+    config = nixl_agent_config(
+        enable_prog_thread=False,
+        enable_listen_thread=False,
+        backends=["UCX"],
+    )
+    agent = nixl_agent(name, config)
+    if "UCX" not in agent.backends:
+        raise RuntimeError("NIXL has no UCX backend; the nixl KV transfer needs it")
+    return agent
+
+
+class _RegisteredPool:
+    """A pool's tensors registered with an agent, and the descriptors of its pages."""
+
+    def __init__(self, agent: nixl_agent, pool: KVPool) -> None:
+        self.agent = agent
+        self.mem_type = "DRAM" if pool.device.type == "cpu" else "VRAM"
+        self.device_id = pool.device.index or 0
+        self.data_addr = pool.data.data_ptr()
+        self.scale_addr = pool.scales.data_ptr() if pool.scales is not None else None
+        tensors = [pool.data] if pool.scales is None else [pool.data, pool.scales]
+        self._registrations = [agent.register_memory(t) for t in tensors]
+
+    def deregister(self) -> None:
+        for registration in self._registrations:
+            try:
+                self.agent.deregister_memory(registration)
+            except Exception:  # the agent may already be torn down at shutdown
+                logger.exception("NIXL deregistration failed")
+        self._registrations = []
+
+
+def page_descs(
+    data_addr: int, scale_addr: int | None, block_ids: list[int], layout: KVLayout, device_id: int
+) -> np.ndarray:
+    """(address, length, device) rows: one per page, then one per page of scales."""
+    ids = np.asarray(block_ids, dtype=np.uint64)
+    spans = [(data_addr, layout.page_nbytes)]
+    if scale_addr is not None:
+        spans.append((scale_addr, layout.scale_page_nbytes))
+    rows = []
+    for base, nbytes in spans:
+        block = np.empty((len(ids), 3), dtype=np.uint64)
+        block[:, 0] = np.uint64(base) + ids * np.uint64(nbytes)
+        block[:, 1] = nbytes
+        block[:, 2] = device_id
+        rows.append(block)
+    return np.concatenate(rows)
+
+
+class NixlSender(SideChannelSender):
+    backend = "nixl"
+
+    def __init__(self, pool: KVPool, engine_id: str, host: str = "127.0.0.1", port: int = 0):
+        super().__init__(pool, engine_id, host, port)
+        agent_name = f"{engine_id}.sender.{self.instance_id}"
+        try:
+            self._agent = create_agent(agent_name)
+            self._registered = _RegisteredPool(self._agent, pool)
+        except Exception:
+            self._channel.close()
+            raise
+        self._info = NixlAgentInfo(
+            agent_name=agent_name,
+            metadata=self._agent.get_agent_metadata(),
+            data_addr=self._registered.data_addr,
+            scale_addr=self._registered.scale_addr,
+            mem_type=self._registered.mem_type,
+            device_id=self._registered.device_id,
+        )
+
+    def _nixl_info(self) -> NixlAgentInfo:
+        return self._info
+
+    def _serve(self, identity: bytes, lease: Lease) -> None:
+        if self._channel.send(FetchReady(lease.request_id, self.instance_id), identity):
+            lease.in_flight = True
+
+    def _still_reading(self, lease: Lease) -> bool:
+        # After a FetchReady only the receiver knows when its READ is over: wait for its
+        # ReleasePages (or the lease's end).
+        return lease.in_flight is not None
+
+    def _progress(self) -> None:
+        # Fetching notifications is what progresses UCX here (connection set-up for new peers).
+        # pdserve sends no NIXL notifications, so any that arrive are unexpected.
+        for agent_name, notifs in self._agent.get_new_notifs().items():
+            for _ in notifs:
+                self._channel.reject(f"dropped an unexpected NIXL notification from {agent_name}")
+
+    def _close_backend(self) -> None:
+        self._registered.deregister()
+
+
+class NixlReceiver(SideChannelReceiver):
+    backend = "nixl"
+
+    def __init__(self, pool: KVPool, engine_id: str):
+        super().__init__(pool, engine_id)
+        self._agent = create_agent(f"{engine_id}.receiver.{uuid.uuid4().hex[:12]}")
+        self._registered = _RegisteredPool(self._agent, pool)
+        self._abandoned: list[object] = []  # READs that never stopped; kept so they stay valid
+
+    def _connect(self, peer: Peer, reply: HandshakeReply) -> str | None:
+        info = reply.nixl
+        if info is None:
+            return "the sender offered no NIXL agent"
+        if info.mem_type not in ("DRAM", "VRAM"):
+            return f"unknown memory type {info.mem_type!r}"
+        if (info.scale_addr is None) == self.pool.layout.is_fp8:
+            return "the sender's pool and this one disagree on FP8 scales"
+        try:
+            name = self._agent.add_remote_agent(info.metadata)
+        except Exception as exc:  # NIXL raises its own exception types
+            return f"cannot load the sender's NIXL agent: {exc}"
+        name = name.decode() if isinstance(name, bytes) else name
+        if name != info.agent_name:
+            self._remove_agent(name)
+            return f"agent metadata names {name!r}, expected {info.agent_name!r}"
+        peer.remote = name
+        try:
+            # Starts the UCX connection now rather than on the first READ.
+            self._agent.make_connection(name)
+        except Exception as exc:
+            logger.warning("NIXL could not pre-connect to %s: %s", name, exc)
+        return None
+
+    def _disconnect(self, peer: Peer) -> None:
+        if isinstance(peer.remote, str):
+            self._remove_agent(peer.remote)
+
+    def _on_reply(self, fetch: Fetch, incoming: Incoming) -> None:
+        msg = incoming.msg
+        if not isinstance(msg, FetchReady) or fetch.state != REQUESTED:
+            self._reject(fetch.peer, f"dropped unexpected {type(msg).__name__}")
+            return
+        self._post_read(fetch)
+
+    def _post_read(self, fetch: Fetch) -> None:
+        reply = fetch.peer.reply
+        assert reply is not None and reply.nixl is not None
+        info = reply.nixl
+        local = page_descs(
+            self._registered.data_addr,
+            self._registered.scale_addr,
+            fetch.dst_block_ids,
+            self.pool.layout,
+            self._registered.device_id,
+        )
+        remote = page_descs(
+            info.data_addr,
+            info.scale_addr,
+            fetch.params.block_ids,
+            self.pool.layout,
+            info.device_id,
+        )
+        agent = self._agent
+        try:
+            fetch.handle = agent.initialize_xfer(
+                "READ",
+                agent.get_xfer_descs(local, self._registered.mem_type),
+                agent.get_xfer_descs(remote, info.mem_type),
+                fetch.peer.remote,
+            )
+            fetch.state = READING
+            state = agent.transfer(fetch.handle)
+        except Exception as exc:
+            self._fail(fetch, f"NIXL READ could not start: {exc}", Failure.TRANSPORT)
+            return
+        self._settle(fetch, state)
+
+    def _settle(self, fetch: Fetch, state: str) -> None:
+        if state == "DONE":
+            self._release_handle(fetch)
+            self._complete(fetch)
+        elif state == "ERR":
+            self._fail(fetch, "NIXL READ failed", Failure.TRANSPORT)
+
+    def _progress(self) -> None:
+        for fetch in list(self._fetches.values()):
+            if fetch.state == READING:
+                self._settle(fetch, self._check(fetch))
+            elif fetch.state == DRAINING:
+                if self._check(fetch) != "PROC" and self._release_handle(fetch):
+                    self._end_drained(fetch)
+                elif time.monotonic() > fetch.deadline + DRAIN_GRACE_S:
+                    logger.error(
+                        "NIXL READ for %s did not stop %.0fs after its deadline; reporting it "
+                        "failed anyway",
+                        fetch.request_id,
+                        DRAIN_GRACE_S,
+                    )
+                    self._abandoned.append(fetch.handle)
+                    fetch.handle = None
+                    self._end_drained(fetch)
+
+    def _stop_writes(self, fetch: Fetch) -> bool:
+        # Releasing a handle cancels its READ; NIXL refuses when it cannot, and the fetch then
+        # drains until the READ ends.
+        return self._release_handle(fetch)
+
+    def _close_backend(self) -> None:
+        self._registered.deregister()
+
+    def _check(self, fetch: Fetch) -> str:
+        try:
+            return self._agent.check_xfer_state(fetch.handle)
+        except Exception as exc:
+            logger.warning("NIXL transfer state of %s: %s", fetch.request_id, exc)
+            return "ERR"
+
+    def _release_handle(self, fetch: Fetch) -> bool:
+        if fetch.handle is None:
+            return True
+        try:
+            self._agent.release_xfer_handle(fetch.handle)
+        except Exception as exc:
+            logger.info("NIXL could not release the READ of %s yet: %s", fetch.request_id, exc)
+            return False
+        fetch.handle = None
+        return True
+
+    def _remove_agent(self, name: str) -> None:
+        try:
+            self._agent.remove_remote_agent(name)
+        except Exception as exc:
+            logger.info("NIXL could not remove remote agent %s: %s", name, exc)

@@ -1,0 +1,370 @@
+"""The receiver logic both backends share: peers and their handshakes, deadlines, results.
+
+A fetch moves through ``HANDSHAKE`` (waiting for its sender's handshake, done once per sender),
+``REQUESTED`` (FetchRequest sent), ``READING`` (NIXL: a READ is posted) and, when a failed
+fetch's READ cannot be cancelled at once, ``DRAINING`` (waiting for the READ to stop writing).
+It ends with exactly one TransferResult. A backend supplies what happens between the request
+and the pages being in place.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import abstractmethod
+from dataclasses import dataclass, field
+
+from common.engine.kv_pool import KVLayout, KVPool
+from common.messages import PROTOCOL_VERSION
+from kvtransfer.base import (
+    LEASE_SAFETY_MARGIN_S,
+    KVReceiver,
+    TransferError,
+    TransferParams,
+    TransferResult,
+    check_block_ids,
+)
+from kvtransfer.messages import (
+    FetchReady,
+    FetchRequest,
+    HandshakeReply,
+    HandshakeRequest,
+    PageData,
+    ReleasePages,
+    TransferFailed,
+)
+from kvtransfer.metrics import (
+    RECEIVER,
+    TRANSFER_BYTES,
+    TRANSFER_FAILURES,
+    TRANSFER_PAGES,
+    TRANSFER_SECONDS,
+    Failure,
+)
+from kvtransfer.side_channel import Incoming, SideChannel
+
+logger = logging.getLogger(__name__)
+
+HANDSHAKE = "handshake"
+REQUESTED = "requested"
+READING = "reading"
+DRAINING = "draining"
+
+# Largest control frame a receiver accepts from a sender (a NIXL handshake carries the agent's
+# metadata, which grows with the registered memory).
+MAX_REPLY_BYTES = 16 << 20
+
+
+@dataclass(slots=True, eq=False)
+class Peer:
+    """One sender: its socket, and its handshake once it has answered."""
+
+    engine_id: str
+    endpoint: str
+    channel: SideChannel
+    reply: HandshakeReply | None = None
+    remote: object | None = None  # the backend's handle on the sender (a NIXL agent name)
+    fetches: set[str] = field(default_factory=set)
+    suspect: bool = False  # a fetch timed out: handshake afresh once this peer is idle
+
+
+@dataclass(slots=True, eq=False)
+class Fetch:
+    request_id: str
+    params: TransferParams
+    dst_block_ids: list[int]
+    peer: Peer
+    started: float  # time.monotonic()
+    deadline: float  # time.monotonic()
+    state: str = HANDSHAKE
+    handle: object | None = None  # the backend's in-flight operation (a NIXL transfer)
+    pages_done: int = 0  # pages already in place (ZMQ answers arrive in several messages)
+    failure: tuple[str, str] | None = None  # (error, reason) held while DRAINING
+
+
+class SideChannelReceiver(KVReceiver):
+    def __init__(self, pool: KVPool, engine_id: str):
+        if not engine_id:
+            raise ValueError("a KV receiver needs a non-empty engine_id")
+        self.pool = pool
+        self.engine_id = engine_id
+        self._peers: dict[tuple[str, str], Peer] = {}
+        self._fetches: dict[str, Fetch] = {}
+        self._results: list[TransferResult] = []
+
+    def start_fetch(
+        self,
+        request_id: str,
+        params: TransferParams,
+        dst_block_ids: list[int],
+        timeout: float,
+    ) -> None:
+        if not request_id:
+            raise TransferError("request_id must be non-empty")
+        if request_id in self._fetches:
+            raise TransferError(f"request {request_id!r} is already being fetched")
+        if params.backend != self.backend:
+            raise TransferError(
+                f"params are for the {params.backend!r} backend; this receiver is {self.backend!r}"
+            )
+        if len(dst_block_ids) != len(params.block_ids):
+            raise TransferError(
+                f"{len(params.block_ids)} source pages but {len(dst_block_ids)} destination pages"
+            )
+        if not timeout > 0:
+            raise TransferError(f"timeout must be positive, got {timeout}")
+        check_block_ids(dst_block_ids, self.pool.num_blocks, "dst_block_ids")
+        check_block_ids(params.block_ids, None, "params.block_ids")  # checked at handshake
+        now = time.monotonic()
+        lease_left = params.lease_deadline - LEASE_SAFETY_MARGIN_S - time.time()
+        peer = self._peer_for(params)
+        fetch = Fetch(
+            request_id,
+            params,
+            list(dst_block_ids),
+            peer,
+            started=now,
+            deadline=now + min(timeout, lease_left),
+        )
+        self._fetches[request_id] = fetch
+        peer.fetches.add(request_id)
+        if lease_left <= 0:
+            self._fail(fetch, "the sender's lease was already over", Failure.LEASE_EXPIRED)
+        elif peer.reply is not None:
+            self._request(fetch)
+
+    def poll(self) -> list[TransferResult]:
+        for peer in list(self._peers.values()):
+            for incoming in peer.channel.receive():
+                self._dispatch(peer, incoming)
+        self._progress()
+        now = time.monotonic()
+        for fetch in list(self._fetches.values()):
+            if now >= fetch.deadline and fetch.state != DRAINING:
+                waited = now - fetch.started
+                self._fail(fetch, f"timed out after {waited:.2f}s ({fetch.state})", Failure.TIMEOUT)
+        self._drop_idle_peers()
+        results, self._results = self._results, []
+        return results
+
+    def poll_sockets(self) -> list:
+        return [peer.channel.socket for peer in self._peers.values()]
+
+    def abort(self, request_id: str) -> None:
+        fetch = self._fetches.get(request_id)
+        if fetch is not None and fetch.state != DRAINING:
+            self._fail(fetch, "aborted", Failure.ABORTED)
+
+    def close(self) -> None:
+        for fetch in list(self._fetches.values()):
+            if fetch.state != DRAINING:
+                fetch.peer.channel.send(ReleasePages(fetch.request_id, ok=False))
+            self._stop_writes(fetch)
+        self._fetches.clear()
+        self._results.clear()
+        for peer in list(self._peers.values()):
+            self._drop_peer(peer)
+        self._close_backend()
+
+    # --- backend hooks -------------------------------------------------------------------
+
+    @abstractmethod
+    def _on_reply(self, fetch: Fetch, incoming: Incoming) -> None:
+        """Handle a sender's answer to ``fetch``'s FetchRequest (other than TransferFailed)."""
+
+    def _connect(self, peer: Peer, reply: HandshakeReply) -> str | None:
+        """Set up the backend's link to a sender that passed the handshake; an error or None."""
+        return None
+
+    def _disconnect(self, peer: Peer) -> None:
+        """Undo ``_connect``."""
+
+    def _progress(self) -> None:
+        """Backend work on every poll (e.g. checking posted READs)."""
+
+    def _stop_writes(self, fetch: Fetch) -> bool:
+        """Stop ``fetch`` writing its destination pages; False if it cannot stop yet."""
+        return True
+
+    def _close_backend(self) -> None:
+        """Release the backend's resources."""
+
+    def _max_inbound_bytes(self) -> int:
+        return MAX_REPLY_BYTES
+
+    # --- for backends --------------------------------------------------------------------
+
+    def _complete(self, fetch: Fetch) -> None:
+        """The pages are in place: acknowledge and report success."""
+        self._end(fetch, ok=True, error=None, reason=None)
+
+    def _fail(self, fetch: Fetch, error: str, reason: str) -> None:
+        """End ``fetch`` as failed, once nothing writes its pages any more."""
+        if fetch.state == DRAINING:
+            return
+        if not self._stop_writes(fetch):
+            fetch.state = DRAINING
+            fetch.failure = (error, reason)
+            return
+        self._end(fetch, ok=False, error=error, reason=reason)
+
+    def _end_drained(self, fetch: Fetch) -> None:
+        assert fetch.failure is not None
+        error, reason = fetch.failure
+        self._end(fetch, ok=False, error=error, reason=reason)
+
+    def _rehandshake(self, peer: Peer) -> None:
+        """The sender is not the one that answered the handshake (it restarted): redo it."""
+        logger.info("sender %s at %s changed; handshaking again", peer.engine_id, peer.endpoint)
+        self._disconnect(peer)
+        peer.reply = None
+        peer.remote = None
+        for request_id in peer.fetches:
+            fetch = self._fetches[request_id]
+            if fetch.state == REQUESTED:
+                fetch.state = HANDSHAKE
+                fetch.pages_done = 0
+        self._send_handshake(peer)
+
+    def _reject(self, peer: Peer, why: str) -> None:
+        peer.channel.reject(why)
+
+    # --- internals -----------------------------------------------------------------------
+
+    def _peer_for(self, params: TransferParams) -> Peer:
+        key = (params.engine_id, params.endpoint)
+        peer = self._peers.get(key)
+        if peer is None:
+            channel = SideChannel.connect(
+                params.endpoint,
+                self.backend,
+                RECEIVER,
+                max_inbound_bytes=self._max_inbound_bytes(),
+                max_message_bytes=MAX_REPLY_BYTES,
+                frames_allowed=self._frames_allowed(),
+            )
+            peer = Peer(params.engine_id, params.endpoint, channel)
+            self._peers[key] = peer
+            self._send_handshake(peer)
+        return peer
+
+    def _frames_allowed(self) -> tuple[type, ...]:
+        return ()
+
+    def _send_handshake(self, peer: Peer) -> None:
+        peer.channel.send(
+            HandshakeRequest(
+                protocol_version=PROTOCOL_VERSION,
+                engine_id=self.engine_id,
+                backend=self.backend,
+                layout=self.pool.layout.to_dict(),
+            )
+        )
+
+    def _dispatch(self, peer: Peer, incoming: Incoming) -> None:
+        msg = incoming.msg
+        if isinstance(msg, HandshakeReply):
+            if peer.reply is not None:
+                self._reject(peer, "dropped a second handshake reply")
+            else:
+                self._on_handshake(peer, msg)
+            return
+        if not isinstance(msg, (TransferFailed, PageData, FetchReady)):
+            self._reject(peer, f"a receiver does not take {type(msg).__name__}")
+            return
+        fetch = self._fetches.get(msg.request_id)
+        if fetch is None or fetch.peer is not peer or fetch.state not in (REQUESTED, READING):
+            # A late answer to a fetch that has ended (timed out, aborted): nothing to do.
+            logger.debug("dropped %s for inactive fetch %s", type(msg).__name__, msg.request_id)
+            return
+        if isinstance(msg, TransferFailed):
+            self._fail(fetch, f"sender refused: {msg.reason}", Failure.SENDER_REFUSED)
+        elif peer.reply is not None and msg.instance_id != peer.reply.instance_id:
+            # The sender restarted since the handshake (its pool, even its layout, may differ):
+            # handshake again; the fetch is asked for afresh once that is done.
+            self._rehandshake(peer)
+        else:
+            self._on_reply(fetch, incoming)
+
+    def _on_handshake(self, peer: Peer, reply: HandshakeReply) -> None:
+        problem = self._handshake_problem(peer, reply)
+        if problem is None:
+            problem = self._connect(peer, reply)
+        if problem is not None:
+            error = f"handshake with {peer.engine_id} at {peer.endpoint} refused: {problem}"
+            logger.warning(error)
+            for request_id in list(peer.fetches):
+                self._fail(self._fetches[request_id], error, Failure.HANDSHAKE)
+            self._drop_peer(peer)
+            return
+        peer.reply = reply
+        for request_id in list(peer.fetches):
+            fetch = self._fetches[request_id]
+            if fetch.state == HANDSHAKE:
+                self._request(fetch)
+
+    def _handshake_problem(self, peer: Peer, reply: HandshakeReply) -> str | None:
+        if reply.protocol_version != PROTOCOL_VERSION:
+            return (
+                f"protocol version mismatch: {PROTOCOL_VERSION} here vs "
+                f"{reply.protocol_version} there"
+            )
+        if reply.backend != self.backend:
+            return f"backend mismatch: {self.backend!r} here vs {reply.backend!r} there"
+        if reply.engine_id != peer.engine_id:
+            return f"the endpoint serves engine {reply.engine_id!r}, not {peer.engine_id!r}"
+        try:
+            layout = KVLayout.from_dict(reply.layout)
+        except ValueError as exc:
+            return f"malformed KV layout: {exc}"
+        mismatch = self.pool.layout.mismatch(layout)
+        if mismatch is not None:
+            return f"KV layout mismatch: {mismatch}"
+        return None
+
+    def _request(self, fetch: Fetch) -> None:
+        reply = fetch.peer.reply
+        assert reply is not None
+        beyond = [b for b in fetch.params.block_ids if b >= reply.num_blocks]
+        if beyond:
+            self._fail(
+                fetch,
+                f"source pages {beyond[:8]} outside the sender's pool of {reply.num_blocks}",
+                Failure.HANDSHAKE,
+            )
+        elif fetch.peer.channel.send(FetchRequest(fetch.request_id)):
+            fetch.state = REQUESTED
+        else:
+            self._fail(fetch, "could not send the fetch request", Failure.TRANSPORT)
+
+    def _end(self, fetch: Fetch, ok: bool, error: str | None, reason: str | None) -> None:
+        del self._fetches[fetch.request_id]
+        peer = fetch.peer
+        peer.fetches.discard(fetch.request_id)
+        # Acknowledges a success; after a failure, lets the sender free its pages early.
+        peer.channel.send(ReleasePages(fetch.request_id, ok=ok))
+        elapsed = time.monotonic() - fetch.started
+        nbytes = len(fetch.dst_block_ids) * self.pool.layout.bytes_per_block if ok else 0
+        if ok:
+            TRANSFER_BYTES.labels(self.backend, RECEIVER).inc(nbytes)
+            TRANSFER_PAGES.labels(self.backend, RECEIVER).inc(len(fetch.dst_block_ids))
+            TRANSFER_SECONDS.labels(self.backend, RECEIVER).observe(elapsed)
+        else:
+            assert reason is not None
+            TRANSFER_FAILURES.labels(self.backend, RECEIVER, reason).inc()
+            if reason in (Failure.TIMEOUT, Failure.TRANSPORT):
+                peer.suspect = True
+        self._results.append(
+            TransferResult(fetch.request_id, ok, error, len(fetch.dst_block_ids), nbytes, elapsed)
+        )
+
+    def _drop_idle_peers(self) -> None:
+        for peer in list(self._peers.values()):
+            if not peer.fetches and (peer.suspect or peer.reply is None):
+                self._drop_peer(peer)
+
+    def _drop_peer(self, peer: Peer) -> None:
+        self._peers.pop((peer.engine_id, peer.endpoint), None)
+        if peer.reply is not None:
+            self._disconnect(peer)
+        peer.channel.close()

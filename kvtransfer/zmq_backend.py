@@ -1,0 +1,152 @@
+"""KV transfer over ZeroMQ: the sender answers a fetch with the pages as zero-copy frames.
+
+The answer is a run of multipart messages, each a msgpack ``PageData`` header naming which of
+the request's pages it carries, then one frame per page sent straight from the pool's memory,
+then (FP8 pools) one frame per page of scales. The receiver copies each frame into its
+destination page as its message arrives.
+
+Why messages of at most ``MESSAGE_BYTES`` rather than one per request: ZeroMQ hands a
+multipart message over only once all of it has arrived, so a long prompt on a large model (GBs
+of KV) would sit whole in receive buffers before the first copy. Capped messages bound that
+memory and let copies overlap the rest of the transfer; on loopback, messages of a few MB
+measured no faster than one message per request, so the cap stays well above a typical
+request. One frame per page, not per run of adjacent pages: pages of a request are rarely
+adjacent in a pool that has been in use, and a frame costs little next to a page.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+import zmq
+
+from common.engine.kv_pool import KVPool
+from kvtransfer.messages import PageData
+from kvtransfer.metrics import Failure
+from kvtransfer.receiver import REQUESTED, Fetch, SideChannelReceiver
+from kvtransfer.sender import Lease, SideChannelSender
+from kvtransfer.side_channel import Incoming
+
+MESSAGE_BYTES = 32 << 20
+
+
+class ZmqSender(SideChannelSender):
+    backend = "zmq"
+
+    def __init__(self, pool: KVPool, engine_id: str, host: str = "127.0.0.1", port: int = 0):
+        super().__init__(pool, engine_id, host, port)
+        self._pages_per_message = max(1, MESSAGE_BYTES // pool.layout.bytes_per_block)
+        # Row i is page i's bytes: frames of a host pool are cut straight from these rows.
+        self._host_rows = [
+            _rows(t) for t in (pool.data, pool.scales) if t is not None and t.device.type == "cpu"
+        ]
+
+    def _serve(self, identity: bytes, lease: Lease) -> None:
+        layout = self.pool.layout
+        step = self._pages_per_message
+        num_pages = len(lease.block_ids)
+        for first in range(0, num_pages, step):
+            chunk = lease.block_ids[first : first + step]
+            buffers = [row for rows in self._page_rows(chunk) for row in rows]
+            frames = [zmq.Frame(b, copy=False) for b in buffers[:-1]]
+            # Only the very last frame of the answer is tracked: ZMQ releases frames in the
+            # order they were queued, so once it is released no page is read any more.
+            frames.append(zmq.Frame(buffers[-1], copy=False, track=first + step >= num_pages))
+            header = PageData(
+                request_id=lease.request_id,
+                instance_id=self.instance_id,
+                first_page=first,
+                num_pages=len(chunk),
+                page_nbytes=layout.page_nbytes,
+                scale_nbytes=layout.scale_page_nbytes,
+            )
+            if not self._channel.send(header, identity, frames):
+                return  # the receiver is gone or not reading; its fetch will time out
+        trackers = lease.in_flight if isinstance(lease.in_flight, list) else []
+        trackers.append(frames[-1].tracker)
+        lease.in_flight = trackers
+
+    def _still_reading(self, lease: Lease) -> bool:
+        # ZMQ holds the page memory until the frames are handed to the kernel; after that a
+        # rewrite of the pages can no longer change what the receiver gets.
+        trackers = lease.in_flight
+        return isinstance(trackers, list) and not all(t.done for t in trackers)
+
+    def _page_rows(self, block_ids: list[int]) -> list[list]:
+        """Each page's bytes (then, for FP8, each page's scales) as buffers ZMQ can send."""
+        if self._host_rows:
+            return [[rows[b] for b in block_ids] for rows in self._host_rows]
+        # Device pools are staged through host memory: one gather and one copy per tensor.
+        index = torch.tensor(block_ids, device=self.pool.device)
+        tensors = [self.pool.data] + ([self.pool.scales] if self.pool.scales is not None else [])
+        return [list(_rows(t.index_select(0, index).cpu())) for t in tensors]
+
+
+class ZmqReceiver(SideChannelReceiver):
+    backend = "zmq"
+
+    def __init__(self, pool: KVPool, engine_id: str):
+        super().__init__(pool, engine_id)
+        # Row i is page i's bytes (a view): one index per frame instead of three view ops.
+        self._rows = [
+            t.view(torch.uint8).reshape(t.shape[0], -1)
+            for t in (pool.data, pool.scales)
+            if t is not None
+        ]
+
+    def _frames_allowed(self) -> tuple[type, ...]:
+        return (PageData,)
+
+    def _max_inbound_bytes(self) -> int:
+        return self.pool.layout.page_nbytes
+
+    def _on_reply(self, fetch: Fetch, incoming: Incoming) -> None:
+        msg = incoming.msg
+        if not isinstance(msg, PageData) or fetch.state != REQUESTED:
+            self._reject(fetch.peer, f"dropped unexpected {type(msg).__name__}")
+            return
+        problem = self._page_data_problem(fetch, msg, incoming.frames)
+        if problem is not None:
+            self._reject(fetch.peer, f"dropped malformed page data: {problem}")
+            # The sender answers a fetch once; a bad answer will not be followed by a good one.
+            self._fail(fetch, f"malformed page data: {problem}", Failure.TRANSPORT)
+            return
+        frames = iter(incoming.frames)
+        dst = fetch.dst_block_ids[msg.first_page : msg.first_page + msg.num_pages]
+        # A received frame is read-only memory; torch warns about wrapping it, but it is only
+        # ever read here.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            for rows in self._rows:  # the pages, then the scales
+                for block_id in dst:
+                    rows[block_id].copy_(torch.frombuffer(next(frames).buffer, dtype=torch.uint8))
+        fetch.pages_done += msg.num_pages
+        if fetch.pages_done == len(fetch.dst_block_ids):
+            self._complete(fetch)
+
+    def _page_data_problem(self, fetch: Fetch, msg: PageData, frames: list) -> str | None:
+        layout = self.pool.layout
+        total = len(fetch.dst_block_ids)
+        if msg.first_page != fetch.pages_done or not 0 < msg.num_pages <= total - msg.first_page:
+            return (
+                f"pages {msg.first_page}..{msg.first_page + msg.num_pages} arrived after "
+                f"{fetch.pages_done} of {total}"
+            )
+        if msg.page_nbytes != layout.page_nbytes or msg.scale_nbytes != layout.scale_page_nbytes:
+            return f"page of {msg.page_nbytes}+{msg.scale_nbytes} bytes, expected " + (
+                f"{layout.page_nbytes}+{layout.scale_page_nbytes}"
+            )
+        if len(frames) != msg.num_pages * len(self._rows):
+            return f"{len(frames)} frames for {msg.num_pages} pages"
+        for i, frame in enumerate(frames):
+            expected = layout.page_nbytes if i < msg.num_pages else layout.scale_page_nbytes
+            if len(frame) != expected:
+                return f"frame {i} has {len(frame)} bytes, expected {expected}"
+        return None
+
+
+def _rows(tensor: torch.Tensor) -> np.ndarray:
+    """A block-major host tensor as a (num_blocks, bytes per block) uint8 array, no copy."""
+    return tensor.view(torch.uint8).reshape(tensor.shape[0], -1).numpy()

@@ -1,0 +1,5 @@
+import sys
+
+from prefill_worker.worker import main
+
+sys.exit(main())

@@ -1,0 +1,204 @@
+"""Prefill and decode workers as real processes on loopback, with the test playing the router."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import msgpack
+import pytest
+import zmq
+from tiny_models import build_tiny_model, random_prompts
+from worker_harness import FakeRouter, HandoffTap
+
+from common.config import CacheConfig, EngineConfig, SchedulerConfig
+from common.engine.llm_engine import LLMEngine
+from common.messages import encode
+from common.protocol import Heartbeat
+from common.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+ENGINE_FLAGS = ("--kv-cache-memory", "32MiB", "--max-model-len", "256")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_tiny_model("qwen2-bias", tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture
+def router(tmp_path):
+    fake = FakeRouter(tmp_path)
+    yield fake
+    fake.stop()
+
+
+def one_process(model, prompts, params, dtype, kv_cache_dtype):
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(model),
+            dtype=dtype,
+            device="cpu",
+            cache=CacheConfig(kv_cache_dtype=kv_cache_dtype, num_blocks=128),
+            scheduler=SchedulerConfig(max_model_len=256),
+        )
+    )
+    return engine.generate(prompts, params)
+
+
+def start_pair(router, model, backend, *flags, prefill_flags=(), decode_flags=()):
+    common = (*ENGINE_FLAGS, "--kv-transfer", backend, *flags)
+    # Small prefill chunks: pages of earlier chunks are final before the prompt ends.
+    router.start_worker("prefill", model, *common, "--max-num-batched-tokens", "24", *prefill_flags)
+    router.start_worker("decode", model, *common, *decode_flags)
+    router.wait_registered(2)
+
+
+@pytest.mark.parametrize(
+    "backend, kv_cache_dtype",
+    [("zmq", "auto"), ("zmq", "fp8"), ("nixl", "auto"), ("nixl", "fp8")],
+)
+def test_disaggregated_greedy_equals_one_process(router, model, backend, kv_cache_dtype):
+    start_pair(router, model, backend, "--dtype", "bfloat16", "--kv-cache-dtype", kv_cache_dtype)
+    prompts = random_prompts(4, seed=11, min_len=10, max_len=60)
+    expected = one_process(model, prompts, GREEDY, "bfloat16", kv_cache_dtype)
+    ids = [f"req-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        router.prefill(request_id, prompt, GREEDY)
+    router.wait_finished(ids)
+    assert [router.log(r).token_ids for r in ids] == expected
+    first = [next(d for d in router.log(r).deltas if d.first) for r in ids]
+    assert all(
+        d.start_index == 0 and d.num_prompt_tokens == len(p)
+        for d, p in zip(first, prompts, strict=True)
+    )
+    decode = router.metrics("decode")
+    pages = sum(-(-len(p) // 16) for p in prompts)
+    assert decode["pdserve_kv_pages_received_total"] == pages
+    assert decode["pdserve_prompt_tokens_computed_total"] == 0
+    assert router.metrics("prefill")["pdserve_kv_pages_sent_total"] == pages
+
+
+def test_first_token_that_ends_a_request_is_not_handed_off(router, model):
+    start_pair(router, model, "zmq")
+    router.prefill("one", random_prompts(1, seed=3)[0], SamplingParams(max_tokens=1, temperature=0))
+    router.wait_finished(["one"])
+    [delta] = router.log("one").deltas
+    assert delta.first and delta.finish_reason == "length"
+    assert router.metrics("decode")["pdserve_kv_pages_received_total"] == 0
+
+
+def test_local_prefill_on_the_decode_worker(router, model):
+    start_pair(router, model, "zmq")
+    prompt = random_prompts(1, seed=5)[0]
+    router.decode_locally("local", prompt, GREEDY)
+    router.wait_finished(["local"])
+    assert (
+        router.log("local").token_ids == one_process(model, [prompt], GREEDY, "float32", "auto")[0]
+    )
+    assert router.metrics("decode")["pdserve_prompt_tokens_computed_total"] == len(prompt)
+
+
+def free_blocks(router, role) -> int:
+    worker = router.worker(role).worker_id
+    router.heartbeats.pop(worker, None)
+    router.wait_for(lambda: worker in router.heartbeats, 10, "no heartbeat")
+    beat: Heartbeat = router.heartbeats[worker]
+    return beat.num_free_blocks
+
+
+def test_prefill_killed_mid_transfer_decode_releases_pages_and_prefills_itself(router, model):
+    start_pair(router, model, "zmq", decode_flags=("--kv-fetch-timeout", "3"))
+    decode = router.worker("decode")
+    total = free_blocks(router, "decode")
+    tap = HandoffTap(router.context)
+    prompt = random_prompts(1, seed=9, min_len=40, max_len=40)[0]
+    router.prefill("doomed", prompt, GREEDY, handoff_endpoint=tap.endpoint)
+    handoff = tap.receive(timeout=60)
+    os.kill(router.processes[0].pid, signal.SIGKILL)
+    router.processes[0].wait(10)
+    push = router.context.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(decode.handoff_endpoint)
+    push.send(encode(handoff))
+    router.wait_finished(["doomed"], timeout=60)
+    assert (
+        router.log("doomed").token_ids == one_process(model, [prompt], GREEDY, "float32", "auto")[0]
+    )
+    metrics = router.metrics("decode")
+    assert metrics["pdserve_kv_transfer_fallbacks_total"] == 1
+    assert metrics["pdserve_kv_pages_received_total"] == 0
+    assert metrics["pdserve_prompt_tokens_computed_total"] == len(prompt)
+    assert free_blocks(router, "decode") == total
+    push.close()
+    tap.close()
+
+
+def test_decode_killed_prefill_releases_pinned_pages_when_the_lease_ends(router, model):
+    start_pair(router, model, "zmq", prefill_flags=("--kv-lease-seconds", "2"))
+    total = free_blocks(router, "prefill")
+    os.kill(router.processes[1].pid, signal.SIGKILL)
+    router.processes[1].wait(10)
+    prompt = random_prompts(1, seed=10, min_len=50, max_len=50)[0]
+    router.prefill("orphan", prompt, GREEDY)
+    router.wait_for(lambda: router.log("orphan").deltas, 60, "no first token")
+    # Pinned for the transfer (the prompt's pages are held, not just cached).
+    assert free_blocks(router, "prefill") == total - 4
+    router.wait_for(
+        lambda: (
+            router.heartbeats.get(router.worker("prefill").worker_id)
+            and free_blocks(router, "prefill") == total
+        ),
+        15,
+        "pages never released",
+    )
+
+
+GARBAGE = [
+    b"\xc1\xc1not msgpack",
+    msgpack.packb([1, 2, 3]),
+    msgpack.packb({"type": "no.such.message"}),
+    msgpack.packb({"type": "router.abort", "request_id": 7}),
+    msgpack.packb({"type": "router.prefill", "request_id": "x"}),
+    b"\x00" * (2 << 20),
+]
+
+
+def test_garbage_on_every_socket_is_dropped_and_counted(router, model):
+    start_pair(router, model, "zmq")
+    tap = HandoffTap(router.context)
+    prompt = random_prompts(1, seed=12)[0]
+    router.prefill("probe", prompt, GREEDY, handoff_endpoint=tap.endpoint)
+    side_channel = tap.receive(timeout=60).transfer["endpoint"]
+    for role in ("prefill", "decode"):
+        worker_id = router.worker(role).worker_id
+        for frame in GARBAGE:
+            router.send_raw(worker_id, frame)
+        router.send_raw(worker_id, b"two", b"frames")
+    push = router.context.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(router.worker("decode").handoff_endpoint)
+    for frame in GARBAGE:
+        push.send(frame)
+    push.send(encode(Heartbeat("w", 0, 0, 0, 0, 0.0)))  # valid, but not a handoff
+    dealer = router.context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(side_channel)
+    for frame in GARBAGE:
+        dealer.send(frame)
+    # Both workers still serve a request end to end.
+    router.prefill("after", prompt, GREEDY)
+    router.wait_finished(["after"])
+    assert (
+        router.log("after").token_ids == one_process(model, [prompt], GREEDY, "float32", "auto")[0]
+    )
+    bad_router = 'pdserve_bad_messages_total{socket="router"}'
+    assert router.metrics("prefill")[bad_router] == len(GARBAGE) + 1
+    decode = router.metrics("decode")
+    assert decode[bad_router] == len(GARBAGE) + 1
+    assert decode['pdserve_bad_messages_total{socket="handoff"}'] == len(GARBAGE) + 1
+    bad_side = 'pdserve_kv_transfer_bad_messages_total{backend="zmq",side="sender"}'
+    assert router.metrics("prefill")[bad_side] >= len(GARBAGE) - 1
+    for sock in (push, dealer):
+        sock.close()
+    tap.close()
