@@ -1,0 +1,351 @@
+"""The router's FastAPI app: OpenAI routes, worker listing, health and metrics.
+
+Request bodies are read and parsed here (not by FastAPI's body injection) so that the size limit
+(413), malformed JSON (400) and schema errors (400) all answer in OpenAI's error shape; the
+published OpenAPI schema still describes each body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from common.protocol import ROLE_DECODE, ROLE_PREFILL
+from router.control import ControlServer
+from router.dispatcher import Dispatcher
+from router.errors import APIError, BadRequest
+from router.metrics import RouterMetrics
+from router.openai_api import (
+    ChatBody,
+    CompletionBody,
+    DetokenizeBody,
+    TextCodec,
+    TokenizeBody,
+    chat_messages,
+    to_generation,
+)
+from router.policy import NoWorkerError, RoutingConfig
+from router.registry import WorkerRegistry
+from router.serving import Run, TokenText
+
+logger = logging.getLogger(__name__)
+
+_REQUEST_ID_UNSAFE = re.compile(r"[^A-Za-z0-9._:-]")
+_MAX_REQUEST_ID = 64
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    served_model_name: str
+    max_model_len: int
+    control: str = "tcp://127.0.0.1:8001"
+    api_key: str | None = None
+    heartbeat_timeout: float = 3.0
+    max_retries: int = 3
+    max_body_bytes: int = 4 << 20
+    max_inflight: int = 4096  # sequences in flight; more -> 429
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+
+
+def create_app(config: RouterConfig, codec: TextCodec, eos_token_ids: frozenset[int]) -> FastAPI:
+    metrics = RouterMetrics()
+    registry = WorkerRegistry(config.served_model_name, config.heartbeat_timeout)
+    control = ControlServer(config.control, config.heartbeat_timeout)
+    dispatcher = Dispatcher(
+        registry,
+        config.routing,
+        metrics,
+        control.send,
+        config.max_retries,
+        heartbeat_interval=config.heartbeat_timeout / 3,
+    )
+    token_text = TokenText(codec.decode, eos_token_ids)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        control.start(dispatcher)
+        logger.info("control socket bound at %s", control.endpoint)
+        yield
+        await control.stop()
+
+    app = FastAPI(title="pdserve router", version="0.1.0", lifespan=lifespan)
+    app.state.config = config
+    app.state.control = control
+    app.state.dispatcher = dispatcher
+    app.state.registry = registry
+    app.state.metrics = metrics
+
+    # -- the edge: errors, auth, ids, bodies --------------------------------------------------
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        metrics.requests.labels(request.url.path, str(exc.status)).inc()
+        return exc.response(_id_header(request))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else None
+        return APIError(exc.status_code, str(exc.detail), code=code).response()
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("internal error on %s", request.url.path)
+        return APIError(500, "internal server error", code="internal_error").response()
+
+    def authorize(request: Request) -> None:
+        if config.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), config.api_key.encode()
+        ):
+            raise APIError(401, "Incorrect or missing API key", code="invalid_api_key")
+
+    def request_id(request: Request, kind: str) -> str:
+        given = request.headers.get("x-request-id")
+        safe = _REQUEST_ID_UNSAFE.sub("", given or "")[:_MAX_REQUEST_ID]
+        prefix = safe or uuid.uuid4().hex
+        request.state.request_id = prefix
+        # A client may reuse its id; the counter keeps the router's ids unique.
+        return dispatcher.new_request_id(f"{kind}-{prefix}")
+
+    async def read_body(request: Request, model: type[BaseModel]) -> Any:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > config.max_body_bytes:
+            raise _too_large(config.max_body_bytes)
+        chunks = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > config.max_body_bytes:
+                raise _too_large(config.max_body_bytes)
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        try:
+            return model.model_validate_json(raw)
+        except ValidationError as exc:
+            first = exc.errors()[0] if exc.errors() else {}
+            loc = [str(part) for part in first.get("loc", ())]
+            if first.get("type") == "json_invalid":
+                raise BadRequest(f"the body is not valid JSON: {first.get('msg')}") from None
+            message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid')}"
+            raise BadRequest(message, loc[0] if loc else None) from None
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != config.served_model_name:
+            raise APIError(
+                404,
+                f"The model `{name}` does not exist. This router serves "
+                f"`{config.served_model_name}`.",
+                param="model",
+                code="model_not_found",
+            )
+
+    # -- generation ----------------------------------------------------------------------------
+
+    async def generate(request: Request, body_model: type[BaseModel], kind: str) -> Response:
+        arrived = time.monotonic()
+        rid = request_id(request, kind)
+        authorize(request)
+        body = await read_body(request, body_model)
+        check_model(body.model)
+        gen_request = to_generation(
+            body, codec, config.max_model_len, request.headers.get("x-session-id")
+        )
+        sequences = len(gen_request.prompts) * gen_request.n
+        if len(dispatcher.generations) + sequences > config.max_inflight:
+            raise APIError(
+                429,
+                f"the router has {len(dispatcher.generations)} sequences in flight "
+                f"(limit {config.max_inflight}); retry later",
+                code="rate_limit_exceeded",
+            )
+        run = Run(
+            gen_request, rid, config.served_model_name, dispatcher, token_text, metrics, arrived
+        )
+        try:
+            run.submit()
+        except NoWorkerError as exc:
+            run.close("no_worker")
+            raise APIError(
+                503, f"no worker can serve the request: {exc}", code="no_worker"
+            ) from None
+        headers = _id_header(request)
+        path = request.url.path
+        if gen_request.stream:
+            metrics.requests.labels(path, "200").inc()
+            return StreamingResponse(
+                _stream(run, request), media_type="text/event-stream", headers=headers
+            )
+        gone = _watch_disconnect(run, request)
+        try:
+            result = await run.body()
+        finally:
+            gone.cancel()
+            run.close("done")
+        if gone.done() and not gone.cancelled():
+            return Response(status_code=499)
+        metrics.requests.labels(path, "200").inc()
+        return JSONResponse(result, headers=headers)
+
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionBody))
+    async def completions(request: Request) -> Response:
+        return await generate(request, CompletionBody, "cmpl")
+
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatBody))
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, ChatBody, "chatcmpl")
+
+    # -- the rest of the API -------------------------------------------------------------------
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        authorize(request)
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": config.served_model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "pdserve",
+                    "max_model_len": config.max_model_len,
+                }
+            ],
+        }
+
+    @app.get("/v1/workers")
+    async def workers(request: Request) -> dict:
+        authorize(request)
+        return {
+            role: [w.describe() for w in registry.pool(role)]
+            for role in (ROLE_PREFILL, ROLE_DECODE)
+        }
+
+    @app.get("/health")
+    async def health() -> Response:
+        decode = len(registry.pool(ROLE_DECODE))
+        body = {
+            "status": "ok" if decode else "no_decode_workers",
+            "prefill_workers": len(registry.pool(ROLE_PREFILL)),
+            "decode_workers": decode,
+        }
+        return JSONResponse(body, status_code=200 if decode else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize", openapi_extra=_body_schema(TokenizeBody))
+    async def tokenize(request: Request) -> dict:
+        authorize(request)
+        body = await read_body(request, TokenizeBody)
+        check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise BadRequest("give exactly one of prompt or messages", "prompt")
+        if body.messages is not None:
+            tokens = codec.encode_chat(chat_messages(body))
+        else:
+            tokens = codec.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": config.max_model_len}
+
+    @app.post("/detokenize", openapi_extra=_body_schema(DetokenizeBody))
+    async def detokenize(request: Request) -> dict:
+        authorize(request)
+        body = await read_body(request, DetokenizeBody)
+        check_model(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < codec.vocab_size]
+        if bad:
+            raise BadRequest(
+                f"token ids must be in [0, {codec.vocab_size}), got {bad[:5]}", "tokens"
+            )
+        return {"prompt": codec.decode(body.tokens)}
+
+    return app
+
+
+async def _stream(run: Run, request: Request) -> AsyncIterator[bytes]:
+    gone = _watch_disconnect(run, request)
+    cause = "client_disconnected"  # unless the loop below runs to its end
+    try:
+        async for chunk in run.sse():
+            yield chunk
+        cause = "done"
+    except APIError as exc:
+        # Headers are gone already: the error travels as a final SSE event, as OpenAI does.
+        cause = "error"
+        yield b"data: " + json.dumps(exc.body()).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+    finally:
+        gone.cancel()
+        run.close(cause)
+
+
+def _watch_disconnect(run: Run, request: Request) -> asyncio.Future:
+    """Abort the run on the workers the moment the client goes, even while no token is due."""
+    gone = asyncio.ensure_future(_disconnected(request))
+
+    def on_gone(task: asyncio.Future) -> None:
+        if not task.cancelled() and task.exception() is None:
+            run.close("client_disconnected")
+            run.interrupt()
+
+    gone.add_done_callback(on_gone)
+    return gone
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _id_header(request: Request) -> dict[str, str]:
+    rid = getattr(request.state, "request_id", None)
+    return {"X-Request-Id": rid} if rid else {}
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(
+        413, f"the request body exceeds the limit of {limit} bytes", code="request_too_large"
+    )
+
+
+def _body_schema(model: type[BaseModel]) -> dict:
+    """A request body in the OpenAPI document, its ``$defs`` inlined (the document has none)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return inline(defs[ref.split("/")[-1]])
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": inline(schema)}},
+        }
+    }

@@ -1,0 +1,95 @@
+"""Incremental detokenization with stop strings, one instance per generated sequence.
+
+Byte-level BPE splits a multi-byte character across tokens, so text is taken from a window of
+recent tokens and only once it no longer ends in U+FFFD (the decoder's mark for an incomplete
+character). Text that could still grow into a stop string is held back; a stop string, once
+complete, is cut off and never emitted. At the end, the held-back tail is flushed so the emitted
+text equals the full decode of the tokens (minus anything from a stop string on).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+_REPLACEMENT = "\ufffd"
+# Tokens before the new ones that are decoded with them: enough context for the decoder to merge
+# bytes and spaces exactly as the full decode does.
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        decode: Callable[[Sequence[int]], str],
+        stop: Sequence[str] = (),
+        skip_token_ids: frozenset[int] = frozenset(),
+    ):
+        self._decode = decode
+        self._stop = [s for s in stop if s]
+        self._skip = skip_token_ids  # e.g. a stop token id, whose text is not emitted
+        self.token_ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self.text = ""  # everything decoded so far that is complete
+        self._emitted = 0  # len of self.text already returned
+        self.stopped = False  # a stop string matched
+        self.stop_reason: str | None = None
+
+    @property
+    def emitted_text(self) -> str:
+        return self.text[: self._emitted]
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Feed new tokens; returns the text that may now be sent (possibly empty)."""
+        if self.stopped:
+            return ""
+        for token_id in token_ids:
+            if token_id in self._skip:
+                continue
+            self.token_ids.append(token_id)
+        prefix = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self.token_ids[self._prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith(_REPLACEMENT):
+            self.text += full[len(prefix) :]
+            self._prefix_offset = max(len(self.token_ids) - _CONTEXT_TOKENS, 0)
+            self._read_offset = len(self.token_ids)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """The end of the sequence: flush what was held back."""
+        if self.stopped:
+            return ""
+        whole = self._decode(self.token_ids)
+        if whole.startswith(self.text):
+            self.text = whole
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        start = self._emitted
+        if self._stop:
+            # A stop string can only begin in text not yet emitted: emitted text never ends
+            # with a stop string's prefix.
+            earliest = None
+            for stop in self._stop:
+                at = self.text.find(stop, max(start - len(stop) + 1, 0))
+                if at != -1 and (earliest is None or at < earliest):
+                    earliest, self.stop_reason = at, stop
+            if earliest is not None:
+                self.stopped = True
+                self.text = self.text[:earliest]
+                self._emitted = len(self.text)
+                return self.text[start:]
+        end = len(self.text) if final else len(self.text) - self._holdback()
+        end = max(end, start)
+        self._emitted = end
+        return self.text[start:end]
+
+    def _holdback(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        longest = 0
+        for stop in self._stop:
+            for n in range(min(len(stop) - 1, len(self.text)), longest, -1):
+                if self.text.endswith(stop[:n]):
+                    longest = n
+                    break
+        return longest

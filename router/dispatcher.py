@@ -1,0 +1,320 @@
+"""In-flight sequences: dispatch, ordered token collection, re-dispatch, migration and abort.
+
+Runs on the router's event loop; every method is synchronous and sends through ``send`` (the
+control socket), so this class can be driven in tests without sockets. One ``Generation`` is one
+sequence (one choice of one prompt); the HTTP handler owning it reads its tokens from ``sink``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from common.hashing import block_hashes
+from common.messages import Message
+from common.protocol import (
+    AbortRequest,
+    CacheEvents,
+    DecodeRequest,
+    Heartbeat,
+    PrefillRequest,
+    RegisterAck,
+    RegisterWorker,
+    RequestFailed,
+    TokenDelta,
+    TokenSample,
+)
+from common.sampling_params import SamplingParams
+from router.metrics import RouterMetrics
+from router.policy import (
+    Decision,
+    NoWorkerError,
+    RequestView,
+    RoutingConfig,
+    route,
+)
+from router.registry import WorkerRegistry
+
+logger = logging.getLogger(__name__)
+
+# Block size used for prompt hashing before any worker has registered (no routing happens then).
+_FALLBACK_BLOCK_SIZE = 16
+
+
+@dataclass(eq=False, slots=True)
+class Generation:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sink: asyncio.Queue[int]  # receives ``index`` whenever this sequence changes
+    index: int
+    session_id: str | None = None
+    arrived_at: float = 0.0
+    prefill_worker: str | None = None
+    decode_worker: str | None = None
+    samples: list[TokenSample] = field(default_factory=list)
+    early: dict[int, TokenDelta] = field(default_factory=dict)  # deltas ahead of a gap
+    finish_reason: str | None = None
+    error: str | None = None
+    error_status: int = 503
+    num_cached_tokens: int = 0
+    retries: int = 0
+    finished_at: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        routing: RoutingConfig,
+        metrics: RouterMetrics,
+        send: Callable[[str, Message], None],
+        max_retries: int,
+        heartbeat_interval: float,
+    ):
+        self.registry = registry
+        self.routing = routing
+        self.metrics = metrics
+        self.send = send
+        self.max_retries = max_retries
+        self.heartbeat_interval = heartbeat_interval
+        self.generations: dict[str, Generation] = {}
+        self._hash_cache: tuple[int, int, list[int]] | None = None
+        self._seq = itertools.count()
+
+    # -- from the HTTP side --------------------------------------------------------------------
+
+    def submit(self, group: list[Generation]) -> Decision:
+        """Route and dispatch the choices of one prompt (all to the same pair, so the prefill
+        worker's prefix cache shares the prompt). Raises ``NoWorkerError``."""
+        first = group[0]
+        decision = self._route(first, exclude=frozenset())
+        for gen in group:
+            self.generations[gen.request_id] = gen
+            self._dispatch(gen, decision)
+        self.metrics.inflight.set(len(self.generations))
+        return decision
+
+    def finish_early(self, gen: Generation, cause: str) -> None:
+        """The router ended the sequence (stop string, client gone): free it on its workers."""
+        if self.generations.pop(gen.request_id, None) is None:
+            return
+        for worker_id in {gen.prefill_worker, gen.decode_worker} - {None}:
+            state = self.registry.workers.get(worker_id)
+            if state is not None and gen.request_id in state.inflight:
+                self.send(worker_id, AbortRequest(gen.request_id))
+                self.registry.on_released(worker_id, gen.request_id)
+        self.metrics.aborts.labels(cause).inc()
+        self.metrics.inflight.set(len(self.generations))
+
+    # -- from the control socket ---------------------------------------------------------------
+
+    def on_message(self, sender: str, msg: Message, now: float) -> None:
+        if isinstance(msg, TokenDelta):
+            self._on_delta(sender, msg, now)
+        elif isinstance(msg, Heartbeat):
+            self._check_sender(sender, msg.worker_id)
+            self.registry.on_heartbeat(msg, now)
+        elif isinstance(msg, CacheEvents):
+            self._check_sender(sender, msg.worker_id)
+            self.registry.on_cache_events(msg, now)
+        elif isinstance(msg, RequestFailed):
+            self._on_failed(sender, msg)
+        elif isinstance(msg, RegisterWorker):
+            self._on_register(sender, msg, now)
+        else:
+            raise ValueError(f"a worker may not send {type(msg).__name__}")
+
+    def remove_worker(self, worker_id: str, cause: str) -> None:
+        state = self.registry.remove(worker_id)
+        if state is None:
+            return
+        logger.warning("worker %s (%s) removed: %s", worker_id, state.role, cause)
+        self.metrics.removed_workers.labels(cause).inc()
+        self._count_workers()
+        for request_id in sorted(state.inflight):
+            gen = self.generations.get(request_id)
+            if gen is None or gen.done:
+                continue
+            self._recover(gen, worker_id, f"worker {worker_id} was removed ({cause})")
+
+    def expire(self, now: float) -> None:
+        for worker_id in self.registry.expired(now):
+            self.remove_worker(worker_id, "heartbeat_timeout")
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _on_register(self, sender: str, msg: RegisterWorker, now: float) -> None:
+        reason = None
+        if msg.worker_id != sender:
+            reason = f"worker_id {msg.worker_id!r} differs from the socket identity {sender!r}"
+        elif msg.worker_id in self.registry.workers:
+            # A restart under the same id: whatever it held is gone.
+            self.remove_worker(msg.worker_id, "re_registered")
+        if reason is None:
+            reason = self.registry.register(msg, now)
+        self.metrics.registrations.labels("accepted" if reason is None else "refused").inc()
+        if reason is None:
+            logger.info("worker %s registered as %s", msg.worker_id, msg.role)
+        else:
+            logger.warning("worker %s refused: %s", sender, reason)
+        self.send(sender, RegisterAck(reason is None, reason, self.heartbeat_interval))
+        self._count_workers()
+
+    def _check_sender(self, sender: str, worker_id: str) -> None:
+        if sender != worker_id:
+            raise ValueError(f"{sender!r} sent a report for {worker_id!r}")
+
+    def _route(self, gen: Generation, exclude: frozenset[str], migrate: bool = False) -> Decision:
+        view = self.registry.view(exclude)
+        block_size = self.registry.block_size or _FALLBACK_BLOCK_SIZE
+        tokens = gen.prompt_token_ids + [s.token_id for s in gen.samples] if migrate else None
+        request = RequestView(
+            num_prompt_tokens=len(tokens if tokens is not None else gen.prompt_token_ids),
+            block_hashes=[] if migrate else self._hashes(gen.prompt_token_ids, block_size),
+            block_size=block_size,
+            num_new_tokens_max=gen.params.max_tokens,
+            session_id=gen.session_id,
+            decode_only=migrate,
+        )
+        decision = route(request, view, self.routing)
+        self.metrics.decisions.labels(decision.reason).inc()
+        return decision
+
+    def _hashes(self, token_ids: list[int], block_size: int) -> list[int]:
+        # The n choices of one prompt are routed once, but a retry re-hashes; keep the last.
+        key = (id(token_ids), block_size)
+        if self._hash_cache is not None and self._hash_cache[:2] == key:
+            return self._hash_cache[2]
+        hashes = block_hashes(token_ids, block_size)
+        self._hash_cache = (*key, hashes)
+        return hashes
+
+    def _dispatch(self, gen: Generation, decision: Decision, migrate: bool = False) -> None:
+        now = time.monotonic()
+        gen.prefill_worker = decision.prefill_worker_id
+        gen.decode_worker = decision.decode_worker_id
+        params = gen.params.to_dict()
+        decode_state = self.registry.workers[decision.decode_worker_id]
+        output_ids = [s.token_id for s in gen.samples] if migrate else []
+        total = len(gen.prompt_token_ids) + gen.params.max_tokens
+        blocks = -(-total // decode_state.block_size)
+        if decision.prefill_worker_id is None:
+            msg: Message = DecodeRequest(gen.request_id, gen.prompt_token_ids, params, output_ids)
+            self.registry.on_dispatch(decision.decode_worker_id, gen.request_id, 0, blocks, now)
+            self.send(decision.decode_worker_id, msg)
+            return
+        uncached = len(gen.prompt_token_ids) - decision.num_cached_tokens
+        self.registry.on_dispatch(decision.prefill_worker_id, gen.request_id, uncached, 0, now)
+        self.registry.on_dispatch(decision.decode_worker_id, gen.request_id, 0, blocks, now)
+        assert decode_state.handoff_endpoint is not None  # checked at registration
+        self.send(
+            decision.prefill_worker_id,
+            PrefillRequest(
+                gen.request_id,
+                gen.prompt_token_ids,
+                params,
+                decision.decode_worker_id,
+                decode_state.handoff_endpoint,
+            ),
+        )
+
+    def _on_delta(self, sender: str, msg: TokenDelta, now: float) -> None:
+        gen = self.generations.get(msg.request_id)
+        if gen is None or gen.done:
+            return  # finished, aborted or unknown: a late message
+        if sender not in (gen.prefill_worker, gen.decode_worker):
+            return  # from a worker the request has moved away from
+        self.registry.touch(sender, now)
+        if msg.first or (msg.start_index == 0 and not gen.samples):
+            # A decode worker prefilling locally may not mark its first token as ``first``.
+            gen.num_cached_tokens = msg.num_cached_tokens
+            self.metrics.ttft.observe(now - gen.arrived_at)
+            if sender == gen.prefill_worker:
+                self.registry.on_prefilled(sender, gen.request_id)
+        if msg.start_index > len(gen.samples):
+            gen.early[msg.start_index] = msg
+            return
+        self._apply(gen, msg)
+        while len(gen.samples) in gen.early:
+            self._apply(gen, gen.early.pop(len(gen.samples)))
+        if (
+            sender == gen.prefill_worker
+            and msg.first
+            and gen.finish_reason is None
+            and gen.prefill_worker is not None
+        ):
+            # The prompt is handed off: the prefill worker no longer holds the request.
+            self.registry.on_released(gen.prefill_worker, gen.request_id)
+        if gen.finish_reason is not None:
+            gen.finished_at = now
+            self._release(gen)
+        gen.sink.put_nowait(gen.index)
+
+    def _apply(self, gen: Generation, msg: TokenDelta) -> None:
+        skip = len(gen.samples) - msg.start_index  # a migrated request may resend a few
+        gen.samples.extend(msg.samples[skip:] if skip > 0 else msg.samples)
+        if msg.finish_reason is not None:
+            gen.finish_reason = msg.finish_reason
+
+    def _on_failed(self, sender: str, msg: RequestFailed) -> None:
+        gen = self.generations.get(msg.request_id)
+        if gen is None or gen.done or sender not in (gen.prefill_worker, gen.decode_worker):
+            return
+        if msg.retryable:
+            self._recover(gen, sender, f"worker {sender} failed the request: {msg.error}")
+        else:
+            self._fail(gen, f"the request failed on worker {sender}: {msg.error}", 500)
+
+    def _recover(self, gen: Generation, failed_worker: str, why: str) -> None:
+        """Re-dispatch (no token yet) or migrate (tokens so far) away from ``failed_worker``."""
+        gen.retries += 1
+        if gen.retries > self.max_retries:
+            self._fail(gen, f"{why}; gave up after {self.max_retries} retries", 503)
+            return
+        for worker_id in {gen.prefill_worker, gen.decode_worker} - {None, failed_worker}:
+            state = self.registry.workers.get(worker_id)
+            if state is not None and gen.request_id in state.inflight:
+                self.send(worker_id, AbortRequest(gen.request_id))
+            self.registry.on_released(worker_id, gen.request_id)
+        self.registry.on_released(failed_worker, gen.request_id)
+        gen.early.clear()
+        migrate = bool(gen.samples)
+        try:
+            decision = self._route(gen, exclude=frozenset({failed_worker}), migrate=migrate)
+        except NoWorkerError as exc:
+            self._fail(gen, f"{why}, and {exc}", 503)
+            return
+        self.metrics.redispatches.labels("migrate" if migrate else "prefill").inc()
+        logger.info(
+            "%s: %s to %s", gen.request_id, "migrating" if migrate else "re-dispatching", decision
+        )
+        self._dispatch(gen, decision, migrate=migrate)
+
+    def _fail(self, gen: Generation, error: str, status: int) -> None:
+        gen.error = error
+        gen.error_status = status
+        self._release(gen)
+        gen.sink.put_nowait(gen.index)
+
+    def _release(self, gen: Generation) -> None:
+        self.generations.pop(gen.request_id, None)
+        for worker_id in (gen.prefill_worker, gen.decode_worker):
+            if worker_id is not None:
+                self.registry.on_released(worker_id, gen.request_id)
+        self.metrics.inflight.set(len(self.generations))
+
+    def _count_workers(self) -> None:
+        for role in ("prefill", "decode"):
+            self.metrics.workers.labels(role).set(len(self.registry.pool(role)))
+
+    def new_request_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._seq)}"

@@ -1,0 +1,268 @@
+"""OpenAI request bodies (the schema the app publishes) and their checked, typed form.
+
+The pydantic models describe what a client may send; ``to_generation`` turns one into a
+``GenerationRequest`` (tokenized prompts, validated ``SamplingParams``), raising ``BadRequest``
+(400, naming the parameter) for anything out of range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from common.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
+from router.errors import BadRequest
+
+MAX_N = 128
+MAX_STOP_STRINGS = 16
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _SamplingBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    n: int = 1
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    skip_special_tokens: bool = True
+
+
+class CompletionBody(_SamplingBody):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict] | None = None
+    name: str | None = None
+
+
+class ChatBody(_SamplingBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+class TokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]
+
+
+@dataclass(slots=True)
+class Prompt:
+    token_ids: list[int]
+    text: str | None  # the prompt as text, for echo
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """One OpenAI request, checked: each prompt is answered by ``n`` choices."""
+
+    chat: bool
+    model: str
+    prompts: list[Prompt]
+    params: SamplingParams
+    n: int
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # alternatives per token; None: no logprobs
+    echo: bool
+    session_id: str | None
+    skip_special_tokens: bool = True
+
+    def params_for_choice(self, index: int) -> SamplingParams:
+        """Choice ``index`` of a prompt: a seeded request uses seed + index per choice."""
+        if self.params.seed is None or index == 0:
+            return self.params
+        return replace(self.params, seed=_wrap_seed(self.params.seed + index))
+
+
+class TextCodec:
+    """What parsing needs of the tokenizer (a small seam the tests can fill)."""
+
+    vocab_size: int
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise NotImplementedError
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        raise NotImplementedError
+
+
+def to_generation(
+    body: CompletionBody | ChatBody,
+    codec: TextCodec,
+    max_model_len: int,
+    session_id: str | None,
+) -> GenerationRequest:
+    chat = isinstance(body, ChatBody)
+    if not 1 <= body.n <= MAX_N:
+        raise BadRequest(f"n must be in [1, {MAX_N}], got {body.n}", "n")
+    if chat:
+        prompts = [Prompt(codec.encode_chat(chat_messages(body)), None)]
+        logprobs = _chat_logprobs(body)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    else:
+        prompts = _completion_prompts(body.prompt, codec)
+        logprobs = body.logprobs
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise BadRequest(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        max_tokens_param = "max_tokens"
+    for prompt in prompts:
+        if not prompt.token_ids:
+            raise BadRequest("the prompt is empty", "messages" if chat else "prompt")
+        bad = [t for t in prompt.token_ids if not 0 <= t < codec.vocab_size]
+        if bad:
+            raise BadRequest(
+                f"prompt token ids must be in [0, {codec.vocab_size}), got {bad[:5]}", "prompt"
+            )
+    longest = max(len(p.token_ids) for p in prompts)
+    if longest >= max_model_len:
+        raise BadRequest(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"request has {longest} input tokens. Please reduce the length of the input.",
+            "messages" if chat else "prompt",
+        )
+    if max_tokens is None:
+        max_tokens = max_model_len - longest
+    if max_tokens < 1:
+        raise BadRequest(f"{max_tokens_param} must be >= 1, got {max_tokens}", max_tokens_param)
+    if longest + max_tokens > max_model_len:
+        raise BadRequest(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {longest + max_tokens} tokens ({longest} in the input, {max_tokens} for "
+            f"the completion). Please reduce the input or {max_tokens_param}.",
+            max_tokens_param,
+        )
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stop) > MAX_STOP_STRINGS:
+        raise BadRequest(f"at most {MAX_STOP_STRINGS} stop strings are allowed", "stop")
+    if body.seed is not None and not SEED_MIN <= body.seed <= SEED_MAX:
+        raise BadRequest("seed must fit in 64 bits", "seed")
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=_default(body.temperature, 1.0),
+        top_p=_default(body.top_p, 1.0),
+        top_k=None if body.top_k in (None, 0, -1) else body.top_k,
+        min_p=_default(body.min_p, 0.0),
+        seed=body.seed,
+        presence_penalty=_default(body.presence_penalty, 0.0),
+        frequency_penalty=_default(body.frequency_penalty, 0.0),
+        repetition_penalty=_default(body.repetition_penalty, 1.0),
+        logprobs=logprobs,
+        stop_token_ids=list(body.stop_token_ids or []),
+        min_tokens=body.min_tokens,
+        ignore_eos=body.ignore_eos,
+    )
+    try:
+        params.validate(codec.vocab_size)
+    except ValueError as exc:
+        raise BadRequest(str(exc), str(exc).split(" ", 1)[0]) from None
+    return GenerationRequest(
+        chat=chat,
+        model=body.model,
+        prompts=prompts,
+        params=params,
+        n=body.n,
+        stop=stop,
+        stream=body.stream,
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        logprobs=logprobs,
+        echo=(not chat) and body.echo,
+        session_id=session_id or body.user,
+        skip_special_tokens=body.skip_special_tokens,
+    )
+
+
+def chat_messages(body: ChatBody | TokenizeBody) -> list[dict]:
+    messages = []
+    for m in body.messages or []:
+        content = m.content
+        if isinstance(content, list):
+            # Only text parts are served; images and audio are not part of a text model's input.
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise BadRequest("only text content parts are supported", "messages")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        messages.append({"role": m.role, "content": content or ""})
+    return messages
+
+
+def _chat_logprobs(body: ChatBody) -> int | None:
+    if body.top_logprobs is not None:
+        if not body.logprobs:
+            raise BadRequest("top_logprobs requires logprobs to be true", "top_logprobs")
+        if not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+            raise BadRequest(
+                f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {body.top_logprobs}",
+                "top_logprobs",
+            )
+    if not body.logprobs:
+        return None
+    return body.top_logprobs or 0
+
+
+def _completion_prompts(
+    prompt: str | list[int] | list[str] | list[list[int]], codec: TextCodec
+) -> list[Prompt]:
+    if isinstance(prompt, str):
+        return [Prompt(codec.encode(prompt), prompt)]
+    if not prompt:
+        raise BadRequest("the prompt is empty", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [Prompt(list(prompt), None)]
+    if all(isinstance(p, str) for p in prompt):
+        return [Prompt(codec.encode(p), p) for p in prompt]
+    if all(isinstance(p, list) for p in prompt):
+        return [Prompt(list(p), None) for p in prompt]
+    raise BadRequest("prompt must be a string, a list of strings or token id lists", "prompt")
+
+
+def _default(value: float | None, default: float) -> float:
+    return default if value is None else value
+
+
+def _wrap_seed(seed: int) -> int:
+    return seed if seed <= SEED_MAX else seed - (1 << 64)

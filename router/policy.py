@@ -1,0 +1,221 @@
+"""The routing policy: a pure function from a request and a snapshot of the workers to a Decision.
+
+Nothing here touches a socket or a clock, so every rule is unit-tested with plain values.
+
+Prefill worker (remote prefill)::
+
+    cost(w) = uncached_tokens(w) + load_weight * load_tokens(w)
+
+``uncached_tokens`` is the prompt minus the leading blocks ``w`` already holds (exact, from its
+cache events); ``load_tokens`` is its queued prefill tokens, counting tokens dispatched but not
+yet reported by a heartbeat. The lowest cost wins; ties break by load, then by worker id.
+
+Before scoring, the imbalance guard drops every candidate whose load exceeds
+``imbalance_factor * min_load + imbalance_slack_tokens`` (the least-loaded worker always stays), so
+a popular prefix cannot turn its holder into a hot spot.
+
+A request with a session id skips scoring: its worker is the first on a consistent-hash ring walk
+whose in-flight count is within ``(1 + session_load_epsilon)`` times the mean (consistent hashing
+with bounded loads), so a conversation returns to the worker holding its prefix until that
+worker is overloaded, and then overflows to the ring's next worker.
+
+Conditional disaggregation: when the best uncached suffix is shorter than
+``remote_prefill_min_tokens`` (or no prefill worker is registered) the request goes straight to
+a decode worker, which prefills it locally.
+
+Decode worker::
+
+    score(d) = free_blocks(d) - running_weight_blocks * running(d)
+
+over the workers with room for the request (all of them if none has room); the highest score
+wins, ties by fewer running, then by worker id.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+# Decision reasons; each is a label value of pdserve_router_decisions_total.
+REASON_PREFIX = "prefix_hit"
+REASON_LOAD = "least_loaded"
+REASON_IMBALANCE = "imbalance_guard"
+REASON_SESSION = "session_affinity"
+REASON_SESSION_OVERFLOW = "session_overflow"
+REASON_SHORT_PROMPT = "local_prefill_short"
+REASON_NO_PREFILL = "local_prefill_no_prefill_workers"
+REASON_MIGRATION = "migration"
+REASONS = (
+    REASON_PREFIX,
+    REASON_LOAD,
+    REASON_IMBALANCE,
+    REASON_SESSION,
+    REASON_SESSION_OVERFLOW,
+    REASON_SHORT_PROMPT,
+    REASON_NO_PREFILL,
+    REASON_MIGRATION,
+)
+
+
+class NoWorkerError(RuntimeError):
+    """No decode worker can take the request (the HTTP edge answers 503)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingConfig:
+    remote_prefill_min_tokens: int = 64
+    load_weight: float = 1.0  # cost of one queued prefill token relative to one uncached token
+    imbalance_factor: float = 2.0
+    imbalance_slack_tokens: int = 2048
+    session_load_epsilon: float = 0.25
+    session_vnodes: int = 64
+    running_weight_blocks: float = 4.0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    num_prompt_tokens: int
+    block_hashes: Sequence[int]  # the prompt's chained block hashes (block_size of the pool)
+    block_size: int
+    num_new_tokens_max: int = 0  # max_tokens: the decode worker's room check
+    session_id: str | None = None
+    decode_only: bool = False  # a migration: the tokens so far are prefilled on a decode worker
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillView:
+    worker_id: str
+    load_tokens: int  # queued prefill tokens, dispatched-but-unreported included
+    num_inflight: int  # requests dispatched and not finished
+    cached_hashes: frozenset[int] | set[int] = field(default_factory=frozenset)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeView:
+    worker_id: str
+    free_blocks: int  # heartbeat's free pages minus pages reserved by later dispatches
+    num_running: int  # running + waiting + dispatched-but-unreported
+
+
+@dataclass(frozen=True, slots=True)
+class WorkersView:
+    prefill: Sequence[PrefillView]
+    decode: Sequence[DecodeView]
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    decode_worker_id: str
+    prefill_worker_id: str | None  # None: the decode worker prefills locally
+    reason: str
+    num_cached_tokens: int = 0  # expected prefix-cache hit on the chosen prefill worker
+
+
+def route(request: RequestView, workers: WorkersView, config: RoutingConfig) -> Decision:
+    """Choose the pair for one request. Raises ``NoWorkerError`` without a decode worker."""
+    decode = choose_decode(request, workers.decode, config)
+    if request.decode_only:
+        return Decision(decode, None, REASON_MIGRATION)
+    if not workers.prefill:
+        return Decision(decode, None, REASON_NO_PREFILL)
+    overlaps = {w.worker_id: overlap_tokens(request, w) for w in workers.prefill}
+    best_uncached = request.num_prompt_tokens - max(overlaps.values())
+    if best_uncached < config.remote_prefill_min_tokens:
+        return Decision(decode, None, REASON_SHORT_PROMPT)
+    if request.session_id is not None:
+        worker, reason = session_worker(request.session_id, workers.prefill, config)
+        return Decision(decode, worker, reason, overlaps[worker])
+    worker, reason = choose_prefill(request, workers.prefill, overlaps, config)
+    return Decision(decode, worker, reason, overlaps[worker])
+
+
+def overlap_tokens(request: RequestView, worker: PrefillView) -> int:
+    """Tokens of the prompt's leading blocks that ``worker`` holds (a chain stops at a miss)."""
+    held = 0
+    for block_hash in request.block_hashes:
+        if block_hash not in worker.cached_hashes:
+            break
+        held += 1
+    # The last prompt token is always recomputed to sample the first token.
+    return min(held * request.block_size, max(request.num_prompt_tokens - 1, 0))
+
+
+def choose_prefill(
+    request: RequestView,
+    candidates: Sequence[PrefillView],
+    overlaps: dict[str, int],
+    config: RoutingConfig,
+) -> tuple[str, str]:
+    min_load = min(w.load_tokens for w in candidates)
+    bound = config.imbalance_factor * min_load + config.imbalance_slack_tokens
+    allowed = [w for w in candidates if w.load_tokens <= bound]
+
+    def key(w: PrefillView) -> tuple[float, int, str]:
+        cost = request.num_prompt_tokens - overlaps[w.worker_id]
+        return (cost + config.load_weight * w.load_tokens, w.load_tokens, w.worker_id)
+
+    chosen = min(allowed, key=key)
+    unguarded = min(candidates, key=key)
+    if unguarded.worker_id != chosen.worker_id:
+        return chosen.worker_id, REASON_IMBALANCE
+    return chosen.worker_id, REASON_PREFIX if overlaps[chosen.worker_id] > 0 else REASON_LOAD
+
+
+def session_worker(
+    session_id: str, candidates: Sequence[PrefillView], config: RoutingConfig
+) -> tuple[str, str]:
+    """Consistent hashing with bounded loads: the first ring worker within the load bound."""
+    ring = _ring(tuple(sorted(w.worker_id for w in candidates)), config.session_vnodes)
+    by_id = {w.worker_id: w for w in candidates}
+    total = sum(w.num_inflight for w in candidates) + 1  # the request being placed counts
+    bound = math.ceil((1 + config.session_load_epsilon) * total / len(candidates))
+    start = bisect.bisect(ring[0], _hash64(session_id)) % len(ring[0])
+    seen: list[str] = []
+    for i in range(len(ring[0])):
+        worker_id = ring[1][(start + i) % len(ring[0])]
+        if worker_id in seen:
+            continue
+        seen.append(worker_id)
+        if by_id[worker_id].num_inflight + 1 <= bound:
+            reason = REASON_SESSION if len(seen) == 1 else REASON_SESSION_OVERFLOW
+            return worker_id, reason
+    # Unreachable: the least-loaded worker is always within the bound.
+    return min(candidates, key=lambda w: (w.num_inflight, w.worker_id)).worker_id, REASON_LOAD
+
+
+def choose_decode(
+    request: RequestView, candidates: Sequence[DecodeView], config: RoutingConfig
+) -> str:
+    if not candidates:
+        raise NoWorkerError("no decode worker is registered")
+    needed = -(-(request.num_prompt_tokens + request.num_new_tokens_max) // request.block_size)
+    fitting = [w for w in candidates if w.free_blocks >= needed] or list(candidates)
+
+    def key(w: DecodeView) -> tuple[float, int, str]:
+        score = w.free_blocks - config.running_weight_blocks * w.num_running
+        return (-score, w.num_running, w.worker_id)
+
+    return min(fitting, key=key).worker_id
+
+
+_RING_CACHE: dict[tuple[tuple[str, ...], int], tuple[list[int], list[str]]] = {}
+
+
+def _ring(worker_ids: tuple[str, ...], vnodes: int) -> tuple[list[int], list[str]]:
+    # Memoised on the membership: the ring changes only when a worker joins or leaves.
+    key = (worker_ids, vnodes)
+    ring = _RING_CACHE.get(key)
+    if ring is None:
+        points = sorted((_hash64(f"{w}#{i}"), w) for w in worker_ids for i in range(vnodes))
+        ring = ([p for p, _ in points], [w for _, w in points])
+        if len(_RING_CACHE) > 64:
+            _RING_CACHE.clear()
+        _RING_CACHE[key] = ring
+    return ring
+
+
+def _hash64(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")

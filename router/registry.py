@@ -1,0 +1,257 @@
+"""The router's book of workers: who is registered, how loaded, and which prefix blocks each holds.
+
+No sockets and no clock of its own: the control loop passes ``now`` in, so tests drive time.
+
+Load accounting counts a request the moment it is dispatched (``on_dispatch``), weighted by its
+uncached prompt tokens. Those tokens stay counted until the request's first token arrives or
+until a heartbeat that the worker sent a full interval after the dispatch has arrived (it then
+reports them in ``queued_prefill_tokens`` itself); overlap for up to one interval errs towards
+seeing a worker as busier, never as idler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.messages import PROTOCOL_VERSION
+from common.protocol import ROLE_DECODE, ROLE_PREFILL, CacheEvents, Heartbeat, RegisterWorker
+from router.policy import DecodeView, PrefillView, WorkersView
+
+
+@dataclass(slots=True)
+class _Dispatch:
+    prefill_tokens: int
+    blocks: int
+    at: float
+
+
+@dataclass(slots=True)
+class WorkerState:
+    worker_id: str
+    role: str
+    model: str
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    metrics_url: str
+    kv_transfer: str
+    handoff_endpoint: str | None
+    registered_at: float
+    last_seen: float
+    num_running: int = 0
+    num_waiting: int = 0
+    queued_prefill_tokens: int = 0
+    num_free_blocks: int = 0
+    kv_usage: float = 0.0
+    last_heartbeat_at: float | None = None
+    # request id -> what its dispatch added before a heartbeat could report it
+    unreported: dict[str, _Dispatch] = field(default_factory=dict)
+    inflight: set[str] = field(default_factory=set)  # request ids this worker holds
+
+    @property
+    def load_tokens(self) -> int:
+        return self.queued_prefill_tokens + sum(d.prefill_tokens for d in self.unreported.values())
+
+    @property
+    def free_blocks_estimate(self) -> int:
+        return self.num_free_blocks - sum(d.blocks for d in self.unreported.values())
+
+    @property
+    def running_estimate(self) -> int:
+        return max(self.num_running + self.num_waiting, 0) + len(self.unreported)
+
+    def describe(self) -> dict:
+        """The ``GET /v1/workers`` entry."""
+        return {
+            "id": self.worker_id,
+            "role": self.role,
+            "model": self.model,
+            "endpoint": self.handoff_endpoint,
+            "kv_transfer": self.kv_transfer,
+            "metrics_url": self.metrics_url,
+            "num_blocks": self.num_blocks,
+            "block_size": self.block_size,
+            "max_model_len": self.max_model_len,
+            "load": {
+                "num_running": self.num_running,
+                "num_waiting": self.num_waiting,
+                "queued_prefill_tokens": self.queued_prefill_tokens,
+                "dispatched_unreported": len(self.unreported),
+                "inflight": len(self.inflight),
+            },
+            "kv_usage": self.kv_usage,
+            "num_free_blocks": self.num_free_blocks,
+        }
+
+
+class WorkerRegistry:
+    """Registration, heartbeats, the exact prefix index and load accounting.
+
+    Called only from the router's event loop; no method blocks. ``register`` returns the refusal
+    reason (None when accepted); the other ``on_*`` methods ignore messages from unknown workers.
+    """
+
+    def __init__(self, model: str, heartbeat_timeout: float, block_size: int | None = None):
+        self.model = model
+        self.heartbeat_timeout = heartbeat_timeout
+        self.block_size = block_size  # fixed by the first worker; every later one must match
+        self.workers: dict[str, WorkerState] = {}
+        # Exact prefix index: block hash -> prefill workers holding it.
+        self.index: dict[int, set[str]] = {}
+        self._held: dict[str, set[int]] = {}
+
+    # -- membership ----------------------------------------------------------------------------
+
+    def register(self, msg: RegisterWorker, now: float) -> str | None:
+        if msg.protocol_version != PROTOCOL_VERSION:
+            return (
+                f"protocol version {msg.protocol_version} does not match the router's "
+                f"{PROTOCOL_VERSION}"
+            )
+        if msg.model != self.model:
+            return f"model {msg.model!r} does not match the router's {self.model!r}"
+        if msg.role not in (ROLE_PREFILL, ROLE_DECODE):
+            return f"unknown role {msg.role!r}; expected {ROLE_PREFILL!r} or {ROLE_DECODE!r}"
+        block_size = msg.kv_layout.get("block_size")
+        if type(block_size) is not int or block_size < 1:
+            return f"kv_layout.block_size must be a positive int, got {block_size!r}"
+        if self.block_size is not None and block_size != self.block_size:
+            return f"block_size {block_size} does not match the pool's {self.block_size}"
+        if msg.role == ROLE_DECODE and not msg.handoff_endpoint:
+            return "a decode worker must give its handoff_endpoint"
+        if msg.worker_id in self.workers:
+            # A restarted worker re-registers under its id: its old cache and load are gone.
+            self.remove(msg.worker_id)
+        self.block_size = block_size
+        self.workers[msg.worker_id] = WorkerState(
+            worker_id=msg.worker_id,
+            role=msg.role,
+            model=msg.model,
+            block_size=block_size,
+            num_blocks=msg.num_blocks,
+            max_model_len=msg.max_model_len,
+            metrics_url=msg.metrics_url,
+            kv_transfer=msg.kv_transfer,
+            handoff_endpoint=msg.handoff_endpoint,
+            registered_at=now,
+            last_seen=now,
+            num_free_blocks=msg.num_blocks,
+        )
+        self._held[msg.worker_id] = set()
+        return None
+
+    def remove(self, worker_id: str) -> WorkerState | None:
+        """Take a worker out; returns its state (its ``inflight`` requests need a new home)."""
+        state = self.workers.pop(worker_id, None)
+        for block_hash in self._held.pop(worker_id, ()):
+            self._unindex(block_hash, worker_id)
+        return state
+
+    def expired(self, now: float) -> list[str]:
+        return [
+            w.worker_id for w in self.workers.values() if now - w.last_seen > self.heartbeat_timeout
+        ]
+
+    def touch(self, worker_id: str, now: float) -> None:
+        state = self.workers.get(worker_id)
+        if state is not None:
+            state.last_seen = now
+
+    # -- reports -------------------------------------------------------------------------------
+
+    def on_heartbeat(self, msg: Heartbeat, now: float) -> None:
+        state = self.workers.get(msg.worker_id)
+        if state is None:
+            return
+        previous = state.last_heartbeat_at
+        state.last_seen = now
+        state.last_heartbeat_at = now
+        state.num_running = msg.num_running
+        state.num_waiting = msg.num_waiting
+        state.queued_prefill_tokens = msg.queued_prefill_tokens
+        state.num_free_blocks = msg.num_free_blocks
+        state.kv_usage = msg.kv_usage
+        if previous is not None:
+            # Dispatched before the previous heartbeat arrived: this one has surely counted it.
+            stale = [rid for rid, d in state.unreported.items() if d.at <= previous]
+            for rid in stale:
+                del state.unreported[rid]
+
+    def on_cache_events(self, msg: CacheEvents, now: float) -> None:
+        state = self.workers.get(msg.worker_id)
+        if state is None:
+            return
+        state.last_seen = now
+        if state.role != ROLE_PREFILL:
+            return  # only prefill workers are chosen by prefix
+        held = self._held[msg.worker_id]
+        if msg.reset:
+            for block_hash in held:
+                self._unindex(block_hash, msg.worker_id)
+            held.clear()
+        for block_hash in msg.stored:
+            held.add(block_hash)
+            self.index.setdefault(block_hash, set()).add(msg.worker_id)
+        for block_hash in msg.removed:
+            if block_hash in held:
+                held.discard(block_hash)
+                self._unindex(block_hash, msg.worker_id)
+
+    def holders(self, block_hash: int) -> set[str]:
+        return self.index.get(block_hash, set())
+
+    def cached_hashes(self, worker_id: str) -> set[int]:
+        return self._held.get(worker_id, set())
+
+    # -- load accounting -----------------------------------------------------------------------
+
+    def on_dispatch(
+        self, worker_id: str, request_id: str, prefill_tokens: int, blocks: int, now: float
+    ) -> None:
+        state = self.workers.get(worker_id)
+        if state is None:
+            return
+        state.inflight.add(request_id)
+        state.unreported[request_id] = _Dispatch(prefill_tokens, blocks, now)
+
+    def on_prefilled(self, worker_id: str, request_id: str) -> None:
+        """The request's prompt has been computed there (its first token arrived)."""
+        state = self.workers.get(worker_id)
+        if state is not None:
+            dispatch = state.unreported.get(request_id)
+            if dispatch is not None:
+                dispatch.prefill_tokens = 0
+
+    def on_released(self, worker_id: str, request_id: str) -> None:
+        state = self.workers.get(worker_id)
+        if state is not None:
+            state.inflight.discard(request_id)
+            state.unreported.pop(request_id, None)
+
+    # -- the policy's snapshot -----------------------------------------------------------------
+
+    def view(self, exclude: frozenset[str] = frozenset()) -> WorkersView:
+        prefill = []
+        decode = []
+        for w in self.workers.values():
+            if w.worker_id in exclude:
+                continue
+            if w.role == ROLE_PREFILL:
+                prefill.append(
+                    PrefillView(
+                        w.worker_id, w.load_tokens, len(w.inflight), self._held[w.worker_id]
+                    )
+                )
+            else:
+                decode.append(DecodeView(w.worker_id, w.free_blocks_estimate, w.running_estimate))
+        return WorkersView(prefill, decode)
+
+    def pool(self, role: str) -> list[WorkerState]:
+        return [w for w in self.workers.values() if w.role == role]
+
+    def _unindex(self, block_hash: int, worker_id: str) -> None:
+        holders = self.index.get(block_hash)
+        if holders is not None:
+            holders.discard(worker_id)
+            if not holders:
+                del self.index[block_hash]

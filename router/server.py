@@ -1,0 +1,129 @@
+"""`pdserve router`: the command line, the model's text side, and uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from router.app import RouterConfig, create_app
+from router.openai_api import TextCodec
+from router.policy import RoutingConfig
+
+DEFAULT_CONTROL = "tcp://127.0.0.1:8001"  # the HTTP port plus one, by convention
+
+
+class ModelText(TextCodec):
+    """The served model's tokenizer and chat template (no weights: the router runs no model)."""
+
+    def __init__(self, model_path: str | Path):
+        from common.tokenizer import Tokenizer
+
+        self._tokenizer = Tokenizer(model_path)
+        config = _read_config(Path(model_path))
+        self.vocab_size = int(config.get("vocab_size") or len(self._tokenizer._tokenizer))
+        eos = config.get("eos_token_id")
+        eos_ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+        if self._tokenizer.eos_token_id is not None:
+            eos_ids.append(self._tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos_ids)
+        self.max_position_embeddings = int(config.get("max_position_embeddings") or 4096)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        return self._tokenizer.encode_chat(messages)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+
+def _read_config(path: Path) -> dict:
+    try:
+        return json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read {path / 'config.json'}: {exc}") from exc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pdserve router",
+        description="The OpenAI-compatible router: workers register on its control socket.",
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--control",
+        default=DEFAULT_CONTROL,
+        help=f"ZeroMQ endpoint to bind for workers (default {DEFAULT_CONTROL})",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="model folder: tokenizer, chat template and served name (default: SmolLM2-135M)",
+    )
+    p.add_argument("--served-model-name", default=None, help="default: the model folder's name")
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
+    p.add_argument(
+        "--remote-prefill-min-tokens",
+        type=int,
+        default=64,
+        help="uncached prompt tokens below which a decode worker prefills locally",
+    )
+    p.add_argument("--heartbeat-timeout", type=float, default=3.0, help="seconds of silence")
+    p.add_argument("--max-retries", type=int, default=3, help="re-dispatches per request")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
+    p.add_argument("--max-inflight", type=int, default=4096, help="sequences; above it 429")
+    p.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"]
+    )
+    return p
+
+
+def config_from_args(args: argparse.Namespace, text: ModelText, model_path: Path) -> RouterConfig:
+    for name in ("remote_prefill_min_tokens", "max_retries"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+    if args.heartbeat_timeout <= 0:
+        raise ValueError("--heartbeat-timeout must be > 0")
+    if args.max_body_bytes < 1 or args.max_inflight < 1:
+        raise ValueError("--max-body-bytes and --max-inflight must be >= 1")
+    max_len = args.max_model_len or text.max_position_embeddings
+    if max_len < 2:
+        raise ValueError("--max-model-len must be >= 2")
+    return RouterConfig(
+        served_model_name=args.served_model_name or model_path.name,
+        max_model_len=max_len,
+        control=args.control,
+        api_key=args.api_key,
+        heartbeat_timeout=args.heartbeat_timeout,
+        max_retries=args.max_retries,
+        max_body_bytes=args.max_body_bytes,
+        max_inflight=args.max_inflight,
+        routing=RoutingConfig(remote_prefill_min_tokens=args.remote_prefill_min_tokens),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    import uvicorn
+
+    from common.model.default_model import resolve_model_path
+
+    try:
+        model_path = resolve_model_path(args.model)
+        text = ModelText(model_path)
+        config = config_from_args(args, text, model_path)
+    except (ValueError, OSError, ImportError) as exc:
+        print(f"pdserve router: {exc}", file=sys.stderr)
+        return 2
+    app = create_app(config, text, text.eos_token_ids)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    return 0

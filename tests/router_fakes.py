@@ -1,0 +1,437 @@
+"""Test doubles for the router: a uvicorn server in a thread and fake workers that speak the real
+protocol over real ZeroMQ sockets.
+
+``FakeWorker`` answers at once with made-up tokens (one delta per tick, so a stream is in flight
+long enough to be interrupted), keeps a real ``BlockManager`` so its cache events are the ones a
+worker would publish, and hands prompts to a decode ``FakeWorker`` in-process. ``EnginePair``
+wraps one real ``LLMEngine`` behind a prefill and a decode identity.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import httpx
+import uvicorn
+import zmq
+
+from common.engine.block_manager import BlockManager
+from common.hashing import hash_block
+from common.messages import PROTOCOL_VERSION, Message, decode, encode
+from common.protocol import (
+    ROLE_DECODE,
+    ROLE_PREFILL,
+    AbortRequest,
+    CacheEvents,
+    DecodeRequest,
+    Heartbeat,
+    PrefillRequest,
+    RegisterAck,
+    RegisterWorker,
+    TokenDelta,
+    TokenSample,
+)
+from common.sampling_params import SamplingParams
+from router.app import RouterConfig, create_app
+from router.server import ModelText
+
+HEARTBEAT = 0.1
+
+
+class _Socket:
+    """One DEALER identity on the router's control socket."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, worker_id: str):
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, worker_id.encode())
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+
+    def send(self, msg: Message) -> None:
+        self.sock.send(encode(msg))
+
+    def recv(self) -> Message | None:
+        try:
+            return decode(self.sock.recv(zmq.NOBLOCK))
+        except zmq.Again:
+            return None
+
+
+def _register(sock: _Socket, worker_id: str, role: str, model: str, block_size: int) -> RegisterAck:
+    sock.send(
+        RegisterWorker(
+            protocol_version=PROTOCOL_VERSION,
+            worker_id=worker_id,
+            role=role,
+            model=model,
+            kv_layout={"block_size": block_size},
+            kv_transfer="zmq",
+            num_blocks=4096,
+            max_model_len=8192,
+            metrics_url=f"http://127.0.0.1:0/{worker_id}/metrics",
+            handoff_endpoint=f"inproc://{worker_id}" if role == ROLE_DECODE else None,
+        )
+    )
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if sock.sock.poll(100):
+            msg = decode(sock.sock.recv())
+            assert isinstance(msg, RegisterAck), msg
+            return msg
+    raise TimeoutError(f"{worker_id}: no RegisterAck")
+
+
+@dataclass
+class _Job:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    next_index: int
+    out: _Socket | None = None
+
+
+class FakeWorker(threading.Thread):
+    """A worker that answers with token ``1000 + position``; ``hub`` maps ids to workers."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        worker_id: str,
+        role: str,
+        model: str,
+        hub: dict[str, FakeWorker],
+        block_size: int = 16,
+        tokens_per_tick: int = 1,
+        tick: float = 0.005,
+    ):
+        super().__init__(daemon=True, name=f"fake-{worker_id}")
+        self.endpoint = endpoint
+        self.worker_id = worker_id
+        self.role = role
+        self.model = model
+        self.hub = hub
+        self.block_size = block_size
+        self.tokens_per_tick = tokens_per_tick
+        self.tick = tick
+        self.blocks = BlockManager(4096, block_size)
+        self.received: list[Message] = []
+        self.inbox: queue.Queue[_Job] = queue.Queue()  # handoffs from prefill fakes
+        self.jobs: dict[str, _Job] = {}
+        self.stop_event = threading.Event()
+        self.silent = threading.Event()  # set: stop heartbeats and answers (a hung worker)
+        self.ack: RegisterAck | None = None
+        self.ready = threading.Event()
+        hub[worker_id] = self
+
+    def run(self) -> None:
+        ctx = zmq.Context()
+        sock = _Socket(ctx, self.endpoint, self.worker_id)
+        try:
+            self.ack = _register(sock, self.worker_id, self.role, self.model, self.block_size)
+            sock.send(CacheEvents(self.worker_id, [], [], reset=True))
+            self.ready.set()
+            last_beat = 0.0
+            while not self.stop_event.is_set():
+                if self.silent.is_set():
+                    time.sleep(0.01)
+                    continue
+                now = time.monotonic()
+                if now - last_beat >= HEARTBEAT:
+                    last_beat = now
+                    sock.send(self._heartbeat())
+                # Handoffs first: an abort may follow its handoff closely.
+                while not self.inbox.empty():
+                    job = self.inbox.get()
+                    job.out = sock
+                    self.jobs[job.request_id] = job
+                while (msg := sock.recv()) is not None:
+                    self.received.append(msg)
+                    self._handle(sock, msg)
+                self._generate()
+                sock.sock.poll(int(self.tick * 1000) or 1)
+        finally:
+            sock.sock.close(0)
+            ctx.term()
+
+    def _heartbeat(self) -> Heartbeat:
+        return Heartbeat(self.worker_id, len(self.jobs), 0, 0, self.blocks.num_free_blocks, 0.0)
+
+    def _handle(self, sock: _Socket, msg: Message) -> None:
+        if isinstance(msg, AbortRequest):
+            self.jobs.pop(msg.request_id, None)
+        elif isinstance(msg, PrefillRequest):
+            params = SamplingParams.from_dict(msg.params)
+            cached = self._prefill(msg.prompt_token_ids)
+            sock.send(CacheEvents(self.worker_id, *self._drain()))
+            finish = "length" if params.max_tokens == 1 else None
+            sock.send(
+                TokenDelta(
+                    msg.request_id,
+                    [self._sample(0, params)],
+                    0,
+                    finish,
+                    len(msg.prompt_token_ids),
+                    cached,
+                    first=True,
+                )
+            )
+            if finish is None:
+                self.hub[msg.decode_worker_id].inbox.put(
+                    _Job(msg.request_id, msg.prompt_token_ids, params, 1)
+                )
+        elif isinstance(msg, DecodeRequest):
+            params = SamplingParams.from_dict(msg.params)
+            job = _Job(
+                msg.request_id, msg.prompt_token_ids, params, len(msg.output_token_ids), sock
+            )
+            self.jobs[msg.request_id] = job
+
+    def _prefill(self, prompt: list[int]) -> int:
+        """File the prompt's full blocks like a worker's prefix cache; returns cached tokens."""
+        hit = self.blocks.match_prefix(prompt)
+        self.blocks.acquire(hit)
+        full = len(prompt) // self.block_size
+        new = self.blocks.allocate(full - len(hit)) if full > len(hit) else []
+        parent = None
+        for i in range(full):
+            chunk = prompt[i * self.block_size : (i + 1) * self.block_size]
+            parent = hash_block(parent, chunk)
+            if i >= len(hit):
+                self.blocks.cache_block(new[i - len(hit)], parent, chunk)
+        self.blocks.free(hit + new)
+        return len(hit) * self.block_size
+
+    def _drain(self) -> tuple[list[int], list[int]]:
+        events = self.blocks.drain_events()
+        return list(events.stored), list(events.removed)
+
+    def _sample(self, index: int, params: SamplingParams) -> TokenSample:
+        top = None
+        if params.logprobs is not None:
+            top = [1000 + index + k for k in range(params.logprobs)]
+        return TokenSample(
+            1000 + index, -0.5 if top is not None else None, top, [-0.5] * len(top or [])
+        )
+
+    def _generate(self) -> None:
+        for job in list(self.jobs.values()):
+            count = min(self.tokens_per_tick, job.params.max_tokens - job.next_index)
+            samples = [self._sample(job.next_index + k, job.params) for k in range(count)]
+            done = job.next_index + count >= job.params.max_tokens
+            assert job.out is not None
+            job.out.send(
+                TokenDelta(
+                    job.request_id,
+                    samples,
+                    job.next_index,
+                    "length" if done else None,
+                    len(job.prompt),
+                    0,
+                    first=job.next_index == 0,
+                )
+            )
+            job.next_index += count
+            if done:
+                del self.jobs[job.request_id]
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.join(timeout=5)
+
+
+class EnginePair(threading.Thread):
+    """One real ``LLMEngine`` serving as prefill worker ``p`` and decode worker ``d``."""
+
+    def __init__(self, endpoint: str, engine, model: str, prefill_id: str, decode_id: str):
+        super().__init__(daemon=True, name="engine-pair")
+        self.endpoint = endpoint
+        self.engine = engine
+        self.model = model
+        self.prefill_id = prefill_id
+        self.decode_id = decode_id
+        self.stop_event = threading.Event()
+        self.ready = threading.Event()
+        self.received: list[Message] = []
+        # request id -> (position of its next token, socket its next tokens go out on)
+        self._routes: dict[str, list] = {}
+
+    def run(self) -> None:
+        ctx = zmq.Context()
+        block_size = self.engine.config.cache.block_size
+        p = _Socket(ctx, self.endpoint, self.prefill_id)
+        d = _Socket(ctx, self.endpoint, self.decode_id)
+        try:
+            _register(p, self.prefill_id, ROLE_PREFILL, self.model, block_size)
+            _register(d, self.decode_id, ROLE_DECODE, self.model, block_size)
+            p.send(CacheEvents(self.prefill_id, [], [], reset=True))
+            self.ready.set()
+            last_beat = 0.0
+            while not self.stop_event.is_set():
+                now = time.monotonic()
+                if now - last_beat >= HEARTBEAT:
+                    last_beat = now
+                    free = self.engine.block_manager.num_free_blocks
+                    p.send(Heartbeat(self.prefill_id, 0, 0, 0, free, 0.0))
+                    d.send(Heartbeat(self.decode_id, 0, 0, 0, free, 0.0))
+                for sock in (p, d):
+                    while (msg := sock.recv()) is not None:
+                        self.received.append(msg)
+                        self._handle(sock, p, d, msg)
+                if self.engine.has_unfinished:
+                    self._step(p, d)
+                else:
+                    p.sock.poll(5)
+        finally:
+            for sock in (p, d):
+                sock.sock.close(0)
+            ctx.term()
+
+    def _handle(self, sock: _Socket, p: _Socket, d: _Socket, msg: Message) -> None:
+        if isinstance(msg, AbortRequest):
+            self.engine.abort(msg.request_id)
+            self._routes.pop(msg.request_id, None)
+        elif isinstance(msg, PrefillRequest):
+            params = SamplingParams.from_dict(msg.params)
+            self.engine.add_request(msg.prompt_token_ids, params, msg.request_id)
+            self._routes[msg.request_id] = [0, p]
+        elif isinstance(msg, DecodeRequest):
+            params = SamplingParams.from_dict(msg.params)
+            done = len(msg.output_token_ids)
+            params.max_tokens -= done
+            prompt = msg.prompt_token_ids + msg.output_token_ids
+            self.engine.add_request(prompt, params, msg.request_id)
+            self._routes[msg.request_id] = [done, d]
+
+    def _step(self, p: _Socket, d: _Socket) -> None:
+        outputs = self.engine.step()
+        events = self.engine.block_manager.drain_events()
+        if events:
+            p.send(CacheEvents(self.prefill_id, list(events.stored), list(events.removed)))
+        for out in outputs:
+            route = self._routes.get(out.request_id)
+            if route is None:
+                continue
+            index, sock = route
+            samples = [
+                TokenSample(
+                    s.token_id,
+                    s.logprob,
+                    None if s.top_logprobs is None else [t for t, _ in s.top_logprobs],
+                    None if s.top_logprobs is None else [lp for _, lp in s.top_logprobs],
+                )
+                for s in out.new_samples
+            ]
+            reason = None
+            if out.finished:
+                reason = getattr(out.finish_reason, "value", out.finish_reason)
+            sock.send(
+                TokenDelta(
+                    out.request_id,
+                    samples,
+                    index,
+                    reason,
+                    out.num_prompt_tokens,
+                    out.num_cached_tokens,
+                    first=index == 0 and sock is p,
+                )
+            )
+            route[0] += len(samples)
+            route[1] = d  # after the first token, the "decode worker" speaks
+            if out.finished:
+                del self._routes[out.request_id]
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.join(timeout=10)
+
+
+@dataclass
+class RouterServer:
+    base_url: str
+    control: str
+    app: object
+    server: uvicorn.Server
+    thread: threading.Thread
+    workers: list = field(default_factory=list)
+
+    def client(self, **kwargs) -> httpx.Client:
+        return httpx.Client(base_url=self.base_url, timeout=30, **kwargs)
+
+    def wait_for_workers(self, prefill: int, decode: int, timeout: float = 10) -> None:
+        deadline = time.monotonic() + timeout
+        headers = {}
+        key = self.app.state.config.api_key
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        with self.client() as c:
+            while time.monotonic() < deadline:
+                pools = c.get("/v1/workers", headers=headers).json()
+                if len(pools["prefill"]) == prefill and len(pools["decode"]) == decode:
+                    return
+                time.sleep(0.02)
+        raise TimeoutError(f"expected {prefill} prefill and {decode} decode workers: {pools}")
+
+    def metric(self, name: str, **labels: str) -> float:
+        value = self.app.state.metrics.registry.get_sample_value(name, labels)
+        return value or 0.0
+
+
+_TEXT: dict[str, ModelText] = {}
+
+
+def model_text(path) -> ModelText:
+    key = str(path)
+    if key not in _TEXT:
+        _TEXT[key] = ModelText(path)
+    return _TEXT[key]
+
+
+@contextlib.contextmanager
+def router_server(model_path, **overrides) -> Iterator[RouterServer]:
+    text = model_text(model_path)
+    config = RouterConfig(
+        served_model_name=model_path.name,
+        max_model_len=overrides.pop("max_model_len", 2048),
+        control="tcp://127.0.0.1:0",
+        heartbeat_timeout=overrides.pop("heartbeat_timeout", 3.0),
+        **overrides,
+    )
+    app = create_app(config, text, text.eos_token_ids)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+    )
+    thread = threading.Thread(target=server.run, daemon=True, name="router")
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the router did not start")
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    handle = RouterServer(
+        f"http://127.0.0.1:{port}", app.state.control.endpoint, app, server, thread
+    )
+    try:
+        yield handle
+    finally:
+        for worker in handle.workers:
+            worker.stop()
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def start_fakes(router: RouterServer, hub: dict, specs: list[tuple[str, str]], **kw) -> list:
+    """Start FakeWorkers given as (worker_id, role) and wait until they are registered."""
+    model = router.app.state.config.served_model_name
+    workers = [FakeWorker(router.control, wid, role, model, hub, **kw) for wid, role in specs]
+    for w in workers:
+        w.start()
+        router.workers.append(w)
+    for w in workers:
+        assert w.ready.wait(10), f"{w.worker_id} did not register"
+    return workers

@@ -1,0 +1,376 @@
+"""The router over HTTP with the official openai client, against fake workers on real sockets."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import zmq
+from router_fakes import FakeWorker, router_server, start_fakes
+
+from common.model.default_model import resolve_model_path
+from common.protocol import AbortRequest, DecodeRequest, PrefillRequest
+
+MODEL = resolve_model_path(None)
+
+
+def client(router, **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=router.base_url + "/v1", api_key="none", max_retries=0, **kw)
+
+
+@pytest.fixture()
+def cluster():
+    with router_server(MODEL) as router:
+        hub: dict = {}
+        start_fakes(router, hub, [("p0", "prefill"), ("p1", "prefill"), ("d0", "decode")])
+        router.wait_for_workers(2, 1)
+        router.hub = hub
+        yield router
+
+
+def long_prompt(seed: int, words: int = 120) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "omega"]) for _ in range(words))
+
+
+def prefill_requests(worker: FakeWorker) -> list[PrefillRequest]:
+    return [m for m in worker.received if isinstance(m, PrefillRequest)]
+
+
+def test_completions_n_logprobs_usage_and_request_id(cluster):
+    c = client(cluster)
+    raw = c.completions.with_raw_response.create(
+        model=MODEL.name,
+        prompt=long_prompt(0),
+        max_tokens=4,
+        n=2,
+        logprobs=2,
+        seed=5,
+        extra_headers={"X-Request-Id": "abc/../123"},
+    )
+    assert raw.headers["x-request-id"] == "abc..123"
+    out = raw.parse()
+    assert out.id.startswith("cmpl-abc..123")
+    assert [ch.index for ch in out.choices] == [0, 1]
+    assert all(ch.finish_reason == "length" for ch in out.choices)
+    assert all(
+        len(ch.logprobs.tokens) == 4 and len(ch.logprobs.top_logprobs[0]) == 2 for ch in out.choices
+    )
+    assert out.usage.completion_tokens == 8
+    assert out.usage.prompt_tokens_details.cached_tokens > 0  # choice 2 reuses choice 1's prefix
+    # Both choices went to the same prefill worker, with seed + i.
+    sent = prefill_requests(cluster.hub["p0"]) + prefill_requests(cluster.hub["p1"])
+    assert len({m.request_id.rsplit("-", 1)[0] for m in sent}) == 1
+    assert sorted(m.params["seed"] for m in sent) == [5, 6]
+    holders = [w for w in ("p0", "p1") if prefill_requests(cluster.hub[w])]
+    assert len(holders) == 1
+
+
+def test_chat_stream_with_usage_and_stop_string(cluster):
+    c = client(cluster)
+    stream = c.chat.completions.create(
+        model=MODEL.name,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},
+        logprobs=True,
+        top_logprobs=1,
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    # The fake answers token 1000 + i; cut at the text of the third token.
+    full = c.completions.create(model=MODEL.name, prompt=[1, 2, 3], max_tokens=8)
+    assert full.choices[0].text == text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    cut = c.completions.create(model=MODEL.name, prompt=[1, 2, 3], max_tokens=8, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[: text.index(stop)]
+
+
+def test_multiple_prompts_and_echo(cluster):
+    out = client(cluster).completions.create(
+        model=MODEL.name, prompt=["one", "two"], max_tokens=2, echo=True
+    )
+    assert [ch.index for ch in out.choices] == [0, 1]
+    assert out.choices[0].text.startswith("one") and out.choices[1].text.startswith("two")
+
+
+def test_models_tokenize_detokenize_health_metrics_workers(cluster):
+    with cluster.client() as h:
+        assert h.get("/v1/models").json()["data"][0]["id"] == MODEL.name
+        tokens = h.post("/tokenize", json={"prompt": "héllo 👋"}).json()["tokens"]
+        assert h.post("/detokenize", json={"tokens": tokens}).json()["prompt"] == "héllo 👋"
+        assert h.get("/health").status_code == 200
+        workers = h.get("/v1/workers").json()
+        assert {w["id"] for w in workers["prefill"]} == {"p0", "p1"}
+        assert workers["decode"][0]["endpoint"] == "inproc://d0"
+        assert workers["decode"][0]["metrics_url"].endswith("/metrics")
+        client(cluster).completions.create(model=MODEL.name, prompt="x", max_tokens=1)
+        assert "pdserve_router_decisions_total" in h.get("/metrics").text
+
+
+def test_errors_are_openai_shaped(cluster):
+    c = client(cluster)
+    with pytest.raises(openai.NotFoundError) as info:
+        c.completions.create(model="nope", prompt="x")
+    assert info.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 2048"):
+        c.completions.create(model=MODEL.name, prompt=[5] * 3000)
+    with pytest.raises(openai.BadRequestError, match="2048"):
+        c.completions.create(model=MODEL.name, prompt=[5] * 2000, max_tokens=100)
+    with cluster.client() as h:
+        r = h.post(
+            "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+        )
+        assert r.status_code == 400 and set(r.json()["error"]) == {
+            "message",
+            "type",
+            "param",
+            "code",
+        }
+        r = h.post("/v1/completions", json={"model": MODEL.name, "prompt": "x" * (5 << 20)})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        assert h.get("/v1/nothing").json()["error"]["code"] == "not_found"
+
+
+def test_api_key():
+    with router_server(MODEL, api_key="sekret") as router:
+        start_fakes(router, {}, [("d0", "decode")])
+        with pytest.raises(openai.AuthenticationError):
+            client(router).models.list()
+        ok = openai.OpenAI(base_url=router.base_url + "/v1", api_key="sekret", max_retries=0)
+        assert ok.completions.create(model=MODEL.name, prompt="x", max_tokens=1).choices
+        with router.client() as h:
+            assert h.get("/v1/models").status_code == 401
+            assert h.get("/health").status_code == 200  # probes need no key
+
+
+def test_no_decode_worker_is_503_and_no_prefill_means_local_prefill():
+    with router_server(MODEL) as router:
+        with pytest.raises(openai.InternalServerError) as info:
+            client(router).completions.create(model=MODEL.name, prompt="x")
+        assert info.value.status_code == 503
+        hub: dict = {}
+        (d0,) = start_fakes(router, hub, [("d0", "decode")])
+        out = client(router).completions.create(
+            model=MODEL.name, prompt=long_prompt(1), max_tokens=3
+        )
+        assert out.choices[0].finish_reason == "length"
+        assert any(isinstance(m, DecodeRequest) for m in d0.received)
+        assert (
+            router.metric(
+                "pdserve_router_decisions_total", reason="local_prefill_no_prefill_workers"
+            )
+            == 1
+        )
+
+
+def test_refused_registration():
+    with router_server(MODEL) as router:
+        w = FakeWorker(router.control, "x", "prefill", "other-model", {})
+        w.start()
+        router.workers.append(w)
+        assert w.ready.wait(10)
+        assert w.ack is not None and not w.ack.accepted and "model" in w.ack.reason
+
+
+def test_garbage_on_the_control_socket_is_dropped_and_counted(cluster):
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(cluster.control)
+    for frame in [b"\x00garbage", b"\x81\xa4type\xa3bad", b"", b"\xc1" * 10, b"\x92\x01\x02"]:
+        sock.send(frame)
+    sock.send_multipart([b"a", b"b"])
+    deadline = time.monotonic() + 5
+    while (
+        cluster.metric("pdserve_router_protocol_errors_total") < 6 and time.monotonic() < deadline
+    ):
+        time.sleep(0.02)
+    sock.close(0)
+    ctx.term()
+    assert cluster.metric("pdserve_router_protocol_errors_total") == 6
+    out = client(cluster).completions.create(model=MODEL.name, prompt="still fine", max_tokens=2)
+    assert out.choices[0].finish_reason == "length"
+
+
+def test_prefix_routing_over_four_groups(cluster):
+    c = client(cluster)
+    placements = []
+    for group in range(4):
+        prefix = long_prompt(100 + group, words=200)
+        for i in range(6):
+            before = {w: len(prefill_requests(cluster.hub[w])) for w in ("p0", "p1")}
+            # A suffix long enough to be worth a remote prefill (--remote-prefill-min-tokens).
+            question = long_prompt(1000 * group + i, words=80)
+            c.completions.create(model=MODEL.name, prompt=f"{prefix} {question}", max_tokens=1)
+            after = {w: len(prefill_requests(cluster.hub[w])) for w in ("p0", "p1")}
+            placements.append((group, i, next(w for w in after if after[w] > before[w])))
+    hits = 0
+    for group in range(4):
+        first = next(w for g, i, w in placements if g == group and i == 0)
+        hits += sum(1 for g, i, w in placements if g == group and i > 0 and w == first)
+    assert hits / 20 >= 0.9
+    assert cluster.metric("pdserve_router_decisions_total", reason="prefix_hit") >= 18
+
+
+def placed(cluster, **kw) -> str:
+    """Send one request; returns the prefill worker that got it."""
+    before = {w: len(prefill_requests(cluster.hub[w])) for w in ("p0", "p1")}
+    client(cluster).completions.create(model=MODEL.name, max_tokens=1, **kw)
+    return next(w for w in before if len(prefill_requests(cluster.hub[w])) > before[w])
+
+
+def test_sessions_stick(cluster):
+    for s, session in enumerate(("alice", "bob", "carol", "erin")):
+        seen = {
+            placed(cluster, prompt=long_prompt(10 * s + i), extra_headers={"X-Session-ID": session})
+            for i in range(4)
+        }
+        assert len(seen) == 1, session
+    seen = {placed(cluster, prompt=long_prompt(90 + i), user="frank") for i in range(3)}
+    assert len(seen) == 1
+
+
+def test_a_hot_session_worker_overflows_elsewhere(cluster):
+    home = placed(cluster, prompt=long_prompt(500), user="dave")
+    hot = cluster.hub[home]
+    hot.silent.set()  # it stops answering: dispatched requests pile up on it
+    results = []
+
+    def one(i: int) -> None:
+        out = client(cluster).completions.create(
+            model=MODEL.name, prompt=long_prompt(600 + i), max_tokens=2, user="dave"
+        )
+        results.append(out.choices[0].finish_reason)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 5
+    while cluster.metric("pdserve_router_decisions_total", reason="session_overflow") < 1:
+        assert time.monotonic() < deadline, "no request overflowed"
+        time.sleep(0.02)
+    hot.silent.clear()
+    for t in threads:
+        t.join(30)
+    assert results == ["length"] * 6
+    other = cluster.hub["p1" if home == "p0" else "p0"]
+    assert any(m.params["seed"] is None for m in prefill_requests(other))
+
+
+def test_worker_joining_mid_load_takes_requests():
+    with router_server(MODEL) as router:
+        hub: dict = {}
+        start_fakes(router, hub, [("p0", "prefill"), ("d0", "decode")], tick=0.02)
+        c = client(router)
+        results = []
+
+        def load(i: int) -> None:
+            out = c.completions.create(model=MODEL.name, prompt=long_prompt(200 + i), max_tokens=20)
+            results.append(out.choices[0].finish_reason)
+
+        threads = [threading.Thread(target=load, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        (p1,) = start_fakes(router, hub, [("p1", "prefill")], tick=0.02)
+        router.wait_for_workers(2, 1)
+        more = [threading.Thread(target=load, args=(i,)) for i in range(4, 10)]
+        for t in more:
+            t.start()
+        for t in threads + more:
+            t.join(60)
+        assert results == ["length"] * 10
+        assert prefill_requests(p1)
+
+
+def test_silent_decode_worker_is_removed_and_its_streams_migrate():
+    with router_server(MODEL, heartbeat_timeout=0.5) as router:
+        hub: dict = {}
+        _, d0, d1 = start_fakes(
+            router, hub, [("p0", "prefill"), ("d0", "decode"), ("d1", "decode")], tick=0.05
+        )
+        c = client(router)
+        streams = [
+            c.completions.create(
+                model=MODEL.name, prompt=long_prompt(300 + i), max_tokens=30, stream=True
+            )
+            for i in range(4)
+        ]
+        texts = [[] for _ in streams]
+        # Read a few chunks of each, then silence the decode worker holding most of them.
+        for i, s in enumerate(streams):
+            for _ in range(3):
+                texts[i].append(next(s).choices[0].text)
+        victim = d0 if d0.jobs else d1
+        victim.silent.set()
+        finishes = []
+        for i, s in enumerate(streams):
+            for chunk in s:
+                texts[i].append(chunk.choices[0].text)
+                if chunk.choices[0].finish_reason:
+                    finishes.append(chunk.choices[0].finish_reason)
+        assert finishes == ["length"] * 4
+        expected = client(router).completions.create(model=MODEL.name, prompt=[1], max_tokens=30)
+        assert all(
+            "".join(t) == expected.choices[0].text for t in texts
+        )  # no token lost or doubled
+        router.wait_for_workers(1, 1)
+        assert router.metric("pdserve_router_redispatches_total", kind="migrate") >= 1
+
+
+def test_silent_prefill_worker_requests_go_elsewhere():
+    with router_server(MODEL, heartbeat_timeout=0.5) as router:
+        hub: dict = {}
+        p0, p1, _ = start_fakes(
+            router, hub, [("p0", "prefill"), ("p1", "prefill"), ("d0", "decode")]
+        )
+        p0.silent.set()
+        p1.silent.set()
+        results = []
+
+        def one(i: int) -> None:
+            out = client(router).completions.create(
+                model=MODEL.name, prompt=long_prompt(i), max_tokens=2
+            )
+            results.append(out.choices[0].finish_reason)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(0.1)
+        p1.silent.clear()  # p1 comes back before its timeout; p0 stays silent and is removed
+        for t in threads:
+            t.join(30)
+        assert results == ["length"] * 4
+        assert router.metric("pdserve_router_workers_removed_total", cause="heartbeat_timeout") >= 1
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_aborts_on_every_worker_holding_the_request(stream):
+    with router_server(MODEL) as router:
+        hub: dict = {}
+        _, d0 = start_fakes(router, hub, [("p0", "prefill"), ("d0", "decode")], tick=0.05)
+        body = {"model": MODEL.name, "prompt": long_prompt(9), "max_tokens": 500, "stream": stream}
+        with httpx.Client(base_url=router.base_url, timeout=0.5) as h:
+            if stream:
+                with h.stream("POST", "/v1/completions", json=body) as r:
+                    next(r.iter_lines())
+            else:
+                with pytest.raises(httpx.ReadTimeout):
+                    h.post("/v1/completions", json=body)
+        deadline = time.monotonic() + 5
+        while not any(isinstance(m, AbortRequest) for m in d0.received):
+            assert time.monotonic() < deadline, "no AbortRequest reached the decode worker"
+            time.sleep(0.02)
+        while d0.jobs:  # the worker dropped it
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert router.metric("pdserve_router_aborts_total", cause="client_disconnected") == 1

@@ -1,0 +1,65 @@
+"""Incremental detokenization with the default model's byte-level BPE tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.model.default_model import resolve_model_path
+from router.detokenizer import IncrementalDetokenizer
+from router.server import ModelText
+
+TEXTS = [
+    "Hello, world! 👋🏽 Emoji: 🎉🧑‍🚀 and CJK: 你好，世界。日本語のテキスト。",
+    "naïve café — Ω≈ç√ ∫ 😀😃😄 한국어 텍스트 \n\n  spaces   and\ttabs",
+]
+
+
+@pytest.fixture(scope="module")
+def text() -> ModelText:
+    return ModelText(resolve_model_path(None))
+
+
+def stream(text: ModelText, ids: list[int], stop=()) -> tuple[list[str], IncrementalDetokenizer]:
+    detok = IncrementalDetokenizer(text.decode, stop)
+    pieces = [detok.add([t]) for t in ids]
+    pieces.append(detok.finish())
+    return pieces, detok
+
+
+@pytest.mark.parametrize("sample", TEXTS)
+def test_multibyte_characters_split_across_tokens(text, sample):
+    ids = text.encode(sample, add_special_tokens=False)
+    # The sample really splits characters: some single tokens decode to an incomplete one.
+    assert any("\ufffd" in text.decode([t]) for t in ids)
+    pieces, _ = stream(text, ids)
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == text.decode(ids) == sample
+
+
+def test_stop_string_across_token_boundaries_is_cut_and_never_emitted(text):
+    sample = "The answer is 42. END OF ANSWER and more text"
+    ids = text.encode(sample, add_special_tokens=False)
+    pieces, detok = stream(text, ids, stop=["END OF ANSWER"])
+    assert "".join(pieces) == "The answer is 42. "
+    assert detok.stopped and detok.stop_reason == "END OF ANSWER"
+    # No prefix of the stop string ever left the detokenizer ahead of the match.
+    assert not any("END" in p for p in pieces)
+
+
+def test_held_back_text_is_released_when_it_stops_matching(text):
+    ids = text.encode("a stop-gap, not a stop", add_special_tokens=False)
+    pieces, detok = stream(text, ids, stop=["stopper"])
+    assert "".join(pieces) == "a stop-gap, not a stop"
+    assert not detok.stopped
+
+
+def test_stop_string_inside_an_emoji_sequence(text):
+    ids = text.encode("ok 🎉🎉 done", add_special_tokens=False)
+    pieces, _ = stream(text, ids, stop=["🎉"])
+    assert "".join(pieces) == "ok "
+
+
+def test_final_text_equals_full_decode_with_special_tokens_skipped(text):
+    ids = text.encode("<|im_start|>assistant\nHi there 😊<|im_end|>", add_special_tokens=False)
+    pieces, _ = stream(text, ids)
+    assert "".join(pieces) == text.decode(ids)

@@ -1,0 +1,118 @@
+"""OpenAI request parsing and validation, without a server."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from router.errors import APIError
+from router.openai_api import ChatBody, CompletionBody, TextCodec, to_generation
+
+
+class Codec(TextCodec):
+    vocab_size = 1000
+
+    def encode(self, text, add_special_tokens=True):
+        return [ord(c) % 1000 for c in text]
+
+    def encode_chat(self, messages):
+        return [1] + [ord(c) % 1000 for m in messages for c in m["content"]] + [2]
+
+    def decode(self, token_ids, skip_special_tokens=True):
+        return "".join(chr(t) for t in token_ids)
+
+
+def parse(body: dict, max_len: int = 100, session: str | None = None):
+    model = ChatBody if "messages" in body else CompletionBody
+    return to_generation(model.model_validate(body), Codec(), max_len, session)
+
+
+def test_completion_defaults_and_prompt_forms():
+    g = parse({"model": "m", "prompt": "abc"})
+    assert g.params.max_tokens == 16 and g.params.temperature == 1.0 and g.n == 1
+    assert [p.token_ids for p in g.prompts] == [[97, 98, 99]]
+    assert len(parse({"model": "m", "prompt": ["ab", "cd"]}).prompts) == 2
+    assert parse({"model": "m", "prompt": [5, 6]}).prompts[0].token_ids == [5, 6]
+    assert len(parse({"model": "m", "prompt": [[5], [6, 7]]}).prompts) == 2
+
+
+def test_sampling_fields_map_to_params():
+    g = parse(
+        {
+            "model": "m",
+            "prompt": "x",
+            "max_tokens": 5,
+            "temperature": 0,
+            "top_p": 0.5,
+            "top_k": 4,
+            "min_p": 0.1,
+            "seed": 7,
+            "stop": "zz",
+            "stop_token_ids": [3],
+            "presence_penalty": 0.5,
+            "frequency_penalty": -0.5,
+            "repetition_penalty": 1.2,
+            "logprobs": 3,
+            "ignore_eos": True,
+            "min_tokens": 2,
+            "n": 3,
+            "user": "u1",
+        }
+    )
+    p = g.params
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p) == (5, 0, 0.5, 4, 0.1)
+    assert (p.logprobs, p.stop_token_ids, p.ignore_eos, p.min_tokens) == (3, [3], True, 2)
+    assert g.stop == ["zz"] and g.session_id == "u1"
+    assert [g.params_for_choice(i).seed for i in range(3)] == [7, 8, 9]
+
+
+def test_chat_logprobs_and_max_completion_tokens():
+    g = parse(
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi"}],
+            "logprobs": True,
+            "top_logprobs": 2,
+            "max_completion_tokens": 9,
+        },
+        session="s",
+    )
+    assert g.chat and g.logprobs == 2 and g.params.max_tokens == 9 and g.session_id == "s"
+    # Without max_tokens, a chat request may use the rest of the context.
+    g = parse({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    assert g.params.max_tokens == 100 - 4
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "x", "n": 0}, "n"),
+        ({"prompt": "x", "temperature": -1}, "temperature"),
+        ({"prompt": "x", "top_p": 0}, "top_p"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "min_tokens": 99}, "min_tokens"),
+        ({"prompt": "x", "stop_token_ids": [5000]}, "stop_token_ids"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": [2000]}, "prompt"),
+        ({"prompt": "x" * 100}, "prompt"),
+        ({"prompt": "x" * 50, "max_tokens": 51}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ],
+)
+def test_bad_values_raise_400_naming_the_parameter(body, param):
+    with pytest.raises(APIError) as info:
+        parse({"model": "m", **body})
+    assert info.value.status == 400 and info.value.param == param
+
+
+def test_context_limit_message_names_the_limit():
+    with pytest.raises(APIError, match="maximum context length is 100 tokens"):
+        parse({"model": "m", "prompt": "x" * 100})
+
+
+def test_schema_errors_are_pydantic_errors():
+    with pytest.raises(ValidationError):
+        CompletionBody.model_validate({"model": "m"})
+    with pytest.raises(ValidationError):
+        ChatBody.model_validate({"model": "m", "messages": []})

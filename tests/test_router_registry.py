@@ -1,0 +1,96 @@
+"""The worker registry: membership, heartbeats, timeouts and the exact prefix index."""
+
+from __future__ import annotations
+
+from common.messages import PROTOCOL_VERSION
+from common.protocol import CacheEvents, Heartbeat, RegisterWorker
+from router.registry import WorkerRegistry
+
+
+def reg(wid: str, role: str = "prefill", **kw) -> RegisterWorker:
+    fields = dict(
+        protocol_version=PROTOCOL_VERSION,
+        worker_id=wid,
+        role=role,
+        model="m",
+        kv_layout={"block_size": 16},
+        kv_transfer="zmq",
+        num_blocks=100,
+        max_model_len=2048,
+        metrics_url="http://127.0.0.1:9/metrics",
+        handoff_endpoint="tcp://127.0.0.1:9" if role == "decode" else None,
+    )
+    fields.update(kw)
+    return RegisterWorker(**fields)
+
+
+def beat(wid: str, queued: int = 0, free: int = 100) -> Heartbeat:
+    return Heartbeat(wid, 1, 0, queued, free, 0.1)
+
+
+def test_register_checks_version_model_role_and_layout():
+    r = WorkerRegistry("m", heartbeat_timeout=3)
+    assert "protocol version" in r.register(reg("a", protocol_version=PROTOCOL_VERSION + 1), 0)
+    assert "model" in r.register(reg("a", model="other"), 0)
+    assert "role" in r.register(reg("a", role="both"), 0)
+    assert "handoff_endpoint" in r.register(reg("a", role="decode", handoff_endpoint=None), 0)
+    assert r.register(reg("a"), 0) is None
+    assert "block_size" in r.register(reg("b", kv_layout={"block_size": 32}), 0)
+    assert list(r.workers) == ["a"]
+
+
+def test_heartbeats_keep_a_worker_and_silence_expires_it():
+    r = WorkerRegistry("m", heartbeat_timeout=3)
+    r.register(reg("a"), now=0)
+    r.register(reg("d", "decode"), now=0)
+    r.on_heartbeat(beat("a", queued=7), now=2.5)
+    assert r.expired(now=3.5) == ["d"]
+    assert r.workers["a"].queued_prefill_tokens == 7
+    r.remove("d")
+    assert r.expired(now=6.0) == ["a"]
+    r.on_heartbeat(beat("ghost"), now=1)  # unknown workers are ignored
+    assert "ghost" not in r.workers
+
+
+def test_prefix_index_follows_stored_removed_and_reset_events():
+    r = WorkerRegistry("m", heartbeat_timeout=3)
+    r.register(reg("a"), 0)
+    r.register(reg("b"), 0)
+    r.on_cache_events(CacheEvents("a", [1, 2, 3], []), 0)
+    r.on_cache_events(CacheEvents("b", [1, 9], []), 0)
+    assert r.holders(1) == {"a", "b"} and r.holders(2) == {"a"}
+    r.on_cache_events(CacheEvents("a", [4], [2]), 0)
+    assert r.holders(2) == set() and r.holders(4) == {"a"}
+    r.on_cache_events(CacheEvents("a", [5], [], reset=True), 0)
+    assert r.cached_hashes("a") == {5}
+    assert r.holders(1) == {"b"} and r.holders(3) == set()
+    r.remove("b")
+    assert r.index == {5: {"a"}}
+
+
+def test_load_is_counted_at_dispatch_until_reported():
+    r = WorkerRegistry("m", heartbeat_timeout=3)
+    r.register(reg("a"), 0)
+    r.on_dispatch("a", "r1", prefill_tokens=100, blocks=0, now=1.0)
+    assert r.view().prefill[0].load_tokens == 100
+    assert r.view().prefill[0].num_inflight == 1
+    r.on_heartbeat(beat("a", queued=100), now=1.5)  # may or may not include r1 yet
+    assert r.workers["a"].load_tokens == 200
+    r.on_heartbeat(beat("a", queued=100), now=2.5)  # a full interval later: r1 is reported
+    assert r.workers["a"].load_tokens == 100
+    r.on_dispatch("a", "r2", prefill_tokens=50, blocks=0, now=3.0)
+    r.on_prefilled("a", "r2")  # its first token arrived: its prompt is computed
+    assert r.workers["a"].load_tokens == 100
+    r.on_released("a", "r1")
+    r.on_released("a", "r2")
+    assert r.view().prefill[0].num_inflight == 0
+
+
+def test_decode_headroom_subtracts_dispatched_blocks():
+    r = WorkerRegistry("m", heartbeat_timeout=3)
+    r.register(reg("d", "decode"), 0)
+    r.on_heartbeat(beat("d", free=80), 0)
+    r.on_dispatch("d", "r1", 0, blocks=30, now=1)
+    view = r.view().decode[0]
+    assert (view.free_blocks, view.num_running) == (50, 2)
+    assert r.workers["d"].describe()["metrics_url"].endswith("/metrics")
