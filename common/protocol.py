@@ -20,6 +20,9 @@ from common.messages import Message, message
 
 ROLE_PREFILL = "prefill"
 ROLE_DECODE = "decode"
+# RegisterAck.reason of a router that hears from a worker it does not know (it restarted, or
+# dropped the worker as silent): the worker registers again and resends its prefix cache.
+REREGISTER = "unknown worker; register again"
 
 
 @dataclass(slots=True)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import zmq
@@ -33,6 +35,9 @@ logger = logging.getLogger(__name__)
 
 # Handoffs carry prompts; this bounds one frame well above any prompt a worker can hold.
 _MAX_HANDOFF_BYTES = 64 << 20
+# An abort can overtake its request's handoff (they travel on different sockets); aborted ids
+# are remembered this long so a late handoff is dropped, not served.
+_ABORT_MEMORY_S = 120.0
 
 
 @dataclass(slots=True)
@@ -57,12 +62,15 @@ class DecodeWorker(WorkerService):
         port = self.handoffs.bind_to_random_port(f"tcp://{args.host}")
         self.handoff_endpoint = f"tcp://{args.host}:{port}"
         self._pending: dict[str, PendingFetch] = {}
+        self._aborted: OrderedDict[str, float] = OrderedDict()  # request id -> time.monotonic()
 
     def registration(self) -> RegisterWorker:
         return self.base_registration(handoff_endpoint=self.handoff_endpoint)
 
     def handle(self, msg: Message) -> None:
         if isinstance(msg, DecodeRequest):
+            if self._known(msg.request_id):
+                return
             params = self.parse_params(msg.request_id, msg.params)
             if params is None:
                 return
@@ -107,8 +115,25 @@ class DecodeWorker(WorkerService):
 
     # -- handoffs -------------------------------------------------------------------------------
 
+    def _known(self, request_id: str) -> bool:
+        """Whether a request id is already served or was aborted: the router may re-send a
+        request (a migration racing a late handoff) and each must run once."""
+        now = time.monotonic()
+        while self._aborted and next(iter(self._aborted.values())) < now - _ABORT_MEMORY_S:
+            self._aborted.popitem(last=False)
+        known = (
+            request_id in self._pending
+            or request_id in self._aborted
+            or self.scheduler.holds(request_id)
+        )
+        if known:
+            logger.info("ignoring a second request for %s", request_id)
+        return known
+
     def _accept_handoff(self, handoff: Handoff) -> None:
         request_id = handoff.request_id
+        if self._known(request_id):
+            return
         params = self.parse_params(request_id, handoff.params)
         if params is None:
             return
@@ -165,6 +190,7 @@ class DecodeWorker(WorkerService):
         self.admit(seq)
 
     def _abort(self, request_id: str) -> None:
+        self._aborted[request_id] = time.monotonic()
         pending = self._pending.get(request_id)
         if pending is not None:
             pending.aborted = True

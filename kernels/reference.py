@@ -1,8 +1,8 @@
 """Plain-torch twins of the Triton kernels: the CPU production path and the tests' ground truth.
 
 Each function here states the exact semantics its Triton twin must reproduce (see
-``kernels/interface.py`` for the batch layout). Scores and softmax are computed in float32:
-decode rows explicitly, prefill chunks inside SDPA (whose CPU kernels accumulate in float32).
+``kernels/interface.py`` for the batch layout). Attention runs through SDPA in the
+query's dtype; its CPU kernels accumulate scores and softmax in float32.
 """
 
 from __future__ import annotations
@@ -75,24 +75,6 @@ def _gather_context(
     return gather(cache.key, cache.key_scale), gather(cache.value, cache.value_scale)
 
 
-def _attend(
-    query: torch.Tensor,  # [S, Q, Hq, D] fp32
-    key: torch.Tensor,  # [S, T, Hkv, D] fp32
-    value: torch.Tensor,  # [S, T, Hkv, D] fp32
-    allowed: torch.Tensor,  # [S, Q, T] bool
-    softmax_scale: float,
-) -> torch.Tensor:  # [S, Q, Hq, D] fp32
-    num_seqs, num_queries, num_heads, head_dim = query.shape
-    num_kv_heads = key.shape[2]
-    group = num_heads // num_kv_heads
-    q = query.reshape(num_seqs, num_queries, num_kv_heads, group, head_dim)
-    scores = torch.einsum("sqhgd,sthd->shgqt", q, key) * softmax_scale
-    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("shgqt,sthd->sqhgd", probs, value)
-    return out.reshape(num_seqs, num_queries, num_heads, head_dim)
-
-
 def paged_attention_reference(
     query: torch.Tensor,  # [N, num_heads, head_dim]
     cache: KVCacheView,
@@ -113,15 +95,22 @@ def paged_attention_reference(
         lens = torch.tensor([seq_lens[i] for i in decode], device=query.device)
         num_blocks = -(-max(seq_lens[i] for i in decode) // block_size)
         tables = meta.block_tables[torch.tensor(decode, device=query.device), :num_blocks]
-        key, value = _gather_context(cache, tables.long(), torch.float32)
+        key, value = _gather_context(cache, tables.long(), query.dtype)
         positions = torch.arange(key.shape[1], device=query.device)
         valid = positions[None, :] < lens[:, None]
-        # Slots past a sequence's end were never written and may hold NaN, which a zero
-        # probability does not cancel (0 * NaN = NaN).
-        value = value.masked_fill(~valid[:, :, None, None], 0.0)
-        allowed = valid[:, None, :]
-        attended = _attend(query[rows].float()[:, None], key, value, allowed, softmax_scale)
-        out[rows] = attended[:, 0].to(query.dtype)
+        # Slots past a sequence's end were never written and may hold NaN, which neither a
+        # masked score nor a zero probability cancels (NaN - inf and 0 * NaN are NaN).
+        outside = ~valid[:, :, None, None]
+        key, value = key.masked_fill_(outside, 0.0), value.masked_fill_(outside, 0.0)
+        attended = F.scaled_dot_product_attention(
+            query[rows][:, :, None],
+            key.transpose(1, 2),
+            value.transpose(1, 2),
+            attn_mask=valid[:, None, None, :],
+            scale=softmax_scale,
+            enable_gqa=True,
+        )
+        out[rows] = attended[:, :, 0].to(query.dtype)
 
     for i, q_len in enumerate(query_lens):
         if q_len == 1:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from common.hashing import block_hashes
 from common.messages import Message
 from common.protocol import (
+    REREGISTER,
     AbortRequest,
     CacheEvents,
     DecodeRequest,
@@ -122,6 +123,11 @@ class Dispatcher:
             self._on_delta(sender, msg, now)
         elif isinstance(msg, Heartbeat):
             self._check_sender(sender, msg.worker_id)
+            if msg.worker_id not in self.registry.workers:
+                # A worker this router does not know (it restarted, or dropped the worker as
+                # silent): ask it to register again rather than ignore it for good.
+                self.send(sender, RegisterAck(accepted=False, reason=REREGISTER))
+                return
             self.registry.on_heartbeat(msg, now)
         elif isinstance(msg, CacheEvents):
             self._check_sender(sender, msg.worker_id)

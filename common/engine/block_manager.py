@@ -65,6 +65,10 @@ class BlockManager:
     def num_cached_blocks(self) -> int:
         return len(self._by_hash)
 
+    def cached_hashes(self) -> list[int]:
+        """Every block hash filed now: a full report for a router that lost track."""
+        return list(self._by_hash)
+
     def match_prefix(self, token_ids: Sequence[int], max_blocks: int | None = None) -> list[int]:
         """Pages holding the longest cached prefix of ``token_ids``, in order (full pages only).
 

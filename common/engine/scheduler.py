@@ -79,6 +79,9 @@ class Scheduler:
                     return seq
         return None
 
+    def holds(self, request_id: str) -> bool:
+        return any(seq.request_id == request_id for seq in (*self.running, *self.waiting))
+
     def release(self, seq: Sequence) -> None:
         """Free the pages a sequence still holds (a prefilled sequence, once shipped)."""
         self.block_manager.free(seq.block_ids)

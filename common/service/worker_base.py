@@ -39,8 +39,10 @@ from common.metrics import (
     serve_metrics,
 )
 from common.protocol import (
+    REREGISTER,
     CacheEvents,
     Heartbeat,
+    RegisterAck,
     RegisterWorker,
     RequestFailed,
     TokenDelta,
@@ -126,8 +128,7 @@ class WorkerService(ABC):
     def serve(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: self.stop())
         self.link.register(self.registration(), self.args.register_timeout)
-        self.link.send(CacheEvents(self.worker_id, [], [], reset=True))
-        self.block_manager.drain_events()
+        self._report_whole_cache()
         logger.info(
             "%s registered with %s; metrics at %s",
             self.worker_id,
@@ -141,7 +142,10 @@ class WorkerService(ABC):
                 if not busy:
                     self._wait(poller)
                 for msg in self.link.receive():
-                    self.handle(msg)
+                    if isinstance(msg, RegisterAck):
+                        self._on_register_ack(msg)
+                    else:
+                        self.handle(msg)
                 self.poll_io()
                 if self.scheduler.has_work:
                     self.step()
@@ -158,6 +162,22 @@ class WorkerService(ABC):
         finished = self.scheduler.postprocess(batch, sampled)
         GENERATED_TOKENS.inc(len(sampled))
         self.on_finished_step(batch, finished)
+
+    def _on_register_ack(self, ack: RegisterAck) -> None:
+        if ack.accepted:
+            self.link.heartbeat_interval = ack.heartbeat_interval
+            self._report_whole_cache()
+        elif ack.reason == REREGISTER:
+            logger.warning("the router does not know this worker; registering again")
+            self.link.send(self.registration())
+        else:
+            logger.error("the router refused this worker: %s", ack.reason)
+            self.stop()
+
+    def _report_whole_cache(self) -> None:
+        self.block_manager.drain_events()
+        stored = self.block_manager.cached_hashes()
+        self.link.send(CacheEvents(self.worker_id, stored, [], reset=True))
 
     def _wait(self, poller: zmq.Poller) -> None:
         sockets = [self.link.socket, *self.extra_sockets()]

@@ -1,0 +1,214 @@
+"""`pdserve up`: a local cluster — the router plus N prefill and M decode workers — as processes.
+
+Each service runs as its own process, exactly as docker-compose runs them (``python -m router``,
+``python -m prefill_worker``, ``python -m decode_worker``). Flags this command does not know
+are passed to every worker (engine flags such as ``--kv-cache-memory`` or ``--max-model-len``).
+Without a GPU, the machine's cores are split between the workers and each worker's threads are
+pinned to its share: two workers spinning on the same cores slow each other down many times over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class Service:
+    name: str
+    process: subprocess.Popen
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdserve up",
+        description="Start the router and prefill/decode workers locally; Ctrl-C stops them.",
+        epilog="Other flags (engine flags such as --kv-cache-memory) go to every worker.",
+    )
+    parser.add_argument("--model", default=None, help="model folder (default: SmolLM2)")
+    parser.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    parser.add_argument("--decode", type=int, default=1, help="decode workers")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="the router's HTTP port")
+    parser.add_argument("--control-port", type=int, default=None, help="default: --port + 1")
+    parser.add_argument("--kv-transfer", default="zmq", choices=["zmq", "nixl"])
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--remote-prefill-min-tokens", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument(
+        "--pin-cores",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="pin each worker to its own cores (default: when there is no GPU)",
+    )
+    parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument("--log-level", default="INFO")
+    return parser
+
+
+def core_shares(num_workers: int) -> list[set[int]]:
+    """Split this process's cores into ``num_workers`` disjoint, near-equal sets (or, with more
+    workers than cores, give each worker one core round-robin)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if num_workers >= len(cores):
+        return [{cores[i % len(cores)]} for i in range(num_workers)]
+    shares: list[set[int]] = []
+    start = 0
+    for index in range(num_workers):
+        size = len(cores) // num_workers + (index < len(cores) % num_workers)
+        shares.append(set(cores[start : start + size]))
+        start += size
+    return shares
+
+
+def _spawn(name: str, module: str, args: list[str], cores: set[int] | None) -> Service:
+    env = dict(os.environ)
+    preexec = None
+    if cores is not None:
+        env["OMP_NUM_THREADS"] = str(len(cores))
+        preexec = lambda: os.sched_setaffinity(0, cores)  # noqa: E731 - runs in the child
+    process = subprocess.Popen([sys.executable, "-m", module, *args], env=env, preexec_fn=preexec)
+    return Service(name, process)
+
+
+def _get_json(url: str, api_key: str | None) -> dict | None:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=2) as r:
+            return json.loads(r.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+def _count_workers(listing: dict) -> dict[str, int]:
+    return {role: len(listing.get(role, [])) for role in ("prefill", "decode")}
+
+
+def wait_until_ready(services: list[Service], base_url: str, args) -> None:
+    deadline = time.monotonic() + args.startup_timeout
+    wanted = {"prefill": args.prefill, "decode": args.decode}
+    while time.monotonic() < deadline:
+        for service in services:
+            if service.process.poll() is not None:
+                raise RuntimeError(f"{service.name} exited with code {service.process.returncode}")
+        listing = _get_json(f"{base_url}/v1/workers", args.api_key)
+        if listing is not None and _count_workers(listing) == wanted:
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"the cluster was not ready within {args.startup_timeout:.0f} s")
+
+
+def stop_all(services: list[Service], grace: float = 15.0) -> None:
+    for service in services:
+        if service.process.poll() is None:
+            service.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for service in services:
+        try:
+            service.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            service.process.kill()
+            service.process.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, worker_flags = build_parser().parse_known_args(argv)
+    if args.prefill < 0 or args.decode < 1:
+        print("pdserve up: needs --decode >= 1 and --prefill >= 0", file=sys.stderr)
+        return 2
+    from common.model.default_model import resolve_model_path
+
+    try:
+        model = str(resolve_model_path(args.model))  # convert the default model once, here
+    except (ValueError, ModuleNotFoundError) as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr)
+        return 2
+    control = f"tcp://{args.host}:{args.control_port or args.port + 1}"
+    base_url = f"http://{args.host}:{args.port}"
+    router_args = [
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+        "--control",
+        control,
+        "--model",
+        model,
+        "--log-level",
+        args.log_level.lower(),
+    ]
+    if args.api_key:
+        router_args += ["--api-key", args.api_key]
+    if args.remote_prefill_min_tokens is not None:
+        router_args += ["--remote-prefill-min-tokens", str(args.remote_prefill_min_tokens)]
+    shared = [
+        "--router",
+        control,
+        "--model",
+        model,
+        "--host",
+        args.host,
+        "--kv-transfer",
+        args.kv_transfer,
+        "--log-level",
+        args.log_level,
+    ]
+    if args.max_model_len is not None:
+        router_args += ["--max-model-len", str(args.max_model_len)]
+        shared += ["--max-model-len", str(args.max_model_len)]
+    import torch
+
+    pin = args.pin_cores if args.pin_cores is not None else not torch.cuda.is_available()
+    roles = ["prefill"] * args.prefill + ["decode"] * args.decode
+    shares = core_shares(len(roles)) if pin else [None] * len(roles)
+    services: list[Service] = []
+    stopping = False
+
+    def request_stop(*_):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    try:
+        services.append(_spawn("router", "router", router_args, None))
+        for index, (role, cores) in enumerate(zip(roles, shares, strict=True)):
+            worker_id = ["--worker-id", f"{role}-{index}"]
+            services.append(
+                _spawn(
+                    f"{role} worker {index}",
+                    f"{role}_worker",
+                    [*shared, *worker_id, *worker_flags],
+                    cores,
+                )
+            )
+        wait_until_ready(services, base_url, args)
+        print(
+            f"pdserve is up: {base_url}/v1 ({args.prefill} prefill, {args.decode} decode, "
+            f"model {os.path.basename(model)}). Ctrl-C stops it.",
+            flush=True,
+        )
+        while not stopping:
+            for service in services:
+                if service.process.poll() is not None:
+                    print(
+                        f"pdserve up: {service.name} exited with code "
+                        f"{service.process.returncode}; stopping",
+                        file=sys.stderr,
+                    )
+                    return 1
+            time.sleep(0.5)
+        return 0
+    except RuntimeError as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        stop_all(services)
