@@ -104,3 +104,32 @@ def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int) -> li
             )
             outputs.append(generated[0, len(prompt) :].tolist())
     return outputs
+
+
+def build_tiny_chat_model(folder: Path, seed: int = 0) -> Path:
+    """A tiny random Llama that speaks the default model's tokenizer and chat template, so the
+    whole HTTP path (templates, detokenization, stop strings) runs at the speed of a toy."""
+    import shutil
+
+    from common.model.default_model import ensure_default_model
+
+    source = ensure_default_model(progress=False)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        max_position_embeddings=1024,
+        initializer_range=0.1,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, folder / name)
+    return folder

@@ -1,0 +1,235 @@
+"""The whole stack as `pdserve up` starts it — router, prefill worker, decode worker, each its
+own process — driven by the official `openai` client."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import openai
+import pytest
+from tiny_models import build_tiny_chat_model
+
+from common.config import EngineConfig, SchedulerConfig
+from common.engine.llm_engine import LLMEngine
+from common.sampling_params import SamplingParams
+from common.tokenizer import Tokenizer
+
+# Longer than --remote-prefill-min-tokens, so these prompts take the prefill worker.
+LONG_PROMPT = " ".join(f"item{i} is followed by item{i + 1}." for i in range(20))
+SHORT_PROMPT = "Hello there"
+
+
+def free_port_pair() -> int:
+    """A port P with P and P + 1 both free (the router's HTTP and control ports)."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    folder = build_tiny_chat_model(tmp_path_factory.mktemp("chat-model") / "tiny-chat")
+    port = free_port_pair()
+    log = open(tmp_path_factory.mktemp("logs") / "up.log", "w+")  # noqa: SIM115
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "up", "--model", str(folder), "--port", str(port),
+         "--max-model-len", "512", "--remote-prefill-min-tokens", "32", "--kv-cache-memory",
+         "64MiB", "--dtype", "float32", "--log-level", "WARNING"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    while True:
+        log.seek(0)
+        if "pdserve is up" in log.read():
+            break
+        if process.poll() is not None or time.monotonic() > deadline:
+            log.seek(0)
+            pytest.fail(f"pdserve up did not start:\n{log.read()[-3000:]}")
+        time.sleep(0.5)
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+    yield client, folder, base
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=60) == 0
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def reference(cluster):
+    """The same model in one process: what greedy output through the cluster must equal."""
+    _, folder, _ = cluster
+    engine = LLMEngine(
+        EngineConfig(model=str(folder), dtype="float32", device="cpu",
+                     scheduler=SchedulerConfig(max_model_len=512))
+    )  # fmt: skip
+    tokenizer = Tokenizer(folder)
+
+    def generate(prompt_ids: list[int], max_tokens: int) -> list[int]:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        return engine.generate([prompt_ids], params)[0]
+
+    return generate, tokenizer
+
+
+def worker_metric(base: str, role: str, name: str) -> float:
+    with urllib.request.urlopen(f"{base}/v1/workers", timeout=10) as response:
+        import json
+
+        url = json.loads(response.read())[role][0]["metrics_url"]
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+@pytest.mark.parametrize("prompt", [LONG_PROMPT, SHORT_PROMPT])
+def test_greedy_completion_equals_one_process_engine(cluster, reference, prompt):
+    client, _, _ = cluster
+    generate, tokenizer = reference
+    prompt_ids = tokenizer.encode(prompt)
+    expected = generate(prompt_ids, 16)
+    result = client.completions.create(
+        model="tiny-chat", prompt=prompt, max_tokens=16, temperature=0, logprobs=1
+    )
+    choice = result.choices[0]
+    assert choice.text == tokenizer.decode(expected)
+    assert result.usage.prompt_tokens == len(prompt_ids)
+    assert result.usage.completion_tokens == len(expected)
+    assert choice.finish_reason in ("stop", "length")
+
+
+def test_long_prompts_are_prefilled_remotely_and_their_pages_shipped(cluster):
+    client, _, base = cluster
+    before = worker_metric(base, "decode", "pdserve_kv_pages_received_total")
+    client.completions.create(model="tiny-chat", prompt="Again: " + LONG_PROMPT, max_tokens=4)
+    assert worker_metric(base, "decode", "pdserve_kv_pages_received_total") > before
+
+
+def test_streaming_equals_non_streaming_for_chat(cluster):
+    client, _, _ = cluster
+    messages = [{"role": "user", "content": "Say something about trains."}]
+    whole = client.chat.completions.create(
+        model="tiny-chat", messages=messages, max_tokens=20, temperature=0
+    )
+    stream = client.chat.completions.create(
+        model="tiny-chat",
+        messages=messages,
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, usage, finish = "", None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    assert text == whole.choices[0].message.content
+    assert finish == whole.choices[0].finish_reason
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_n_choices_and_seed_reproducibility(cluster):
+    client, _, _ = cluster
+
+    def sample(seed: int):
+        return client.completions.create(
+            model="tiny-chat", prompt=LONG_PROMPT, max_tokens=12, temperature=1.0, n=2,
+            seed=seed,
+        )  # fmt: skip
+
+    first, again, other = sample(7), sample(7), sample(8)
+    texts = [c.text for c in first.choices]
+    assert len(texts) == 2 and texts[0] != texts[1]
+    assert [c.text for c in again.choices] == texts
+    assert [c.text for c in other.choices] != texts
+
+
+def test_logprobs_are_reported_per_token(cluster):
+    client, _, _ = cluster
+    result = client.completions.create(
+        model="tiny-chat", prompt=LONG_PROMPT, max_tokens=6, temperature=0, logprobs=3
+    )
+    logprobs = result.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 6
+    for chosen, top in zip(logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
+        assert len(top) == 3
+        # Greedy: the chosen token is the most likely one.
+        assert chosen == pytest.approx(max(top.values()), abs=1e-4)
+
+
+def test_stop_string_cuts_the_text_and_is_not_emitted(cluster):
+    client, _, _ = cluster
+    free = client.completions.create(
+        model="tiny-chat", prompt=LONG_PROMPT, max_tokens=24, temperature=0
+    )
+    text = free.choices[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip(), f"need a visible stop string from {text!r}"
+    cut = client.completions.create(
+        model="tiny-chat", prompt=LONG_PROMPT, max_tokens=24, temperature=0, stop=[stop]
+    )
+    assert cut.choices[0].text == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_repeated_prompt_reports_cached_tokens(cluster):
+    client, _, _ = cluster
+    prompt = LONG_PROMPT + " Once more."
+    client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=2)
+    again = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=2)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16
+
+
+def test_errors_are_openai_shaped(cluster):
+    client, _, _ = cluster
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="512"):
+        client.completions.create(model="tiny-chat", prompt="word " * 600, max_tokens=2)
+
+
+def test_sigterm_stops_every_process(tmp_path):
+    """`pdserve up` takes its children down with it."""
+    folder = build_tiny_chat_model(tmp_path / "m")
+    port = free_port_pair()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "up", "--model", str(folder), "--port", str(port),
+         "--max-model-len", "256", "--kv-cache-memory", "16MiB", "--log-level", "WARNING"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    line = ""
+    deadline = time.monotonic() + 240
+    while "pdserve is up" not in line and time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line and process.poll() is not None:
+            break
+    assert "pdserve is up" in line
+    children = subprocess.run(
+        ["pgrep", "-P", str(process.pid)], capture_output=True, text=True
+    ).stdout.split()
+    assert len(children) == 3
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == 0
+    for child in children:
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(child), 0)
