@@ -95,22 +95,29 @@ def paged_attention_reference(
         lens = torch.tensor([seq_lens[i] for i in decode], device=query.device)
         num_blocks = -(-max(seq_lens[i] for i in decode) // block_size)
         tables = meta.block_tables[torch.tensor(decode, device=query.device), :num_blocks]
-        key, value = _gather_context(cache, tables.long(), query.dtype)
+        key, value = _gather_context(cache, tables.long(), torch.float32)
         positions = torch.arange(key.shape[1], device=query.device)
         valid = positions[None, :] < lens[:, None]
         # Slots past a sequence's end were never written and may hold NaN, which neither a
-        # masked score nor a zero probability cancels (NaN - inf and 0 * NaN are NaN).
-        outside = ~valid[:, :, None, None]
-        key, value = key.masked_fill_(outside, 0.0), value.masked_fill_(outside, 0.0)
+        # masked score nor a zero probability cancels (NaN - inf and 0 * NaN are NaN). Only
+        # positions past the shortest sequence can be such slots.
+        tail = min(seq_lens[i] for i in decode)
+        outside = ~valid[:, tail:, None, None]
+        key[:, tail:].masked_fill_(outside, 0.0)
+        value[:, tail:].masked_fill_(outside, 0.0)
+        # A KV head's query heads share its keys and mask: fold them into the query length, so
+        # one attention over num_kv_heads heads serves all of them.
+        num_seqs, num_heads, head_dim = len(decode), query.shape[1], query.shape[2]
+        num_kv_heads = key.shape[2]
+        folded = query[rows].float().reshape(num_seqs, num_kv_heads, -1, head_dim)
         attended = F.scaled_dot_product_attention(
-            query[rows][:, :, None],
+            folded,
             key.transpose(1, 2),
             value.transpose(1, 2),
             attn_mask=valid[:, None, None, :],
             scale=softmax_scale,
-            enable_gqa=True,
         )
-        out[rows] = attended[:, :, 0].to(query.dtype)
+        out[rows] = attended.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
     for i, q_len in enumerate(query_lens):
         if q_len == 1:
