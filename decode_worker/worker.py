@@ -28,7 +28,7 @@ from common.metrics import (
     REQUESTS,
 )
 from common.protocol import AbortRequest, DecodeRequest, Handoff, RegisterWorker
-from common.service.worker_base import WorkerService, run_worker
+from common.service.worker_base import WorkerService, run_worker, worker_parser
 from kvtransfer import TransferError, TransferParams, TransferResult, create_receiver
 
 logger = logging.getLogger(__name__)
@@ -209,8 +209,12 @@ class DecodeWorker(WorkerService):
         super().close()
 
 
+def build_parser() -> argparse.ArgumentParser:
+    return worker_parser("pdserve decode", "Run a decode worker.", _add_decode_args)
+
+
 def main(argv: list[str] | None = None) -> int:
-    return run_worker(DecodeWorker, "pdserve decode", argv, _add_decode_args)
+    return run_worker(DecodeWorker, build_parser(), argv)
 
 
 def _add_decode_args(parser: argparse.ArgumentParser) -> None:

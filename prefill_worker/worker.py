@@ -19,7 +19,7 @@ from common.engine.sequence import Sequence
 from common.messages import Message, encode
 from common.metrics import KV_PAGES_SENT, REQUESTS
 from common.protocol import AbortRequest, Handoff, PrefillRequest, RegisterWorker
-from common.service.worker_base import WorkerService, run_worker, sample_to_wire
+from common.service.worker_base import WorkerService, run_worker, sample_to_wire, worker_parser
 from kvtransfer import create_sender
 
 logger = logging.getLogger(__name__)
@@ -124,8 +124,12 @@ class PrefillWorker(WorkerService):
         super().close()
 
 
+def build_parser() -> argparse.ArgumentParser:
+    return worker_parser("pdserve prefill", "Run a prefill worker.", _add_prefill_args)
+
+
 def main(argv: list[str] | None = None) -> int:
-    return run_worker(PrefillWorker, "pdserve prefill", argv, _add_prefill_args)
+    return run_worker(PrefillWorker, build_parser(), argv)
 
 
 def _add_prefill_args(parser: argparse.ArgumentParser) -> None:

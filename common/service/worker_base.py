@@ -277,15 +277,19 @@ class WorkerService(ABC):
         self.link.close()
 
 
-def run_worker(
-    service_class: type[WorkerService],
-    prog: str,
-    argv: list[str] | None,
-    add_role_args: Callable[[argparse.ArgumentParser], None],
-) -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=service_class.__doc__)
+def worker_parser(
+    prog: str, description: str, add_role_args: Callable[[argparse.ArgumentParser], None]
+) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     add_worker_args(parser)
     add_role_args(parser)
+    return parser
+
+
+def run_worker(
+    service_class: type[WorkerService], parser: argparse.ArgumentParser, argv: list[str] | None
+) -> int:
+    prog = parser.prog
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

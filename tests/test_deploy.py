@@ -1,0 +1,73 @@
+"""deploy/: every pdserve command in docker-compose parses with the real CLI, and Prometheus
+scrapes the ports the services listen on."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import yaml
+
+from decode_worker.worker import build_parser as decode_parser
+from prefill_worker.worker import build_parser as prefill_parser
+from router.server import build_parser as router_parser
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+PARSERS = {"router": router_parser, "prefill": prefill_parser, "decode": decode_parser}
+
+
+def compose() -> dict:
+    return yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+
+
+def commands() -> dict[str, list[str]]:
+    """Each pdserve service's command, with ${VAR:-default} and ${VAR:+...} as if unset."""
+    result = {}
+    for name, service in compose()["services"].items():
+        command = service.get("command")
+        if not command or not command.strip().startswith("pdserve"):
+            continue
+        text = re.sub(r"\$\{\w+:\+[^}]*\}\}?", "", command)
+        text = re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", text)
+        result[name] = shlex.split(text)
+    return result
+
+
+def test_every_service_command_parses():
+    found = commands()
+    assert {"router", "prefill-0", "decode-0"} <= set(found)
+    for name, argv in found.items():
+        assert argv[0] == "pdserve"
+        args = PARSERS[argv[1]]().parse_args(argv[2:])
+        if argv[1] != "router":
+            # A worker advertises the address it binds: it must be its fixed cluster address.
+            address = compose()["services"][name]["networks"]["cluster"]["ipv4_address"]
+            assert args.host == address
+            assert args.router == "tcp://172.28.0.10:8001"
+
+
+def test_prometheus_scrapes_every_service_port():
+    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    targets = {t for job in config["scrape_configs"] for s in job["static_configs"]
+               for t in s["targets"]}  # fmt: skip
+    services = compose()["services"]
+    for name, argv in commands().items():
+        address = services[name]["networks"]["cluster"]["ipv4_address"]
+        port = argv[argv.index("--port") + 1] if "--port" in argv else None
+        port = port or argv[argv.index("--metrics-port") + 1]
+        assert f"{address}:{port}" in targets
+
+
+def test_dashboard_queries_only_exported_metrics():
+    dashboard = json.loads((DEPLOY / "grafana/dashboards/pdserve.json").read_text())
+    root = Path(__file__).resolve().parent.parent
+    exported = set()
+    for package in ("common", "kvtransfer", "router"):
+        exported |= set(re.findall(r'"(pdserve_\w+)"', (root / package / "metrics.py").read_text()))
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            for name in re.findall(r"pdserve_\w+", target["expr"]):
+                base = re.sub(r"_(total|bucket|sum|count)$", "", name)
+                assert base in exported, f"{panel['title']}: {name} is not exported"
