@@ -5,6 +5,7 @@ Each service runs as its own process, exactly as docker-compose runs them (``pyt
 are passed to every worker (engine flags such as ``--kv-cache-memory`` or ``--max-model-len``).
 Without a GPU, the machine's cores are split between the workers and each worker's threads are
 pinned to its share: two workers spinning on the same cores slow each other down many times over.
+A worker that dies is started again; the router re-dispatches or migrates its requests meanwhile.
 """
 
 from __future__ import annotations
@@ -20,11 +21,23 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+# A worker that dies is started again (the router re-dispatches its requests meanwhile), at
+# most this many times, so a worker that cannot start does not loop for ever.
+MAX_RESTARTS = 5
+
 
 @dataclass(slots=True)
 class Service:
     name: str
+    module: str
+    args: list[str]
+    cores: set[int] | None
     process: subprocess.Popen
+    restarts: int = 0
+
+    def start_again(self) -> None:
+        self.process = _start(self.module, self.args, self.cores)
+        self.restarts += 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,14 +82,33 @@ def core_shares(num_workers: int) -> list[set[int]]:
     return shares
 
 
-def _spawn(name: str, module: str, args: list[str], cores: set[int] | None) -> Service:
+def _start(module: str, args: list[str], cores: set[int] | None) -> subprocess.Popen:
     env = dict(os.environ)
     preexec = None
     if cores is not None:
         env["OMP_NUM_THREADS"] = str(len(cores))
         preexec = lambda: os.sched_setaffinity(0, cores)  # noqa: E731 - runs in the child
-    process = subprocess.Popen([sys.executable, "-m", module, *args], env=env, preexec_fn=preexec)
-    return Service(name, process)
+    return subprocess.Popen([sys.executable, "-m", module, *args], env=env, preexec_fn=preexec)
+
+
+def _spawn(name: str, module: str, args: list[str], cores: set[int] | None) -> Service:
+    return Service(name, module, args, cores, _start(module, args, cores))
+
+
+def supervise(services: list[Service]) -> str | None:
+    """Restart workers that died; returns why the cluster must stop, or None."""
+    for service in services:
+        code = service.process.poll()
+        if code is None:
+            continue
+        if service.module == "router":
+            return f"the router exited with code {code}"
+        if service.restarts >= MAX_RESTARTS:
+            return f"{service.name} exited with code {code} after {MAX_RESTARTS} restarts"
+        print(f"pdserve up: {service.name} exited with code {code}; starting it again",
+              file=sys.stderr, flush=True)  # fmt: skip
+        service.start_again()
+    return None
 
 
 def _get_json(url: str, api_key: str | None) -> dict | None:
@@ -197,14 +229,10 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         while not stopping:
-            for service in services:
-                if service.process.poll() is not None:
-                    print(
-                        f"pdserve up: {service.name} exited with code "
-                        f"{service.process.returncode}; stopping",
-                        file=sys.stderr,
-                    )
-                    return 1
+            problem = supervise(services)
+            if problem is not None:
+                print(f"pdserve up: {problem}; stopping", file=sys.stderr)
+                return 1
             time.sleep(0.5)
         return 0
     except RuntimeError as exc:

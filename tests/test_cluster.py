@@ -233,3 +233,64 @@ def test_sigterm_stops_every_process(tmp_path):
     for child in children:
         with pytest.raises(ProcessLookupError):
             os.kill(int(child), 0)
+
+
+def test_decode_worker_killed_mid_stream_migrates_and_the_stream_goes_on(tmp_path):
+    folder = build_tiny_chat_model(tmp_path / "tiny-chat")
+    port = free_port_pair()
+    base = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "up", "--model", str(folder), "--port", str(port),
+         "--decode", "2", "--max-model-len", "1024", "--kv-cache-memory", "32MiB",
+         "--dtype", "float32", "--remote-prefill-min-tokens", "8", "--log-level", "WARNING"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    try:
+        line = ""
+        while "pdserve is up" not in line:
+            line = process.stdout.readline()
+            assert line or process.poll() is None, "pdserve up exited"
+        tokenizer = Tokenizer(folder)
+        engine = LLMEngine(
+            EngineConfig(model=str(folder), dtype="float32", device="cpu",
+                         scheduler=SchedulerConfig(max_model_len=1024))
+        )  # fmt: skip
+        max_tokens = 600
+        expected = engine.generate(
+            [tokenizer.encode(LONG_PROMPT)],
+            SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+        )[0]
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=120)
+        stream = client.completions.create(
+            model="tiny-chat", prompt=LONG_PROMPT, max_tokens=max_tokens, temperature=0,
+            stream=True, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        text, killed = "", None
+        for chunk in stream:
+            text += chunk.choices[0].text if chunk.choices else ""
+            if killed is None and len(text) > 20:
+                killed = kill_busy_decode_worker(base, process.pid)
+        assert killed is not None
+        assert text == tokenizer.decode(expected)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+
+
+def kill_busy_decode_worker(base: str, launcher_pid: int) -> str:
+    import json
+
+    workers = json.loads(urllib.request.urlopen(f"{base}/v1/workers", timeout=10).read())
+    busy = next(w["id"] for w in workers["decode"] if w["load"]["inflight"] > 0)
+    children = subprocess.run(
+        ["pgrep", "-P", str(launcher_pid)], capture_output=True, text=True
+    ).stdout.split()
+    for pid in children:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            argv = cmdline.read().split(b"\0")
+        if b"--worker-id" in argv and argv[argv.index(b"--worker-id") + 1].decode() == busy:
+            os.kill(int(pid), signal.SIGKILL)
+            return busy
+    raise AssertionError(f"no process for {busy}")

@@ -1,0 +1,175 @@
+"""Serving benchmark: output tok/s, TTFT, TPOT and ITL of any OpenAI-compatible server.
+
+Random-token prompts (ISL tokens each, from the model's own tokenizer), OSL output tokens with
+ignore_eos and greedy sampling, streamed, at a fixed concurrency: the workload vLLM's
+`vllm bench serve --dataset-name random` runs, so figures compare with ../shared/BENCHMARKING.md.
+
+    python -m benchmarks.serving --base-url http://127.0.0.1:8000 [--isl 256 --osl 64
+        --num-prompts 64 --concurrency 8]
+    python -m benchmarks.serving --launch [pdserve up flags]   # starts pdserve up itself
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from common.model.default_model import resolve_model_path
+from common.tokenizer import Tokenizer
+
+
+@dataclass
+class Result:
+    ttft: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    error: str | None = None
+
+
+def random_prompts(tokenizer: Tokenizer, count: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    # Ids past the control tokens of the vocabulary, like vLLM's random dataset.
+    return [[rng.randrange(100, 49000) for _ in range(length)] for _ in range(count)]
+
+
+async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Result:
+    result = Result()
+    start = time.perf_counter()
+    last = start
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                if not chunk.get("choices") or not chunk["choices"][0].get("text"):
+                    continue
+                now = time.perf_counter()
+                if not result.ttft:
+                    result.ttft = now - start
+                else:
+                    result.token_times.append(now - last)
+                last = now
+    except httpx.HTTPError as exc:
+        result.error = repr(exc)
+    return result
+
+
+async def run(args, prompts: list[list[int]], model: str) -> tuple[list[Result], float]:
+    url = f"{args.base_url}/v1/completions"
+    semaphore = asyncio.Semaphore(args.concurrency)
+    limits = httpx.Limits(max_connections=args.concurrency * 2)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+
+        async def limited(prompt: list[int]) -> Result:
+            body = {
+                "model": model, "prompt": prompt, "max_tokens": args.osl, "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            }  # fmt: skip
+            async with semaphore:
+                return await one_request(client, url, body)
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(limited(p) for p in prompts))
+        return results, time.perf_counter() - start
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def report(results: list[Result], elapsed: float, args) -> dict:
+    good = [r for r in results if r.error is None]
+    errors = [r.error for r in results if r.error is not None]
+    output = sum(r.output_tokens for r in good)
+    ttft = [r.ttft * 1e3 for r in good]
+    itl = [t * 1e3 for r in good for t in r.token_times]
+    tpot = [(sum(r.token_times) / len(r.token_times)) * 1e3 for r in good if r.token_times]
+    figures = {
+        "requests_ok": len(good),
+        "errors": len(errors),
+        "output_tok_s": output / elapsed,
+        "ttft_p50_ms": percentile(ttft, 0.5),
+        "ttft_p99_ms": percentile(ttft, 0.99),
+        "tpot_mean_ms": statistics.fmean(tpot) if tpot else float("nan"),
+        "itl_p99_ms": percentile(itl, 0.99),
+        "duration_s": elapsed,
+    }
+    print(f"ISL {args.isl}, OSL {args.osl}, {args.num_prompts} prompts, concurrency "
+          f"{args.concurrency}")  # fmt: skip
+    for name, value in figures.items():
+        print(f"  {name:<14} {value:10.1f}")
+    if errors:
+        print(f"  first error: {errors[0]}")
+    return figures
+
+
+def wait_for_cluster(base_url: str, process: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"pdserve up exited with {process.returncode}")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError("pdserve up did not become healthy")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", default=None, help="model folder (tokenizer and name)")
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--isl", type=int, default=256)
+    parser.add_argument("--osl", type=int, default=64)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--launch", action="store_true", help="start `pdserve up` first")
+    args, up_flags = parser.parse_known_args()
+    folder = resolve_model_path(args.model)
+    tokenizer = Tokenizer(folder)
+    prompts = random_prompts(tokenizer, args.num_prompts, args.isl, args.seed)
+    process = None
+    if args.launch:
+        port = args.base_url.rsplit(":", 1)[1]
+        process = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.cli", "up", "--model", str(folder), "--port", port,
+             "--log-level", "WARNING", *up_flags]
+        )  # fmt: skip
+        wait_for_cluster(args.base_url, process, 600)
+    try:
+        model = args.served_model_name or folder.name
+        # One request first, so start-up costs (first forward, connections) are not measured.
+        asyncio.run(run(argparse.Namespace(**{**vars(args), "concurrency": 1}), prompts[:1],
+                        model))  # fmt: skip
+        results, elapsed = asyncio.run(run(args, prompts, model))
+        report(results, elapsed, args)
+    finally:
+        if process is not None:
+            process.terminate()
+            process.wait(timeout=60)
+
+
+if __name__ == "__main__":
+    main()
