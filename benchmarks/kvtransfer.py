@@ -3,10 +3,12 @@
 A sender process (like a prefill worker) publishes pages of a SmolLM2-shaped pool; this process
 (like a decode worker) fetches them into other pages of its own pool. Prints:
 
+- the transports each backend used (side channel, and pages);
 - GB/s moving 1, 16 and 256 MB of pages (scattered page ids, as in a pool that has been in use),
   beside a torch ``copy_`` of the same number of bytes, with the ratio to it;
 - the time until a receiver holds all 256 pages of a 4k-token prompt, with and without the
-  first-contact handshake;
+  first-contact handshake, and with its pages in a row on both sides (a pool not yet
+  fragmented);
 - CPU used by an idle sender + receiver pair with NIXL initialised, per process and its busiest
   thread, beside a NIXL agent left with its default progress thread.
 
@@ -260,6 +262,14 @@ def transport_ceiling(kind: str, nbytes: int, repeats: int) -> float:
     return statistics.median(times[1:])  # the first run pays for first touches
 
 
+def transports(backend: str, params: TransferParams) -> str:
+    side_channel = params.endpoint.split("://")[0]
+    if backend == "nixl":
+        tls = os.environ.get("UCX_TLS", "unset: UCX's choice, CMA between processes of one host")
+        return f"side channel over {side_channel}; pages READ by UCX (UCX_TLS {tls})"
+    return f"side channel and page frames over {side_channel}"
+
+
 def run_backend(backend: str, sizes_mb: list[float], repeats: int, num_blocks: int) -> dict:
     rng = random.Random(SEED)
     sender = SenderHandle(backend, num_blocks)
@@ -271,12 +281,18 @@ def run_backend(backend: str, sizes_mb: list[float], repeats: int, num_blocks: i
     out: dict = {"throughput": {}}
     counter = 0
 
-    def one(num_pages: int, verify: bool = False) -> float:
+    def one(num_pages: int, verify: bool = False, in_a_row: bool = False) -> float:
         nonlocal counter
         counter += 1
-        src = rng.sample(range(num_blocks), num_pages)
-        dst = rng.sample(range(num_blocks), num_pages)
+        if in_a_row:
+            src_first, dst_first = (rng.randrange(num_blocks - num_pages + 1) for _ in range(2))
+            src = list(range(src_first, src_first + num_pages))
+            dst = list(range(dst_first, dst_first + num_pages))
+        else:
+            src = rng.sample(range(num_blocks), num_pages)
+            dst = rng.sample(range(num_blocks), num_pages)
         params = sender.publish(f"r{counter}", src)
+        out["transports"] = transports(backend, params)
         seconds = fetch(receiver, f"r{counter}", params, dst)
         if verify:
             # Compared as bytes: random bits include NaNs, which never equal themselves.
@@ -287,6 +303,10 @@ def run_backend(backend: str, sizes_mb: list[float], repeats: int, num_blocks: i
     try:
         out["cold_prompt_s"] = one(PROMPT_PAGES, verify=True)  # includes the handshake
         out["warm_prompt_s"] = statistics.median(one(PROMPT_PAGES) for _ in range(repeats))
+        one(PROMPT_PAGES, verify=True, in_a_row=True)
+        out["row_prompt_s"] = statistics.median(
+            one(PROMPT_PAGES, in_a_row=True) for _ in range(repeats)
+        )
         for megabytes in sizes_mb:
             num_pages = pages_for(megabytes)
             one(num_pages, verify=True)
@@ -320,6 +340,9 @@ def main() -> None:
         backend: run_backend(backend, args.sizes_mb, args.repeats, num_blocks)
         for backend in args.backends
     }
+    print("\ntransports:")
+    for backend in args.backends:
+        print(f"  {backend:>8}: {results[backend]['transports']}")
     memcpy = {
         mb: memcpy_seconds(pages_for(mb) * LAYOUT.page_nbytes, args.repeats) for mb in args.sizes_mb
     }
@@ -357,8 +380,9 @@ def main() -> None:
     for backend in args.backends:
         r = results[backend]
         print(
-            f"  {backend:>5}: {1e3 * r['warm_prompt_s']:7.1f} ms   "
-            f"(first contact, with handshake: {1e3 * r['cold_prompt_s']:.1f} ms)"
+            f"  {backend:>8}: {1e3 * r['warm_prompt_s']:7.1f} ms   "
+            f"(first contact, with handshake: {1e3 * r['cold_prompt_s']:.1f} ms; "
+            f"pages in a row: {1e3 * r['row_prompt_s']:.1f} ms)"
         )
 
     if "nixl" in results:

@@ -69,16 +69,21 @@ class DecodeWorker(WorkerService):
 
     def handle(self, msg: Message) -> None:
         if isinstance(msg, DecodeRequest):
-            if self._known(msg.request_id):
-                return
             params = self.parse_params(msg.request_id, msg.params)
             if params is None:
                 return
+            # The router's latest word wins: a request it re-dispatches here (its prefill worker
+            # was lost, or it migrated) replaces whatever this worker held under the same id,
+            # even one it was just told to abort.
+            self._aborted.pop(msg.request_id, None)
+            self._drop_request(msg.request_id)
             seq = Sequence.from_prompt(msg.request_id, msg.prompt_token_ids, params)
             seq.token_ids.extend(msg.output_token_ids)  # a migrated request continues
             self.admit(seq)
         elif isinstance(msg, AbortRequest):
-            self._abort(msg.request_id)
+            self._aborted[msg.request_id] = time.monotonic()
+            if self._drop_request(msg.request_id):
+                REQUESTS.labels(outcome="abort").inc()
         else:
             logger.debug("decode worker ignores %s", type(msg).__name__)
 
@@ -116,8 +121,8 @@ class DecodeWorker(WorkerService):
     # -- handoffs -------------------------------------------------------------------------------
 
     def _known(self, request_id: str) -> bool:
-        """Whether a request id is already served or was aborted: the router may re-send a
-        request (a migration racing a late handoff) and each must run once."""
+        """Whether a handoff's request is already served here or was aborted: an abort or a
+        re-dispatch can overtake a handoff (they travel on different sockets)."""
         now = time.monotonic()
         while self._aborted and next(iter(self._aborted.values())) < now - _ABORT_MEMORY_S:
             self._aborted.popitem(last=False)
@@ -127,7 +132,7 @@ class DecodeWorker(WorkerService):
             or self.scheduler.holds(request_id)
         )
         if known:
-            logger.info("ignoring a second request for %s", request_id)
+            logger.info("dropping a late handoff for %s", request_id)
         return known
 
     def _accept_handoff(self, handoff: Handoff) -> None:
@@ -170,7 +175,6 @@ class DecodeWorker(WorkerService):
         seq = pending.seq
         if pending.aborted:
             self.block_manager.free(pending.dst_block_ids)
-            REQUESTS.labels(outcome="abort").inc()
             return
         if not result.ok:
             logger.warning("fetching %s's pages failed (%s)", seq.request_id, result.error)
@@ -189,14 +193,14 @@ class DecodeWorker(WorkerService):
         seq.num_computed_tokens = 0
         self.admit(seq)
 
-    def _abort(self, request_id: str) -> None:
-        self._aborted[request_id] = time.monotonic()
+    def _drop_request(self, request_id: str) -> bool:
+        """Stop serving a request wherever it is here; whether there was one."""
         pending = self._pending.get(request_id)
-        if pending is not None:
+        if pending is not None and not pending.aborted:
             pending.aborted = True
             self.receiver.abort(request_id)  # its pages are freed when the fetch reports
-        elif self.scheduler.abort(request_id) is not None:
-            REQUESTS.labels(outcome="abort").inc()
+            return True
+        return self.scheduler.abort(request_id) is not None
 
     @staticmethod
     def _drop(reason: str) -> None:

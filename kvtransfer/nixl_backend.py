@@ -3,8 +3,8 @@
 Both sides register their whole pool with a NIXL agent once. The handshake on the ZMQ side
 channel carries the sender's agent metadata and the pool's base addresses; a fetch is then a
 FetchRequest / FetchReady exchange (so the sender knows its pages are being read, and a lease
-that is over or aborted is refused before any READ), one READ with a descriptor per page (and
-per page of scales), and a ReleasePages acknowledgement.
+that is over or aborted is refused before any READ), one READ with a descriptor per run of
+consecutive pages (and per run of scales), and a ReleasePages acknowledgement.
 
 The agents run without NIXL's progress thread, which busy-polls a core even when idle: UCX is
 progressed from ``poll()`` instead, on both sides, by the worker's own loop. With the UCX TCP +
@@ -69,19 +69,34 @@ class _RegisteredPool:
         self._registrations = []
 
 
-def page_descs(
-    data_addr: int, scale_addr: int | None, block_ids: list[int], layout: KVLayout, device_id: int
+def page_runs(src: list[int], dst: list[int]) -> np.ndarray:
+    """(first source page, first destination page, pages) rows, one per stretch over which both
+    lists count up by one: each becomes one descriptor, so a prompt whose pages were allocated
+    in a row moves in a few large reads instead of one per page."""
+    src_ids, dst_ids = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+    breaks = (np.diff(src_ids) != 1) | (np.diff(dst_ids) != 1)
+    starts = np.concatenate(([0], np.flatnonzero(breaks) + 1))
+    lengths = np.diff(np.append(starts, len(src_ids)))
+    return np.stack([src_ids[starts], dst_ids[starts], lengths], axis=1)
+
+
+def run_descs(
+    data_addr: int,
+    scale_addr: int | None,
+    first_pages: np.ndarray,
+    lengths: np.ndarray,
+    layout: KVLayout,
+    device_id: int,
 ) -> np.ndarray:
-    """(address, length, device) rows: one per page, then one per page of scales."""
-    ids = np.asarray(block_ids, dtype=np.uint64)
+    """(address, length, device) rows: one per run of pages, then one per run of scales."""
     spans = [(data_addr, layout.page_nbytes)]
     if scale_addr is not None:
         spans.append((scale_addr, layout.scale_page_nbytes))
     rows = []
     for base, nbytes in spans:
-        block = np.empty((len(ids), 3), dtype=np.uint64)
-        block[:, 0] = np.uint64(base) + ids * np.uint64(nbytes)
-        block[:, 1] = nbytes
+        block = np.empty((len(first_pages), 3), dtype=np.uint64)
+        block[:, 0] = np.uint64(base) + first_pages.astype(np.uint64) * np.uint64(nbytes)
+        block[:, 1] = lengths.astype(np.uint64) * np.uint64(nbytes)
         block[:, 2] = device_id
         rows.append(block)
     return np.concatenate(rows)
@@ -179,19 +194,19 @@ class NixlReceiver(SideChannelReceiver):
         reply = fetch.peer.reply
         assert reply is not None and reply.nixl is not None
         info = reply.nixl
-        local = page_descs(
-            self._registered.data_addr,
-            self._registered.scale_addr,
-            fetch.dst_block_ids,
-            self.pool.layout,
-            self._registered.device_id,
+        runs = page_runs(fetch.params.block_ids, fetch.dst_block_ids)
+        layout, lengths = self.pool.layout, runs[:, 2]
+        registered = self._registered
+        local = run_descs(
+            registered.data_addr,
+            registered.scale_addr,
+            runs[:, 1],
+            lengths,
+            layout,
+            registered.device_id,
         )
-        remote = page_descs(
-            info.data_addr,
-            info.scale_addr,
-            fetch.params.block_ids,
-            self.pool.layout,
-            info.device_id,
+        remote = run_descs(
+            info.data_addr, info.scale_addr, runs[:, 0], lengths, layout, info.device_id
         )
         agent = self._agent
         try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
 
 import zmq
 
@@ -26,11 +26,41 @@ MAX_INBOUND_FRAME_BYTES = 64 << 20
 CLOSE_LINGER_MS = 1000
 
 
-@dataclass(slots=True)
 class Incoming:
-    msg: Message
-    identity: bytes | None  # the peer's routing id (ROUTER sockets only)
-    frames: list[zmq.Frame]  # frames after the message (PageData only), received zero-copy
+    """A valid message; frames that follow it (PageData only) are still queued on the socket
+    until ``read_frames_into`` takes them, and are dropped once the caller moves on."""
+
+    __slots__ = ("_more", "_socket", "identity", "msg")
+
+    def __init__(
+        self, msg: Message, identity: bytes | None, socket: zmq.Socket, more: bool
+    ) -> None:
+        self.msg = msg
+        self.identity = identity  # the peer's routing id (ROUTER sockets only)
+        self._socket = socket
+        self._more = more
+
+    def read_frames_into(self, buffers: list) -> str | None:
+        """Receive the following frames straight into ``buffers`` (writable, contiguous, with
+        an ``nbytes``), one frame each, with no copy in between; None, or what was wrong (frame
+        count or sizes). A problem may leave the buffers partly written."""
+        for i, buffer in enumerate(buffers):
+            if not self._more:
+                return f"{i} frames, expected {len(buffers)}"
+            # Parts of a message are delivered together: once the first is here, all are.
+            nbytes = self._socket.recv_into(buffer, flags=zmq.NOBLOCK)
+            self._more = bool(self._socket.getsockopt(zmq.RCVMORE))
+            if nbytes != buffer.nbytes:
+                return f"frame {i} has {nbytes} bytes, expected {buffer.nbytes}"
+        if self._more:
+            return f"more than the {len(buffers)} frames expected"
+        return None
+
+    def discard_rest(self) -> None:
+        """Drop the frames nobody read."""
+        if self._more:
+            _discard_frames(self._socket)
+            self._more = False
 
 
 class SideChannel:
@@ -81,18 +111,23 @@ class SideChannel:
     def endpoint(self) -> str:
         return self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
 
-    def receive(self) -> list[Incoming]:
-        """Every valid message waiting now (at most MAX_MESSAGES_PER_POLL); never blocks."""
-        received = []
+    def receive(self) -> Iterator[Incoming]:
+        """Every valid message waiting now (at most MAX_MESSAGES_PER_POLL); never blocks.
+
+        Handle each message before asking for the next: its frames are read (or dropped) in
+        between. Stops when the socket is closed meanwhile.
+        """
         for _ in range(MAX_MESSAGES_PER_POLL):
+            if self.socket.closed:
+                return
             try:
-                parts = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                first = self.socket.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                break
-            incoming = self._parse(parts)
+                return
+            incoming = self._parse(first)
             if incoming is not None:
-                received.append(incoming)
-        return received
+                yield incoming
+                incoming.discard_rest()
 
     def send(
         self,
@@ -120,23 +155,36 @@ class SideChannel:
     def close(self) -> None:
         self.socket.close()
 
-    def _parse(self, parts: list[zmq.Frame]) -> Incoming | None:
-        identity = None
+    def _parse(self, first: zmq.Frame) -> Incoming | None:
+        identity, head = None, first
         if self._routed:
-            identity, parts = parts[0].bytes, parts[1:]
-        if not parts:
-            self.reject("empty message")
-            return None
-        head = parts[0]
+            if not first.more:
+                self.reject("empty message")
+                return None
+            identity, head = first.bytes, self.socket.recv(zmq.NOBLOCK, copy=False)
         try:
             msg = decode(head.buffer, self._max_message_bytes)
         except ProtocolError as exc:
+            if head.more:
+                _discard_frames(self.socket)
             self.reject(f"dropped a malformed message ({len(head)} bytes): {exc}")
             return None
-        if len(parts) > 1 and not isinstance(msg, self._frames_allowed):
-            self.reject(f"dropped {type(msg).__name__} carrying {len(parts) - 1} stray frames")
+        if head.more and not isinstance(msg, self._frames_allowed):
+            stray = _discard_frames(self.socket)
+            self.reject(f"dropped {type(msg).__name__} carrying {stray} stray frames")
             return None
-        return Incoming(msg, identity, parts[1:])
+        return Incoming(msg, identity, self.socket, head.more)
+
+
+def _discard_frames(socket: zmq.Socket) -> int:
+    """Drop the rest of the message being received; how many frames that was."""
+    dropped = 0
+    more = True
+    while more and not socket.closed:
+        socket.recv_into(bytearray(), flags=zmq.NOBLOCK)  # an empty buffer discards the frame
+        more = bool(socket.getsockopt(zmq.RCVMORE))
+        dropped += 1
+    return dropped
 
 
 class _RateLimitedLog:

@@ -2,8 +2,9 @@
 
 The answer is a run of multipart messages, each a msgpack ``PageData`` header naming which of
 the request's pages it carries, then one frame per page sent straight from the pool's memory,
-then (FP8 pools) one frame per page of scales. The receiver copies each frame into its
-destination page as its message arrives.
+then (FP8 pools) one frame per page of scales. The receiver has ZeroMQ receive each frame
+straight into its destination page (``recv_into``): out of the kernel's socket buffer into
+ZeroMQ's message buffer, then into the pool, with no Python frame or tensor made per page.
 
 Why messages of at most ``MESSAGE_BYTES`` rather than one per request: ZeroMQ hands a
 multipart message over only once all of it has arrived, so a long prompt on a large model (GBs
@@ -16,8 +17,6 @@ pool that has been in use, and a frame costs little next to a page.
 """
 
 from __future__ import annotations
-
-import warnings
 
 import numpy as np
 import torch
@@ -90,12 +89,9 @@ class ZmqReceiver(SideChannelReceiver):
 
     def __init__(self, pool: KVPool, engine_id: str):
         super().__init__(pool, engine_id)
-        # Row i is page i's bytes (a view): one index per frame instead of three view ops.
-        self._rows = [
-            t.view(torch.uint8).reshape(t.shape[0], -1)
-            for t in (pool.data, pool.scales)
-            if t is not None
-        ]
+        self._tensors = [t for t in (pool.data, pool.scales) if t is not None]
+        # Row i is page i's bytes (a writable view) of a host pool: frames land straight in it.
+        self._host_rows = [_rows(t) for t in self._tensors] if pool.device.type == "cpu" else []
 
     def _frames_allowed(self) -> tuple[type, ...]:
         return (PageData,)
@@ -108,26 +104,35 @@ class ZmqReceiver(SideChannelReceiver):
         if not isinstance(msg, PageData) or fetch.state != REQUESTED:
             self._reject(fetch.peer, f"dropped unexpected {type(msg).__name__}")
             return
-        problem = self._page_data_problem(fetch, msg, incoming.frames)
+        problem = self._page_data_problem(fetch, msg)
+        if problem is None:
+            dst = fetch.dst_block_ids[msg.first_page : msg.first_page + msg.num_pages]
+            problem = self._receive_pages(incoming, dst)
         if problem is not None:
             self._reject(fetch.peer, f"dropped malformed page data: {problem}")
             # The sender answers a fetch once; a bad answer will not be followed by a good one.
             self._fail(fetch, f"malformed page data: {problem}", Failure.TRANSPORT)
             return
-        frames = iter(incoming.frames)
-        dst = fetch.dst_block_ids[msg.first_page : msg.first_page + msg.num_pages]
-        # A received frame is read-only memory; torch warns about wrapping it, but it is only
-        # ever read here.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            for rows in self._rows:  # the pages, then the scales
-                for block_id in dst:
-                    rows[block_id].copy_(torch.frombuffer(next(frames).buffer, dtype=torch.uint8))
         fetch.pages_done += msg.num_pages
         if fetch.pages_done == len(fetch.dst_block_ids):
             self._complete(fetch)
 
-    def _page_data_problem(self, fetch: Fetch, msg: PageData, frames: list) -> str | None:
+    def _receive_pages(self, incoming: Incoming, dst: list[int]) -> str | None:
+        """Each frame into its destination page (then, FP8, its scales); a problem or None."""
+        if self._host_rows:
+            # ZeroMQ copies each frame from its own buffer into the page: no Python copy at all.
+            return incoming.read_frames_into([rows[b] for rows in self._host_rows for b in dst])
+        # Device pools are staged through host memory: one copy and one scatter per tensor.
+        staged = [torch.empty((len(dst), t[0].nbytes), dtype=torch.uint8) for t in self._tensors]
+        problem = incoming.read_frames_into([row.numpy() for rows in staged for row in rows])
+        if problem is None:
+            index = torch.tensor(dst, device=self.pool.device)
+            for tensor, rows in zip(self._tensors, staged, strict=True):
+                flat = tensor.view(torch.uint8).view(tensor.shape[0], -1)
+                flat.index_copy_(0, index, rows.to(self.pool.device))
+        return problem
+
+    def _page_data_problem(self, fetch: Fetch, msg: PageData) -> str | None:
         layout = self.pool.layout
         total = len(fetch.dst_block_ids)
         if msg.first_page != fetch.pages_done or not 0 < msg.num_pages <= total - msg.first_page:
@@ -139,12 +144,6 @@ class ZmqReceiver(SideChannelReceiver):
             return f"page of {msg.page_nbytes}+{msg.scale_nbytes} bytes, expected " + (
                 f"{layout.page_nbytes}+{layout.scale_page_nbytes}"
             )
-        if len(frames) != msg.num_pages * len(self._rows):
-            return f"{len(frames)} frames for {msg.num_pages} pages"
-        for i, frame in enumerate(frames):
-            expected = layout.page_nbytes if i < msg.num_pages else layout.scale_page_nbytes
-            if len(frame) != expected:
-                return f"frame {i} has {len(frame)} bytes, expected {expected}"
         return None
 
 

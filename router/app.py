@@ -12,15 +12,16 @@ import contextlib
 import hmac
 import json
 import logging
+import random
 import re
 import time
-import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -72,7 +73,7 @@ def create_app(config: RouterConfig, codec: TextCodec, eos_token_ids: frozenset[
         metrics,
         control.send,
         config.max_retries,
-        heartbeat_interval=config.heartbeat_timeout / 3,
+        heartbeat_interval=min(1.0, config.heartbeat_timeout / 3),
     )
     token_text = TokenText(codec.decode, eos_token_ids)
 
@@ -94,7 +95,7 @@ def create_app(config: RouterConfig, codec: TextCodec, eos_token_ids: frozenset[
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        metrics.requests.labels(request.url.path, str(exc.status)).inc()
+        metrics.request_count(request.url.path, str(exc.status)).inc()
         return exc.response(_id_header(request))
 
     @app.exception_handler(StarletteHTTPException)
@@ -120,7 +121,8 @@ def create_app(config: RouterConfig, codec: TextCodec, eos_token_ids: frozenset[
     def request_id(request: Request, kind: str) -> str:
         given = request.headers.get("x-request-id")
         safe = _REQUEST_ID_UNSAFE.sub("", given or "")[:_MAX_REQUEST_ID]
-        prefix = safe or uuid.uuid4().hex
+        # An id to correlate logs, not a secret: 128 random bits without a system call.
+        prefix = safe or f"{random.getrandbits(128):032x}"
         request.state.request_id = prefix
         # A client may reuse its id; the counter keeps the router's ids unique.
         return dispatcher.new_request_id(f"{kind}-{prefix}")
@@ -159,7 +161,9 @@ def create_app(config: RouterConfig, codec: TextCodec, eos_token_ids: frozenset[
 
     # -- generation ----------------------------------------------------------------------------
 
-    async def generate(request: Request, body_model: type[BaseModel], kind: str) -> Response:
+    async def generate(
+        request: Request, body_model: type[BaseModel], kind: str, path: str
+    ) -> Response:
         arrived = time.monotonic()
         rid = request_id(request, kind)
         authorize(request)
@@ -187,9 +191,8 @@ def create_app(config: RouterConfig, codec: TextCodec, eos_token_ids: frozenset[
                 503, f"no worker can serve the request: {exc}", code="no_worker"
             ) from None
         headers = _id_header(request)
-        path = request.url.path
         if gen_request.stream:
-            metrics.requests.labels(path, "200").inc()
+            metrics.request_count(path, "200").inc()
             return StreamingResponse(
                 _stream(run, request), media_type="text/event-stream", headers=headers
             )
@@ -201,16 +204,26 @@ def create_app(config: RouterConfig, codec: TextCodec, eos_token_ids: frozenset[
             run.close("done")
         if gone.done() and not gone.cancelled():
             return Response(status_code=499)
-        metrics.requests.labels(path, "200").inc()
+        metrics.request_count(path, "200").inc()
         return JSONResponse(result, headers=headers)
 
-    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionBody))
     async def completions(request: Request) -> Response:
-        return await generate(request, CompletionBody, "cmpl")
+        return await generate(request, CompletionBody, "cmpl", "/v1/completions")
 
-    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatBody))
     async def chat_completions(request: Request) -> Response:
-        return await generate(request, ChatBody, "chatcmpl")
+        return await generate(request, ChatBody, "chatcmpl", "/v1/chat/completions")
+
+    for path, endpoint, body_model in (
+        ("/v1/completions", completions, CompletionBody),
+        ("/v1/chat/completions", chat_completions, ChatBody),
+    ):
+        app.router.add_api_route(
+            path,
+            endpoint,
+            methods=["POST"],
+            openapi_extra=_body_schema(body_model),
+            route_class_override=_DirectRoute,
+        )
 
     # -- the rest of the API -------------------------------------------------------------------
 
@@ -278,6 +291,17 @@ def create_app(config: RouterConfig, codec: TextCodec, eos_token_ids: frozenset[
         return {"prompt": codec.decode(body.tokens)}
 
     return app
+
+
+class _DirectRoute(APIRoute):
+    """A route whose endpoint takes the ``Request`` and returns a ``Response`` itself.
+
+    FastAPI's per-request parameter resolution (query, headers, body; none of which these
+    endpoints declare) is skipped; the OpenAPI entry and the exception handlers stay as they are.
+    """
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        return self.endpoint
 
 
 async def _stream(run: Run, request: Request) -> AsyncIterator[bytes]:

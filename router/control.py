@@ -1,8 +1,9 @@
 """The control socket: a ZeroMQ ROUTER bound at ``--control`` that every worker's DEALER joins.
 
-It runs on the app's event loop (``zmq.asyncio``), so a token arriving from a worker reaches the
-HTTP handler waiting for it without crossing threads. Frames that are not valid messages are
-logged, counted and dropped; nothing a peer sends can stop the loop.
+It runs on the app's event loop (a reader on the socket's FD; sends never wait), so a token
+arriving from a worker reaches the HTTP handler waiting for it without crossing threads. Frames
+that are not valid messages are logged, counted and dropped; nothing a peer sends can stop the
+loop.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import logging
 import time
 
 import zmq
-import zmq.asyncio
 
 from common.messages import Message, ProtocolError, decode, encode
 from router.dispatcher import Dispatcher
@@ -22,6 +22,8 @@ logger = logging.getLogger(__name__)
 
 # Logged dropped frames are rate-limited: a peer spraying garbage must not flood the log.
 _LOG_EVERY = 100
+# Frames handled per wake-up of the receive loop before HTTP handlers get the loop back.
+_DRAIN_MAX = 256
 
 
 class ControlServer:
@@ -29,25 +31,27 @@ class ControlServer:
         self.endpoint = endpoint
         self.heartbeat_timeout = heartbeat_timeout
         self.dispatcher: Dispatcher | None = None
-        self._ctx: zmq.asyncio.Context | None = None
-        self._sock: zmq.asyncio.Socket | None = None
+        self._ctx: zmq.Context | None = None
+        self._sock: zmq.Socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_scheduled = False
         self._tasks: list[asyncio.Task] = []
         self._dropped = 0
 
     def start(self, dispatcher: Dispatcher) -> None:
         """Bind and start receiving; call from the event loop that serves HTTP."""
         self.dispatcher = dispatcher
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         # Refuse oversized frames in libzmq, before they are read into memory.
         self._sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
         self._sock.bind(self.endpoint)
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._tasks = [
-            asyncio.create_task(self._receive_loop(), name="control-receive"),
-            asyncio.create_task(self._expire_loop(), name="control-expire"),
-        ]
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._sock.FD, self._drain)
+        self._schedule_drain()  # frames may have come before the reader was added
+        self._tasks = [asyncio.create_task(self._expire_loop(), name="control-expire")]
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -56,33 +60,62 @@ class ControlServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         if self._sock is not None:
+            assert self._loop is not None
+            self._loop.remove_reader(self._sock.FD)
             self._sock.close(linger=0)
+            self._sock = None
         if self._ctx is not None:
             self._ctx.term()
 
     def send(self, worker_id: str, msg: Message) -> None:
-        assert self._sock is not None
+        if self._sock is None:
+            return  # stopped
         try:
             self._sock.send_multipart([worker_id.encode(), encode(msg)], flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             # ROUTER drops frames to unknown peers; a full queue means the worker is not
             # reading, which its heartbeat timeout will settle.
             logger.warning("could not send %s to %s: %s", type(msg).__name__, worker_id, exc)
+        # The socket's FD is edge-triggered and a send may consume the edge that frames
+        # arriving meanwhile raised: look for them now rather than at the next frame.
+        if self._sock.get(zmq.EVENTS) & zmq.POLLIN:
+            self._schedule_drain()
 
-    async def _receive_loop(self) -> None:
-        assert self._sock is not None and self.dispatcher is not None
-        while True:
-            frames = await self._sock.recv_multipart(copy=True)
-            now = time.monotonic()
+    def _schedule_drain(self) -> None:
+        if not self._drain_scheduled:
+            assert self._loop is not None
+            self._drain_scheduled = True
+            self._loop.call_soon(self._drain)
+
+    def _drain(self) -> None:
+        """Handle the frames waiting, up to a bound per turn so HTTP handlers get the loop back.
+
+        Reading until ``zmq.Again`` re-arms the edge-triggered FD; stopping at the bound
+        schedules another turn instead.
+        """
+        self._drain_scheduled = False
+        if self._sock is None:
+            return
+        for _ in range(_DRAIN_MAX):
             try:
-                if len(frames) != 2:
-                    raise ProtocolError(f"expected [identity, message], got {len(frames)} frames")
-                sender = frames[0].decode("utf-8", errors="strict")
-                self.dispatcher.on_message(sender, decode(frames[1]), now)
-            except (ProtocolError, ValueError, UnicodeDecodeError) as exc:
-                self._drop(frames, exc)
-            except Exception:  # a router bug must not silence the control plane
-                logger.exception("error handling a control message")
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            self._handle(frames)
+        self._schedule_drain()
+
+    def _handle(self, frames: list[bytes]) -> None:
+        assert self.dispatcher is not None
+        now = time.monotonic()
+        try:
+            if len(frames) != 2:
+                raise ProtocolError(f"expected [identity, message], got {len(frames)} frames")
+            sender = frames[0].decode("utf-8", errors="strict")
+            self.dispatcher.on_message(sender, decode(frames[1]), now)
+        except (ProtocolError, ValueError, UnicodeDecodeError) as exc:
+            self._drop(frames, exc)
+        except Exception:  # a router bug must not silence the control plane
+            logger.exception("error handling a control message")
 
     async def _expire_loop(self) -> None:
         assert self.dispatcher is not None

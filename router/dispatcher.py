@@ -108,12 +108,13 @@ class Dispatcher:
         """The router ended the sequence (stop string, client gone): free it on its workers."""
         if self.generations.pop(gen.request_id, None) is None:
             return
+        # Counted before the workers hear of it: whoever sees the abort also sees the count.
+        self.metrics.abort_count(cause).inc()
         for worker_id in {gen.prefill_worker, gen.decode_worker} - {None}:
             state = self.registry.workers.get(worker_id)
             if state is not None and gen.request_id in state.inflight:
                 self.send(worker_id, AbortRequest(gen.request_id))
                 self.registry.on_released(worker_id, gen.request_id)
-        self.metrics.aborts.labels(cause).inc()
         self.metrics.inflight.set(len(self.generations))
 
     # -- from the control socket ---------------------------------------------------------------
@@ -192,7 +193,7 @@ class Dispatcher:
             decode_only=migrate,
         )
         decision = route(request, view, self.routing)
-        self.metrics.decisions.labels(decision.reason).inc()
+        self.metrics.decision_count(decision.reason).inc()
         return decision
 
     def _hashes(self, token_ids: list[int], block_size: int) -> list[int]:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import lru_cache
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 # Fine buckets below a millisecond: the router's own time per request is the figure of merit.
 _OVERHEAD_BUCKETS = (
@@ -66,3 +70,13 @@ class RouterMetrics:
             "Request arrival to first token",
             registry=r,
         )
+        # ``labels()`` takes a lock and checks its arguments on every call; the label sets are
+        # few and fixed, so the hot paths keep each child once it exists.
+        self.request_count = _children(self.requests)
+        self.decision_count = _children(self.decisions)
+        self.abort_count = _children(self.aborts)
+        self.overhead_stage = _children(self.overhead)
+
+
+def _children(metric: MetricWrapperBase) -> Callable[..., MetricWrapperBase]:
+    return lru_cache(maxsize=256)(metric.labels)

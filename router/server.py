@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 from router.app import RouterConfig, create_app
 from router.openai_api import TextCodec
@@ -30,15 +32,53 @@ class ModelText(TextCodec):
             eos_ids.append(self._tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos_ids)
         self.max_position_embeddings = int(config.get("max_position_embeddings") or 4096)
+        # Every prompt is encoded and every token decoded here, on the event loop: call the
+        # Rust tokenizer directly where that gives transformers' own result.
+        self.backend = _plain_backend(self._tokenizer._tokenizer)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.backend is not None:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         return self._tokenizer.encode_chat(messages)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self.backend is not None:
+            return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
         return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+
+def _plain_backend(tokenizer: object) -> Any:
+    """The ``tokenizers.Tokenizer`` behind a transformers tokenizer, or None.
+
+    transformers' ``encode``/``decode`` on its Rust-backed class set truncation, padding and
+    special-token splitting on the backend (all off by default), call it, and clean up spaces
+    after decoding only where ``clean_up_tokenization_spaces`` is set. Where the class overrides
+    none of that and the settings are the defaults, calling the backend gives the same ids and
+    text without the Python layers; anywhere else the router goes through transformers.
+    """
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    if not isinstance(tokenizer, TokenizersBackend):
+        return None
+    cls = type(tokenizer)
+    methods = ("encode", "_encode_plus", "set_truncation_and_padding", "decode", "_decode")
+    if any(getattr(cls, m) is not getattr(TokenizersBackend, m) for m in methods):
+        return None
+    backend = tokenizer.backend_tokenizer
+    if (
+        backend.truncation is not None
+        or backend.padding is not None
+        or backend.encode_special_tokens
+        or tokenizer.split_special_tokens
+        or tokenizer.clean_up_tokenization_spaces
+    ):
+        return None
+    return backend
 
 
 def _read_config(path: Path) -> dict:
@@ -73,7 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=64,
         help="uncached prompt tokens below which a decode worker prefills locally",
     )
-    p.add_argument("--heartbeat-timeout", type=float, default=3.0, help="seconds of silence")
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=10.0,
+        help="seconds of silence before a worker is taken out (longer than one forward step)",
+    )
     p.add_argument("--max-retries", type=int, default=3, help="re-dispatches per request")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
@@ -125,5 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pdserve router: {exc}", file=sys.stderr)
         return 2
     app = create_app(config, text, text.eos_token_ids)
+    # The tokenizer's imports leave a few hundred thousand long-lived objects; a full collection
+    # walks them all (some 0.2 s, a stall for every request in flight). They live as long as the
+    # process, so they are moved out of the collector's reach.
+    gc.collect()
+    gc.freeze()
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     return 0

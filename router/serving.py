@@ -115,7 +115,7 @@ class Run:
         n = self.request.n
         for p in range(len(self.request.prompts)):
             self.dispatcher.submit([c.gen for c in self.choices[p * n : (p + 1) * n]])
-        self.metrics.overhead.labels("dispatch").observe(time.monotonic() - self.arrived_at)
+        self.metrics.overhead_stage("dispatch").observe(time.monotonic() - self.arrived_at)
 
     def close(self, cause: str) -> None:
         for choice in self.choices:
@@ -151,7 +151,7 @@ class Run:
             if choice.done:
                 remaining -= 1
                 if gen.finished_at is not None:
-                    self.metrics.overhead.labels("respond").observe(
+                    self.metrics.overhead_stage("respond").observe(
                         time.monotonic() - gen.finished_at
                     )
             if text or new or choice.done:

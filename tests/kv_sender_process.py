@@ -60,11 +60,14 @@ def main(specs: list[str]) -> None:
         _emit({"event": "ready", "key": spec, "endpoint": sender.endpoint})
     while True:
         for spec, sender in senders.items():
-            if spec in frozen_on_fetch and _has_fetch(sender):
+            if spec in frozen_on_fetch:
                 # Stands in for a process that died (or hung) in the middle of a transfer: the
-                # fetch has arrived and will never be answered.
-                _emit({"event": "frozen", "key": spec})
-                time.sleep(3600)
+                # fetch has arrived and will never be answered. Not polled meanwhile, so that a
+                # fetch arriving between the peek and a poll cannot be served.
+                if _has_fetch(sender):
+                    _emit({"event": "frozen", "key": spec})
+                    time.sleep(3600)
+                continue
             for request_id in sender.poll():
                 _emit({"event": "released", "key": spec, "request_id": request_id})
         readable, _, _ = select.select([sys.stdin], [], [], 0.002)

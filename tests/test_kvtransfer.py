@@ -41,6 +41,7 @@ from kvtransfer.messages import (
     PageData,
     ReleasePages,
 )
+from kvtransfer.nixl_backend import page_runs
 
 REPO = Path(__file__).resolve().parent.parent
 HELPER = REPO / "tests" / "kv_sender_process.py"
@@ -163,8 +164,10 @@ def receivers():
 def test_fetch_copies_pages_exactly(senders, receivers, spec):
     receiver = receivers(spec)
     expected = expected_pool(spec)
-    src, dst = [5, 2, 11, 3, 15], [0, 17, 1, 4, 23]
-    for attempt in range(2):  # the second fetch reuses the cached handshake
+    # Scattered pages, then runs of consecutive ones (which NIXL reads as one descriptor each);
+    # the second fetch reuses the cached handshake.
+    cases = [([5, 2, 11, 3, 15], [0, 17, 1, 4, 23]), ([4, 5, 6, 12, 13, 0], [9, 10, 11, 3, 4, 5])]
+    for attempt, (src, dst) in enumerate(cases):
         request_id = f"copy-{spec}-{attempt}"
         params, _ = senders.publish(spec, request_id, src, lease=30)
         receiver.pool.data.zero_()
@@ -181,6 +184,12 @@ def test_fetch_copies_pages_exactly(senders, receivers, spec):
         assert not receiver.pool.data[untouched].view(torch.uint8).any()
         # The acknowledgement frees the sender's pages long before the lease would.
         senders.wait_released(spec, request_id, timeout=10)
+
+
+def test_page_runs():
+    runs = page_runs([4, 5, 6, 12, 13, 0, 1], [9, 10, 11, 3, 5, 6, 7])
+    assert runs.tolist() == [[4, 9, 3], [12, 3, 1], [13, 5, 1], [0, 6, 2]]
+    assert page_runs([2], [8]).tolist() == [[2, 8, 1]]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -138,6 +138,8 @@ def test_errors_are_openai_shaped(cluster):
         r = h.post("/v1/completions", json={"model": MODEL.name, "prompt": "x" * (5 << 20)})
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
         assert h.get("/v1/nothing").json()["error"]["code"] == "not_found"
+        r = h.post("/tokenize", json={"messages": []})  # no conversation to template
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
 
 
 def test_api_key():

@@ -63,3 +63,24 @@ def test_final_text_equals_full_decode_with_special_tokens_skipped(text):
     ids = text.encode("<|im_start|>assistant\nHi there 😊<|im_end|>", add_special_tokens=False)
     pieces, _ = stream(text, ids)
     assert "".join(pieces) == text.decode(ids)
+
+
+def test_direct_tokenizer_calls_match_transformers(text):
+    """The router calls the Rust tokenizer itself; it must give what transformers gives."""
+    assert text.backend is not None  # the default model takes the direct path
+    hf = text._tokenizer
+    samples = [
+        *TEXTS,
+        "",
+        " leading space",
+        "<|im_start|>user\nhi<|im_end|>",
+        "<|endoftext|>x",
+        "12345 digits",
+    ]
+    for sample in samples:
+        for special in (True, False):
+            ids = text.encode(sample, add_special_tokens=special)
+            assert ids == hf.encode(sample, add_special_tokens=special)
+            for skip in (True, False):
+                assert text.decode(ids, skip) == hf.decode(ids, skip_special_tokens=skip)
+    assert text.decode([0, 1, 2, 42], False) == hf.decode([0, 1, 2, 42], skip_special_tokens=False)

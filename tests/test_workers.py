@@ -15,7 +15,7 @@ from worker_harness import FakeRouter, HandoffTap
 from common.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.engine.llm_engine import LLMEngine
 from common.messages import encode
-from common.protocol import Heartbeat
+from common.protocol import AbortRequest, Heartbeat
 from common.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
@@ -217,3 +217,28 @@ def test_garbage_on_every_socket_is_dropped_and_counted(router, model):
     for sock in (push, dealer):
         sock.close()
     tap.close()
+
+
+def test_redispatch_after_abort_with_the_same_id_is_served(router, model):
+    """The router aborts a request on a worker and re-dispatches it there under the same id
+    (its prefill worker was lost): the re-dispatch wins, and a late handoff is dropped."""
+    start_pair(router, model, "zmq")
+    decode = router.worker("decode")
+    prompt = random_prompts(1, seed=21, min_len=30, max_len=30)[0]
+    tap = HandoffTap(router.context)
+    router.prefill("again", prompt, GREEDY, handoff_endpoint=tap.endpoint)
+    handoff = tap.receive(timeout=60)
+    router.wait_for(lambda: router.log("again").deltas, 30, "no first token")
+    router.log("again").deltas.clear()  # the prefill worker's; the re-dispatch starts over
+    router.send(decode.worker_id, AbortRequest("again"))
+    router.decode_locally("again", prompt, GREEDY)
+    push = router.context.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(decode.handoff_endpoint)
+    push.send(encode(handoff))  # arrives late: must not start a second copy
+    router.wait_finished(["again"])
+    expected = one_process(model, [prompt], GREEDY, "float32", "auto")[0]
+    assert router.log("again").token_ids == expected
+    router.pump(1.0)
+    assert len(router.log("again").deltas) == len(expected)
+    assert router.metrics("decode")["pdserve_kv_pages_received_total"] == 0
