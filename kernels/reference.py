@@ -100,7 +100,7 @@ def paged_attention_reference(
         lens = torch.tensor([seq_lens[i] for i in decode], device=query.device)
         num_blocks = -(-max(seq_lens[i] for i in decode) // block_size)
         tables = meta.block_tables[torch.tensor(decode, device=query.device), :num_blocks]
-        key, value = _gather_context(cache, tables.long(), torch.float32)
+        key, value = _gather_context(cache, tables.long(), query.dtype)
         positions = torch.arange(key.shape[1], device=query.device)
         valid = positions[None, :] < lens[:, None]
         # Slots past a sequence's end were never written and may hold NaN, which neither a
@@ -114,7 +114,7 @@ def paged_attention_reference(
         # one attention over num_kv_heads heads serves all of them.
         num_seqs, num_heads, head_dim = len(decode), query.shape[1], query.shape[2]
         num_kv_heads = key.shape[2]
-        folded = query[rows].float().reshape(num_seqs, num_kv_heads, -1, head_dim)
+        folded = query[rows].reshape(num_seqs, num_kv_heads, -1, head_dim)
         attended = F.scaled_dot_product_attention(
             folded,
             key.transpose(1, 2),
@@ -122,7 +122,7 @@ def paged_attention_reference(
             attn_mask=valid[:, None, None, :],
             scale=softmax_scale,
         )
-        out[rows] = attended.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+        out[rows] = attended.reshape(num_seqs, num_heads, head_dim)
 
     for i, q_len in enumerate(query_lens):
         if q_len == 1:
