@@ -398,7 +398,8 @@ def router_server(model_path, **overrides) -> Iterator[RouterServer]:
         served_model_name=model_path.name,
         max_model_len=overrides.pop("max_model_len", 2048),
         control="tcp://127.0.0.1:0",
-        heartbeat_timeout=overrides.pop("heartbeat_timeout", 3.0),
+        # Generous: fake workers share a process (and its GIL) with the router under test.
+        heartbeat_timeout=overrides.pop("heartbeat_timeout", 10.0),
         **overrides,
     )
     app = create_app(config, text, text.eos_token_ids)
