@@ -23,7 +23,9 @@ BAD_MESSAGES = Counter(
     ["socket"],
 )
 KV_PAGES_SENT = Counter(
-    "pdserve_kv_pages_sent", "KV pages a decode worker confirmed it received from this worker"
+    "pdserve_kv_pages_sent",
+    "KV pages handed off to decode workers (handoff delivered to the socket; fetch failures "
+    "are counted by pdserve_kv_transfer_failures)",
 )
 KV_PAGES_RECEIVED = Counter("pdserve_kv_pages_received", "KV pages received from prefill workers")
 KV_TRANSFER_FALLBACKS = Counter(

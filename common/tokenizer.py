@@ -15,6 +15,14 @@ class Tokenizer:
             raise ValueError(f"cannot load a tokenizer from {path}: {exc}") from exc
 
     @property
+    def hf_tokenizer(self):
+        """The wrapped transformers tokenizer, for callers that take fast paths through it."""
+        return self._tokenizer
+
+    def __len__(self) -> int:
+        return len(self._tokenizer)
+
+    @property
     def eos_token_id(self) -> int | None:
         return self._tokenizer.eos_token_id
 

@@ -25,7 +25,7 @@ class ModelText(TextCodec):
 
         self._tokenizer = Tokenizer(model_path)
         config = _read_config(Path(model_path))
-        self.vocab_size = int(config.get("vocab_size") or len(self._tokenizer._tokenizer))
+        self.vocab_size = int(config.get("vocab_size") or len(self._tokenizer))
         eos = config.get("eos_token_id")
         eos_ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
         if self._tokenizer.eos_token_id is not None:
@@ -34,7 +34,7 @@ class ModelText(TextCodec):
         self.max_position_embeddings = int(config.get("max_position_embeddings") or 4096)
         # Every prompt is encoded and every token decoded here, on the event loop: call the
         # Rust tokenizer directly where that gives transformers' own result.
-        self.backend = _plain_backend(self._tokenizer._tokenizer)
+        self.backend = _plain_backend(self._tokenizer.hf_tokenizer)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.backend is not None:
