@@ -190,6 +190,17 @@ def test_page_runs():
     runs = page_runs([4, 5, 6, 12, 13, 0, 1], [9, 10, 11, 3, 5, 6, 7])
     assert runs.tolist() == [[4, 9, 3], [12, 3, 1], [13, 5, 1], [0, 6, 2]]
     assert page_runs([2], [8]).tolist() == [[2, 8, 1]]
+    # Long runs are cut into descriptors of at most max_run pages, for the read threads to share.
+    assert page_runs(list(range(10, 17)), list(range(7)), max_run=3).tolist() == [
+        [10, 0, 3],
+        [13, 3, 3],
+        [16, 6, 1],
+    ]
+    assert page_runs([0, 1, 2, 9, 10], [5, 6, 7, 8, 9], max_run=2).tolist() == [
+        [0, 5, 2],
+        [2, 7, 1],
+        [9, 8, 2],
+    ]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
