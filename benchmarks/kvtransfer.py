@@ -9,6 +9,8 @@ A sender process (like a prefill worker) publishes pages of a SmolLM2-shaped poo
 - the time until a receiver holds all 256 pages of a 4k-token prompt, with and without the
   first-contact handshake, and with its pages in a row on both sides (a pool not yet
   fragmented);
+- CPU the sender and receiver processes spend per GB of the largest size: how many of the
+  host's cores a transfer keeps busy, which is what bounds it on a small host;
 - CPU used by an idle sender + receiver pair with NIXL initialised, per process and its busiest
   thread, beside a NIXL agent left with its default progress thread.
 
@@ -24,6 +26,7 @@ import ctypes
 import multiprocessing
 import os
 import random
+import resource
 import socket
 import statistics
 import time
@@ -160,6 +163,12 @@ def cpu_seconds(pid: int) -> tuple[float, dict[str, float]]:
         threads[f"{name}/{task.name}"] = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS, threads
+
+
+def own_cpu_seconds() -> float:
+    """CPU time of this process, all its threads (ZeroMQ's and UCX's included)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def idle_cpu(pids: list[int], receiver, seconds: float) -> list[tuple[float, float]]:
@@ -310,8 +319,19 @@ def run_backend(backend: str, sizes_mb: list[float], repeats: int, num_blocks: i
         for megabytes in sizes_mb:
             num_pages = pages_for(megabytes)
             one(num_pages, verify=True)
-            seconds = statistics.median(one(num_pages) for _ in range(repeats))
-            out["throughput"][megabytes] = (num_pages * LAYOUT.page_nbytes, seconds)
+            sender_cpu0, receiver_cpu0 = cpu_seconds(sender.pid)[0], own_cpu_seconds()
+            times = [one(num_pages) for _ in range(repeats)]
+            # Once the receiver holds the pages the sender has nothing left to do but release.
+            sender_cpu = cpu_seconds(sender.pid)[0] - sender_cpu0
+            receiver_cpu = own_cpu_seconds() - receiver_cpu0
+            moved = num_pages * LAYOUT.page_nbytes
+            out["throughput"][megabytes] = (moved, statistics.median(times))
+            gigabytes = moved * repeats / 1e9
+            out["cpu_per_gb"] = (
+                sender_cpu / gigabytes,
+                receiver_cpu / gigabytes,
+                sum(times) / gigabytes,
+            )
         if backend == "nixl":
             samples = [idle_cpu([sender.pid, os.getpid()], receiver, 2.0) for _ in range(3)]
             out["idle"] = [
@@ -363,6 +383,14 @@ def main() -> None:
         print(row)
 
     biggest = max(args.sizes_mb)
+    print(f"\nCPU per GB moved ({biggest:g}MB transfers), beside the wall time per GB:")
+    for backend in args.backends:
+        sender_cpu, receiver_cpu, wall = results[backend]["cpu_per_gb"]
+        print(
+            f"  {backend:>8}: sender {1e3 * sender_cpu:5.0f} ms, "
+            f"receiver {1e3 * receiver_cpu:5.0f} ms, wall {1e3 * wall:5.0f} ms "
+            f"-> {(sender_cpu + receiver_cpu) / wall:.1f} cores busy"
+        )
     nbytes = pages_for(biggest) * LAYOUT.page_nbytes
     copy_rate = nbytes / memcpy[biggest] / 1e9
     print(f"\nbare transports between two processes, {biggest:g}MB (each backend's ceiling):")
