@@ -5,7 +5,7 @@ Counters are process-wide (prometheus_client's default registry): one worker per
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, start_http_server
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 PROMPT_TOKENS_COMPUTED = Counter(
     "pdserve_prompt_tokens_computed",
@@ -28,6 +28,13 @@ KV_PAGES_SENT = Counter(
     "are counted by pdserve_kv_transfer_failures)",
 )
 KV_PAGES_RECEIVED = Counter("pdserve_kv_pages_received", "KV pages received from prefill workers")
+KV_HANDOFF_SECONDS = Histogram(
+    "pdserve_kv_handoff_seconds",
+    "Decode: from the prefill worker finishing a prompt's last chunk to every page of it held "
+    "here (the handoff message, the wait for this worker's loop, the transfer). Measured "
+    "between the two hosts' wall clocks, so across hosts it includes their offset",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
 KV_TRANSFER_FALLBACKS = Counter(
     "pdserve_kv_transfer_fallbacks",
     "Handoffs whose pages could not be fetched, so the prompt was prefilled locally",

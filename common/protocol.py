@@ -159,3 +159,6 @@ class Handoff(Message):
     first_token: TokenSample
     transfer: dict  # kvtransfer.TransferParams.to_dict()
     num_cached_tokens: int = 0
+    # Wall-clock time (time.time()) the prefill worker finished the prompt's last chunk; 0 when
+    # unknown. The decode worker measures the handoff from it.
+    prefill_done_at: float = 0.0

@@ -23,6 +23,7 @@ from common.engine.sequence import Sequence
 from common.messages import Message, ProtocolError, decode
 from common.metrics import (
     BAD_MESSAGES,
+    KV_HANDOFF_SECONDS,
     KV_PAGES_RECEIVED,
     KV_TRANSFER_FALLBACKS,
     REQUESTS,
@@ -44,6 +45,7 @@ _ABORT_MEMORY_S = 120.0
 class PendingFetch:
     seq: Sequence  # prompt + first token, pages not yet in place
     dst_block_ids: list[int]
+    prefill_done_at: float  # the prefill worker's wall clock at its last chunk; 0: unknown
     aborted: bool = False
 
 
@@ -166,7 +168,7 @@ class DecodeWorker(WorkerService):
             self.block_manager.free(dst)
             self.fail(request_id, f"bad handoff: {exc}", retryable=True)
             return
-        self._pending[request_id] = PendingFetch(seq, dst)
+        self._pending[request_id] = PendingFetch(seq, dst, handoff.prefill_done_at)
 
     def _on_fetched(self, result: TransferResult) -> None:
         pending = self._pending.pop(result.request_id, None)
@@ -182,6 +184,8 @@ class DecodeWorker(WorkerService):
             self._prefill_locally(seq)
             return
         KV_PAGES_RECEIVED.inc(result.num_pages)
+        if pending.prefill_done_at > 0:
+            KV_HANDOFF_SECONDS.observe(max(0.0, time.time() - pending.prefill_done_at))
         seq.block_ids = pending.dst_block_ids
         seq.num_computed_tokens = seq.num_prompt_tokens
         if not self.admit(seq):

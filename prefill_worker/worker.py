@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
 
 import zmq
 
@@ -64,18 +65,19 @@ class PrefillWorker(WorkerService):
         return list(self.sender.poll_sockets())
 
     def on_finished_step(self, batch: list[ScheduledSequence], finished: list[Sequence]) -> None:
+        done_at = time.time()  # the step that ran these prompts' last chunks just ended
         for seq in finished:
             target = self._targets.pop(seq.request_id)
             self.send_delta(seq, first=True)
             if seq.finish_reason is not None:
                 REQUESTS.labels(outcome=seq.finish_reason.value).inc()
                 continue  # its first token ended it: nothing to hand off
-            self._hand_off(seq, target)
+            self._hand_off(seq, target, done_at)
 
     def num_pending(self) -> int:
         return len(self._shipped)
 
-    def _hand_off(self, seq: Sequence, target: PrefillRequest) -> None:
+    def _hand_off(self, seq: Sequence, target: PrefillRequest, done_at: float) -> None:
         transfer = self.sender.publish(seq.request_id, list(seq.block_ids), self.lease_seconds)
         self._shipped[seq.request_id] = seq
         handoff = Handoff(
@@ -85,6 +87,7 @@ class PrefillWorker(WorkerService):
             first_token=sample_to_wire(seq.samples[0]),
             transfer=transfer.to_dict(),
             num_cached_tokens=seq.num_cached_tokens,
+            prefill_done_at=done_at,
         )
         try:
             self._push_socket(target.handoff_endpoint).send(encode(handoff), zmq.NOBLOCK)

@@ -92,6 +92,9 @@ def test_disaggregated_greedy_equals_one_process(router, model, backend, kv_cach
     assert decode["pdserve_kv_pages_received_total"] == pages
     assert decode["pdserve_prompt_tokens_computed_total"] == 0
     assert router.metrics("prefill")["pdserve_kv_pages_sent_total"] == pages
+    # Every handoff was timed, from the prefill's last chunk to the pages held here.
+    assert decode["pdserve_kv_handoff_seconds_count"] == len(prompts)
+    assert 0 < decode["pdserve_kv_handoff_seconds_sum"] < 60
 
 
 def test_first_token_that_ends_a_request_is_not_handed_off(router, model):

@@ -1,0 +1,134 @@
+"""The handoff of a long prompt, end to end: prefill's last chunk done -> decode holds every page.
+
+Starts ``pdserve up`` (one prefill and one decode worker, the default model) once per KV-transfer
+backend, with prefill chunks of ``--chunk`` tokens, and sends ``--requests`` prompts of
+``--prompt-tokens`` random tokens one at a time, each asking for 2 tokens (the first is sampled
+on the prefill worker, the second on the decode worker once the pages are there). Around each
+request it reads the decode worker's metrics, so every figure belongs to one request:
+
+- handoff: ``pdserve_kv_handoff_seconds``, from the prefill worker finishing the last chunk to
+  the decode worker holding every page (the Handoff message, the decode loop picking it up, the
+  transfer with its request/acknowledge round trip);
+- fetch: ``pdserve_kv_transfer_seconds`` on the receiver side, start_fetch to pages in place
+  (the part ``benchmarks.kvtransfer`` measures without workers around it).
+
+The first request of each backend also pays for the side channel's handshake and is reported
+apart. Usage::
+
+    python -m benchmarks.handoff [--backends zmq nixl] [--requests 5] [--prompt-tokens 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import subprocess
+import sys
+
+import httpx
+
+from benchmarks.serving import wait_for_cluster
+from common.model.default_model import resolve_model_path
+
+HANDOFF = "pdserve_kv_handoff_seconds"
+FETCH = 'pdserve_kv_transfer_seconds{{backend="{backend}",side="receiver"}}'
+
+
+def scrape(metrics_url: str) -> dict[str, float]:
+    values: dict[str, float] = {}
+    for line in httpx.get(metrics_url, timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+
+
+def histogram_delta(before: dict, after: dict, name: str) -> tuple[float, float]:
+    """(observations, summed seconds) added to histogram ``name`` between two scrapes."""
+    base, _, labels = name.partition("{")
+    labels = "{" + labels if labels else ""
+    count, total = f"{base}_count{labels}", f"{base}_sum{labels}"
+    return (
+        after.get(count, 0.0) - before.get(count, 0.0),
+        after.get(total, 0.0) - before.get(total, 0.0),
+    )
+
+
+def run_backend(args, backend: str, folder: str) -> dict[str, list[float]]:
+    base_url = f"http://127.0.0.1:{args.port}"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "up", "--model", folder, "--port", str(args.port),
+         "--kv-transfer", backend, "--remote-prefill-min-tokens", "1",
+         "--max-num-batched-tokens", str(args.chunk),
+         "--max-model-len", str(args.prompt_tokens + 64), "--log-level", "WARNING"]
+    )  # fmt: skip
+    rng = random.Random(args.seed)
+    figures: dict[str, list[float]] = {"handoff": [], "fetch": []}
+    try:
+        wait_for_cluster(base_url, process, 600)
+        workers = httpx.get(f"{base_url}/v1/workers", timeout=10).json()
+        decode_metrics = workers["decode"][0]["metrics_url"]
+        fetch_name = FETCH.format(backend=backend)
+        for index in range(args.requests + 1):
+            # Ids past the control tokens, fresh each time: no prefix-cache hit anywhere.
+            prompt = [rng.randrange(100, 49000) for _ in range(args.prompt_tokens)]
+            before = scrape(decode_metrics)
+            response = httpx.post(
+                f"{base_url}/v1/completions",
+                json={"model": folder.rsplit("/", 1)[-1], "prompt": prompt, "max_tokens": 2,
+                      "temperature": 0, "ignore_eos": True},
+                timeout=600,
+            )  # fmt: skip
+            response.raise_for_status()
+            after = scrape(decode_metrics)
+            handoffs, handoff_s = histogram_delta(before, after, HANDOFF)
+            fetches, fetch_s = histogram_delta(before, after, fetch_name)
+            if handoffs != 1 or fetches != 1:
+                raise RuntimeError(
+                    f"request {index} was not handed off once ({handoffs:g} handoffs, "
+                    f"{fetches:g} fetches): is the router sending it to the prefill worker?"
+                )
+            if index == 0:
+                figures["first_handoff"], figures["first_fetch"] = [handoff_s], [fetch_s]
+            else:
+                figures["handoff"].append(handoff_s)
+                figures["fetch"].append(fetch_s)
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--backends", nargs="+", default=["zmq", "nixl"])
+    parser.add_argument("--requests", type=int, default=5)
+    parser.add_argument("--prompt-tokens", type=int, default=4096)
+    parser.add_argument("--chunk", type=int, default=512, help="prefill chunk (token budget)")
+    parser.add_argument("--model", default=None, help="model folder (default: SmolLM2)")
+    parser.add_argument("--port", type=int, default=8300)
+    parser.add_argument("--seed", type=int, default=7)
+    args = parser.parse_args()
+    folder = str(resolve_model_path(args.model))
+    results = {backend: run_backend(args, backend, folder) for backend in args.backends}
+
+    print(
+        f"\n{args.prompt_tokens}-token prompt in {args.chunk}-token chunks, "
+        f"{folder.rsplit('/', 1)[-1]}; median of {args.requests} requests (ms)"
+    )
+    print(f"{'backend':>8} {'handoff':>9} {'of it fetch':>12} {'first handoff':>14}")
+    for backend, figures in results.items():
+        print(
+            f"{backend:>8} {1e3 * statistics.median(figures['handoff']):9.1f} "
+            f"{1e3 * statistics.median(figures['fetch']):12.1f} "
+            f"{1e3 * figures['first_handoff'][0]:14.1f}"
+        )
+    print(
+        "handoff: the prefill worker's last chunk done -> every page held by the decode worker; "
+        "fetch: start_fetch -> pages in place; first: includes the side channel's handshake"
+    )
+
+
+if __name__ == "__main__":
+    main()
