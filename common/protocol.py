@@ -5,11 +5,17 @@ Sockets (all ZeroMQ, every frame one message from ``common.messages``)::
     router  ROUTER bind  (--control)  ◀──DEALER──  every worker, identity = worker id
         worker -> router: RegisterWorker, Heartbeat, CacheEvents, TokenDelta, RequestFailed
         router -> worker: RegisterAck, PrefillRequest, DecodeRequest, AbortRequest
-    decode  PULL   bind  (handoff)    ◀──PUSH────  prefill workers: Handoff
+    decode  PULL   bind  (handoff)    ◀──PUSH────  prefill workers: HandoffPart, Handoff,
+                                                   AbortRequest (withdraws shipped parts)
 
 A request keeps the id the router gave it in every message. The first token of a disaggregated
 request comes from the prefill worker (a ``TokenDelta`` with ``first=True``); the rest come from
 the decode worker that received the handoff.
+
+A prompt prefilled in several chunks may be shipped as it goes: after each chunk the prefill
+worker publishes the prompt's newly completed pages and PUSHes a ``HandoffPart``, so the decode
+worker fetches them while the next chunk computes; the ``Handoff`` then carries only the pages
+after the parts. Parts and handoff travel on one socket, so they arrive in order.
 """
 
 from __future__ import annotations
@@ -148,6 +154,20 @@ class AbortRequest(Message):
 # -- prefill worker -> decode worker -----------------------------------------------------------
 
 
+@message("prefill.handoff_part")
+@dataclass(slots=True)
+class HandoffPart(Message):
+    """Leading pages of a prompt still being prefilled: prompt pages ``first_page`` onwards, as
+    many as ``transfer`` offers, fetched under the lease id ``transfer_id``."""
+
+    request_id: str
+    part_index: int  # 0, 1, ... in the order parts are sent
+    first_page: int  # index in the prompt's pages of the first page shipped
+    num_prompt_tokens: int  # the decode worker reserves the whole prompt's pages at part 0
+    transfer_id: str
+    transfer: dict  # kvtransfer.TransferParams.to_dict()
+
+
 @message("prefill.handoff")
 @dataclass(slots=True)
 class Handoff(Message):
@@ -162,3 +182,7 @@ class Handoff(Message):
     # Wall-clock time (time.time()) the prefill worker finished the prompt's last chunk; 0 when
     # unknown. The decode worker measures the handoff from it.
     prefill_done_at: float = 0.0
+    # Pages before ``first_page`` came in ``num_parts`` HandoffParts; ``transfer`` offers the
+    # rest. 0 and 0: it offers every page of the prompt.
+    first_page: int = 0
+    num_parts: int = 0

@@ -1,11 +1,14 @@
 """The decode worker: continuous batching over handed-off and locally prefilled requests.
 
 A ``Handoff`` from a prefill worker reserves pages for the prompt and starts a fetch; when the
-pages arrive the request joins the running batch with its prompt already computed. If the
-fetch fails (the prefill worker died, the lease ran out) the reserved pages are released and the
-prompt is prefilled here instead, so no request is lost. A ``DecodeRequest`` (a short prompt the
-router did not send to a prefill worker, or a migrated request) is prefilled here from the
-start. Every sampled token streams to the router as a ``TokenDelta``.
+pages arrive the request joins the running batch with its prompt already computed. A long
+prompt's leading pages may come earlier, in ``HandoffPart``s sent after each of its chunks: the
+first part reserves the whole prompt's pages, each part's fetch starts at once, and the handoff
+then brings only the rest. If a fetch fails (the prefill worker died, the lease ran out) the
+reserved pages are released and the prompt is prefilled here instead, so no request is lost. A
+``DecodeRequest`` (a short prompt the router did not send to a prefill worker, or a migrated
+request) is prefilled here from the start. Every sampled token streams to the router as a
+``TokenDelta``.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import argparse
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 
@@ -28,7 +31,13 @@ from common.metrics import (
     KV_TRANSFER_FALLBACKS,
     REQUESTS,
 )
-from common.protocol import AbortRequest, DecodeRequest, Handoff, RegisterWorker
+from common.protocol import (
+    AbortRequest,
+    DecodeRequest,
+    Handoff,
+    HandoffPart,
+    RegisterWorker,
+)
 from common.service.worker_base import WorkerService, run_worker, worker_parser
 from kvtransfer import TransferError, TransferParams, TransferResult, create_receiver
 
@@ -39,14 +48,25 @@ _MAX_HANDOFF_BYTES = 64 << 20
 # An abort can overtake its request's handoff (they travel on different sockets); aborted ids
 # are remembered this long so a late handoff is dropped, not served.
 _ABORT_MEMORY_S = 120.0
+# Pages reserved by parts whose handoff never came (the prefill worker vanished and the router
+# did not re-dispatch the request here) are given back after this long without news.
+_PARTS_TIMEOUT_S = 300.0
 
 
 @dataclass(slots=True)
-class PendingFetch:
-    seq: Sequence  # prompt + first token, pages not yet in place
-    dst_block_ids: list[int]
-    prefill_done_at: float  # the prefill worker's wall clock at its last chunk; 0: unknown
+class PendingHandoff:
+    """A prompt whose pages are on their way; it joins the batch once every fetch has ended."""
+
+    request_id: str
+    dst_block_ids: list[int]  # the whole prompt's pages, reserved when the first news came
+    fetches: set[str] = field(default_factory=set)  # transfer ids still being fetched
+    num_parts: int = 0  # parts whose fetch was started
+    next_page: int = 0  # the first prompt page no part has brought
+    handoff: Handoff | None = None  # the last word from the prefill worker, once here
+    seq: Sequence | None = None  # prompt + first token, built from the handoff
+    error: str | None = None  # why the pages will not all arrive: prefill the prompt here
     aborted: bool = False
+    updated: float = field(default_factory=time.monotonic)
 
 
 class DecodeWorker(WorkerService):
@@ -63,8 +83,10 @@ class DecodeWorker(WorkerService):
         self.handoffs.setsockopt(zmq.MAXMSGSIZE, _MAX_HANDOFF_BYTES)
         port = self.handoffs.bind_to_random_port(f"tcp://{args.host}")
         self.handoff_endpoint = f"tcp://{args.host}:{port}"
-        self._pending: dict[str, PendingFetch] = {}
+        self._pending: dict[str, PendingHandoff] = {}
+        self._fetching: dict[str, PendingHandoff] = {}  # transfer id -> whose pages it brings
         self._aborted: OrderedDict[str, float] = OrderedDict()  # request id -> time.monotonic()
+        self._next_parts_check = 0.0
 
     def registration(self) -> RegisterWorker:
         return self.base_registration(handoff_endpoint=self.handoff_endpoint)
@@ -100,12 +122,17 @@ class DecodeWorker(WorkerService):
             except ProtocolError as exc:
                 self._drop(str(exc))
                 continue
-            if not isinstance(msg, Handoff):
+            if isinstance(msg, Handoff):
+                self._accept_handoff(msg)
+            elif isinstance(msg, HandoffPart):
+                self._accept_part(msg)
+            elif isinstance(msg, AbortRequest):
+                self._withdraw_parts(msg.request_id)
+            else:
                 self._drop(f"unexpected {type(msg).__name__} on the handoff socket")
-                continue
-            self._accept_handoff(msg)
         for result in self.receiver.poll():
             self._on_fetched(result)
+        self._expire_parts()
 
     def extra_sockets(self) -> list:
         return [self.handoffs, *self.receiver.poll_sockets()]
@@ -119,6 +146,9 @@ class DecodeWorker(WorkerService):
 
     def num_pending(self) -> int:
         return len(self._pending)
+
+    def io_in_flight(self) -> bool:
+        return self.receiver.progressing_silently()
 
     # -- handoffs -------------------------------------------------------------------------------
 
@@ -137,59 +167,191 @@ class DecodeWorker(WorkerService):
             logger.info("dropping a late handoff for %s", request_id)
         return known
 
+    def _accept_part(self, part: HandoffPart) -> None:
+        request_id = part.request_id
+        pending = self._pending.get(request_id)
+        if pending is None:
+            if part.part_index != 0 or self._known(request_id):
+                return  # an earlier part was not taken: the handoff will say what to do
+            num_pages = -(-part.num_prompt_tokens // self.block_manager.block_size)
+            if not 0 < num_pages <= self.block_manager.num_free_blocks:
+                logger.info("no room for %s's %d pages yet; waiting for its handoff", request_id,
+                            num_pages)  # fmt: skip
+                return
+            pending = PendingHandoff(request_id, self.block_manager.allocate(num_pages))
+            self._pending[request_id] = pending
+        elif pending.handoff is not None or pending.error is not None:
+            return  # a part after the handoff, or after one went wrong: nothing to gain
+        pending.updated = time.monotonic()
+        try:
+            transfer = TransferParams.from_dict(part.transfer)
+            end = part.first_page + len(transfer.block_ids)
+            if part.part_index != pending.num_parts or part.first_page != pending.next_page:
+                raise TransferError(
+                    f"part {part.part_index} from page {part.first_page} arrived after "
+                    f"{pending.num_parts} parts and {pending.next_page} pages"
+                )
+            if not transfer.block_ids or end > len(pending.dst_block_ids):
+                raise TransferError(f"part ends at page {end} of {len(pending.dst_block_ids)}")
+        except TransferError as exc:
+            pending.error = f"bad handoff part: {exc}"
+            return
+        dst = pending.dst_block_ids[part.first_page : end]
+        if self._start_fetch(pending, part.transfer_id, transfer, dst):
+            pending.num_parts += 1
+            pending.next_page = end
+
     def _accept_handoff(self, handoff: Handoff) -> None:
         request_id = handoff.request_id
-        if self._known(request_id):
+        pending = self._pending.get(request_id)
+        if pending is not None and pending.handoff is not None:
+            logger.info("dropping a second handoff for %s", request_id)
+            return
+        if pending is None and self._known(request_id):
             return
         params = self.parse_params(request_id, handoff.params)
         if params is None:
+            if pending is not None:
+                self._discard(pending)
             return
         seq = Sequence.from_prompt(request_id, handoff.prompt_token_ids, params)
         seq.token_ids.append(handoff.first_token.token_id)
         seq.num_cached_tokens = handoff.num_cached_tokens
         num_pages = -(-seq.num_prompt_tokens // self.block_manager.block_size)
+        if handoff.first_page == 0 and pending is not None:
+            self._discard(pending)  # every page is offered again: the parts are not needed
+            pending = None
+        if handoff.first_page > 0:
+            problem = self._parts_problem(pending, handoff, num_pages)
+            if problem is not None:
+                logger.warning("%s's early pages are not all here (%s); prefilling it here",
+                               request_id, problem)  # fmt: skip
+                if pending is not None:
+                    self._discard(pending)
+                self._prefill_locally(seq)
+                return
         try:
             transfer = TransferParams.from_dict(handoff.transfer)
-            if len(transfer.block_ids) != num_pages:
+            if len(transfer.block_ids) != num_pages - handoff.first_page:
                 raise TransferError(
-                    f"{len(transfer.block_ids)} pages offered for a prompt that needs {num_pages}"
+                    f"{len(transfer.block_ids)} pages offered after page {handoff.first_page} "
+                    f"for a prompt that needs {num_pages}"
                 )
         except TransferError as exc:
+            if pending is not None:
+                self._discard(pending)
             self.fail(request_id, f"bad handoff: {exc}", retryable=True)
             return
-        if num_pages > self.block_manager.num_free_blocks:
-            logger.warning("no room for %s's %d pages; prefilling it here", request_id, num_pages)
-            self._prefill_locally(seq)
-            return
-        dst = self.block_manager.allocate(num_pages)
+        if pending is None:
+            if num_pages > self.block_manager.num_free_blocks:
+                logger.warning("no room for %s's %d pages; prefilling it here", request_id,
+                               num_pages)  # fmt: skip
+                self._prefill_locally(seq)
+                return
+            pending = PendingHandoff(request_id, self.block_manager.allocate(num_pages))
+            self._pending[request_id] = pending
+        pending.handoff, pending.seq = handoff, seq
+        self._start_fetch(
+            pending, request_id, transfer, pending.dst_block_ids[handoff.first_page :]
+        )
+        self._settle(pending)
+
+    @staticmethod
+    def _parts_problem(
+        pending: PendingHandoff | None, handoff: Handoff, num_pages: int
+    ) -> str | None:
+        """Why the parts held for ``handoff`` cannot be completed by it, or None."""
+        if pending is None:
+            return "none of its parts were taken"
+        if pending.error is not None:
+            return pending.error
+        if (pending.num_parts, pending.next_page) != (handoff.num_parts, handoff.first_page):
+            return (
+                f"{pending.num_parts} parts up to page {pending.next_page} here, the handoff "
+                f"counts {handoff.num_parts} up to page {handoff.first_page}"
+            )
+        if len(pending.dst_block_ids) != num_pages:
+            return f"{len(pending.dst_block_ids)} pages reserved for a prompt of {num_pages}"
+        return None
+
+    def _start_fetch(
+        self,
+        pending: PendingHandoff,
+        transfer_id: str,
+        transfer: TransferParams,
+        dst: list[int],
+    ) -> bool:
         try:
-            self.receiver.start_fetch(request_id, transfer, dst, self.fetch_timeout)
+            self.receiver.start_fetch(transfer_id, transfer, dst, self.fetch_timeout)
         except TransferError as exc:
-            self.block_manager.free(dst)
-            self.fail(request_id, f"bad handoff: {exc}", retryable=True)
-            return
-        self._pending[request_id] = PendingFetch(seq, dst, handoff.prefill_done_at)
+            pending.error = pending.error or f"bad handoff: {exc}"
+            return False
+        self._fetching[transfer_id] = pending
+        pending.fetches.add(transfer_id)
+        return True
 
     def _on_fetched(self, result: TransferResult) -> None:
-        pending = self._pending.pop(result.request_id, None)
+        pending = self._fetching.pop(result.request_id, None)
         if pending is None:
             return
-        seq = pending.seq
+        pending.fetches.discard(result.request_id)
+        pending.updated = time.monotonic()
+        if not result.ok:
+            pending.error = pending.error or f"fetching pages failed ({result.error})"
+        elif not pending.aborted:
+            KV_PAGES_RECEIVED.inc(result.num_pages)
+        self._settle(pending)
+
+    def _settle(self, pending: PendingHandoff) -> None:
+        """Once no fetch of ``pending`` is running: free its pages if it was dropped, admit it
+        if its handoff came and every page arrived, prefill it here if one could not."""
+        if pending.fetches:
+            return
         if pending.aborted:
             self.block_manager.free(pending.dst_block_ids)
             return
-        if not result.ok:
-            logger.warning("fetching %s's pages failed (%s)", seq.request_id, result.error)
+        if pending.handoff is None or pending.seq is None:
+            return  # the parts are in; the handoff has not come yet
+        del self._pending[pending.request_id]
+        seq = pending.seq
+        if pending.error is not None:
+            logger.warning("%s: %s; prefilling it here", seq.request_id, pending.error)
             self.block_manager.free(pending.dst_block_ids)
             self._prefill_locally(seq)
             return
-        KV_PAGES_RECEIVED.inc(result.num_pages)
-        if pending.prefill_done_at > 0:
-            KV_HANDOFF_SECONDS.observe(max(0.0, time.time() - pending.prefill_done_at))
+        if pending.handoff.prefill_done_at > 0:
+            KV_HANDOFF_SECONDS.observe(max(0.0, time.time() - pending.handoff.prefill_done_at))
         seq.block_ids = pending.dst_block_ids
         seq.num_computed_tokens = seq.num_prompt_tokens
         if not self.admit(seq):
             self.scheduler.release(seq)
+
+    def _discard(self, pending: PendingHandoff) -> None:
+        """Stop waiting for ``pending``'s pages; they are freed once no fetch writes them."""
+        self._pending.pop(pending.request_id, None)
+        pending.aborted = True
+        for transfer_id in pending.fetches:
+            self.receiver.abort(transfer_id)  # reported through receiver.poll()
+        self._settle(pending)
+
+    def _withdraw_parts(self, request_id: str) -> None:
+        """The prefill worker will not hand ``request_id`` off after all (it was aborted there,
+        or its first token ended it): drop the parts held for it. Only parts: a request the
+        router has since re-dispatched here is the router's to stop."""
+        pending = self._pending.get(request_id)
+        if pending is not None and pending.handoff is None:
+            self._discard(pending)
+
+    def _expire_parts(self) -> None:
+        now = time.monotonic()
+        if now < self._next_parts_check:
+            return
+        self._next_parts_check = now + 1.0
+        for pending in list(self._pending.values()):
+            if pending.handoff is None and now - pending.updated > _PARTS_TIMEOUT_S:
+                logger.warning("no handoff for %s's parts in %.0fs; dropping them",
+                               pending.request_id, _PARTS_TIMEOUT_S)  # fmt: skip
+                self._discard(pending)
 
     def _prefill_locally(self, seq: Sequence) -> None:
         KV_TRANSFER_FALLBACKS.inc()
@@ -200,9 +362,8 @@ class DecodeWorker(WorkerService):
     def _drop_request(self, request_id: str) -> bool:
         """Stop serving a request wherever it is here; whether there was one."""
         pending = self._pending.get(request_id)
-        if pending is not None and not pending.aborted:
-            pending.aborted = True
-            self.receiver.abort(request_id)  # its pages are freed when the fetch reports
+        if pending is not None:
+            self._discard(pending)
             return True
         return self.scheduler.abort(request_id) is not None
 

@@ -188,6 +188,12 @@ class KVReceiver(ABC):
         before each wait.
         """
 
+    def progressing_silently(self) -> bool:
+        """Whether a fetch is moving without traffic on ``poll_sockets`` (a NIXL READ carried
+        out by UCX threads): a worker should then call ``poll`` again soon instead of sleeping
+        on the sockets until its idle timeout."""
+        return False
+
     @abstractmethod
     def abort(self, request_id: str) -> None:
         """Stop fetching; the sender is told to release. Unknown ids are ignored.

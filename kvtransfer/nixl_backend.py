@@ -274,6 +274,9 @@ class NixlReceiver(SideChannelReceiver):
                     fetch.handle = None
                     self._end_drained(fetch)
 
+    def progressing_silently(self) -> bool:
+        return any(f.state in (READING, DRAINING) for f in self._fetches.values())
+
     def _stop_writes(self, fetch: Fetch) -> bool:
         # Releasing a handle cancels its READ; NIXL refuses when it cannot, and the fetch then
         # drains until the READ ends.

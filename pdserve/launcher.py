@@ -56,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--remote-prefill-min-tokens", type=int, default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
+    # Flags of one role only; the rest of the unknown flags go to every worker.
+    prefill = parser.add_argument_group("prefill workers")
+    prefill.add_argument("--kv-lease-seconds", type=float, default=None)
+    prefill.add_argument("--ship-chunks", action=argparse.BooleanOptionalAction, default=None)
+    decode = parser.add_argument_group("decode workers")
+    decode.add_argument("--kv-fetch-timeout", type=float, default=None)
     parser.add_argument(
         "--pin-cores",
         action=argparse.BooleanOptionalAction,
@@ -65,6 +71,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--log-level", default="INFO")
     return parser
+
+
+def role_flags(args: argparse.Namespace, role: str) -> list[str]:
+    """The flags given to ``pdserve up`` that belong to workers of ``role`` only."""
+    flags: list[str] = []
+    if role == "prefill":
+        if args.kv_lease_seconds is not None:
+            flags += ["--kv-lease-seconds", str(args.kv_lease_seconds)]
+        if args.ship_chunks is not None:
+            flags.append("--ship-chunks" if args.ship_chunks else "--no-ship-chunks")
+    elif args.kv_fetch_timeout is not None:
+        flags += ["--kv-fetch-timeout", str(args.kv_fetch_timeout)]
+    return flags
 
 
 def core_shares(num_workers: int) -> list[set[int]]:
@@ -218,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                 _spawn(
                     f"{role} worker {index}",
                     f"{role}_worker",
-                    [*shared, *worker_id, *worker_flags],
+                    [*shared, *worker_id, *role_flags(args, role), *worker_flags],
                     cores,
                 )
             )

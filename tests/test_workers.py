@@ -15,7 +15,7 @@ from worker_harness import FakeRouter, HandoffTap
 from common.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.engine.llm_engine import LLMEngine
 from common.messages import encode
-from common.protocol import AbortRequest, Heartbeat
+from common.protocol import AbortRequest, HandoffPart, Heartbeat
 from common.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
@@ -95,15 +95,83 @@ def test_disaggregated_greedy_equals_one_process(router, model, backend, kv_cach
     # Every handoff was timed, from the prefill's last chunk to the pages held here.
     assert decode["pdserve_kv_handoff_seconds_count"] == len(prompts)
     assert 0 < decode["pdserve_kv_handoff_seconds_sum"] < 60
+    # Pages completed by earlier chunks came in parts, each its own fetch, before the handoff.
+    fetches = f'pdserve_kv_transfer_seconds_count{{backend="{backend}",side="receiver"}}'
+    assert decode[fetches] == sum(fetches_for(len(p)) for p in prompts) > len(prompts)
+
+
+def fetches_for(prompt_len: int, chunk: int = PREFILL_CHUNK, block_size: int = 16) -> int:
+    """Fetches of one handed-off prompt: a part per chunk that completed pages, then the rest."""
+    fetches, shipped, computed = 1, 0, 0
+    while (computed := min(computed + chunk, prompt_len)) < prompt_len:
+        if computed // block_size > shipped:
+            fetches, shipped = fetches + 1, computed // block_size
+    return fetches
 
 
 def test_first_token_that_ends_a_request_is_not_handed_off(router, model):
-    start_pair(router, model, "zmq")
-    router.prefill("one", random_prompts(1, seed=3)[0], SamplingParams(max_tokens=1, temperature=0))
+    start_pair(router, model, "zmq", prefill_flags=("--kv-lease-seconds", "2"))
+    totals = {role: free_blocks(router, role) for role in ("prefill", "decode")}
+    # Long enough for parts to be shipped before the first token ends it: they are withdrawn.
+    prompt = random_prompts(1, seed=3, min_len=90, max_len=90)[0]
+    router.prefill("one", prompt, SamplingParams(max_tokens=1, temperature=0))
     router.wait_finished(["one"])
     [delta] = router.log("one").deltas
     assert delta.first and delta.finish_reason == "length"
-    assert router.metrics("decode")["pdserve_kv_pages_received_total"] == 0
+    assert router.metrics("decode").get('pdserve_requests_total{outcome="length"}', 0) == 0
+    for role, total in totals.items():
+        router.wait_for(lambda r=role, t=total: free_blocks(router, r) == t, 20, f"{role} leaks")
+    assert len(router.log("one").deltas) == 1
+
+
+def test_abort_during_chunked_prefill_withdraws_the_parts(router, model):
+    """Aborted after its first part went out, a prompt's parts are withdrawn: their leases end
+    at once (long before they would run out) and the decode worker is told to drop them."""
+    start_pair(router, model, "zmq", prefill_flags=("--max-num-batched-tokens", "16"))
+    total = free_blocks(router, "prefill")
+    tap = HandoffTap(router.context)
+    prompt = random_prompts(1, seed=4, min_len=240, max_len=240)[0]
+    router.prefill("short-lived", prompt, GREEDY, handoff_endpoint=tap.endpoint)
+    first = tap.next(timeout=60)
+    assert isinstance(first, HandoffPart) and first.part_index == 0
+    # Fifteen chunks of 16: the abort lands while the prompt is still being prefilled.
+    router.send(router.worker("prefill").worker_id, AbortRequest("short-lived"))
+    while not isinstance(msg := tap.next(timeout=30), AbortRequest):
+        assert isinstance(msg, HandoffPart), f"{type(msg).__name__} after the abort"
+    router.wait_for(lambda: free_blocks(router, "prefill") == total, 10, "part leases held")
+    assert not router.log("short-lived").deltas
+    tap.close()
+
+
+def test_parts_withdrawn_by_the_prefill_worker_are_dropped(router, model):
+    """Parts whose handoff never comes (the prefill worker withdrew them) free their pages, and
+    the prefill worker's part leases end once the decode worker has read them."""
+    start_pair(router, model, "zmq", prefill_flags=("--kv-lease-seconds", "2"))
+    decode = router.worker("decode")
+    totals = {role: free_blocks(router, role) for role in ("prefill", "decode")}
+    tap = HandoffTap(router.context)
+    prompt = random_prompts(1, seed=6, min_len=100, max_len=100)[0]
+    router.prefill("withdrawn", prompt, GREEDY, handoff_endpoint=tap.endpoint)
+    tap.receive(timeout=60)
+    parts = tap.received[:-1]
+    assert len(parts) == fetches_for(len(prompt)) - 1 > 1
+    push = router.context.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(decode.handoff_endpoint)
+    for part in parts:
+        push.send(encode(part))
+    pages = sum(len(p.transfer["block_ids"]) for p in parts)
+    router.wait_for(
+        lambda: router.metrics("decode")["pdserve_kv_pages_received_total"] == pages,
+        30,
+        "parts not fetched",
+    )
+    assert free_blocks(router, "decode") == totals["decode"] - -(-len(prompt) // 16)
+    push.send(encode(AbortRequest("withdrawn")))
+    for role, total in totals.items():
+        router.wait_for(lambda r=role, t=total: free_blocks(router, r) == t, 20, f"{role} leaks")
+    push.close()
+    tap.close()
 
 
 def test_local_prefill_on_the_decode_worker(router, model):
@@ -132,13 +200,15 @@ def test_prefill_killed_mid_transfer_decode_releases_pages_and_prefills_itself(r
     tap = HandoffTap(router.context)
     prompt = random_prompts(1, seed=9, min_len=40, max_len=40)[0]
     router.prefill("doomed", prompt, GREEDY, handoff_endpoint=tap.endpoint)
-    handoff = tap.receive(timeout=60)
+    tap.receive(timeout=60)
+    # A 40-token prompt in chunks of 24: its first page came early, in a part.
+    assert [type(m).__name__ for m in tap.received] == ["HandoffPart", "Handoff"]
     os.kill(router.processes[0].pid, signal.SIGKILL)
     router.processes[0].wait(10)
     push = router.context.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 0)
     push.connect(decode.handoff_endpoint)
-    push.send(encode(handoff))
+    tap.forward(push)
     router.wait_finished(["doomed"], timeout=60)
     assert (
         router.log("doomed").token_ids == one_process(model, [prompt], GREEDY, "float32", "auto")[0]
@@ -230,7 +300,7 @@ def test_redispatch_after_abort_with_the_same_id_is_served(router, model):
     prompt = random_prompts(1, seed=21, min_len=30, max_len=30)[0]
     tap = HandoffTap(router.context)
     router.prefill("again", prompt, GREEDY, handoff_endpoint=tap.endpoint)
-    handoff = tap.receive(timeout=60)
+    tap.receive(timeout=60)
     router.wait_for(lambda: router.log("again").deltas, 30, "no first token")
     router.log("again").deltas.clear()  # the prefill worker's; the re-dispatch starts over
     router.send(decode.worker_id, AbortRequest("again"))
@@ -238,7 +308,7 @@ def test_redispatch_after_abort_with_the_same_id_is_served(router, model):
     push = router.context.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 0)
     push.connect(decode.handoff_endpoint)
-    push.send(encode(handoff))  # arrives late: must not start a second copy
+    tap.forward(push)  # arrives late: must not start a second copy
     router.wait_finished(["again"])
     expected = one_process(model, [prompt], GREEDY, "float32", "auto")[0]
     assert router.log("again").token_ids == expected

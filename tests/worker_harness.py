@@ -18,6 +18,7 @@ from common.protocol import (
     CacheEvents,
     DecodeRequest,
     Handoff,
+    HandoffPart,
     Heartbeat,
     PrefillRequest,
     RegisterAck,
@@ -192,13 +193,29 @@ class HandoffTap:
         self.socket = context.socket(zmq.PULL)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.endpoint = f"tcp://127.0.0.1:{self.socket.bind_to_random_port('tcp://127.0.0.1')}"
+        self.received: list[Message] = []  # everything, in order: HandoffParts, then Handoffs
+
+    def next(self, timeout: float) -> Message:
+        """The next message a prefill worker sent (kept in ``received`` too)."""
+        if not self.socket.poll(max(0, int(timeout * 1000))):
+            raise TimeoutError("nothing arrived on the handoff tap")
+        msg = decode(self.socket.recv(), max_size=64 << 20)
+        self.received.append(msg)
+        return msg
 
     def receive(self, timeout: float) -> Handoff:
-        if not self.socket.poll(int(timeout * 1000)):
-            raise TimeoutError("no handoff arrived")
-        msg = decode(self.socket.recv(), max_size=64 << 20)
-        assert isinstance(msg, Handoff)
-        return msg
+        """The next Handoff; the HandoffParts before it are kept in ``received``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            msg = self.next(deadline - time.monotonic())
+            assert isinstance(msg, Handoff | HandoffPart), type(msg).__name__
+            if isinstance(msg, Handoff):
+                return msg
+
+    def forward(self, push: zmq.Socket) -> None:
+        """Send on everything received so far, in order (to the decode worker it was for)."""
+        for msg in self.received:
+            push.send(encode(msg))
 
     def close(self) -> None:
         self.socket.close(linger=0)

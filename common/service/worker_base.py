@@ -55,6 +55,8 @@ logger = logging.getLogger(__name__)
 
 # While idle the loop wakes at least this often, for heartbeats and lease deadlines.
 _IDLE_POLL_MS = 20
+# ... and this often while transfers progress where no socket says so (see io_in_flight).
+_IN_FLIGHT_POLL_MS = 1
 
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
@@ -123,6 +125,11 @@ class WorkerService(ABC):
         """Requests held outside the scheduler (e.g. waiting for their pages)."""
         return 0
 
+    def io_in_flight(self) -> bool:
+        """Whether I/O is progressing that no socket will announce (a NIXL READ), so the idle
+        loop should come back to ``poll_io`` within a millisecond."""
+        return False
+
     # -- the loop -------------------------------------------------------------------------------
 
     def serve(self) -> None:
@@ -185,7 +192,7 @@ class WorkerService(ABC):
             poller.unregister(sock[0])
         for sock in sockets:
             poller.register(sock, zmq.POLLIN)
-        poller.poll(_IDLE_POLL_MS)
+        poller.poll(_IN_FLIGHT_POLL_MS if self.io_in_flight() else _IDLE_POLL_MS)
 
     def _report(self) -> None:
         events = self.block_manager.drain_events()
