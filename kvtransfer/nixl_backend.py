@@ -12,15 +12,19 @@ CMA transports used on one host, the READ itself is carried out by the reading p
 (process_vm_readv) once the connection is up; the sender's ``poll`` only has to run for the
 connection set-up.
 
-The receiver's UCX backend has ``READ_THREADS`` threads of its own that split a READ's
-descriptors between them. They sleep while no READ is posted (no idle cost), and a single
-thread cannot reach memory bandwidth: process_vm_readv pins and copies one page table entry at
-a time, so one reader moved ~45% of memcpy's rate on a 2-core host and two moved ~60%.
+A receiver with more than one core to run on gives its UCX backend up to ``MAX_READ_THREADS``
+threads of its own that split a READ's descriptors between them: a single thread cannot reach
+memory bandwidth (process_vm_readv pins and copies one page table entry at a time; one reader
+moved ~45% of memcpy's rate on a 2-core host, two ~60%). They sleep while no READ is posted, but
+spin while one completes, so a process confined to one core (``pdserve up`` pins each worker
+on a CPU host) gets none: there they only took turns with the worker's own thread, and a 4k-token
+handoff took ~24 ms instead of ~8.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 
@@ -38,13 +42,20 @@ logger = logging.getLogger(__name__)
 
 # How long past its deadline a failed fetch waits for a READ that could not be cancelled.
 DRAIN_GRACE_S = 5.0
-# Threads that carry out a receiver's READs, each with its own UCX worker.
-READ_THREADS = 2
+# At most this many threads carry out a receiver's READs, each with its own UCX worker.
+MAX_READ_THREADS = 2
 # A READ with at least this many descriptors is split between the read threads.
 SPLIT_DESCRIPTORS = 4
 # Longest run of pages one descriptor covers: a prompt whose pages lie in a row still becomes
 # enough descriptors for every read thread to take a share.
 MAX_RUN_PAGES = 16
+
+
+def default_read_threads() -> int:
+    """Read threads for a receiver in this process: one per core it may run on, up to
+    MAX_READ_THREADS, and none on a single core."""
+    cores = len(os.sched_getaffinity(0))
+    return min(MAX_READ_THREADS, cores) if cores > 1 else 0
 
 
 def create_agent(name: str, read_threads: int = 0) -> nixl_agent:
@@ -175,8 +186,10 @@ class NixlSender(SideChannelSender):
 class NixlReceiver(SideChannelReceiver):
     backend = "nixl"
 
-    def __init__(self, pool: KVPool, engine_id: str, read_threads: int = READ_THREADS):
+    def __init__(self, pool: KVPool, engine_id: str, read_threads: int | None = None):
         super().__init__(pool, engine_id)
+        if read_threads is None:
+            read_threads = default_read_threads()
         self._agent = create_agent(f"{engine_id}.receiver.{uuid.uuid4().hex[:12]}", read_threads)
         self._registered = _RegisteredPool(self._agent, pool)
         self._abandoned: list[object] = []  # READs that never stopped; kept so they stay valid
