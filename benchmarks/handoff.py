@@ -33,6 +33,7 @@ import time
 import httpx
 
 from benchmarks.serving import wait_for_cluster
+from common.metrics import parse_exposition
 from common.model.default_model import resolve_model_path
 
 HANDOFF = "pdserve_kv_handoff_seconds"
@@ -40,12 +41,7 @@ FETCH = 'pdserve_kv_transfer_seconds{{backend="{backend}",side="receiver"}}'
 
 
 def scrape(metrics_url: str) -> dict[str, float]:
-    values: dict[str, float] = {}
-    for line in httpx.get(metrics_url, timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            values[name] = float(value)
-    return values
+    return parse_exposition(httpx.get(metrics_url, timeout=10).text)
 
 
 def histogram_delta(before: dict, after: dict, name: str) -> tuple[float, float]:

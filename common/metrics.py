@@ -45,6 +45,17 @@ KV_USAGE = Gauge("pdserve_kv_cache_usage", "Fraction of KV pages in use")
 NUM_PREEMPTIONS = Gauge("pdserve_preemptions", "Sequences preempted so far (recomputed later)")
 
 
+def parse_exposition(text: str) -> dict[str, float]:
+    """Samples of a /metrics page by their full name, labels included as written
+    (``pdserve_x_total``, ``pdserve_y_count{backend="zmq",side="receiver"}``)."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+
+
 def serve_metrics(host: str, port: int) -> str:
     """Serve /metrics on ``host:port`` (0: any free port) in a daemon thread; returns its URL."""
     server, _ = start_http_server(port, addr=host)

@@ -14,6 +14,7 @@ from pathlib import Path
 import zmq
 
 from common.messages import Message, ProtocolError, decode, encode
+from common.metrics import parse_exposition
 from common.protocol import (
     CacheEvents,
     DecodeRequest,
@@ -178,12 +179,7 @@ class FakeRouter:
 
     def metrics(self, role: str) -> dict[str, float]:
         text = urllib.request.urlopen(self.worker(role).metrics_url, timeout=10).read().decode()
-        values: dict[str, float] = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                values[name] = float(value)
-        return values
+        return parse_exposition(text)
 
 
 class HandoffTap:
