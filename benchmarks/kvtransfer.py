@@ -287,7 +287,7 @@ def run_backend(backend: str, sizes_mb: list[float], repeats: int, num_blocks: i
     pool = KVPool(LAYOUT, num_blocks, "cpu")
     pool.data.view(torch.uint8).fill_(1)  # touch the destination pool once, as a live one is
     receiver = create_receiver(backend, pool, engine_id=f"bench-decode-{backend}")
-    out: dict = {"throughput": {}}
+    out: dict = {"throughput": {}, "cpu_per_gb": {}}
     counter = 0
 
     def one(num_pages: int, verify: bool = False, in_a_row: bool = False) -> float:
@@ -327,7 +327,7 @@ def run_backend(backend: str, sizes_mb: list[float], repeats: int, num_blocks: i
             moved = num_pages * LAYOUT.page_nbytes
             out["throughput"][megabytes] = (moved, statistics.median(times))
             gigabytes = moved * repeats / 1e9
-            out["cpu_per_gb"] = (
+            out["cpu_per_gb"][megabytes] = (
                 sender_cpu / gigabytes,
                 receiver_cpu / gigabytes,
                 sum(times) / gigabytes,
@@ -385,7 +385,7 @@ def main() -> None:
     biggest = max(args.sizes_mb)
     print(f"\nCPU per GB moved ({biggest:g}MB transfers), beside the wall time per GB:")
     for backend in args.backends:
-        sender_cpu, receiver_cpu, wall = results[backend]["cpu_per_gb"]
+        sender_cpu, receiver_cpu, wall = results[backend]["cpu_per_gb"][biggest]
         print(
             f"  {backend:>8}: sender {1e3 * sender_cpu:5.0f} ms, "
             f"receiver {1e3 * receiver_cpu:5.0f} ms, wall {1e3 * wall:5.0f} ms "
