@@ -178,8 +178,8 @@ class PrefillWorker(WorkerService):
         if not self._push_to(target, handoff):
             # The decode worker is not taking handoffs; the router will see it go silent.
             self.sender.abort(seq.request_id)
-            for transfer_id in parts.transfer_ids if parts is not None else ():
-                self.sender.abort(transfer_id)
+            if parts is not None:
+                self._withdraw(seq.request_id, parts, target)
             self.fail(
                 seq.request_id,
                 f"decode worker {target.decode_worker_id} unreachable",
