@@ -170,6 +170,8 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
+    # Plain torch modules only: no prepacked weights, no fused C ops (vLLM's flag name).
+    enforce_eager: bool = False
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

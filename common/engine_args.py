@@ -33,6 +33,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-seqs", type=int, default=256)
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--seed", type=int, default=0)
+    group.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run the plain torch model: no prepacked weights or fused CPU kernels",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -53,6 +58,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_model_len=args.max_model_len,
         ),
         seed=args.seed,
+        enforce_eager=args.enforce_eager,
     )
     config.cache.validate()
     config.scheduler.validate()

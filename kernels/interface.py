@@ -66,9 +66,17 @@ class KVCacheView:
 
 
 class AttentionBackend(ABC):
-    """Paged attention over the block-major KV pool. Implementations hold no per-step state."""
+    """Paged attention over the block-major KV pool. Implementations hold no per-step state:
+    what a backend derives from a step's metadata lives in the plan it returns."""
 
     name: str
+
+    def plan(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """Per-step work, done once before the first layer (splitting the batch by kind of row,
+        host-side lists, index tensors). The model runner calls it once per forward and hands
+        the result to every layer's ``attention`` in place of ``meta``; it is ``meta`` or a
+        subclass of it that carries the derived fields. The default derives nothing."""
+        return meta
 
     @abstractmethod
     def store_kv(

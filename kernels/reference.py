@@ -127,22 +127,34 @@ def paged_attention_reference(
     for i, q_len in enumerate(query_lens):
         if q_len == 1:
             continue
-        seq_len = seq_lens[i]
-        num_blocks = -(-seq_len // block_size)
-        tables = meta.block_tables[i : i + 1, :num_blocks].long()
-        key, value = _gather_context(cache, tables, query.dtype)
         rows = slice(starts[i], starts[i + 1])
-        # Lower-right causal alignment: the chunk's queries are the context's last q_len positions.
-        attended = F.scaled_dot_product_attention(
-            query[rows].transpose(0, 1)[None],
-            key[0, :seq_len].transpose(0, 1)[None],
-            value[0, :seq_len].transpose(0, 1)[None],
-            attn_mask=causal_lower_right(q_len, seq_len),
-            scale=softmax_scale,
-            enable_gqa=True,
+        out[rows] = chunk_attention_reference(
+            query[rows], cache, meta.block_tables[i], seq_lens[i], softmax_scale
         )
-        out[rows] = attended[0].transpose(0, 1)
     return out
+
+
+def chunk_attention_reference(
+    query: torch.Tensor,  # [q_len, num_heads, head_dim], the last q_len positions of the context
+    cache: KVCacheView,
+    block_table: torch.Tensor,  # [max_blocks_per_seq] int32
+    seq_len: int,
+    softmax_scale: float,
+) -> torch.Tensor:  # [q_len, num_heads, head_dim]
+    """One sequence's chunk of queries over its context: SDPA over its gathered pages."""
+    q_len = query.shape[0]
+    num_blocks = -(-seq_len // cache.block_size)
+    key, value = _gather_context(cache, block_table[None, :num_blocks].long(), query.dtype)
+    # Lower-right causal alignment: the chunk's queries are the context's last q_len positions.
+    attended = F.scaled_dot_product_attention(
+        query.transpose(0, 1)[None],
+        key[0, :seq_len].transpose(0, 1)[None],
+        value[0, :seq_len].transpose(0, 1)[None],
+        attn_mask=causal_lower_right(q_len, seq_len),
+        scale=softmax_scale,
+        enable_gqa=True,
+    )
+    return attended[0].transpose(0, 1)
 
 
 class TorchAttentionBackend(AttentionBackend):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -45,6 +46,7 @@ class RequestOutput:
 class LLMEngine:
     def __init__(self, config: EngineConfig, first_token_only: bool = False) -> None:
         """``first_token_only``: the prefill worker's mode (see ``Scheduler``)."""
+        started = time.monotonic()
         config.cache.validate()
         config.scheduler.validate()
         self.config = config
@@ -54,6 +56,9 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.model_config.checkpoint_dtype, self.device)
         torch.manual_seed(config.seed)
         self.model = load_model(self.model_config, self.dtype, self.device)
+        if self.device.type == "cpu" and not config.enforce_eager:
+            gemm_plan = self.model.pack_for_cpu()
+            logger.info("linear layers: %s", gemm_plan.describe())
         self.max_model_len = min(
             config.scheduler.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.max_position_embeddings,
@@ -72,6 +77,7 @@ class LLMEngine:
             self.model, self.kv_layout, config, self.device, self.backend, self.max_model_len
         )
         self.pool = KVPool(self.kv_layout, num_blocks, self.device)
+        self.model.bind_kv(self.pool, self.backend)
         self.block_manager = BlockManager(
             num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
@@ -85,13 +91,16 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.pool, self.backend, self.sampler)
         self._ids = itertools.count()
         logger.info(
-            "engine ready: %s on %s in %s, %d KV pages of %d tokens (%s)",
+            "engine ready in %.1f s: %s on %s in %s, %d KV pages of %d tokens (%s), %s attention%s",
+            time.monotonic() - started,
             self.model_config.architecture,
             self.device,
             self.dtype,
             num_blocks,
             config.cache.block_size,
             self.kv_layout.dtype,
+            self.backend.name,
+            ", eager" if config.enforce_eager else "",
         )
 
     def add_request(

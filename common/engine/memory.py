@@ -39,10 +39,12 @@ def parse_memory_size(text: str) -> int:
 def warm_up(
     model: LlamaForCausalLM, layout: KVLayout, num_tokens: int, backend: AttentionBackend
 ) -> None:
-    """One forward of ``num_tokens`` prompt tokens through a scratch pool."""
+    """One forward of ``num_tokens`` prompt tokens through a scratch pool (the model stays
+    bound to it: bind the real pool afterwards)."""
     device = next(model.parameters()).device
     num_blocks = -(-num_tokens // layout.block_size)
     pool = KVPool(layout, num_blocks, device)
+    model.bind_kv(pool, backend)
     meta = AttentionMetadata(
         query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
         seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
@@ -54,7 +56,7 @@ def warm_up(
     tokens = torch.zeros(num_tokens, dtype=torch.long, device=device)
     positions = torch.arange(num_tokens, device=device)
     last = torch.tensor([num_tokens - 1], device=device)
-    model(tokens, positions, pool, meta, backend, last)
+    model(tokens, positions, meta, last)
 
 
 def _available_host_memory() -> int:

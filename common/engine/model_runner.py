@@ -32,7 +32,7 @@ class ModelRunner:
         if not batch:
             return []
         input_ids, positions, meta, logits_indices = self.prepare(batch)
-        logits = self.model(input_ids, positions, self.pool, meta, self.backend, logits_indices)
+        logits = self.model(input_ids, positions, meta, logits_indices)
         rows = [
             SamplingRow(item.seq.params, item.seq.prompt_token_ids, item.seq.output_token_ids)
             for item in batch

@@ -9,6 +9,7 @@ tokens in float32 are identical.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +17,9 @@ from torch import nn
 
 from common.config import ModelConfig
 from common.engine.kv_pool import KVPool
-from kernels.interface import AttentionBackend, AttentionMetadata
+from kernels.cpu_linear import BOTH, CpuLinear, GemmPlan, choose_gemm_plan, probe_plan
+from kernels.cpu_ops import CpuRMSNorm, CpuRotaryApply, CpuSiluAndMul, cpu_ops_apply
+from kernels.interface import AttentionBackend, AttentionMetadata, KVCacheView
 
 
 class RMSNorm(nn.Module):
@@ -75,6 +78,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None] + rotated * sin[:, None]
 
 
+class RotaryApply(nn.Module):
+    """Rotates queries and keys; a module so that a faster twin can stand in for it."""
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+class SiluAndMul(nn.Module):
+    """silu(gate) * up over the two halves of a fused gate_up projection."""
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
@@ -91,15 +111,15 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.rotary = RotaryApply()
         self.softmax_scale = config.head_dim**-0.5
 
     def forward(
         self,
         hidden: torch.Tensor,  # [N, hidden]
         rope: tuple[torch.Tensor, torch.Tensor],
-        pool: KVPool,
+        kv: BoundKV,
         meta: AttentionMetadata,
-        backend: AttentionBackend,
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
@@ -107,11 +127,10 @@ class Attention(nn.Module):
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache = pool.layer_view(self.layer_index)
-        backend.store_kv(k, v, cache, meta.slot_mapping)
-        out = backend.attention(q, cache, meta, self.softmax_scale)
+        q, k = self.rotary(q, k, *rope)
+        cache = kv.layers[self.layer_index]
+        kv.backend.store_kv(k, v, cache, meta.slot_mapping)
+        out = kv.backend.attention(q, cache, meta, self.softmax_scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -121,10 +140,10 @@ class MLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -135,8 +154,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, hidden, rope, pool, meta, backend) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, pool, meta, backend)
+    def forward(self, hidden, rope, kv: BoundKV, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, kv, meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -153,20 +172,95 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
+        # Set by pack_for_cpu: the output projection as its own module, tied weights included.
+        self.cpu_head: CpuLinear | None = None
+        self.kv: BoundKV | None = None
+
+    def bind_kv(self, pool: KVPool, backend: AttentionBackend) -> None:
+        """Attach the KV pool every later forward reads and writes, and the backend that
+        attends over it. Binding again (a warm-up pool, then the real one) replaces both."""
+        self.kv = BoundKV(pool, backend, [pool.layer_view(i) for i in range(len(self.layers))])
+
+    def pack_for_cpu(self) -> GemmPlan:
+        """Replace every linear layer by a ``CpuLinear`` that holds its weight in the forms the
+        fastest GEMMs of this machine want (timed on these very weights); the original weights
+        are dropped (the embedding table stays). Returns the plan chosen."""
+        num_params = sum(p.numel() for p in self.parameters())
+        dtype = self.embed_tokens.weight.dtype
+        plan = probe_plan(dtype, num_params)
+        for layer in self.layers:
+            for parent, name in (
+                (layer.self_attn, "qkv_proj"),
+                (layer.self_attn, "o_proj"),
+                (layer.mlp, "gate_up_proj"),
+                (layer.mlp, "down_proj"),
+            ):
+                linear = getattr(parent, name)
+                setattr(parent, name, CpuLinear(linear.weight, linear.bias, plan))
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.cpu_head = CpuLinear(head, None, plan)
+        self.lm_head = None
+        if cpu_ops_apply(dtype, self.config.head_dim):
+            self._swap_in_cpu_ops()
+        if plan == BOTH:
+            linears = [m for m in self.modules() if isinstance(m, CpuLinear)]
+            plan = choose_gemm_plan(linears)
+            for linear in linears:
+                linear.restrict(plan)
+        return plan
+
+    def _swap_in_cpu_ops(self) -> None:
+        """bf16 RMSNorm, SiLU-and-multiply and RoPE as single C passes (``kernels/cpu_ops``)."""
+        norms = [self.norm] + [
+            norm
+            for layer in self.layers
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm)
+        ]
+        swapped = {id(norm): CpuRMSNorm(norm.weight, norm.eps) for norm in norms}
+        self.norm = swapped[id(self.norm)]
+        for layer in self.layers:
+            layer.input_layernorm = swapped[id(layer.input_layernorm)]
+            layer.post_attention_layernorm = swapped[id(layer.post_attention_layernorm)]
+            layer.self_attn.rotary = CpuRotaryApply()
+            layer.mlp.act = CpuSiluAndMul()
+
+    def linear_shapes(self) -> list[tuple[int, int]]:
+        """``(out, in)`` of one decoder layer's linear layers, for choosing GEMM kernels."""
+        config = self.config
+        q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        return [
+            (q_size + 2 * kv_size, config.hidden_size),
+            (config.hidden_size, q_size),
+            (2 * config.intermediate_size, config.hidden_size),
+            (config.hidden_size, config.intermediate_size),
+        ]
 
     def forward(
         self,
         input_ids: torch.Tensor,  # [N]
         positions: torch.Tensor,  # [N]
-        pool: KVPool,
         meta: AttentionMetadata,
-        backend: AttentionBackend,
         logits_indices: torch.Tensor,  # [M] rows of the batch whose next token is wanted
     ) -> torch.Tensor:  # [M, vocab] float32
+        if self.kv is None:
+            raise RuntimeError("bind_kv must attach a KV pool before the first forward")
+        # Per-step work of the backend, once for all layers.
+        meta = self.kv.backend.plan(meta)
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary(positions, hidden.dtype)
         for layer in self.layers:
-            hidden = layer(hidden, rope, pool, meta, backend)
+            hidden = layer(hidden, rope, self.kv, meta)
         hidden = self.norm(hidden[logits_indices])
+        if self.cpu_head is not None:
+            return self.cpu_head(hidden).float()
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, head).float()
+
+
+@dataclass(frozen=True, slots=True)
+class BoundKV:
+    """The KV pool a model is bound to, its backend, and each layer's view of the pool."""
+
+    pool: KVPool
+    backend: AttentionBackend
+    layers: list[KVCacheView]

@@ -1,0 +1,79 @@
+/* The elementwise parts of a decoder layer for bf16 tensors, one pass each: RMSNorm, SiLU-and-
+ * multiply, rotary embedding. In eager torch each is half a dozen ops, each a pass over memory
+ * and a dispatch; in a decode step those dispatches cost more than the arithmetic.
+ *
+ * Every result is rounded to bf16 at the points where the torch code (common/model/llama.py)
+ * rounds, so the two differ only where float32 sums are ordered differently (RMSNorm's mean)
+ * or where exp differs in its last bit (SiLU).
+ */
+#include <math.h>
+#include <stdint.h>
+
+#include "numerics.h"
+
+/* out = weight * bf16(x * rsqrt(mean(x^2) + eps)), per row; x, weight, out bf16. */
+void pdserve_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *weight,
+                           float eps, uint16_t *out, int64_t out_stride, int rows, int hidden) {
+    for (int r = 0; r < rows; r++) {
+        const uint16_t *xr = x + r * x_stride;
+        uint16_t *yr = out + r * out_stride;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int i = 0; i < hidden; i++) {
+            const float v = bf16_to_float(xr[i]);
+            sum += v * v;
+        }
+        const float inverse_rms = 1.0f / sqrtf(sum / (float)hidden + eps);
+#pragma omp simd
+        for (int i = 0; i < hidden; i++) {
+            const float normed = round_bf16(bf16_to_float(xr[i]) * inverse_rms);
+            yr[i] = float_to_bf16(bf16_to_float(weight[i]) * normed);
+        }
+    }
+}
+
+/* out[r, i] = bf16(silu(gate[r, i])) * up[r, i], gate and up the two halves of gate_up's row. */
+void pdserve_silu_mul_bf16(const uint16_t *gate_up, int64_t gate_up_stride, uint16_t *out,
+                           int64_t out_stride, int rows, int width) {
+    for (int r = 0; r < rows; r++) {
+        const uint16_t *gate = gate_up + r * gate_up_stride;
+        const uint16_t *up = gate + width;
+        uint16_t *yr = out + r * out_stride;
+#pragma omp simd
+        for (int i = 0; i < width; i++) {
+            const float g = bf16_to_float(gate[i]);
+            const float silu = round_bf16(g / (1.0f + exp_approx(-g)));
+            yr[i] = float_to_bf16(silu * bf16_to_float(up[i]));
+        }
+    }
+}
+
+/* In place: x[r, h] = bf16(x * cos[r]) + bf16(rotate_half(x) * sin[r]) (rounded again), for
+ * `heads` head vectors of each row. cos, sin: [rows, head_dim] bf16 rows `trig_stride` apart. */
+void pdserve_rope_bf16(uint16_t *x, int64_t row_stride, int64_t head_stride, int rows, int heads,
+                       int head_dim, const uint16_t *cos, const uint16_t *sin,
+                       int64_t trig_stride) {
+    const int half = head_dim / 2;
+    for (int r = 0; r < rows; r++) {
+        const uint16_t *c = cos + r * trig_stride;
+        const uint16_t *s = sin + r * trig_stride;
+        for (int h = 0; h < heads; h++) {
+            uint16_t *v = x + r * row_stride + h * head_stride;
+            float first[256], second[256];
+            if (half > 256) return; /* head sizes past 512 are refused by the caller */
+            for (int i = 0; i < half; i++) {
+                first[i] = bf16_to_float(v[i]);
+                second[i] = bf16_to_float(v[i + half]);
+            }
+#pragma omp simd
+            for (int i = 0; i < half; i++) {
+                const float low = round_bf16(first[i] * bf16_to_float(c[i])) +
+                                  round_bf16(-second[i] * bf16_to_float(s[i]));
+                const float high = round_bf16(second[i] * bf16_to_float(c[i + half])) +
+                                   round_bf16(first[i] * bf16_to_float(s[i + half]));
+                v[i] = float_to_bf16(low);
+                v[i + half] = float_to_bf16(high);
+            }
+        }
+    }
+}

@@ -1,0 +1,49 @@
+/* Number conversions and exp shared by the CPU kernels. */
+#ifndef PDSERVE_NUMERICS_H
+#define PDSERVE_NUMERICS_H
+
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_float(uint16_t bits) {
+    uint32_t widened = (uint32_t)bits << 16;
+    float value;
+    memcpy(&value, &widened, sizeof value);
+    return value;
+}
+
+/* Round to nearest even, as torch's float32 -> bf16 conversion does; NaN stays NaN. */
+static inline uint16_t float_to_bf16(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* A float32 value rounded to bf16 and back, as a bf16 tensor op's output is. */
+static inline float round_bf16(float value) { return bf16_to_float(float_to_bf16(value)); }
+
+/* exp(x) within 2 ulp of expf for -87 <= x <= 88 (clamped outside), written so that loops over
+ * it vectorize without -ffast-math (which would also switch the whole process to flush-to-zero):
+ * 2^(x log2 e) split into an integer power, set in the exponent bits, and a fraction in
+ * [-0.5, 0.5] whose 2^f is a degree-6 polynomial. */
+static inline float exp_approx(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float scaled = x * 1.44269504088896341f;
+    const float whole = (scaled + 12582912.0f) - 12582912.0f; /* round to nearest: 1.5 * 2^23 */
+    const float f = scaled - whole;
+    float p = 1.535336188319500e-4f;
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    const int32_t exponent_bits = ((int32_t)whole + 127) << 23;
+    float power;
+    memcpy(&power, &exponent_bits, sizeof power);
+    return p * power;
+}
+
+#endif

@@ -1,0 +1,154 @@
+"""The CPU attention backend: a C kernel for short query runs, SDPA for long prefill chunks.
+
+Decode steps and speculative verification (a few query rows per sequence) spend almost nothing
+on arithmetic and everything on overhead when they go through gathered pages and SDPA, so they
+go to ``kernels/cpu/paged_attention.c``, which reads the pages in place. Prefill chunks are
+compute-bound and go to SDPA's blocked kernel over their gathered context, as in the reference.
+Which sequence takes which path is decided once per step in ``plan``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from kernels import cpu_library
+from kernels.interface import FP8_DTYPE, AttentionBackend, AttentionMetadata, KVCacheView
+from kernels.reference import chunk_attention_reference, store_kv_reference
+
+# Sequences with at most this many query rows in a step attend in the C kernel. It reads every
+# key once per (sequence, KV head) and keeps a score row per query vector, which beats SDPA
+# until a chunk is long enough for blocked matrix products to pay.
+SHORT_QUERY_MAX = 16
+
+_KV_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, FP8_DTYPE: 3}
+# Query and output dtypes the kernel reads and writes itself; others go through float32.
+_IO_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+@dataclass(frozen=True)
+class CpuAttentionPlan(AttentionMetadata):
+    """The step's metadata plus how its sequences split between the two paths."""
+
+    short_seq_ids: torch.Tensor  # [num_short] int32, sequences for the C kernel
+    long_chunks: tuple[tuple[int, int, int, int], ...]  # (seq, first row, end row, seq_len)
+    # The C kernel's per-step arguments (pointers into the int32 tensors below), built once.
+    step_args: tuple
+    int32_tensors: tuple[torch.Tensor, ...]
+
+
+class CpuAttentionBackend(AttentionBackend):
+    name = "cpu"
+
+    def __init__(self) -> None:
+        self._library = cpu_library.load()
+
+    def plan(self, meta: AttentionMetadata) -> CpuAttentionPlan:
+        starts = meta.query_start_loc.tolist()
+        seq_lens = meta.seq_lens.tolist()
+        short: list[int] = []
+        long_chunks: list[tuple[int, int, int, int]] = []
+        for seq, (start, end) in enumerate(itertools.pairwise(starts)):
+            if end - start <= SHORT_QUERY_MAX:
+                short.append(seq)
+            else:
+                long_chunks.append((seq, start, end, seq_lens[seq]))
+        tables, query_start_loc, lens = (
+            _int32(meta.block_tables),
+            _int32(meta.query_start_loc),
+            _int32(meta.seq_lens),
+        )
+        short_ids = torch.tensor(short, dtype=torch.int32)
+        step_args = (
+            tables.data_ptr(),
+            tables.stride(0),
+            query_start_loc.data_ptr(),
+            lens.data_ptr(),
+            short_ids.data_ptr(),
+            len(short),
+        )
+        fields = {name: getattr(meta, name) for name in AttentionMetadata.__dataclass_fields__}
+        return CpuAttentionPlan(
+            **fields,
+            short_seq_ids=short_ids,
+            long_chunks=tuple(long_chunks),
+            step_args=step_args,
+            int32_tensors=(tables, query_start_loc, lens),
+        )
+
+    def store_kv(self, key, value, cache, slot_mapping) -> None:
+        store_kv_reference(key, value, cache, slot_mapping)
+
+    def attention(
+        self,
+        query: torch.Tensor,  # [N, num_heads, head_dim]
+        cache: KVCacheView,
+        meta: AttentionMetadata,
+        softmax_scale: float,
+    ) -> torch.Tensor:  # [N, num_heads, head_dim]
+        plan = meta if isinstance(meta, CpuAttentionPlan) else self.plan(meta)
+        io_dtype = query.dtype if query.dtype in _IO_DTYPE_CODES else torch.float32
+        out = torch.empty(query.shape, dtype=io_dtype)
+        if len(plan.short_seq_ids):
+            self._attend_short(query.to(io_dtype), cache, plan, softmax_scale, out)
+        for seq, start, end, seq_len in plan.long_chunks:
+            out[start:end] = chunk_attention_reference(
+                query[start:end], cache, plan.block_tables[seq], seq_len, softmax_scale
+            )
+        return out.to(query.dtype)
+
+    def _attend_short(
+        self,
+        query: torch.Tensor,  # [N, num_heads, head_dim], float32 or bf16
+        cache: KVCacheView,
+        plan: CpuAttentionPlan,
+        softmax_scale: float,
+        out: torch.Tensor,  # [N, num_heads, head_dim], query's dtype
+    ) -> None:
+        num_heads, head_dim = query.shape[1], query.shape[2]
+        if query.stride(2) != 1 or query.stride(1) != head_dim:
+            query = query.contiguous()
+        key, value = cache.key, cache.value
+        if key.stride(-1) != 1 or key.stride() != value.stride():
+            raise ValueError("the CPU kernel needs key and value pages of one layout, unit stride")
+        scale_strides = (0, 0, 0)
+        if cache.is_fp8:
+            assert cache.key_scale is not None and cache.value_scale is not None
+            scale_strides = cache.key_scale.stride()
+        status = self._library.pdserve_paged_attention(
+            query.data_ptr(),
+            query.stride(0),
+            out.data_ptr(),
+            out.stride(0),
+            key.data_ptr(),
+            value.data_ptr(),
+            _pointer(cache.key_scale),
+            _pointer(cache.value_scale),
+            key.stride(0),
+            key.stride(1),
+            key.stride(2),
+            *scale_strides,
+            _KV_DTYPE_CODES[key.dtype],
+            cache.block_size,
+            *plan.step_args,
+            num_heads,
+            key.shape[2],
+            head_dim,
+            softmax_scale,
+            _IO_DTYPE_CODES[query.dtype],
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise MemoryError("the CPU attention kernel could not allocate its scratch memory")
+
+
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+def _int32(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.dtype == torch.int32 and tensor.is_contiguous():
+        return tensor
+    return tensor.to(torch.int32).contiguous()

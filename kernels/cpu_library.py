@@ -1,0 +1,121 @@
+"""Builds the C kernels under ``kernels/cpu/`` into one library per machine; loads it (ctypes).
+
+The library is compiled for the host's own instruction set (``-march=native``) into
+``$PDSERVE_CACHE_DIR/kernels`` (default ``~/.cache/pdserve/kernels``), named by a digest of the
+source, the flags and the CPU's feature flags, so a changed source or another CPU builds anew and
+a restart loads in milliseconds. Concurrent builders (workers starting together) each write a
+private file and rename it into place, so nobody loads a half-written library.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).with_name("cpu")
+SOURCES = sorted(SOURCE_DIR.glob("*.c"))
+HEADERS = sorted(SOURCE_DIR.glob("*.h"))
+CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-std=gnu11", "-fno-math-errno"]
+ENV_CC = "CC"
+
+
+class CpuKernelsUnavailable(RuntimeError):
+    """The C kernels cannot be built or loaded here (no compiler, or it failed)."""
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve"
+    return Path(root) / "kernels"
+
+
+def _cpu_fingerprint() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _library_path(compiler: str) -> Path:
+    digest = hashlib.sha256()
+    for source in (*SOURCES, *HEADERS):
+        digest.update(source.read_bytes())
+    digest.update(" ".join([compiler, *CFLAGS]).encode())
+    digest.update(_cpu_fingerprint().encode())
+    return cache_dir() / f"pdserve_cpu-{platform.machine()}-{digest.hexdigest()[:16]}.so"
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, private = tempfile.mkstemp(prefix=target.stem, suffix=".so", dir=target.parent)
+    os.close(handle)
+    command = [compiler, *CFLAGS, *map(str, SOURCES), "-o", private, "-lm"]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        if result.returncode != 0:
+            raise CpuKernelsUnavailable(
+                f"{' '.join(command)} failed:\n{result.stderr.strip()[-2000:]}"
+            )
+        os.replace(private, target)
+    finally:
+        if os.path.exists(private):
+            os.unlink(private)
+    logger.info("built the CPU kernels into %s", target)
+
+
+@functools.cache
+def load() -> ctypes.CDLL:
+    """The loaded library, built first if this machine has none yet; raises
+    ``CpuKernelsUnavailable`` when there is no C compiler or the build fails."""
+    compiler = os.environ.get(ENV_CC) or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        raise CpuKernelsUnavailable("no C compiler (gcc or cc) on PATH")
+    path = _library_path(compiler)
+    if not path.exists():
+        _build(compiler, path)
+    library = ctypes.CDLL(str(path))
+    _declare(library)
+    library.pdserve_init()
+    return library
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+    library.pdserve_init.argtypes = []
+    library.pdserve_init.restype = None
+    library.pdserve_paged_attention.argtypes = [
+        ptr, i64, ptr, i64,  # query, its row stride, out, its row stride
+        ptr, ptr, ptr, ptr,  # key, value, key_scale, value_scale
+        i64, i64, i64,  # block, token, head strides of key/value
+        i64, i64, i64,  # block, token, head strides of the scales
+        i32, i32,  # kv dtype, block size
+        ptr, i64,  # block tables, their row stride
+        ptr, ptr, ptr, i32,  # query_start_loc, seq_lens, seq_ids, how many ids
+        i32, i32, i32,  # num_heads, num_kv_heads, head_dim
+        f32, i32, i32,  # softmax scale, query/output dtype, threads
+    ]  # fmt: skip
+    library.pdserve_paged_attention.restype = ctypes.c_int
+    library.pdserve_linear_bf16.argtypes = [
+        ptr, i64, ptr, ptr, ptr, i64,  # x, its row stride, packed w, bias, y, its row stride
+        i32, i32, i32, i32,  # M, N, K, threads
+    ]  # fmt: skip
+    library.pdserve_linear_bf16.restype = ctypes.c_int
+    library.pdserve_rms_norm_bf16.argtypes = [ptr, i64, ptr, f32, ptr, i64, i32, i32]
+    library.pdserve_rms_norm_bf16.restype = None
+    library.pdserve_silu_mul_bf16.argtypes = [ptr, i64, ptr, i64, i32, i32]
+    library.pdserve_silu_mul_bf16.restype = None
+    library.pdserve_rope_bf16.argtypes = [ptr, i64, i64, i32, i32, i32, ptr, ptr, i64]
+    library.pdserve_rope_bf16.restype = None

@@ -1,0 +1,205 @@
+"""Linear layers on the CPU: weights stored the way this machine's fastest GEMMs want them.
+
+Two kernels compete, and which is faster depends on the processor and on the row count:
+
+- **bf16 tiles** (``kernels/cpu/linear_bf16.c``): the bf16 weight prepacked into tiles of 32
+  output columns, each one sequential stream, widened to float32 as it is read. A decode step
+  is a stream over the weights, and this one reads half the bytes of fp32 at memory speed;
+- **fp32** (MKL): the weight widened once to float32 and stored transposed (``[in, out]``), the
+  layout MKL runs fastest. With many rows (prefill) it can beat the tiles' FMA loop.
+
+Both multiply exactly (a bf16 value widened to float32 is exact), sum in float32 and round the
+output to the model's dtype once, so the choice changes the summation order, not the
+computation: a bf16 model's hidden states are bf16 either way. ``choose_gemm_plan`` times both
+over the model's own weights at start-up and picks, per row count, the faster; only the forms
+the chosen plan uses are kept in memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import cpu_library
+
+logger = logging.getLogger(__name__)
+
+# Row counts the probe times: decode batches and verification runs, then prefill-sized chunks.
+PROBE_ROWS = (1, 8, 32, 128)
+# Output columns per prepacked tile; must match TILE in kernels/cpu/linear_bf16.c.
+TILE = 32
+
+
+@dataclass(frozen=True, slots=True)
+class GemmPlan:
+    """Rows up to ``bf16_max_rows`` run the bf16 tile kernel, the rest fp32.
+
+    ``bf16_max_rows`` is 0 when the tiles are never used and None when they always are."""
+
+    bf16_max_rows: int | None
+
+    @property
+    def uses_bf16(self) -> bool:
+        return self.bf16_max_rows is None or self.bf16_max_rows > 0
+
+    @property
+    def uses_fp32(self) -> bool:
+        return self.bf16_max_rows is not None
+
+    def describe(self) -> str:
+        if not self.uses_fp32:
+            return "bf16 tile GEMMs at every row count"
+        if not self.uses_bf16:
+            return "fp32 GEMMs at every row count"
+        return f"bf16 tile GEMMs up to {self.bf16_max_rows} rows, fp32 beyond"
+
+
+FP32_ONLY = GemmPlan(bf16_max_rows=0)
+BF16_ONLY = GemmPlan(bf16_max_rows=None)
+BOTH = GemmPlan(bf16_max_rows=PROBE_ROWS[-1])
+
+
+def bf16_tiles_available() -> bool:
+    try:
+        cpu_library.load()
+    except cpu_library.CpuKernelsUnavailable:
+        return False
+    return True
+
+
+def pack_bf16_tiles(weight: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` -> ``[ceil(N / TILE), K, TILE]`` contiguous, columns past N zero."""
+    out_features, in_features = weight.shape
+    padded = -(-out_features // TILE) * TILE
+    transposed = F.pad(weight.detach().t(), (0, padded - out_features))
+    return transposed.reshape(in_features, padded // TILE, TILE).permute(1, 0, 2).contiguous()
+
+
+class CpuLinear(nn.Module):
+    """``y = x W^T + b`` in the model's dtype, through the kernel the plan picks for x's rows."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plan: GemmPlan) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
+        self.plan = plan
+        self.packed_bf16 = None
+        self.bias_bf16 = None
+        if plan.uses_bf16:
+            self.packed_bf16 = pack_bf16_tiles(weight)
+            self.bias_bf16 = None if bias is None else bias.detach().to(torch.float32)
+        self.weight_t32 = None
+        self.bias32 = None
+        if plan.uses_fp32:
+            self.weight_t32 = weight.detach().to(torch.float32).t().contiguous()
+            self.bias32 = None if bias is None else bias.detach().to(torch.float32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        limit = self.plan.bf16_max_rows
+        if self.packed_bf16 is not None and (limit is None or x.shape[0] <= limit):
+            return self.forward_bf16(x)
+        return self.forward_fp32(x)
+
+    def forward_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        out = torch.empty((x.shape[0], self.out_features), dtype=torch.bfloat16)
+        status = cpu_library.load().pdserve_linear_bf16(
+            x.data_ptr(),
+            x.stride(0),
+            self.packed_bf16.data_ptr(),
+            None if self.bias_bf16 is None else self.bias_bf16.data_ptr(),
+            out.data_ptr(),
+            out.stride(0),
+            x.shape[0],
+            self.out_features,
+            self.in_features,
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise MemoryError("the bf16 GEMM kernel could not allocate its scratch memory")
+        return out
+
+    def forward_fp32(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.to(torch.float32)
+        if self.bias32 is None:
+            out = torch.mm(x32, self.weight_t32)
+        else:
+            out = torch.addmm(self.bias32, x32, self.weight_t32)
+        return out.to(self.dtype)
+
+    def restrict(self, plan: GemmPlan) -> None:
+        """Switch to ``plan`` (which may use fewer kernels) and drop the forms it does not use."""
+        if plan.uses_bf16 and self.packed_bf16 is None:
+            raise ValueError("this layer holds no prepacked bf16 weight")
+        if plan.uses_fp32 and self.weight_t32 is None:
+            raise ValueError("this layer holds no fp32 weight")
+        self.plan = plan
+        if not plan.uses_bf16:
+            self.packed_bf16 = self.bias_bf16 = None
+        if not plan.uses_fp32:
+            self.weight_t32 = self.bias32 = None
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, {self.plan.describe()}"
+
+
+# Both forms of every weight are held while the probe runs; past this many bytes of fp32
+# weights that is too much memory to spend, and such a model runs the bf16 tiles only.
+PROBE_MAX_FP32_BYTES = 4 << 30
+
+
+def probe_plan(dtype: torch.dtype, num_params: int) -> GemmPlan:
+    """The plan to pack with before ``choose_gemm_plan``: both kernels where a probe will
+    choose between them, else the one kernel there is to use."""
+    if dtype != torch.bfloat16 or not bf16_tiles_available():
+        return FP32_ONLY
+    if num_params * 4 > PROBE_MAX_FP32_BYTES:
+        return BF16_ONLY
+    return BOTH
+
+
+def choose_gemm_plan(linears: list[CpuLinear]) -> GemmPlan:
+    """Time both kernels over the model's own linear layers (packed with ``BOTH``), in order,
+    at each of ``PROBE_ROWS``, and return the plan of the faster one per row count.
+
+    Real weights matter: one layer's matrices would sit in cache and flatter the kernel that
+    reads more bytes. Past the largest probed row count, whichever won there keeps winning:
+    more rows only make the GEMM more compute-bound."""
+    bf16_wins: list[bool] = []
+    for rows in PROBE_ROWS:
+        inputs = {
+            size: torch.randn(rows, size, dtype=torch.bfloat16)
+            for size in {linear.in_features for linear in linears}
+        }
+
+        def run(kernel: str, inputs=inputs) -> None:
+            for linear in linears:
+                getattr(linear, kernel)(inputs[linear.in_features])
+
+        bf16_wins.append(
+            _best_time(lambda: run("forward_bf16")) <= _best_time(lambda: run("forward_fp32"))
+        )
+    if all(bf16_wins):
+        return GemmPlan(bf16_max_rows=None)
+    limit = 0
+    for rows, wins in zip(PROBE_ROWS, bf16_wins, strict=True):
+        if not wins:
+            break
+        limit = rows
+    return GemmPlan(bf16_max_rows=limit)
+
+
+def _best_time(fn, repeats: int = 2) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best

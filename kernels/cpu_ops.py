@@ -1,0 +1,90 @@
+"""Drop-in CPU modules for a bf16 decoder layer's elementwise parts, backed by
+``kernels/cpu/decoder_ops.c``: one pass and one call each instead of a chain of torch ops.
+
+Each replaces the torch module of the same role in ``common/model/llama.py`` (``RMSNorm``,
+``SiluAndMul``, ``RotaryApply``) and computes the same thing with the same bf16 roundings.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import cpu_library
+
+# rotate_half works on halves of a head vector; the kernel keeps a half on its stack.
+MAX_HEAD_DIM = 512
+
+
+class CpuRMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight = weight.detach().contiguous()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., hidden] bf16
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty(rows.shape, dtype=torch.bfloat16)
+        cpu_library.load().pdserve_rms_norm_bf16(
+            rows.data_ptr(),
+            rows.stride(0),
+            self.weight.data_ptr(),
+            self.eps,
+            out.data_ptr(),
+            out.stride(0),
+            rows.shape[0],
+            rows.shape[1],
+        )
+        return out.view(x.shape)
+
+
+class CpuSiluAndMul(nn.Module):
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:  # [N, 2 * width] bf16
+        if gate_up.stride(-1) != 1:
+            gate_up = gate_up.contiguous()
+        width = gate_up.shape[-1] // 2
+        out = torch.empty((gate_up.shape[0], width), dtype=torch.bfloat16)
+        cpu_library.load().pdserve_silu_mul_bf16(
+            gate_up.data_ptr(),
+            gate_up.stride(0),
+            out.data_ptr(),
+            out.stride(0),
+            out.shape[0],
+            width,
+        )
+        return out
+
+
+class CpuRotaryApply(nn.Module):
+    """Rotates q and k in place (they may be strided views of one qkv buffer)."""
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        library = cpu_library.load()
+        for x in (q, k):  # [N, heads, head_dim] bf16, unit stride within a head
+            library.pdserve_rope_bf16(
+                x.data_ptr(),
+                x.stride(0),
+                x.stride(1),
+                x.shape[0],
+                x.shape[1],
+                x.shape[2],
+                cos.data_ptr(),
+                sin.data_ptr(),
+                cos.stride(0),
+            )
+        return q, k
+
+
+def cpu_ops_apply(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether these modules can stand in for a model of ``dtype`` and ``head_dim``."""
+    if dtype != torch.bfloat16 or head_dim > MAX_HEAD_DIM or head_dim % 2:
+        return False
+    try:
+        cpu_library.load()
+    except cpu_library.CpuKernelsUnavailable:
+        return False
+    return True

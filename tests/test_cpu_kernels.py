@@ -1,0 +1,213 @@
+"""The C kernels of the CPU path (``kernels/cpu/``) against their torch references.
+
+The attention batches come from ``test_kernels.make_batch``: pools filled with NaN, pages
+scattered, block tables padded with a page never written, so a kernel that reads a slot past a
+sequence's end returns NaN and fails. Tolerances: float32 runs differ from the reference only in
+summation order and in exp's last bits; bf16 runs also round the output once.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_kernels import FP8_DTYPE, dtype_id, make_batch
+
+from common.model.llama import RMSNorm, RotaryApply, SiluAndMul
+from kernels.cpu_backend import SHORT_QUERY_MAX, CpuAttentionBackend
+from kernels.cpu_library import CpuKernelsUnavailable
+from kernels.cpu_linear import BF16_ONLY, BOTH, FP32_ONLY, CpuLinear, choose_gemm_plan
+from kernels.cpu_ops import CpuRMSNorm, CpuRotaryApply, CpuSiluAndMul
+from kernels.reference import paged_attention_reference
+from kernels.registry import get_attention_backend
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path's kernels")
+
+TOLERANCE = {
+    torch.float32: {"atol": 2e-5, "rtol": 1e-4},
+    torch.bfloat16: {"atol": 1.6e-2, "rtol": 1.6e-2},
+}
+
+
+@pytest.fixture(scope="module")
+def backend() -> CpuAttentionBackend:
+    try:
+        return CpuAttentionBackend()
+    except CpuKernelsUnavailable as exc:
+        pytest.skip(f"no C compiler here: {exc}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("kv_dtype", ["model", FP8_DTYPE], ids=["kv=model", "kv=fp8"])
+@pytest.mark.parametrize("num_kv_heads, group, head_dim", [(2, 1, 64), (2, 3, 32), (1, 4, 80)])
+@pytest.mark.parametrize(
+    "query_lens, seq_lens",
+    [
+        ([1] * 5, [1, 16, 17, 100, 257]),  # decode rows, contexts on and off page edges
+        ([4, 1, 7], [4, 30, 70]),  # verification runs: a whole prompt, a decode, a run of 7
+        ([1, 40, 3, 1], [9, 90, 33, 64]),  # a long chunk (SDPA) among short rows
+    ],
+    ids=["decode", "short-runs", "mixed"],
+)
+def test_attention_matches_reference(
+    backend, dtype, kv_dtype, num_kv_heads, group, head_dim, query_lens, seq_lens
+) -> None:
+    kv_dtype = dtype if kv_dtype == "model" else kv_dtype
+    batch = make_batch(query_lens, seq_lens, num_kv_heads, group, head_dim, dtype, kv_dtype)
+    scale = head_dim**-0.5
+    plan = backend.plan(batch.meta)
+    out = backend.attention(batch.query, batch.cache, plan, scale)
+    expected = paged_attention_reference(batch.query, batch.cache, batch.meta, scale)
+    assert out.dtype == dtype and out.shape == batch.query.shape
+    assert not out.isnan().any(), "read a slot past a sequence's end"
+    torch.testing.assert_close(out.float(), expected.float(), **TOLERANCE[dtype])
+
+
+def test_plan_splits_short_runs_from_long_chunks(backend) -> None:
+    batch = make_batch(
+        [1, SHORT_QUERY_MAX, SHORT_QUERY_MAX + 1],
+        [5, 40, 60],
+        2,
+        2,
+        32,
+        torch.float32,
+        torch.float32,
+    )
+    plan = backend.plan(batch.meta)
+    assert plan.short_seq_ids.tolist() == [0, 1]
+    assert [chunk[0] for chunk in plan.long_chunks] == [2]
+
+
+def test_attention_reads_query_views_of_a_fused_projection(backend) -> None:
+    """q as a strided view of a qkv buffer (what the model hands over) attends as a copy does."""
+    batch = make_batch([1, 1, 3], [20, 33, 8], 2, 3, 64, torch.bfloat16, torch.bfloat16)
+    num_tokens, heads, dim = batch.query.shape
+    fused = torch.randn(num_tokens, heads * dim + 2 * 2 * dim).to(torch.bfloat16)
+    fused[:, : heads * dim] = batch.query.reshape(num_tokens, -1)
+    view = fused[:, : heads * dim].reshape(num_tokens, heads, dim)
+    plan = backend.plan(batch.meta)
+    assert torch.equal(
+        backend.attention(view, batch.cache, plan, 0.125),
+        backend.attention(batch.query, batch.cache, plan, 0.125),
+    )
+
+
+def test_registry_picks_the_cpu_backend_on_a_cpu(monkeypatch, backend) -> None:
+    monkeypatch.delenv("PDSERVE_ATTENTION_BACKEND", raising=False)
+    assert get_attention_backend(torch.device("cpu")).name == "cpu"
+
+
+def test_registry_falls_back_to_torch_without_a_compiler(monkeypatch) -> None:
+    monkeypatch.delenv("PDSERVE_ATTENTION_BACKEND", raising=False)
+
+    def unavailable():
+        raise CpuKernelsUnavailable("no C compiler (gcc or cc) on PATH")
+
+    monkeypatch.setattr("kernels.cpu_library.load", unavailable)
+    assert get_attention_backend(torch.device("cpu")).name == "torch"
+    monkeypatch.setenv("PDSERVE_ATTENTION_BACKEND", "cpu")
+    with pytest.raises(ValueError, match="unavailable"):
+        get_attention_backend(torch.device("cpu"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Linear layers
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 40])
+@pytest.mark.parametrize("out_features, in_features", [(96, 64), (50, 160), (33, 7)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_tiles_equal_an_fp32_gemm_rounded_once(
+    backend, rows, out_features, in_features, bias
+) -> None:
+    """Exact products, float32 sums, one rounding: the fp32 GEMM of the same values rounded to
+    bf16, up to the last bit where the two sum in another order."""
+    weight = torch.randn(out_features, in_features).to(torch.bfloat16)
+    bias_values = torch.randn(out_features).to(torch.bfloat16) if bias else None
+    x = torch.randn(rows, in_features).to(torch.bfloat16)
+    linear = CpuLinear(weight, bias_values, BF16_ONLY)
+    out = linear(x)
+    expected = F.linear(
+        x.float(), weight.float(), None if bias_values is None else bias_values.float()
+    )
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+    torch.testing.assert_close(out.float(), expected.bfloat16().float(), atol=1e-2, rtol=8e-3)
+    assert (out != expected.bfloat16()).float().mean() < 0.02
+
+
+@pytest.mark.parametrize("plan", [BF16_ONLY, FP32_ONLY, BOTH], ids=lambda p: p.describe())
+def test_cpu_linear_keeps_only_what_its_plan_uses(backend, plan) -> None:
+    linear = CpuLinear(torch.randn(64, 32).to(torch.bfloat16), None, BOTH)
+    linear.restrict(plan)
+    assert (linear.packed_bf16 is not None) == plan.uses_bf16
+    assert (linear.weight_t32 is not None) == plan.uses_fp32
+    x = torch.randn(200, 32).to(torch.bfloat16)
+    expected = F.linear(x.float(), linear_weight(linear)).bfloat16()
+    for rows in (1, 8, 200):
+        torch.testing.assert_close(
+            linear(x[:rows]).float(), expected[:rows].float(), atol=1e-2, rtol=8e-3
+        )
+
+
+def linear_weight(linear: CpuLinear) -> torch.Tensor:
+    if linear.weight_t32 is not None:
+        return linear.weight_t32.t()
+    tiles = linear.packed_bf16  # [tiles, K, 32]
+    return (
+        tiles.permute(1, 0, 2).reshape(linear.in_features, -1)[:, : linear.out_features].t().float()
+    )
+
+
+def test_probe_returns_a_usable_plan(backend) -> None:
+    linears = [CpuLinear(torch.randn(64, 32).to(torch.bfloat16), None, BOTH) for _ in range(2)]
+    plan = choose_gemm_plan(linears)
+    assert plan.uses_bf16 or plan.uses_fp32
+    for linear in linears:
+        linear.restrict(plan)
+        assert linear(torch.randn(3, 32).to(torch.bfloat16)).shape == (3, 64)
+
+
+# ---------------------------------------------------------------------------------------------
+# Elementwise ops
+
+
+def test_rms_norm_equals_the_torch_module(backend) -> None:
+    norm = RMSNorm(96, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96))
+    norm = norm.to(torch.bfloat16)
+    x = (torch.randn(7, 96) * 3).to(torch.bfloat16)
+    with torch.inference_mode():
+        out, expected = CpuRMSNorm(norm.weight, norm.eps)(x), norm(x)
+    # Only the mean of squares is summed in another order: at most one bf16 step apart.
+    torch.testing.assert_close(out.float(), expected.float(), atol=0, rtol=8e-3)
+    assert (out != expected).float().mean() < 0.02
+
+
+def test_silu_and_mul_equals_the_torch_module(backend) -> None:
+    gate_up = (torch.randn(5, 2 * 48) * 4).to(torch.bfloat16)
+    out, expected = CpuSiluAndMul()(gate_up), SiluAndMul()(gate_up)
+    torch.testing.assert_close(out.float(), expected.float(), atol=1e-6, rtol=8e-3)
+    assert (out != expected).float().mean() < 0.02
+
+
+def test_rope_equals_the_torch_module_on_views_of_a_fused_projection(backend) -> None:
+    tokens, heads, kv_heads, dim = 6, 4, 2, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(torch.bfloat16)
+    angles = torch.rand(tokens, dim // 2) * 10
+    cos = torch.cat([angles, angles], -1).cos().to(torch.bfloat16)
+    sin = torch.cat([angles, angles], -1).sin().to(torch.bfloat16)
+
+    def views(buffer):
+        q, k, _ = buffer.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        return q.reshape(tokens, heads, dim), k.reshape(tokens, kv_heads, dim)
+
+    expected_q, expected_k = RotaryApply()(*views(qkv), cos, sin)
+    fused = qkv.clone()
+    q, k = CpuRotaryApply()(*views(fused), cos, sin)
+    assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+    assert torch.equal(fused[:, (heads + kv_heads) * dim :], qkv[:, (heads + kv_heads) * dim :])
