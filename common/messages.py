@@ -28,7 +28,8 @@ from typing import Any, TypeVar
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+# 2: workers batch a step's token deltas into one TokenDeltas frame.
+PROTOCOL_VERSION = 2
 
 # Control messages are small; a frame above this is refused before it is parsed. Sockets that
 # carry larger control frames (e.g. a NIXL agent's metadata) pass their own limit.

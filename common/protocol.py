@@ -3,7 +3,7 @@
 Sockets (all ZeroMQ, every frame one message from ``common.messages``)::
 
     router  ROUTER bind  (--control)  ◀──DEALER──  every worker, identity = worker id
-        worker -> router: RegisterWorker, Heartbeat, CacheEvents, TokenDelta, RequestFailed
+        worker -> router: RegisterWorker, Heartbeat, CacheEvents, TokenDelta(s), RequestFailed
         router -> worker: RegisterAck, PrefillRequest, DecodeRequest, AbortRequest
     decode  PULL   bind  (handoff)    ◀──PUSH────  prefill workers: HandoffPart, Handoff,
                                                    AbortRequest (withdraws shipped parts)
@@ -96,6 +96,15 @@ class TokenDelta(Message):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     first: bool = False  # carries the request's first token (sent by the prefill worker)
+
+
+@message("worker.token_deltas")
+@dataclass(slots=True)
+class TokenDeltas(Message):
+    """Every delta of one engine step, in one frame: a step of a 32-sequence batch is one
+    message to encode, send and decode instead of 32."""
+
+    deltas: list[TokenDelta]
 
 
 @message("worker.request_failed")

@@ -138,9 +138,7 @@ class DecodeWorker(WorkerService):
         return [self.handoffs, *self.receiver.poll_sockets()]
 
     def on_finished_step(self, batch: list[ScheduledSequence], finished: list[Sequence]) -> None:
-        for item in batch:
-            if item.samples:
-                self.send_delta(item.seq)
+        self.send_deltas([self.delta(item.seq) for item in batch if item.samples])
         for seq in finished:
             REQUESTS.labels(outcome=seq.finish_reason.value).inc()
 

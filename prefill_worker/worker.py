@@ -89,10 +89,11 @@ class PrefillWorker(WorkerService):
 
     def on_finished_step(self, batch: list[ScheduledSequence], finished: list[Sequence]) -> None:
         done_at = time.time()  # the step that ran these prompts' last chunks just ended
+        # First tokens reach the router before any handoff is sent: they are the TTFT.
+        self.send_deltas([self.delta(seq, first=True) for seq in finished])
         for seq in finished:
             target = self._targets.pop(seq.request_id)
             parts = self._parts.pop(seq.request_id, None)
-            self.send_delta(seq, first=True)
             if seq.finish_reason is not None:
                 REQUESTS.labels(outcome=seq.finish_reason.value).inc()
                 if parts is not None:

@@ -27,6 +27,7 @@ from common.protocol import (
     RegisterWorker,
     RequestFailed,
     TokenDelta,
+    TokenDeltas,
     TokenSample,
 )
 from common.sampling_params import SamplingParams
@@ -122,6 +123,9 @@ class Dispatcher:
     def on_message(self, sender: str, msg: Message, now: float) -> None:
         if isinstance(msg, TokenDelta):
             self._on_delta(sender, msg, now)
+        elif isinstance(msg, TokenDeltas):
+            for delta in msg.deltas:
+                self._on_delta(sender, delta, now)
         elif isinstance(msg, Heartbeat):
             self._check_sender(sender, msg.worker_id)
             if msg.worker_id not in self.registry.workers:

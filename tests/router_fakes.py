@@ -34,6 +34,7 @@ from common.protocol import (
     RegisterAck,
     RegisterWorker,
     TokenDelta,
+    TokenDeltas,
     TokenSample,
 )
 from common.sampling_params import SamplingParams
@@ -219,25 +220,29 @@ class FakeWorker(threading.Thread):
         )
 
     def _generate(self) -> None:
+        """One tick of decoding: every job's deltas in one frame per socket, as a real decode
+        worker sends a step's deltas (``TokenDeltas``; a lone delta goes as itself)."""
+        by_socket: dict[int, tuple[_Socket, list[TokenDelta]]] = {}
         for job in list(self.jobs.values()):
             count = min(self.tokens_per_tick, job.params.max_tokens - job.next_index)
             samples = [self._sample(job.next_index + k, job.params) for k in range(count)]
             done = job.next_index + count >= job.params.max_tokens
             assert job.out is not None
-            job.out.send(
-                TokenDelta(
-                    job.request_id,
-                    samples,
-                    job.next_index,
-                    "length" if done else None,
-                    len(job.prompt),
-                    0,
-                    first=job.next_index == 0,
-                )
+            delta = TokenDelta(
+                job.request_id,
+                samples,
+                job.next_index,
+                "length" if done else None,
+                len(job.prompt),
+                0,
+                first=job.next_index == 0,
             )
+            by_socket.setdefault(id(job.out), (job.out, []))[1].append(delta)
             job.next_index += count
             if done:
                 del self.jobs[job.request_id]
+        for sock, deltas in by_socket.values():
+            sock.send(deltas[0] if len(deltas) == 1 else TokenDeltas(deltas))
 
     def stop(self) -> None:
         self.stop_event.set()

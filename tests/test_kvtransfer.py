@@ -26,7 +26,7 @@ from kv_sender_process import NUM_BLOCKS, fill_pool, make_layout, seed_of
 from prometheus_client import REGISTRY
 
 from common.engine.kv_pool import KVPool
-from common.messages import decode, encode
+from common.messages import PROTOCOL_VERSION, decode, encode
 from kvtransfer import (
     TransferError,
     TransferParams,
@@ -225,7 +225,8 @@ def test_handshake_refuses_protocol_mismatch(senders, receivers, monkeypatch):
         params, _ = senders.publish("zmq:bf16", "version", [1], lease=30)
         receiver.start_fetch("version", params, [0], timeout=10)
         result = wait_result(receiver, "version")
-        assert not result.ok and "protocol version mismatch: 99 here vs 1 there" in result.error
+        expected = f"protocol version mismatch: 99 here vs {PROTOCOL_VERSION} there"
+        assert not result.ok and expected in result.error
     finally:
         receiver.close()
 
@@ -388,7 +389,9 @@ def test_garbage_on_receiver_socket_is_counted_and_dropped():
         for frames in GARBAGE[:-2]:
             router.send_multipart([identity, *frames])
         router.send_multipart([identity, encode(ReleasePages("r", True))])  # wrong direction
-        reply = HandshakeReply(1, "fake", "i1", "zmq", layout.to_dict(), num_blocks=4)
+        reply = HandshakeReply(
+            PROTOCOL_VERSION, "fake", "i1", "zmq", layout.to_dict(), num_blocks=4
+        )
         router.send_multipart([identity, encode(reply)])
         router.send_multipart([identity, encode(reply)])  # a second reply is unexpected
         identity = expect(FetchRequest)

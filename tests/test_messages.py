@@ -21,6 +21,7 @@ from common.messages import (
     message,
     registered_types,
 )
+from common.protocol import TokenDelta, TokenDeltas, TokenSample
 from kvtransfer.messages import (
     FetchRequest,
     HandshakeReply,
@@ -83,7 +84,16 @@ def frame(**fields) -> bytes:
 
 
 def test_protocol_version():
-    assert PROTOCOL_VERSION == 1
+    assert PROTOCOL_VERSION == 2
+
+
+def test_round_trip_of_a_step_of_token_deltas():
+    deltas = [
+        TokenDelta("a", [TokenSample(5, -0.1, [5, 6], [-0.1, -2.0])], 3),
+        TokenDelta("b", [TokenSample(7)], 0, "stop", 12, 4, first=True),
+    ]
+    msg = TokenDeltas(deltas)
+    assert decode(encode(msg)) == msg
 
 
 def test_round_trip_of_every_field_kind():

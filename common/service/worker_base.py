@@ -46,6 +46,7 @@ from common.protocol import (
     RegisterWorker,
     RequestFailed,
     TokenDelta,
+    TokenDeltas,
     TokenSample,
 )
 from common.sampling_params import SamplingParams
@@ -250,21 +251,27 @@ class WorkerService(ABC):
         logger.warning("request %s failed: %s", request_id, error)
         self.link.send(RequestFailed(request_id, error, retryable))
 
-    def send_delta(self, seq: Sequence, first: bool = False) -> None:
+    def delta(self, seq: Sequence, first: bool = False) -> TokenDelta:
+        """The delta of ``seq``'s newest token (and its finish, if it finished)."""
         reason = seq.finish_reason.value if seq.finish_reason is not None else None
         if seq.num_output_tokens == 1 and seq.num_cached_tokens:
             PREFIX_CACHE_HIT_TOKENS.inc(seq.num_cached_tokens)
-        self.link.send(
-            TokenDelta(
-                seq.request_id,
-                [sample_to_wire(seq.samples[-1])],
-                start_index=seq.num_output_tokens - 1,
-                finish_reason=reason,
-                num_prompt_tokens=seq.num_prompt_tokens,
-                num_cached_tokens=seq.num_cached_tokens,
-                first=first,
-            )
+        return TokenDelta(
+            seq.request_id,
+            [sample_to_wire(seq.samples[-1])],
+            start_index=seq.num_output_tokens - 1,
+            finish_reason=reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            first=first,
         )
+
+    def send_deltas(self, deltas: list[TokenDelta]) -> None:
+        """One frame for a step's deltas, however many sequences the step advanced."""
+        if len(deltas) == 1:
+            self.link.send(deltas[0])
+        elif deltas:
+            self.link.send(TokenDeltas(deltas))
 
     def base_registration(self, **extra) -> RegisterWorker:
         return RegisterWorker(
