@@ -1,0 +1,196 @@
+"""One engine step against its hardware floor, on one pinned core, in one run.
+
+Decode: the time of a whole engine step (schedule, forward, sampling, bookkeeping) at batch 1,
+8 and 32 over 256- and 1024-token contexts, beside the floor of a decode step: the time to read
+every weight byte once (measured here as a streaming read of that many bytes). Prefill: tokens/s
+of a step of 512 and 2048 prompt tokens beside a bare GEMM of the model's shapes at the same
+rows, in bf16 (``F.linear``) and in fp32 (``torch.mm``; the faster of the two on this machine is
+the floor).
+
+    python -m benchmarks.step [--model PATH] [--dtype bfloat16] [--core 0] [--repeats 5]
+        [--baseline]   # also the plain torch path (--enforce-eager, torch attention), same run
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from common.config import CacheConfig, EngineConfig, SchedulerConfig
+from common.engine.llm_engine import LLMEngine
+from common.sampling_params import SamplingParams
+from kernels.registry import ENV_VAR as ENV_BACKEND
+
+
+def best_of(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def weight_read_floor(num_bytes: int, repeats: int) -> float:
+    """Seconds to stream ``num_bytes`` from memory once (a sum over a buffer that size)."""
+    buffer = torch.ones(num_bytes // 4, dtype=torch.float32)
+    return best_of(lambda: buffer.sum(), repeats)
+
+
+def bare_gemm_seconds(engine: LLMEngine, rows: int, dtype: torch.dtype, repeats: int) -> float:
+    """The model's decoder-layer GEMMs (all layers) at ``rows`` rows, as plain torch calls."""
+    shapes = engine.model.linear_shapes()
+    layers = engine.model_config.num_layers
+    weights = [torch.randn(out, inp, dtype=dtype) * 0.02 for out, inp in shapes]
+    if dtype == torch.float32:
+        weights = [w.t().contiguous() for w in weights]
+    inputs = [torch.randn(rows, inp, dtype=dtype) for _, inp in shapes]
+
+    def run() -> None:
+        for _ in range(layers):
+            for x, w in zip(inputs, weights, strict=True):
+                torch.mm(x, w) if dtype == torch.float32 else F.linear(x, w)
+
+    return best_of(run, repeats)
+
+
+def model_weight_bytes(engine: LLMEngine) -> int:
+    """Bytes of the model's weights in its own dtype: decoder layers, final norm, head."""
+    config = engine.model_config
+    per_layer = sum(out * inp for out, inp in engine.model.linear_shapes())
+    params = config.num_layers * per_layer + config.vocab_size * config.hidden_size
+    return params * engine.dtype.itemsize
+
+
+def make_engine(args, max_batched: int, max_model_len: int, eager: bool = False) -> LLMEngine:
+    """The engine as workers run it, or (``eager``) the plain torch path: torch modules and
+    the torch reference attention."""
+    previous = os.environ.get(ENV_BACKEND)
+    if eager:
+        os.environ[ENV_BACKEND] = "torch"
+    try:
+        return LLMEngine(
+            EngineConfig(
+                model=args.model,
+                dtype=args.dtype,
+                cache=CacheConfig(kv_cache_memory=args.kv_cache_memory),
+                scheduler=SchedulerConfig(
+                    max_num_batched_tokens=max_batched, max_model_len=max_model_len
+                ),
+                enforce_eager=eager,
+            )
+        )
+    finally:
+        if eager:
+            os.environ.pop(ENV_BACKEND)
+            if previous is not None:
+                os.environ[ENV_BACKEND] = previous
+
+
+def prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab, (count, length), generator=generator).tolist()
+
+
+def decode_step_seconds(engine: LLMEngine, batch: int, context: int, steps: int) -> float:
+    """Median time of one engine step while ``batch`` sequences decode at ``context`` tokens."""
+    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    for prompt in prompts(batch, context, engine.model_config.vocab_size, seed=context + batch):
+        engine.add_request(prompt, params)
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or (
+        engine.scheduler.waiting
+    ):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    while engine.has_unfinished:
+        engine.step()
+    return statistics.median(times)
+
+
+def prefill_tokens_per_second(engine: LLMEngine, num_tokens: int, repeats: int) -> float:
+    """Prompt tokens/s of steps that each prefill ``num_tokens`` tokens (256-token prompts)."""
+    length = min(256, num_tokens)
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    vocab = engine.model_config.vocab_size
+    times = []
+    for repeat in range(repeats + 1):
+        for prompt in prompts(num_tokens // length, length, vocab, seed=1000 + repeat):
+            engine.add_request(prompt, params)
+        start = time.perf_counter()
+        engine.step()
+        elapsed = time.perf_counter() - start
+        while engine.has_unfinished:
+            engine.step()
+        if repeat:  # the first step warms the allocator
+            times.append(elapsed)
+    return num_tokens / min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--core", type=int, default=0, help="the one core to pin to")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=16, help="decode steps timed per case")
+    parser.add_argument("--kv-cache-memory", type=int, default=1 << 30)
+    parser.add_argument("--baseline", action="store_true", help="also the plain torch path")
+    args = parser.parse_args()
+    os.sched_setaffinity(0, {args.core})
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+
+    engines = {"pdserve": make_engine(args, max_batched=2048, max_model_len=2048)}
+    if args.baseline:
+        engines["plain torch"] = make_engine(args, 2048, 2048, eager=True)
+    engine = engines["pdserve"]
+    weight_bytes = model_weight_bytes(engine)
+    floor = weight_read_floor(weight_bytes, args.repeats)
+    print(f"model {engine.model_path.name}, {engine.dtype}, one core (#{args.core})")
+    print(f"weights {weight_bytes / 1e6:.0f} MB")
+    print(f"decode floor (read every weight byte once): {floor * 1e3:.2f} ms")
+    names = list(engines)
+    print()
+    print("decode step      " + "".join(f"{name:>24s}" for name in names))
+    with torch.inference_mode():
+        for context in (256, 1024):
+            for batch in (1, 8, 32):
+                cells = []
+                for name in names:
+                    seconds = decode_step_seconds(engines[name], batch, context, args.steps)
+                    cells.append(f"{seconds * 1e3:8.2f} ms ({seconds / floor:5.2f}x)")
+                print(f"batch {batch:2d} ctx {context:4d}" + "".join(f"{c:>24s}" for c in cells))
+        print()
+        print(
+            "prefill step     "
+            + "".join(f"{name + ' tok/s':>24s}" for name in names)
+            + "   bare bf16 GEMM   bare fp32 GEMM"
+        )
+        for num_tokens in (512, 2048):
+            rates = [
+                prefill_tokens_per_second(engines[name], num_tokens, args.repeats) for name in names
+            ]
+            bf16 = num_tokens / bare_gemm_seconds(engine, num_tokens, torch.bfloat16, 2)
+            fp32 = num_tokens / bare_gemm_seconds(engine, num_tokens, torch.float32, 2)
+            best = max(bf16, fp32)
+            cells = [f"{rate:8.0f} ({rate / best:6.1%})" for rate in rates]
+            print(
+                f"{num_tokens:5d} tokens     "
+                + "".join(f"{c:>24s}" for c in cells)
+                + f"   {bf16:14.0f}   {fp32:14.0f}"
+            )
+    print("\n(x): decode step over its floor; (%): prefill over the faster bare GEMM")
+
+
+if __name__ == "__main__":
+    main()

