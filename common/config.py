@@ -147,14 +147,24 @@ class CacheConfig:
             raise ValueError("num_blocks must be >= 1")
 
 
+def default_token_budget(device: torch.device) -> int:
+    """Tokens per step when not given. A GPU needs big steps to fill its cores. A CPU core
+    reaches its GEMM peak at a few hundred rows already, so bigger steps only delay every first
+    token in them: with 256, a prefill worker hands each 256-token prompt to decode as soon as
+    it is done instead of holding it for a batch of eight, and a decode worker's local prefill
+    stalls its running batch for at most one such chunk."""
+    return 2048 if device.type == "cuda" else 256
+
+
 @dataclass(slots=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = 2048  # token budget of one forward (prefill chunks + decodes)
+    # Token budget of one forward (prefill chunks + decodes); None: default_token_budget().
+    max_num_batched_tokens: int | None = None
     max_num_seqs: int = 256  # sequences in the running batch
     max_model_len: int | None = None  # None: the model's max_position_embeddings
 
     def validate(self) -> None:
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError("--max-num-batched-tokens must be >= 1")
         if self.max_num_seqs < 1:
             raise ValueError("--max-num-seqs must be >= 1")

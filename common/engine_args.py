@@ -29,7 +29,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
     )
-    group.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    group.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens per step (default: 2048 on a GPU, 256 on a CPU)",
+    )
     group.add_argument("--max-num-seqs", type=int, default=256)
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--seed", type=int, default=0)

@@ -87,9 +87,10 @@ class KVSender(ABC):
 
     Constructed as ``Sender(pool, engine_id, host="127.0.0.1", port=0)``: binds the side channel
     on ``host:port`` (0: any free port; ``host`` is advertised as is, so it must be an address
-    receivers can reach) and registers the pool. Owned and called by one thread,
-    the prefill worker's main loop. It never blocks and never writes to the pool; it only reads
-    the pages it has published.
+    receivers can reach) and registers the pool. Owned and called by one thread at a time:
+    the prefill worker's main loop, which hands it to a helper thread for ``serve_requests``
+    while it runs a step (``common/service/step_io.py``) and calls nothing else meanwhile. It
+    never blocks and never writes to the pool; it only reads the pages it has published.
     """
 
     backend: str  # the registry name, copied into every TransferParams
@@ -119,6 +120,15 @@ class KVSender(ABC):
         and acknowledgements are only served from here. A published id is returned exactly once:
         when the receiver has acknowledged (or given up on) the pages, when its lease ends, or
         after ``abort``, once no transfer can still be reading the pages.
+        """
+
+    @abstractmethod
+    def serve_requests(self) -> None:
+        """The part of ``poll`` that answers receivers (handshakes, fetches, acknowledgements),
+        without blocking and without handing back freed ids, which ``poll`` still returns.
+
+        Lets a receiver's fetch be answered while the worker's main loop is busy in a long
+        step, instead of only after it: see the class docstring for who may call it when.
         """
 
     @abstractmethod

@@ -86,12 +86,15 @@ class SideChannelSender(KVSender):
         )
 
     def poll(self) -> list[str]:
-        for incoming in self._channel.receive():
-            self._dispatch(incoming)
-        self._progress()
+        self.serve_requests()
         self._sweep()
         released, self._released = self._released, []
         return released
+
+    def serve_requests(self) -> None:
+        for incoming in self._channel.receive():
+            self._dispatch(incoming)
+        self._progress()
 
     def poll_sockets(self) -> list:
         return [self._channel.socket]

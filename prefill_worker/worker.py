@@ -87,6 +87,11 @@ class PrefillWorker(WorkerService):
     def extra_sockets(self) -> list:
         return list(self.sender.poll_sockets())
 
+    def serve_during_step(self):
+        # A decode worker fetching the pages of a prompt finished in the last step is answered
+        # now, not after this one (a prefill step on a CPU takes hundreds of milliseconds).
+        return self.sender.serve_requests, list(self.sender.poll_sockets())
+
     def on_finished_step(self, batch: list[ScheduledSequence], finished: list[Sequence]) -> None:
         done_at = time.time()  # the step that ran these prompts' last chunks just ended
         # First tokens reach the router before any handoff is sent: they are the TTFT.

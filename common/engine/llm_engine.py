@@ -6,6 +6,7 @@ path is checked against. The loop is ``schedule() -> run() -> postprocess()``.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.config import EngineConfig, ModelConfig, resolve_dtype
+from common.config import EngineConfig, ModelConfig, default_token_budget, resolve_dtype
 from common.engine.block_manager import BlockManager
 from common.engine.kv_pool import KVLayout, KVPool
 from common.engine.memory import plan_num_blocks
@@ -49,8 +50,14 @@ class LLMEngine:
         started = time.monotonic()
         config.cache.validate()
         config.scheduler.validate()
-        self.config = config
         self.device = config.resolve_device()
+        if config.scheduler.max_num_batched_tokens is None:
+            budget = default_token_budget(self.device)
+            config = dataclasses.replace(
+                config,
+                scheduler=dataclasses.replace(config.scheduler, max_num_batched_tokens=budget),
+            )
+        self.config = config
         self.model_path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_pretrained(self.model_path)
         self.dtype = resolve_dtype(config.dtype, self.model_config.checkpoint_dtype, self.device)

@@ -13,6 +13,7 @@ while it has none.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -51,6 +52,7 @@ from common.protocol import (
 )
 from common.sampling_params import SamplingParams
 from common.service.router_link import RouterLink
+from common.service.step_io import StepIO
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +100,7 @@ class WorkerService(ABC):
         self.link = RouterLink(self.context, args.router, self.worker_id)
         self.metrics_url = serve_metrics(args.host, args.metrics_port)
         self._stopping = False
+        self._step_io: StepIO | None = None
         self._last_heartbeat = 0.0
         self._prompt_tokens_seen = 0
 
@@ -126,6 +129,12 @@ class WorkerService(ABC):
         """Requests held outside the scheduler (e.g. waiting for their pages)."""
         return 0
 
+    def serve_during_step(self) -> tuple[Callable[[], None], list] | None:
+        """What a helper thread should serve while a step runs (``common/service/step_io``):
+        a function that answers peers without touching the engine, and the sockets whose
+        traffic calls for it; None if the role's sockets can wait for the step's end."""
+        return None
+
     def io_in_flight(self) -> bool:
         """Whether I/O is progressing that no socket will announce (a NIXL READ), so the idle
         loop should come back to ``poll_io`` within a millisecond."""
@@ -144,6 +153,8 @@ class WorkerService(ABC):
             self.metrics_url,
         )
         poller = zmq.Poller()
+        during_step = self.serve_during_step()
+        self._step_io = StepIO(*during_step) if during_step is not None else None
         try:
             while not self._stopping:
                 busy = self.scheduler.has_work
@@ -159,6 +170,8 @@ class WorkerService(ABC):
                     self.step()
                 self._report()
         finally:
+            if self._step_io is not None:
+                self._step_io.close()  # before the sockets it serves are closed
             self.close()
 
     def stop(self) -> None:
@@ -166,7 +179,8 @@ class WorkerService(ABC):
 
     def step(self) -> None:
         batch = self.scheduler.schedule()
-        sampled = self.engine.runner.run(batch)
+        with self._step_io or contextlib.nullcontext():
+            sampled = self.engine.runner.run(batch)
         finished = self.scheduler.postprocess(batch, sampled)
         GENERATED_TOKENS.inc(len(sampled))
         self.on_finished_step(batch, finished)

@@ -1,0 +1,78 @@
+"""Serving a worker's sockets while its main loop is inside a step.
+
+A prefill step on a CPU takes hundreds of milliseconds. A decode worker that asks for the pages
+of a prompt finished one step earlier would otherwise wait for the whole next step before the
+prefill worker's loop reads its request: the client sees that wait as the gap between its first
+and second token. ``StepIO`` hands the serving to a helper thread for the duration of a step:
+
+    with step_io:        # the main loop calls nothing the helper touches until the block ends
+        runner.run(batch)
+
+The helper sleeps in ``zmq.Poller`` on the sockets (no GIL held, so the step's kernels are not
+slowed) and calls ``serve`` when one has traffic. Exactly one thread uses the sockets at any
+time: the helper only inside the block, the main loop only outside it, with a lock between.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import zmq
+
+logger = logging.getLogger(__name__)
+
+# How long the helper sleeps in one poll: also the most a step's end waits for it to let go.
+_POLL_MS = 2
+
+
+class StepIO:
+    def __init__(self, serve: Callable[[], None], sockets: list[zmq.Socket]) -> None:
+        self._serve = serve
+        self._poller = zmq.Poller()
+        for sock in sockets:
+            self._poller.register(sock, zmq.POLLIN)
+        self._state = threading.Condition()
+        self._active = False  # the main loop is inside a step
+        self._busy = False  # the helper is polling or serving
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="step-io", daemon=True)
+        self._thread.start()
+
+    def __enter__(self) -> StepIO:
+        with self._state:
+            self._active = True
+            self._state.notify_all()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        with self._state:
+            self._active = False
+            while self._busy:
+                self._state.wait()
+
+    def close(self) -> None:
+        with self._state:
+            self._closed = True
+            self._active = False
+            self._state.notify_all()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while True:
+            with self._state:
+                while not (self._active or self._closed):
+                    self._state.wait()
+                if self._closed:
+                    return
+                self._busy = True
+            try:
+                if self._poller.poll(_POLL_MS):
+                    self._serve()
+            except Exception:  # a socket error must not kill the helper; the loop sees it too
+                logger.exception("serving sockets during a step failed")
+            finally:
+                with self._state:
+                    self._busy = False
+                    self._state.notify_all()
