@@ -82,7 +82,38 @@ class CpuAttentionBackend(AttentionBackend):
         )
 
     def store_kv(self, key, value, cache, slot_mapping) -> None:
-        store_kv_reference(key, value, cache, slot_mapping)
+        pages = cache.key
+        if (
+            cache.is_fp8
+            or key.dtype != pages.dtype
+            or value.dtype != pages.dtype
+            or key.stride(-1) != 1
+            or value.stride(-1) != 1
+            or key.stride(1) != key.shape[2]
+            or value.stride(1) != value.shape[2]
+            or pages.stride() != cache.value.stride()
+            or slot_mapping.dtype != torch.int64
+            or not slot_mapping.is_contiguous()
+        ):
+            store_kv_reference(key, value, cache, slot_mapping)
+            return
+        self._library.pdserve_store_kv(
+            key.data_ptr(),
+            key.stride(0),
+            value.data_ptr(),
+            value.stride(0),
+            pages.data_ptr(),
+            cache.value.data_ptr(),
+            pages.stride(0),
+            pages.stride(1),
+            pages.stride(2),
+            pages.element_size(),
+            cache.block_size,
+            slot_mapping.data_ptr(),
+            key.shape[0],
+            key.shape[1],
+            key.shape[2],
+        )
 
     def attention(
         self,

@@ -113,6 +113,12 @@ def _declare(library: ctypes.CDLL) -> None:
         i32, i32, i32, i32,  # M, N, K, threads
     ]  # fmt: skip
     library.pdserve_linear_bf16.restype = ctypes.c_int
+    library.pdserve_store_kv.argtypes = [
+        ptr, i64, ptr, i64, ptr, ptr,  # key, its row stride, value, its row stride, caches
+        i64, i64, i64, i32, i32,  # block, token, head strides; element bytes; block size
+        ptr, i32, i32, i32,  # slots, tokens, kv heads, head_dim
+    ]  # fmt: skip
+    library.pdserve_store_kv.restype = None
     library.pdserve_rms_norm_bf16.argtypes = [ptr, i64, ptr, f32, ptr, i64, i32, i32]
     library.pdserve_rms_norm_bf16.restype = None
     library.pdserve_silu_mul_bf16.argtypes = [ptr, i64, ptr, i64, i32, i32]

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 # A worker that dies is started again (the router re-dispatches its requests meanwhile), at
 # most this many times, so a worker that cannot start does not loop for ever.
 MAX_RESTARTS = 5
+CPU_LOCAL_PREFILL_OVERFLOW_TOKENS = 1024
 
 
 @dataclass(slots=True)
@@ -55,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-transfer", default="zmq", choices=["zmq", "nixl"])
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--remote-prefill-min-tokens", type=int, default=None)
+    parser.add_argument(
+        "--local-prefill-overflow-tokens",
+        type=int,
+        default=None,
+        help="the router's overflow threshold (default: 1024 without a GPU, off with one)",
+    )
     parser.add_argument("--max-model-len", type=int, default=None)
     # Flags of one role only; the rest of the unknown flags go to every worker.
     prefill = parser.add_argument_group("prefill workers")
@@ -200,6 +207,15 @@ def main(argv: list[str] | None = None) -> int:
         router_args += ["--api-key", args.api_key]
     if args.remote_prefill_min_tokens is not None:
         router_args += ["--remote-prefill-min-tokens", str(args.remote_prefill_min_tokens)]
+    import torch
+
+    overflow = args.local_prefill_overflow_tokens
+    if overflow is None and not torch.cuda.is_available():
+        # A CPU prefill worker runs ~500 tokens/s a core: a prompt behind 1024 queued tokens
+        # waits two seconds, longer than its decode worker takes to prefill it in place.
+        overflow = CPU_LOCAL_PREFILL_OVERFLOW_TOKENS
+    if overflow is not None:
+        router_args += ["--local-prefill-overflow-tokens", str(overflow)]
     shared = [
         "--router",
         control,
@@ -215,8 +231,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_model_len is not None:
         router_args += ["--max-model-len", str(args.max_model_len)]
         shared += ["--max-model-len", str(args.max_model_len)]
-    import torch
-
     pin = args.pin_cores if args.pin_cores is not None else not torch.cuda.is_available()
     roles = ["prefill"] * args.prefill + ["decode"] * args.decode
     shares = core_shares(len(roles)) if pin else [None] * len(roles)

@@ -220,7 +220,11 @@ class Dispatcher:
         blocks = -(-total // decode_state.block_size)
         if decision.prefill_worker_id is None:
             msg: Message = DecodeRequest(gen.request_id, gen.prompt_token_ids, params, output_ids)
-            self.registry.on_dispatch(decision.decode_worker_id, gen.request_id, 0, blocks, now)
+            # Counted as queued prefill there until it reports it (the overflow rule reads it).
+            local_tokens = len(gen.prompt_token_ids) + len(output_ids)
+            self.registry.on_dispatch(
+                decision.decode_worker_id, gen.request_id, local_tokens, blocks, now
+            )
             self.send(decision.decode_worker_id, msg)
             return
         uncached = len(gen.prompt_token_ids) - decision.num_cached_tokens
@@ -249,8 +253,7 @@ class Dispatcher:
             # A decode worker prefilling locally may not mark its first token as ``first``.
             gen.num_cached_tokens = msg.num_cached_tokens
             self.metrics.ttft.observe(now - gen.arrived_at)
-            if sender == gen.prefill_worker:
-                self.registry.on_prefilled(sender, gen.request_id)
+            self.registry.on_prefilled(sender, gen.request_id)
         if msg.start_index > len(gen.samples):
             gen.early[msg.start_index] = msg
             return

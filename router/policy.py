@@ -21,7 +21,11 @@ worker is overloaded, and then overflows to the ring's next worker.
 
 Conditional disaggregation: when the best uncached suffix is shorter than
 ``remote_prefill_min_tokens`` (or no prefill worker is registered) the request goes straight to
-a decode worker, which prefills it locally.
+a decode worker, which prefills it locally. Overflow: when ``local_prefill_overflow_tokens`` is
+set, a request whose chosen prefill worker already has that many tokens queued is prefilled by
+its decode worker instead, if that worker has no prefill of its own queued: it waits less there
+than behind the queue, and each decode worker's running batch pays for at most one local
+prefill at a time. Requests with a session id stay with their prefix.
 
 Decode worker::
 
@@ -47,6 +51,7 @@ REASON_SESSION = "session_affinity"
 REASON_SESSION_OVERFLOW = "session_overflow"
 REASON_SHORT_PROMPT = "local_prefill_short"
 REASON_NO_PREFILL = "local_prefill_no_prefill_workers"
+REASON_OVERFLOW = "local_prefill_overflow"
 REASON_MIGRATION = "migration"
 REASONS = (
     REASON_PREFIX,
@@ -56,6 +61,7 @@ REASONS = (
     REASON_SESSION_OVERFLOW,
     REASON_SHORT_PROMPT,
     REASON_NO_PREFILL,
+    REASON_OVERFLOW,
     REASON_MIGRATION,
 )
 
@@ -73,6 +79,7 @@ class RoutingConfig:
     session_load_epsilon: float = 0.25
     session_vnodes: int = 64
     running_weight_blocks: float = 4.0
+    local_prefill_overflow_tokens: int | None = None  # None: never overflow to a decode worker
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +105,7 @@ class DecodeView:
     worker_id: str
     free_blocks: int  # heartbeat's free pages minus pages reserved by later dispatches
     num_running: int  # running + waiting + dispatched-but-unreported
+    load_tokens: int = 0  # its own queued prefill tokens (local prefills), as for PrefillView
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +137,19 @@ def route(request: RequestView, workers: WorkersView, config: RoutingConfig) -> 
         worker, reason = session_worker(request.session_id, workers.prefill, config)
         return Decision(decode, worker, reason, overlaps[worker])
     worker, reason = choose_prefill(request, workers.prefill, overlaps, config)
+    if overflows(worker, decode, workers, config):
+        return Decision(decode, None, REASON_OVERFLOW)
     return Decision(decode, worker, reason, overlaps[worker])
+
+
+def overflows(prefill_id: str, decode_id: str, workers: WorkersView, config: RoutingConfig) -> bool:
+    """Whether the request should skip ``prefill_id``'s queue for a local prefill."""
+    threshold = config.local_prefill_overflow_tokens
+    if threshold is None:
+        return False
+    queued = next(w.load_tokens for w in workers.prefill if w.worker_id == prefill_id)
+    own = next(w.load_tokens for w in workers.decode if w.worker_id == decode_id)
+    return queued >= threshold and own == 0
 
 
 def overlap_tokens(request: RequestView, worker: PrefillView) -> int:

@@ -243,7 +243,11 @@ class WorkerRegistry:
                     )
                 )
             else:
-                decode.append(DecodeView(w.worker_id, w.free_blocks_estimate, w.running_estimate))
+                decode.append(
+                    DecodeView(
+                        w.worker_id, w.free_blocks_estimate, w.running_estimate, w.load_tokens
+                    )
+                )
         return WorkersView(prefill, decode)
 
     def pool(self, role: str) -> list[WorkerState]:

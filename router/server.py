@@ -114,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="uncached prompt tokens below which a decode worker prefills locally",
     )
     p.add_argument(
+        "--local-prefill-overflow-tokens",
+        type=int,
+        default=None,
+        help="prefill on the decode worker when the prefill worker has this many tokens queued "
+        "(and the decode worker none); default: never",
+    )
+    p.add_argument(
         "--heartbeat-timeout",
         type=float,
         default=10.0,
@@ -130,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace, text: ModelText, model_path: Path) -> RouterConfig:
+    if args.local_prefill_overflow_tokens is not None and args.local_prefill_overflow_tokens < 1:
+        raise ValueError("--local-prefill-overflow-tokens must be >= 1")
     for name in ("remote_prefill_min_tokens", "max_retries"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
@@ -149,7 +158,10 @@ def config_from_args(args: argparse.Namespace, text: ModelText, model_path: Path
         max_retries=args.max_retries,
         max_body_bytes=args.max_body_bytes,
         max_inflight=args.max_inflight,
-        routing=RoutingConfig(remote_prefill_min_tokens=args.remote_prefill_min_tokens),
+        routing=RoutingConfig(
+            remote_prefill_min_tokens=args.remote_prefill_min_tokens,
+            local_prefill_overflow_tokens=args.local_prefill_overflow_tokens,
+        ),
     )
 
 

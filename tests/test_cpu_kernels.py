@@ -18,7 +18,7 @@ from kernels.cpu_backend import SHORT_QUERY_MAX, CpuAttentionBackend
 from kernels.cpu_library import CpuKernelsUnavailable
 from kernels.cpu_linear import BF16_ONLY, BOTH, FP32_ONLY, CpuLinear, choose_gemm_plan
 from kernels.cpu_ops import CpuRMSNorm, CpuRotaryApply, CpuSiluAndMul
-from kernels.reference import paged_attention_reference
+from kernels.reference import paged_attention_reference, store_kv_reference
 from kernels.registry import get_attention_backend
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path's kernels")
@@ -211,3 +211,17 @@ def test_rope_equals_the_torch_module_on_views_of_a_fused_projection(backend) ->
     q, k = CpuRotaryApply()(*views(fused), cos, sin)
     assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
     assert torch.equal(fused[:, (heads + kv_heads) * dim :], qkv[:, (heads + kv_heads) * dim :])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_store_kv_writes_exactly_the_reference_slots(backend, dtype) -> None:
+    """Views of a fused projection (strided rows) land in the same slots, byte for byte, and
+    nothing else in the pool changes."""
+    batch = make_batch([3, 1], [40, 17], 2, 2, 64, dtype, dtype)
+    num_tokens = batch.meta.slot_mapping.shape[0]
+    fused = torch.randn(num_tokens, 3, 2, 64).to(dtype)
+    key, value = fused[:, 1], fused[:, 2]
+    expected = batch.pool.clone()
+    store_kv_reference(key, value, expected.layer(1), batch.meta.slot_mapping)
+    backend.store_kv(key, value, batch.cache, batch.meta.slot_mapping)
+    batch.pool.assert_matches(expected)

@@ -10,6 +10,7 @@ from router.policy import (
     REASON_LOAD,
     REASON_MIGRATION,
     REASON_NO_PREFILL,
+    REASON_OVERFLOW,
     REASON_PREFIX,
     REASON_SESSION,
     REASON_SESSION_OVERFLOW,
@@ -140,3 +141,30 @@ def test_decode_choice_by_headroom_and_running():
     # None has room: the best of them is still chosen rather than failing.
     decode = [DecodeView("x", 1, 3), DecodeView("y", 2, 3)]
     assert route(request(PROMPT), WorkersView([], decode), CONFIG).decode_worker_id == "y"
+
+
+OVERFLOW = RoutingConfig(remote_prefill_min_tokens=64, local_prefill_overflow_tokens=1024)
+
+
+@pytest.mark.parametrize(
+    "queued, decode_own, expected",
+    [
+        (1023, 0, "a"),  # below the threshold: remote
+        (1024, 0, None),  # at it, with an idle decode worker: local
+        (4000, 256, "a"),  # the decode worker already prefills one of its own: remote
+    ],
+)
+def test_overflow_prefills_on_the_decode_worker_only_past_the_queue_threshold(
+    queued, decode_own, expected
+):
+    decode = [DecodeView("d0", free_blocks=1000, num_running=3, load_tokens=decode_own)]
+    workers = WorkersView([prefill("a", load=queued)], decode)
+    d = route(request(PROMPT), workers, OVERFLOW)
+    assert d.prefill_worker_id == expected
+    assert d.reason == (REASON_OVERFLOW if expected is None else REASON_LOAD)
+
+
+def test_overflow_is_off_by_default_and_spares_sessions():
+    workers = WorkersView([prefill("a", load=50_000)], DECODE)
+    assert route(request(PROMPT), workers, CONFIG).prefill_worker_id == "a"
+    assert route(request(PROMPT, session="s"), workers, OVERFLOW).prefill_worker_id == "a"

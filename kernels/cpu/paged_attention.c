@@ -372,3 +372,27 @@ int pdserve_paged_attention(const void *query, int64_t query_row_stride, void *o
     }
     return failed ? -1 : 0;
 }
+
+/* Write token n's key and value rows into slot slots[n] of a 16- or 32-bit cache whose dtype
+ * is the rows' own (an FP8 cache quantises on the way and goes through the torch reference).
+ * key/value: [N, num_kv_heads, head_dim], rows key_stride / value_stride elements apart, unit
+ * stride within a row; caches as in kv_cache. */
+void pdserve_store_kv(const void *key, int64_t key_stride, const void *value,
+                      int64_t value_stride, void *key_cache, void *value_cache,
+                      int64_t block_stride, int64_t token_stride, int64_t head_stride,
+                      int element_bytes, int block_size, const int64_t *slots, int num_tokens,
+                      int num_kv_heads, int head_dim) {
+    const size_t row_bytes = (size_t)head_dim * element_bytes;
+    for (int n = 0; n < num_tokens; n++) {
+        const int64_t block = slots[n] / block_size, offset = slots[n] % block_size;
+        for (int h = 0; h < num_kv_heads; h++) {
+            const int64_t at = (block * block_stride + offset * token_stride + h * head_stride) *
+                               element_bytes;
+            memcpy((char *)key_cache + at,
+                   (const char *)key + (n * key_stride + h * head_dim) * element_bytes, row_bytes);
+            memcpy((char *)value_cache + at,
+                   (const char *)value + (n * value_stride + h * head_dim) * element_bytes,
+                   row_bytes);
+        }
+    }
+}
