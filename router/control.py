@@ -122,6 +122,11 @@ class ControlServer:
         period = max(min(self.heartbeat_timeout / 4, 0.5), 0.01)
         while True:
             await asyncio.sleep(period)
+            # Frames can sit unread with no edge left to announce them (an edge consumed by a
+            # ZMQ call between two checks): then every worker's heartbeats would wait unread
+            # until all of them expire. Look before judging anyone silent.
+            if self._sock is not None and self._sock.get(zmq.EVENTS) & zmq.POLLIN:
+                self._drain()
             try:
                 self.dispatcher.expire(time.monotonic())
             except Exception:

@@ -43,49 +43,53 @@ class ModelRunner:
     def prepare(
         self, batch: list[ScheduledSequence]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Flatten the batch into token ids, positions and explicit attention metadata."""
+        """Flatten the batch into token ids, positions and explicit attention metadata: Python
+        per sequence, then a handful of tensor ops for every token at once."""
         input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
+        query_lens: list[int] = []
+        starts: list[int] = []  # the first new position of each sequence
+        tables: list[list[int]] = []
         logits_indices: list[int] = []
-        max_blocks = 0
+        num_tokens = 0
         for item in batch:
             seq, start = item.seq, item.seq.num_computed_tokens
-            end = start + item.num_new_tokens
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            blocks = seq.block_ids
-            slots.extend(
-                blocks[pos // self.block_size] * self.block_size + pos % self.block_size
-                for pos in range(start, end)
-            )
-            query_start_loc.append(query_start_loc[-1] + item.num_new_tokens)
-            seq_lens.append(end)
+            input_ids += seq.token_ids[start : start + item.num_new_tokens]
+            query_lens.append(item.num_new_tokens)
+            starts.append(start)
+            tables.append(seq.block_ids)
+            num_tokens += item.num_new_tokens
             if item.samples:
-                logits_indices.append(query_start_loc[-1] - 1)
-            max_blocks = max(max_blocks, len(blocks))
-        block_tables = torch.zeros((len(batch), max_blocks), dtype=torch.int32)
-        for row, item in enumerate(batch):
-            block_tables[row, : len(item.seq.block_ids)] = torch.tensor(
-                item.seq.block_ids, dtype=torch.int32
-            )
+                logits_indices.append(num_tokens - 1)
+        width = max(map(len, tables))
+        block_tables = torch.tensor(
+            [table + [0] * (width - len(table)) for table in tables], dtype=torch.int32
+        )
+        lens = torch.tensor(query_lens)
+        first = torch.tensor(starts)
+        query_start_loc = torch.zeros(len(batch) + 1, dtype=torch.int32)
+        torch.cumsum(lens, 0, out=query_start_loc[1:])
+        # Each token's sequence, then its position: its offset in the sequence's run plus the
+        # run's first position.
+        owner = torch.repeat_interleave(torch.arange(len(batch)), lens)
+        positions = torch.arange(num_tokens) - query_start_loc[:-1][owner] + first[owner]
+        pages = block_tables[owner, positions // self.block_size].long()
+        slots = pages * self.block_size + positions % self.block_size
+        seq_lens = first + lens
 
-        def tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+        def device(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+            return values.to(self.device, dtype, non_blocking=True)
 
         meta = AttentionMetadata(
-            query_start_loc=tensor(query_start_loc, torch.int32),
-            seq_lens=tensor(seq_lens, torch.int32),
-            block_tables=block_tables.to(self.device, non_blocking=True),
-            slot_mapping=tensor(slots, torch.int64),
-            max_query_len=max(item.num_new_tokens for item in batch),
-            max_seq_len=max(seq_lens),
+            query_start_loc=device(query_start_loc, torch.int32),
+            seq_lens=device(seq_lens, torch.int32),
+            block_tables=device(block_tables, torch.int32),
+            slot_mapping=device(slots, torch.int64),
+            max_query_len=max(query_lens),
+            max_seq_len=max(start + n for start, n in zip(starts, query_lens, strict=True)),
         )
         return (
-            tensor(input_ids, torch.long),
-            tensor(positions, torch.long),
+            device(torch.tensor(input_ids), torch.long),
+            device(positions, torch.long),
             meta,
-            tensor(logits_indices, torch.long),
+            device(torch.tensor(logits_indices, dtype=torch.long), torch.long),
         )

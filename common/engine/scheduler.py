@@ -97,8 +97,11 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         batch: list[ScheduledSequence] = []
         scheduled: set[int] = set()
-        # Decodes before prefill chunks: a decoding sequence's latency is what users feel.
-        for seq in sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens):
+        # Decodes before prefill chunks: a decoding sequence's latency is what users feel. Two
+        # passes over the running list in its own order: nothing is sorted or rebuilt per step.
+        decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        chunking = [s for s in self.running if s.num_tokens - s.num_computed_tokens != 1]
+        for seq in (*decoding, *chunking):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
