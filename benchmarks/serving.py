@@ -121,18 +121,22 @@ def report(results: list[Result], elapsed: float, args) -> dict:
     return figures
 
 
-def wait_for_cluster(base_url: str, process: subprocess.Popen, timeout: float) -> None:
+def wait_for_cluster(
+    base_url: str, process: subprocess.Popen, timeout: float, name: str = "pdserve up"
+) -> None:
+    """Until ``base_url/health`` answers 200; raises if ``process`` (the server ``name``)
+    exits first or the timeout passes."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"pdserve up exited with {process.returncode}")
+            raise RuntimeError(f"{name} exited with {process.returncode}")
         try:
             if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(1)
-    raise RuntimeError("pdserve up did not become healthy")
+    raise RuntimeError(f"{name} did not become healthy")
 
 
 def main() -> None:

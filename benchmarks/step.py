@@ -24,23 +24,14 @@ import torch.nn.functional as F
 from common.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.engine.llm_engine import LLMEngine
 from common.sampling_params import SamplingParams
+from kernels.cpu_library import best_seconds
 from kernels.registry import ENV_VAR as ENV_BACKEND
-
-
-def best_of(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def weight_read_floor(num_bytes: int, repeats: int) -> float:
     """Seconds to stream ``num_bytes`` from memory once (a sum over a buffer that size)."""
     buffer = torch.ones(num_bytes // 4, dtype=torch.float32)
-    return best_of(lambda: buffer.sum(), repeats)
+    return best_seconds(lambda: buffer.sum(), repeats)
 
 
 def bare_gemm_seconds(engine: LLMEngine, rows: int, dtype: torch.dtype, repeats: int) -> float:
@@ -57,7 +48,7 @@ def bare_gemm_seconds(engine: LLMEngine, rows: int, dtype: torch.dtype, repeats:
             for x, w in zip(inputs, weights, strict=True):
                 torch.mm(x, w) if dtype == torch.float32 else F.linear(x, w)
 
-    return best_of(run, repeats)
+    return best_seconds(run, repeats)
 
 
 def model_weight_bytes(engine: LLMEngine) -> int:

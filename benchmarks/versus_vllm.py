@@ -22,11 +22,10 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.serving import wait_for_cluster
 from common.model.default_model import resolve_model_path
 
 PDSERVE_PORT = 8200
@@ -47,29 +46,14 @@ WORKLOADS = {
     "W3": [Client("short", 64, 128, 48, 6), Client("long", 1800, 8, 6, 1)],
 }
 FIGURES = [
-    ("output_throughput", "out tok/s", True),
-    ("median_ttft_ms", "TTFT p50 ms", False),
-    ("p99_ttft_ms", "TTFT p99 ms", False),
-    ("mean_tpot_ms", "TPOT mean ms", False),
-    ("p99_tpot_ms", "TPOT p99 ms", False),
-    ("median_itl_ms", "ITL p50 ms", False),
-    ("p99_itl_ms", "ITL p99 ms", False),
+    ("output_throughput", "out tok/s"),
+    ("median_ttft_ms", "TTFT p50 ms"),
+    ("p99_ttft_ms", "TTFT p99 ms"),
+    ("mean_tpot_ms", "TPOT mean ms"),
+    ("p99_tpot_ms", "TPOT p99 ms"),
+    ("median_itl_ms", "ITL p50 ms"),
+    ("p99_itl_ms", "ITL p99 ms"),
 ]
-
-
-def wait_healthy(url: str, process: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode} before it was healthy")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"{url} not healthy after {timeout:.0f} s")
 
 
 def stop(process: subprocess.Popen) -> None:
@@ -141,10 +125,12 @@ def measure(args, system: str, model: Path, workdir: Path) -> dict:
     log = open(workdir / f"{system}-server.log", "w")  # noqa: SIM115 - closed below
     if system == "pdserve":
         process, port, name = start_pdserve(args, model, log), PDSERVE_PORT, model.name
+        command = "pdserve up"
     else:
         process, port, name = start_vllm(args, model, log), VLLM_PORT, str(model)
+        command = "vllm serve"
     try:
-        wait_healthy(f"http://127.0.0.1:{port}/health", process, args.startup_timeout)
+        wait_for_cluster(f"http://127.0.0.1:{port}", process, args.startup_timeout, command)
         results = {}
         for workload in args.workloads:
             out = workdir / system / workload
@@ -170,7 +156,7 @@ def print_table(results: dict[str, dict]) -> None:
                 + "".join(f"{s:>12s}" for s in systems)
                 + ("   pdserve/vLLM" if "vllm" in systems else "")
             )
-            for key, label, _ in FIGURES:
+            for key, label in FIGURES:
                 values = [results[s][workload][client.name].get(key) for s in systems]
                 row = f"{label:14s}" + "".join(
                     f"{v:12.1f}" if v is not None else f"{'-':>12s}" for v in values

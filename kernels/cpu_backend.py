@@ -10,7 +10,6 @@ Which sequence takes which path is decided once per step in ``plan``.
 from __future__ import annotations
 
 import itertools
-import time
 from dataclasses import dataclass
 
 import torch
@@ -189,12 +188,9 @@ def _float32_sdpa_is_faster() -> bool:
     def seconds(dtype: torch.dtype) -> float:
         q = torch.randn(1, 4, 512, 64).to(dtype)
         kv = torch.randn(1, 4, 512, 64).to(dtype)
-        best = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            F.scaled_dot_product_attention(q, kv, kv, is_causal=True)
-            best = min(best, time.perf_counter() - start)
-        return best
+        return cpu_library.best_seconds(
+            lambda: F.scaled_dot_product_attention(q, kv, kv, is_causal=True)
+        )
 
     return seconds(torch.float32) < seconds(torch.bfloat16)
 

@@ -18,6 +18,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,27 @@ def load() -> ctypes.CDLL:
     _declare(library)
     library.pdserve_init()
     return library
+
+
+def available() -> bool:
+    """Whether the C kernels can be had here (built now if need be)."""
+    try:
+        load()
+    except CpuKernelsUnavailable:
+        return False
+    return True
+
+
+def best_seconds(fn, repeats: int = 2) -> float:
+    """The fastest of ``repeats`` timed calls of ``fn`` after one untimed warm-up call: what the
+    start-up probes compare kernels by."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def _declare(library: ctypes.CDLL) -> None:

@@ -18,7 +18,6 @@ the chosen plan uses are kept in memory.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 import torch
@@ -62,14 +61,6 @@ class GemmPlan:
 FP32_ONLY = GemmPlan(bf16_max_rows=0)
 BF16_ONLY = GemmPlan(bf16_max_rows=None)
 BOTH = GemmPlan(bf16_max_rows=PROBE_ROWS[-1])
-
-
-def bf16_tiles_available() -> bool:
-    try:
-        cpu_library.load()
-    except cpu_library.CpuKernelsUnavailable:
-        return False
-    return True
 
 
 def pack_bf16_tiles(weight: torch.Tensor) -> torch.Tensor:
@@ -157,7 +148,7 @@ PROBE_MAX_FP32_BYTES = 4 << 30
 def probe_plan(dtype: torch.dtype, num_params: int) -> GemmPlan:
     """The plan to pack with before ``choose_gemm_plan``: both kernels where a probe will
     choose between them, else the one kernel there is to use."""
-    if dtype != torch.bfloat16 or not bf16_tiles_available():
+    if dtype != torch.bfloat16 or not cpu_library.available():
         return FP32_ONLY
     if num_params * 4 > PROBE_MAX_FP32_BYTES:
         return BF16_ONLY
@@ -183,7 +174,8 @@ def choose_gemm_plan(linears: list[CpuLinear]) -> GemmPlan:
                 getattr(linear, kernel)(inputs[linear.in_features])
 
         bf16_wins.append(
-            _best_time(lambda: run("forward_bf16")) <= _best_time(lambda: run("forward_fp32"))
+            cpu_library.best_seconds(lambda: run("forward_bf16"))
+            <= cpu_library.best_seconds(lambda: run("forward_fp32"))
         )
     if all(bf16_wins):
         return GemmPlan(bf16_max_rows=None)
@@ -193,13 +185,3 @@ def choose_gemm_plan(linears: list[CpuLinear]) -> GemmPlan:
             break
         limit = rows
     return GemmPlan(bf16_max_rows=limit)
-
-
-def _best_time(fn, repeats: int = 2) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best

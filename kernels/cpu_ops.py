@@ -81,10 +81,9 @@ class CpuRotaryApply(nn.Module):
 
 def cpu_ops_apply(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether these modules can stand in for a model of ``dtype`` and ``head_dim``."""
-    if dtype != torch.bfloat16 or head_dim > MAX_HEAD_DIM or head_dim % 2:
-        return False
-    try:
-        cpu_library.load()
-    except cpu_library.CpuKernelsUnavailable:
-        return False
-    return True
+    return (
+        dtype == torch.bfloat16
+        and head_dim <= MAX_HEAD_DIM
+        and head_dim % 2 == 0
+        and cpu_library.available()
+    )

@@ -73,7 +73,7 @@ class AttentionBackend(ABC):
 
     def plan(self, meta: AttentionMetadata) -> AttentionMetadata:
         """Per-step work, done once before the first layer (splitting the batch by kind of row,
-        host-side lists, index tensors). The model runner calls it once per forward and hands
+        host-side lists, index tensors). The model calls it once per forward and hands
         the result to every layer's ``attention`` in place of ``meta``; it is ``meta`` or a
         subclass of it that carries the derived fields. The default derives nothing."""
         return meta

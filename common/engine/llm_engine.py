@@ -95,7 +95,7 @@ class LLMEngine:
             self.model_config.eos_token_ids,
             first_token_only,
         )
-        self.runner = ModelRunner(self.model, self.pool, self.backend, self.sampler)
+        self.runner = ModelRunner(self.model, self.pool, self.sampler)
         self._ids = itertools.count()
         logger.info(
             "engine ready in %.1f s: %s on %s in %s, %d KV pages of %d tokens (%s), %s attention%s",

@@ -8,7 +8,7 @@ from common.engine.kv_pool import KVPool
 from common.engine.sampler import SampledToken, Sampler, SamplingRow
 from common.engine.scheduler import ScheduledSequence
 from common.model.llama import LlamaForCausalLM
-from kernels.interface import AttentionBackend, AttentionMetadata
+from kernels.interface import AttentionMetadata
 
 
 class ModelRunner:
@@ -16,12 +16,10 @@ class ModelRunner:
         self,
         model: LlamaForCausalLM,
         pool: KVPool,
-        backend: AttentionBackend,
         sampler: Sampler,
     ) -> None:
         self.model = model
         self.pool = pool
-        self.backend = backend
         self.sampler = sampler
         self.device = pool.device
         self.block_size = pool.layout.block_size

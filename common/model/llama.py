@@ -211,16 +211,12 @@ class LlamaForCausalLM(nn.Module):
 
     def _swap_in_cpu_ops(self) -> None:
         """bf16 RMSNorm, SiLU-and-multiply and RoPE as single C passes (``kernels/cpu_ops``)."""
-        norms = [self.norm] + [
-            norm
-            for layer in self.layers
-            for norm in (layer.input_layernorm, layer.post_attention_layernorm)
-        ]
-        swapped = {id(norm): CpuRMSNorm(norm.weight, norm.eps) for norm in norms}
-        self.norm = swapped[id(self.norm)]
+        self.norm = CpuRMSNorm(self.norm.weight, self.norm.eps)
         for layer in self.layers:
-            layer.input_layernorm = swapped[id(layer.input_layernorm)]
-            layer.post_attention_layernorm = swapped[id(layer.post_attention_layernorm)]
+            norm = layer.input_layernorm
+            layer.input_layernorm = CpuRMSNorm(norm.weight, norm.eps)
+            norm = layer.post_attention_layernorm
+            layer.post_attention_layernorm = CpuRMSNorm(norm.weight, norm.eps)
             layer.self_attn.rotary = CpuRotaryApply()
             layer.mlp.act = CpuSiluAndMul()
 

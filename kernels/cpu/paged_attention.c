@@ -42,8 +42,9 @@ void pdserve_init(void) {
 }
 
 /* Widen one head vector of `dim` elements to float32 (times `scale` for FP8 pages). */
-static inline __attribute__((always_inline)) void load_row(const void *restrict src, int dtype, float scale, int dim,
-                            float *restrict dst) {
+static inline __attribute__((always_inline)) void load_row(const void *restrict src, int dtype,
+                                                           float scale, int dim,
+                                                           float *restrict dst) {
     switch (dtype) {
     case KV_F32:
         memcpy(dst, src, (size_t)dim * sizeof(float));
