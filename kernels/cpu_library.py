@@ -50,13 +50,24 @@ def _cpu_fingerprint() -> str:
     return platform.processor() or platform.machine()
 
 
-def _library_path(compiler: str) -> Path:
+def cpu_flags() -> frozenset[str]:
+    """This processor's feature flags (``avx512f``, ``amx_bf16``, ...) as /proc/cpuinfo names
+    them; empty where it does not say."""
+    return frozenset(_cpu_fingerprint().split())
+
+
+def build_digest(compiler: str = "") -> str:
+    """A digest of what the kernels' speed depends on: their sources, flags and this CPU."""
     digest = hashlib.sha256()
     for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
     digest.update(" ".join([compiler, *CFLAGS]).encode())
     digest.update(_cpu_fingerprint().encode())
-    return cache_dir() / f"pdserve_cpu-{platform.machine()}-{digest.hexdigest()[:16]}.so"
+    return digest.hexdigest()[:16]
+
+
+def _library_path(compiler: str) -> Path:
+    return cache_dir() / f"pdserve_cpu-{platform.machine()}-{build_digest(compiler)}.so"
 
 
 def _build(compiler: str, target: Path) -> None:

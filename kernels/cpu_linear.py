@@ -13,12 +13,22 @@ output to the model's dtype once, so the choice changes the summation order, not
 computation: a bf16 model's hidden states are bf16 either way. ``choose_gemm_plan`` times both
 over the model's own weights at start-up and picks, per row count, the faster; only the forms
 the chosen plan uses are kept in memory.
+
+The choice is made once per machine and model shape and kept on disk beside the kernels: a
+different summation order rounds some bf16 outputs differently, so two processes that chose
+differently (timings are noisy, and the kernels are often close) would not give the same
+tokens. Every worker on a machine, and the one-process engine, run the same plan.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -156,6 +166,52 @@ def probe_plan(dtype: torch.dtype, num_params: int) -> GemmPlan:
 
 
 def choose_gemm_plan(linears: list[CpuLinear]) -> GemmPlan:
+    """The plan this machine chose for these layers' shapes, probing it on first use (see
+    ``_probe_plan``). Concurrent first uses agree: the first plan written is the one kept."""
+    path = _plan_path(linears)
+    return _read_plan(path) or _publish(path, _probe_plan(linears))
+
+
+def _plan_path(linears: list[CpuLinear]) -> Path:
+    digest = hashlib.sha256(cpu_library.build_digest().encode())
+    for linear in linears:
+        digest.update(f"{linear.out_features}x{linear.in_features};".encode())
+    digest.update(repr(PROBE_ROWS).encode())
+    return cpu_library.cache_dir() / f"gemm-plan-{digest.hexdigest()[:16]}.json"
+
+
+def _publish(path: Path, plan: GemmPlan) -> GemmPlan:
+    """Write ``plan`` unless another process wrote one first; return the plan on disk."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, private = tempfile.mkstemp(prefix=path.stem, dir=path.parent)
+    try:
+        with os.fdopen(handle, "w") as file:
+            json.dump({"bf16_max_rows": plan.bf16_max_rows}, file)
+        os.link(private, path)  # fails if the plan exists: the first one written stays
+    except FileExistsError:
+        stored = _read_plan(path)
+        if stored is not None:
+            return stored
+        os.replace(private, path)  # not a plan: this one takes its place
+        return plan
+    finally:
+        if os.path.exists(private):
+            os.unlink(private)
+    return plan
+
+
+def _read_plan(path: Path) -> GemmPlan | None:
+    """The plan stored at ``path``; None if there is none or it is not a plan."""
+    try:
+        limit = json.loads(path.read_text())["bf16_max_rows"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if limit is not None and (not isinstance(limit, int) or limit < 0):
+        return None
+    return GemmPlan(bf16_max_rows=limit)
+
+
+def _probe_plan(linears: list[CpuLinear]) -> GemmPlan:
     """Time both kernels over the model's own linear layers (packed with ``BOTH``), in order,
     at each of ``PROBE_ROWS``, and return the plan of the faster one per row count.
 

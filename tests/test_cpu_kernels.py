@@ -8,6 +8,8 @@ summation order and in exp's last bits; bf16 runs also round the output once.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,7 +18,14 @@ from test_kernels import FP8_DTYPE, dtype_id, make_batch
 from common.model.llama import RMSNorm, RotaryApply, SiluAndMul
 from kernels.cpu_backend import SHORT_QUERY_MAX, CpuAttentionBackend
 from kernels.cpu_library import CpuKernelsUnavailable
-from kernels.cpu_linear import BF16_ONLY, BOTH, FP32_ONLY, CpuLinear, choose_gemm_plan
+from kernels.cpu_linear import (
+    BF16_ONLY,
+    BOTH,
+    FP32_ONLY,
+    CpuLinear,
+    GemmPlan,
+    choose_gemm_plan,
+)
 from kernels.cpu_ops import CpuRMSNorm, CpuRotaryApply, CpuSiluAndMul
 from kernels.reference import paged_attention_reference, store_kv_reference
 from kernels.registry import get_attention_backend
@@ -162,13 +171,34 @@ def linear_weight(linear: CpuLinear) -> torch.Tensor:
     )
 
 
-def test_probe_returns_a_usable_plan(backend) -> None:
+def test_probe_returns_a_usable_plan(backend, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     linears = [CpuLinear(torch.randn(64, 32).to(torch.bfloat16), None, BOTH) for _ in range(2)]
     plan = choose_gemm_plan(linears)
     assert plan.uses_bf16 or plan.uses_fp32
     for linear in linears:
         linear.restrict(plan)
         assert linear(torch.randn(3, 32).to(torch.bfloat16)).shape == (3, 64)
+
+
+def test_the_machine_keeps_the_first_plan_it_chose(backend, tmp_path, monkeypatch) -> None:
+    """Timings are noisy: were every process to probe for itself, two workers could sum in
+    different orders and round bf16 differently. The first plan written is everyone's."""
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    linears = [CpuLinear(torch.randn(96, 64).to(torch.bfloat16), None, BOTH) for _ in range(3)]
+    first = choose_gemm_plan(linears)
+    [stored] = (tmp_path / "kernels").glob("gemm-plan-*.json")
+    assert all(choose_gemm_plan(linears) == first for _ in range(3))
+    # Whatever the file says is what every later process runs; garbage there is probed over.
+    stored.write_text(json.dumps({"bf16_max_rows": 7}))
+    assert choose_gemm_plan(linears) == GemmPlan(bf16_max_rows=7)
+    stored.write_text("{not json")
+    probed = choose_gemm_plan(linears)
+    assert json.loads(stored.read_text()) == {"bf16_max_rows": probed.bf16_max_rows}
+    # Other shapes are another plan.
+    other = [CpuLinear(torch.randn(32, 64).to(torch.bfloat16), None, BOTH)]
+    choose_gemm_plan(other)
+    assert len(list((tmp_path / "kernels").glob("gemm-plan-*.json"))) == 2
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from tiny_models import FAMILIES, build_tiny_model, hf_greedy, random_prompts
+from tiny_models import (
+    FAMILIES,
+    assert_greedy_equal_up_to_near_ties,
+    build_tiny_model,
+    hf_greedy,
+    random_prompts,
+)
 
 from common.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.engine.llm_engine import LLMEngine
@@ -49,11 +55,12 @@ def test_eager_engine_equals_transformers_and_the_packed_engine(family_case):
 
 
 def test_bf16_packed_engine_equals_eager(family_case):
-    """In bf16 the two paths round at the same points and differ only in summation order, which
-    the tiny models' peaked logits do not notice."""
+    """In bf16 the two paths round at the same points and differ only in summation order: their
+    tokens may part only where two logits nearly tie."""
     folder, prompts, _ = family_case
     eager = make_engine(folder, dtype="bfloat16", eager=True).generate(prompts, GREEDY)
-    assert make_engine(folder, dtype="bfloat16").generate(prompts, GREEDY) == eager
+    packed = make_engine(folder, dtype="bfloat16").generate(prompts, GREEDY)
+    assert_greedy_equal_up_to_near_ties(folder, prompts, packed, eager)
 
 
 def test_prompts_alone(family_case):
