@@ -172,6 +172,44 @@ class SchedulerConfig:
             raise ValueError("--max-model-len must be >= 1")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft")
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """Speculative decoding on the decode side (the prefill worker never speculates)."""
+
+    method: str | None = None  # None (off) | ngram | draft
+    num_speculative_tokens: int = 4  # the most tokens proposed per sequence per step
+    ngram_max: int = 4  # the longest suffix n-gram looked up in the sequence's earlier tokens
+    ngram_min: int = 1
+    model: str | None = None  # the draft model's folder (method "draft"); same tokenizer
+    # Speculation stops while more sequences than this are decoding: big batches already fill
+    # the step, and every proposed token is one more row to verify. None: no limit.
+    disable_by_batch_size: int | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+    def validate(self) -> None:
+        if self.method is None:
+            return
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"--speculative-method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                f"got {self.method!r}"
+            )
+        if not 1 <= self.num_speculative_tokens <= 15:
+            raise ValueError("--num-speculative-tokens must be in [1, 15]")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError("--ngram-min and --ngram-max must satisfy 1 <= min <= max")
+        if (self.method == "draft") != (self.model is not None):
+            raise ValueError("--speculative-model is given exactly when the method is draft")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError("--speculative-disable-by-batch-size must be >= 1")
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = None  # a Hugging Face folder; None: the default model
@@ -179,6 +217,7 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     seed: int = 0
     # Plain torch modules only: no prepacked weights, no fused C ops (vLLM's flag name).
     enforce_eager: bool = False

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from common.config import CacheConfig, EngineConfig, SchedulerConfig
+from common.config import (
+    SPECULATIVE_METHODS,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from common.engine.memory import parse_memory_size
 
 
@@ -43,6 +49,28 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run the plain torch model: no prepacked weights or fused CPU kernels",
     )
+    spec = parser.add_argument_group("speculative decoding (decode side)")
+    spec.add_argument(
+        "--speculative-method",
+        default=None,
+        choices=SPECULATIVE_METHODS,
+        help="propose tokens by n-gram lookup in the sequence itself, or with a draft model "
+        "(default: off; draft when --speculative-model is given)",
+    )
+    spec.add_argument(
+        "--num-speculative-tokens", type=int, default=4, help="most tokens proposed per step"
+    )
+    spec.add_argument("--ngram-max", type=int, default=4, help="longest n-gram looked up")
+    spec.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram looked up")
+    spec.add_argument(
+        "--speculative-model", default=None, help="draft model folder (same tokenizer)"
+    )
+    spec.add_argument(
+        "--speculative-disable-by-batch-size",
+        type=int,
+        default=None,
+        help="do not speculate while more sequences than this are decoding",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -62,9 +90,25 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len,
         ),
+        speculative=speculative_config_from_args(args),
         seed=args.seed,
         enforce_eager=args.enforce_eager,
     )
     config.cache.validate()
     config.scheduler.validate()
+    config.speculative.validate()
     return config
+
+
+def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig:
+    method = args.speculative_method
+    if method is None and args.speculative_model is not None:
+        method = "draft"
+    return SpeculativeConfig(
+        method=method,
+        num_speculative_tokens=args.num_speculative_tokens,
+        ngram_max=args.ngram_max,
+        ngram_min=args.ngram_min,
+        model=args.speculative_model,
+        disable_by_batch_size=args.speculative_disable_by_batch_size,
+    )

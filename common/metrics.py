@@ -39,6 +39,17 @@ KV_TRANSFER_FALLBACKS = Counter(
     "pdserve_kv_transfer_fallbacks",
     "Handoffs whose pages could not be fetched, so the prompt was prefilled locally",
 )
+SPEC_PROPOSED = Counter(
+    "pdserve_spec_decode_proposed_tokens", "Speculative tokens proposed for verification"
+)
+SPEC_ACCEPTED = Counter(
+    "pdserve_spec_decode_accepted_tokens", "Speculative tokens the target model accepted"
+)
+SPEC_ACCEPTED_PER_STEP = Histogram(
+    "pdserve_spec_decode_accepted_tokens_per_step",
+    "Proposed tokens accepted per speculating sequence per step",
+    buckets=tuple(range(16)),
+)
 RUNNING = Gauge("pdserve_running_requests", "Requests in the running batch")
 WAITING = Gauge("pdserve_waiting_requests", "Requests waiting to be scheduled")
 KV_USAGE = Gauge("pdserve_kv_cache_usage", "Fraction of KV pages in use")

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from common.engine.scheduler import ScheduledSequence
+from common.engine.scheduler import ScheduledSequence, SequenceOutput
 from common.engine.sequence import Sequence
 from common.messages import Message, ProtocolError, decode
 from common.metrics import (
@@ -137,10 +137,13 @@ class DecodeWorker(WorkerService):
     def extra_sockets(self) -> list:
         return [self.handoffs, *self.receiver.poll_sockets()]
 
-    def on_finished_step(self, batch: list[ScheduledSequence], finished: list[Sequence]) -> None:
-        self.send_deltas([self.delta(item.seq) for item in batch if item.samples])
-        for seq in finished:
-            REQUESTS.labels(outcome=seq.finish_reason.value).inc()
+    def on_finished_step(
+        self, batch: list[ScheduledSequence], outputs: list[SequenceOutput]
+    ) -> None:
+        self.send_deltas([self.delta(out.seq, len(out.new_samples)) for out in outputs])
+        for out in outputs:
+            if out.left_batch:
+                REQUESTS.labels(outcome=out.seq.finish_reason.value).inc()
 
     def num_pending(self) -> int:
         return len(self._pending)
@@ -322,7 +325,7 @@ class DecodeWorker(WorkerService):
         seq.block_ids = pending.dst_block_ids
         seq.num_computed_tokens = seq.num_prompt_tokens
         if not self.admit(seq):
-            self.scheduler.release(seq)
+            self.block_manager.free(seq.block_ids)
 
     def _discard(self, pending: PendingHandoff) -> None:
         """Stop waiting for ``pending``'s pages; they are freed once no fetch writes them."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from common.engine.scheduler import ScheduledSequence
+from common.engine.scheduler import ScheduledSequence, SequenceOutput
 from common.engine.sequence import Sequence
 from common.messages import Message, encode
 from common.metrics import KV_PAGES_SENT, REQUESTS
@@ -92,7 +92,10 @@ class PrefillWorker(WorkerService):
         # now, not after this one (a prefill step on a CPU takes hundreds of milliseconds).
         return self.sender.serve_requests, list(self.sender.poll_sockets())
 
-    def on_finished_step(self, batch: list[ScheduledSequence], finished: list[Sequence]) -> None:
+    def on_finished_step(
+        self, batch: list[ScheduledSequence], outputs: list[SequenceOutput]
+    ) -> None:
+        finished = [out.seq for out in outputs if out.left_batch]
         done_at = time.time()  # the step that ran these prompts' last chunks just ended
         # First tokens reach the router before any handoff is sent: they are the TTFT.
         self.send_deltas([self.delta(seq, first=True) for seq in finished])

@@ -34,15 +34,32 @@ class IncrementalDetokenizer:
         self._emitted = 0  # len of self.text already returned
         self.stopped = False  # a stop string matched
         self.stop_reason: str | None = None
+        self.tokens_taken = 0  # of the last add()'s tokens
 
     @property
     def emitted_text(self) -> str:
         return self.text[: self._emitted]
 
     def add(self, token_ids: Sequence[int]) -> str:
-        """Feed new tokens; returns the text that may now be sent (possibly empty)."""
+        """Feed new tokens; returns the text that may now be sent (possibly empty). With stop
+        strings the tokens are taken one at a time, and none after the one that completes a
+        stop string: ``tokens_taken`` says how many were."""
         if self.stopped:
+            self.tokens_taken = 0
             return ""
+        if not self._stop or len(token_ids) == 1:
+            self.tokens_taken = len(token_ids)
+            return self._extend(token_ids)
+        text = ""
+        self.tokens_taken = 0
+        for token_id in token_ids:
+            text += self._extend([token_id])
+            self.tokens_taken += 1
+            if self.stopped:
+                break
+        return text
+
+    def _extend(self, token_ids: Sequence[int]) -> str:
         for token_id in token_ids:
             if token_id in self._skip:
                 continue

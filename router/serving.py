@@ -139,8 +139,10 @@ class Run:
             if gen.error is not None:
                 raise APIError(gen.error_status, gen.error, code="worker_failed")
             new = gen.samples[choice.consumed :]
-            choice.consumed = len(gen.samples)
             text = choice.detok.add([s.token_id for s in new])
+            # Tokens after the one that completed a stop string are not part of the answer.
+            new = new[: choice.detok.tokens_taken]
+            choice.consumed += len(new)
             if choice.detok.stopped:
                 choice.finish_reason = "stop"
                 self.dispatcher.finish_early(gen, "stop_string")

@@ -4,9 +4,7 @@ own process — driven by the official `openai` client."""
 from __future__ import annotations
 
 import os
-import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +12,7 @@ import urllib.request
 
 import openai
 import pytest
+from cluster_harness import free_port_pair, reference_engine, tiny_chat_cluster, worker_metric
 from tiny_models import build_tiny_chat_model
 
 from common.config import EngineConfig, SchedulerConfig
@@ -26,58 +25,19 @@ LONG_PROMPT = " ".join(f"item{i} is followed by item{i + 1}." for i in range(20)
 SHORT_PROMPT = "Hello there"
 
 
-def free_port_pair() -> int:
-    """A port P with P and P + 1 both free (the router's HTTP and control ports)."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free port pair")
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    folder = build_tiny_chat_model(tmp_path_factory.mktemp("chat-model") / "tiny-chat")
-    port = free_port_pair()
-    log = open(tmp_path_factory.mktemp("logs") / "up.log", "w+")  # noqa: SIM115
-    process = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "up", "--model", str(folder), "--port", str(port),
-         "--max-model-len", "512", "--remote-prefill-min-tokens", "32", "--kv-cache-memory",
-         "64MiB", "--dtype", "float32", "--log-level", "WARNING"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    while True:
-        log.seek(0)
-        if "pdserve is up" in log.read():
-            break
-        if process.poll() is not None or time.monotonic() > deadline:
-            log.seek(0)
-            pytest.fail(f"pdserve up did not start:\n{log.read()[-3000:]}")
-        time.sleep(0.5)
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
-    yield client, folder, base
-    process.send_signal(signal.SIGINT)
-    assert process.wait(timeout=60) == 0
-    log.close()
+    flags = ("--max-model-len", "512", "--remote-prefill-min-tokens", "32", "--kv-cache-memory",
+             "64MiB", "--dtype", "float32")  # fmt: skip
+    with tiny_chat_cluster(tmp_path_factory, *flags) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
 def reference(cluster):
     """The same model in one process: what greedy output through the cluster must equal."""
     _, folder, _ = cluster
-    engine = LLMEngine(
-        EngineConfig(model=str(folder), dtype="float32", device="cpu",
-                     scheduler=SchedulerConfig(max_model_len=512))
-    )  # fmt: skip
+    engine = reference_engine(folder)
     tokenizer = Tokenizer(folder)
 
     def generate(prompt_ids: list[int], max_tokens: int) -> list[int]:
@@ -85,16 +45,6 @@ def reference(cluster):
         return engine.generate([prompt_ids], params)[0]
 
     return generate, tokenizer
-
-
-def worker_metric(base: str, role: str, name: str) -> float:
-    with urllib.request.urlopen(f"{base}/v1/workers", timeout=10) as response:
-        import json
-
-        url = json.loads(response.read())[role][0]["metrics_url"]
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
-    return float(match.group(1)) if match else 0.0
 
 
 @pytest.mark.parametrize("prompt", [LONG_PROMPT, SHORT_PROMPT])

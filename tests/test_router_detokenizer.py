@@ -46,6 +46,19 @@ def test_stop_string_across_token_boundaries_is_cut_and_never_emitted(text):
     assert not any("END" in p for p in pieces)
 
 
+def test_tokens_arriving_together_stop_at_the_one_that_completes_the_stop_string(text):
+    """A speculative step delivers several tokens at once: the text is cut as if they came one
+    by one, and the tokens after the one that completed the stop string are not taken."""
+    sample = "The answer is 42. END OF ANSWER and more text"
+    ids = text.encode(sample, add_special_tokens=False)
+    one_by_one, _ = stream(text, ids, stop=["END OF ANSWER"])
+    completing = next(n for n in range(1, len(ids) + 1) if "END OF ANSWER" in text.decode(ids[:n]))
+    detok = IncrementalDetokenizer(text.decode, ["END OF ANSWER"])
+    assert detok.add(ids[:3]) + detok.add(ids[3:]) + detok.finish() == "".join(one_by_one)
+    assert detok.stopped and 3 + detok.tokens_taken == completing
+    assert detok.add(ids[:2]) == "" and detok.tokens_taken == 0
+
+
 def test_held_back_text_is_released_when_it_stops_matching(text):
     ids = text.encode("a stop-gap, not a stop", add_special_tokens=False)
     pieces, detok = stream(text, ids, stop=["stopper"])

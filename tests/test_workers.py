@@ -100,6 +100,40 @@ def test_disaggregated_greedy_equals_one_process(router, model, backend, kv_cach
     assert decode[fetches] == sum(fetches_for(len(p)) for p in prompts) > len(prompts)
 
 
+@pytest.mark.parametrize(
+    "spec_flags",
+    [
+        ("--speculative-method", "ngram", "--num-speculative-tokens", "3"),
+        ("--speculative-model", "TARGET", "--num-speculative-tokens", "4"),
+    ],
+    ids=["ngram", "draft"],
+)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_speculating_decode_worker_gives_the_same_greedy_tokens(
+    router, tmp_path, spec_flags, kv_cache_dtype
+):
+    """Prompts prefilled remotely, decoded with speculation: the tokens are the one-process
+    engine's without it, and runs of several tokens arrive in one delta. The draft is the
+    target itself, so its every proposal is accepted; this tiny Llama often continues a
+    repeated prompt as it went on the first time, which n-gram lookup proposes."""
+    model = build_tiny_model("llama3-rope", tmp_path / "llama")
+    flags = [str(model) if flag == "TARGET" else flag for flag in spec_flags]
+    dtype_flags = ("--dtype", "bfloat16", "--kv-cache-dtype", kv_cache_dtype)
+    start_pair(router, model, "zmq", *dtype_flags, decode_flags=flags)
+    prompts = [p + p for p in random_prompts(3, seed=13, min_len=10, max_len=30)]
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    expected = one_process(model, prompts, params, "bfloat16", kv_cache_dtype)
+    ids = [f"spec-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        router.prefill(request_id, prompt, params)
+        router.wait_finished([request_id])
+    assert [router.log(r).token_ids for r in ids] == expected
+    assert max(len(d.samples) for r in ids for d in router.log(r).deltas) > 1
+    decode = router.metrics("decode")
+    assert decode["pdserve_spec_decode_accepted_tokens_total"] > 0
+    assert decode["pdserve_spec_decode_accepted_tokens_per_step_count"] > 0
+
+
 def fetches_for(prompt_len: int, chunk: int = PREFILL_CHUNK, block_size: int = 16) -> int:
     """Fetches of one handed-off prompt: a part per chunk that completed pages, then the rest."""
     fetches, shipped, computed = 1, 0, 0

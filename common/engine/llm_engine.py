@@ -15,15 +15,25 @@ from dataclasses import dataclass
 
 import torch
 
-from common.config import EngineConfig, ModelConfig, default_token_budget, resolve_dtype
+from common.config import (
+    EngineConfig,
+    ModelConfig,
+    SpeculativeConfig,
+    default_token_budget,
+    resolve_dtype,
+)
 from common.engine.block_manager import BlockManager
 from common.engine.kv_pool import KVLayout, KVPool
 from common.engine.memory import plan_num_blocks
 from common.engine.model_runner import ModelRunner
 from common.engine.sampler import SampledToken, Sampler
-from common.engine.scheduler import Scheduler
+from common.engine.scheduler import PrefillScheduler, Scheduler
 from common.engine.sequence import FinishReason, Sequence
+from common.engine.speculative.draft import DraftModelProposer
+from common.engine.speculative.ngram import NgramProposer
+from common.engine.speculative.speculator import Speculator
 from common.model.default_model import resolve_model_path
+from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
 from common.sampling_params import SamplingParams
 from kernels.interface import FP8_DTYPE
@@ -50,6 +60,7 @@ class LLMEngine:
         started = time.monotonic()
         config.cache.validate()
         config.scheduler.validate()
+        config.speculative.validate()
         self.device = config.resolve_device()
         if config.scheduler.max_num_batched_tokens is None:
             budget = default_token_budget(self.device)
@@ -80,22 +91,32 @@ class LLMEngine:
         )
         self.backend = get_attention_backend(self.device)
         self.sampler = Sampler(self.model_config.vocab_size, self.model_config.eos_token_ids)
+        # The prefill worker only ever samples a first token: nothing to speculate on.
+        speculative = config.speculative if not first_token_only else SpeculativeConfig()
+        draft = self._load_draft(speculative.model, kv_dtype) if speculative.model else None
         num_blocks = plan_num_blocks(
-            self.model, self.kv_layout, config, self.device, self.backend, self.max_model_len
+            self.model,
+            self.kv_layout,
+            config,
+            self.device,
+            self.backend,
+            self.max_model_len,
+            extra_bytes_per_block=draft[1].bytes_per_block if draft else 0,
         )
         self.pool = KVPool(self.kv_layout, num_blocks, self.device)
         self.model.bind_kv(self.pool, self.backend)
         self.block_manager = BlockManager(
             num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(
-            config.scheduler,
-            self.block_manager,
-            self.max_model_len,
-            self.model_config.eos_token_ids,
-            first_token_only,
+        self.speculator = self._build_speculator(speculative, draft, num_blocks)
+        scheduling = (config.scheduler, self.block_manager, self.max_model_len)
+        eos = self.model_config.eos_token_ids
+        self.scheduler = (
+            PrefillScheduler(*scheduling, eos)
+            if first_token_only
+            else Scheduler(*scheduling, eos, self.speculator)
         )
-        self.runner = ModelRunner(self.model, self.pool, self.sampler)
+        self.runner = ModelRunner(self.model, self.pool, self.sampler, self.speculator)
         self._ids = itertools.count()
         logger.info(
             "engine ready in %.1f s: %s on %s in %s, %d KV pages of %d tokens (%s), %s attention%s",
@@ -109,6 +130,55 @@ class LLMEngine:
             self.backend.name,
             ", eager" if config.enforce_eager else "",
         )
+
+    def _load_draft(self, folder: str, kv_dtype: torch.dtype) -> tuple[LlamaForCausalLM, KVLayout]:
+        """The draft model, in the target's dtype, and the layout of its KV pages."""
+        draft_config = ModelConfig.from_pretrained(resolve_model_path(folder))
+        if draft_config.vocab_size > self.model_config.vocab_size + 1024:
+            raise ValueError(
+                f"the draft model's vocabulary ({draft_config.vocab_size}) is not the target's "
+                f"({self.model_config.vocab_size}): a draft must share the target's tokenizer"
+            )
+        draft = load_model(draft_config, self.dtype, self.device)
+        if self.device.type == "cpu" and not self.config.enforce_eager:
+            draft.pack_for_cpu()
+        layout = KVLayout.create(
+            kv_dtype,
+            self.config.cache.block_size,
+            draft_config.num_layers,
+            draft_config.num_kv_heads,
+            draft_config.head_dim,
+        )
+        logger.info("draft model %s: %d layers", folder, draft_config.num_layers)
+        return draft, layout
+
+    def _build_speculator(
+        self,
+        config: SpeculativeConfig,
+        draft: tuple[LlamaForCausalLM, KVLayout] | None,
+        num_blocks: int,
+    ) -> Speculator | None:
+        if not config.enabled:
+            return None
+        if draft is None:
+            proposer = NgramProposer(config.ngram_min, config.ngram_max)
+        else:
+            model, layout = draft
+            # The draft's pages share the target's ids: one page table serves both.
+            pool = KVPool(layout, num_blocks, self.device)
+            model.bind_kv(pool, self.backend)
+            proposer = DraftModelProposer(
+                model,
+                pool,
+                self.model_config.vocab_size,
+                self.config.scheduler.max_num_batched_tokens,
+            )
+        logger.info(
+            "speculative decoding: %s, up to %d tokens per step",
+            config.method,
+            config.num_speculative_tokens,
+        )
+        return Speculator(config, proposer)
 
     def add_request(
         self,
@@ -133,25 +203,18 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
-        sampled = self.runner.run(batch)
-        finished = self.scheduler.postprocess(batch, sampled)
-        done = {id(seq) for seq in finished}
-        outputs = []
-        for item in batch:
-            if not item.samples:
-                continue
-            seq = item.seq
-            outputs.append(
-                RequestOutput(
-                    seq.request_id,
-                    [seq.samples[-1]],
-                    id(seq) in done,
-                    seq.finish_reason,
-                    seq.num_prompt_tokens,
-                    seq.num_cached_tokens,
-                )
+        runs = self.runner.run(batch)
+        return [
+            RequestOutput(
+                out.seq.request_id,
+                out.new_samples,
+                out.left_batch,
+                out.seq.finish_reason,
+                out.seq.num_prompt_tokens,
+                out.seq.num_cached_tokens,
             )
-        return outputs
+            for out in self.scheduler.postprocess(batch, runs)
+        ]
 
     def generate(
         self, prompts: Iterable[list[int]], params: SamplingParams | list[SamplingParams]

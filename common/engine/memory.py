@@ -77,7 +77,10 @@ def plan_num_blocks(
     device: torch.device,
     backend: AttentionBackend,
     max_model_len: int,
+    extra_bytes_per_block: int = 0,
 ) -> int:
+    """Pages for the KV pool; ``extra_bytes_per_block`` is what each page costs besides the
+    target's own (a draft model's page of the same id)."""
     cache = config.cache
     if cache.num_blocks is not None:
         num_blocks = cache.num_blocks
@@ -100,7 +103,7 @@ def plan_num_blocks(
                     f"--kv-cache-memory asks for {budget / 2**30:.2f} GiB but only "
                     f"{available / 2**30:.2f} GiB of host memory is available"
                 )
-        num_blocks = budget // layout.bytes_per_block
+        num_blocks = budget // (layout.bytes_per_block + extra_bytes_per_block)
     if num_blocks * layout.block_size < max_model_len:
         raise ValueError(
             f"the KV cache holds {num_blocks * layout.block_size} tokens, less than one "

@@ -1,14 +1,92 @@
-"""Runs one forward over a scheduled batch and samples the next token of every finishing row."""
+"""Runs one forward over a scheduled batch and samples each sampling sequence's next tokens.
+
+With a ``Speculator`` the runner first asks it for proposed tokens, appends them to their
+sequences' runs, and samples every position from the proposal's first on: the target's own
+choice at each position decides how many proposals are accepted (see
+``common/engine/speculative/speculator.py``).
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 
 from common.engine.kv_pool import KVPool
 from common.engine.sampler import SampledToken, Sampler, SamplingRow
 from common.engine.scheduler import ScheduledSequence
+from common.engine.speculative.speculator import Speculator
 from common.model.llama import LlamaForCausalLM
 from kernels.interface import AttentionMetadata
+
+
+@dataclass(frozen=True, slots=True)
+class TokenRun:
+    """The tokens one sequence feeds a forward: their ids, the position of the first, the
+    sequence's pages, and how many of the last positions want logits."""
+
+    token_ids: Seq[int]
+    start: int
+    block_ids: Seq[int]
+    num_logits: int
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardInputs:
+    input_ids: torch.Tensor  # [N]
+    positions: torch.Tensor  # [N]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [M]
+
+
+def flatten_runs(runs: Seq[TokenRun], block_size: int, device: torch.device) -> ForwardInputs:
+    """Flatten runs into token ids, positions and explicit attention metadata: Python per run,
+    then a handful of tensor ops for every token at once."""
+    input_ids: list[int] = []
+    query_lens: list[int] = []
+    starts: list[int] = []
+    logits_indices: list[int] = []
+    num_tokens = 0
+    for run in runs:
+        input_ids += run.token_ids
+        query_lens.append(len(run.token_ids))
+        starts.append(run.start)
+        num_tokens += len(run.token_ids)
+        logits_indices += range(num_tokens - run.num_logits, num_tokens)
+    width = max(len(run.block_ids) for run in runs)
+    block_tables = torch.tensor(
+        [list(run.block_ids) + [0] * (width - len(run.block_ids)) for run in runs],
+        dtype=torch.int32,
+    )
+    lens = torch.tensor(query_lens)
+    first = torch.tensor(starts)
+    query_start_loc = torch.zeros(len(runs) + 1, dtype=torch.int32)
+    torch.cumsum(lens, 0, out=query_start_loc[1:])
+    # Each token's run, then its position: its offset in the run plus the run's first position.
+    owner = torch.repeat_interleave(torch.arange(len(runs)), lens)
+    positions = torch.arange(num_tokens) - query_start_loc[:-1][owner] + first[owner]
+    pages = block_tables[owner, positions // block_size].long()
+    slots = pages * block_size + positions % block_size
+    seq_lens = first + lens
+
+    def to_device(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return values.to(device, dtype, non_blocking=True)
+
+    meta = AttentionMetadata(
+        query_start_loc=to_device(query_start_loc, torch.int32),
+        seq_lens=to_device(seq_lens, torch.int32),
+        block_tables=to_device(block_tables, torch.int32),
+        slot_mapping=to_device(slots, torch.int64),
+        max_query_len=max(query_lens),
+        max_seq_len=max(start + n for start, n in zip(starts, query_lens, strict=True)),
+    )
+    return ForwardInputs(
+        to_device(torch.tensor(input_ids), torch.long),
+        to_device(positions, torch.long),
+        meta,
+        to_device(torch.tensor(logits_indices, dtype=torch.long), torch.long),
+    )
 
 
 class ModelRunner:
@@ -17,77 +95,59 @@ class ModelRunner:
         model: LlamaForCausalLM,
         pool: KVPool,
         sampler: Sampler,
+        speculator: Speculator | None = None,
     ) -> None:
         self.model = model
         self.pool = pool
         self.sampler = sampler
+        self.speculator = speculator
         self.device = pool.device
         self.block_size = pool.layout.block_size
 
     @torch.inference_mode()
-    def run(self, batch: list[ScheduledSequence]) -> list[SampledToken]:
-        """Forward ``batch``; returns one sampled token per row whose ``samples`` is true."""
+    def run(self, batch: list[ScheduledSequence]) -> list[list[SampledToken]]:
+        """Forward ``batch``; returns, for each row whose ``samples`` is true, the run of tokens
+        it gains: the accepted proposals, then the target's own next token."""
         if not batch:
             return []
-        input_ids, positions, meta, logits_indices = self.prepare(batch)
-        logits = self.model(input_ids, positions, meta, logits_indices)
-        rows = [
-            SamplingRow(item.seq.params, item.seq.prompt_token_ids, item.seq.output_token_ids)
-            for item in batch
-            if item.samples
-        ]
-        return self.sampler.sample(logits, rows) if rows else []
+        proposals = (
+            self.speculator.propose(batch) if self.speculator is not None else [[]] * len(batch)
+        )
+        inputs = self.prepare(batch, proposals)
+        logits = self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices)
+        rows: list[SamplingRow] = []
+        for item, proposed in zip(batch, proposals, strict=True):
+            if not item.samples:
+                continue
+            seq = item.seq
+            prompt, history = seq.prompt_token_ids, seq.output_token_ids
+            # The row after j accepted proposals sees them as already generated: penalties,
+            # min_tokens and a seeded row's noise all follow.
+            for j in range(len(proposed) + 1):
+                rows.append(SamplingRow(seq.params, prompt, history + proposed[:j]))
+        if not rows:
+            return []
+        sampled = self.sampler.sample(logits, rows)
+        if self.speculator is None:
+            return [[sample] for sample in sampled]
+        return self.speculator.accept(batch, proposals, sampled)
 
     def prepare(
-        self, batch: list[ScheduledSequence]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Flatten the batch into token ids, positions and explicit attention metadata: Python
-        per sequence, then a handful of tensor ops for every token at once."""
-        input_ids: list[int] = []
-        query_lens: list[int] = []
-        starts: list[int] = []  # the first new position of each sequence
-        tables: list[list[int]] = []
-        logits_indices: list[int] = []
-        num_tokens = 0
-        for item in batch:
+        self, batch: list[ScheduledSequence], proposals: Seq[Seq[int]] | None = None
+    ) -> ForwardInputs:
+        """The forward's inputs: each sequence's next known tokens, then its proposals, with
+        logits for every position from its last known token on."""
+        proposals = proposals or [()] * len(batch)
+        runs = []
+        for item, proposed in zip(batch, proposals, strict=True):
             seq, start = item.seq, item.seq.num_computed_tokens
-            input_ids += seq.token_ids[start : start + item.num_new_tokens]
-            query_lens.append(item.num_new_tokens)
-            starts.append(start)
-            tables.append(seq.block_ids)
-            num_tokens += item.num_new_tokens
-            if item.samples:
-                logits_indices.append(num_tokens - 1)
-        width = max(map(len, tables))
-        block_tables = torch.tensor(
-            [table + [0] * (width - len(table)) for table in tables], dtype=torch.int32
-        )
-        lens = torch.tensor(query_lens)
-        first = torch.tensor(starts)
-        query_start_loc = torch.zeros(len(batch) + 1, dtype=torch.int32)
-        torch.cumsum(lens, 0, out=query_start_loc[1:])
-        # Each token's sequence, then its position: its offset in the sequence's run plus the
-        # run's first position.
-        owner = torch.repeat_interleave(torch.arange(len(batch)), lens)
-        positions = torch.arange(num_tokens) - query_start_loc[:-1][owner] + first[owner]
-        pages = block_tables[owner, positions // self.block_size].long()
-        slots = pages * self.block_size + positions % self.block_size
-        seq_lens = first + lens
-
-        def device(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-            return values.to(self.device, dtype, non_blocking=True)
-
-        meta = AttentionMetadata(
-            query_start_loc=device(query_start_loc, torch.int32),
-            seq_lens=device(seq_lens, torch.int32),
-            block_tables=device(block_tables, torch.int32),
-            slot_mapping=device(slots, torch.int64),
-            max_query_len=max(query_lens),
-            max_seq_len=max(start + n for start, n in zip(starts, query_lens, strict=True)),
-        )
-        return (
-            device(torch.tensor(input_ids), torch.long),
-            device(positions, torch.long),
-            meta,
-            device(torch.tensor(logits_indices, dtype=torch.long), torch.long),
-        )
+            known = seq.token_ids[start : start + item.num_new_tokens]
+            runs.append(
+                TokenRun(
+                    known + list(proposed),
+                    start,
+                    seq.block_ids,
+                    1 + len(proposed) if item.samples else 0,
+                )
+            )
+        return flatten_runs(runs, self.block_size, self.device)

@@ -6,6 +6,16 @@ is still prefilling, then new sequences from the waiting queue (first come, firs
 each starting after whatever prefix the cache already holds. When pages run out, the newest
 running sequence is preempted: its pages are freed and it goes back to the front of the queue to
 be recomputed later (full pages it had filed in the prefix cache usually make that cheap).
+
+With a ``Speculator``, a decoding sequence may also take slots for proposed tokens: its pages
+and budget cover the run ``last token + proposals``, the runner verifies the proposals in the
+same forward, and ``postprocess`` appends the accepted run, checking every stop condition token
+by token. Only positions whose tokens were accepted count as computed, so the KV written for
+rejected proposals is simply overwritten later and never reaches the prefix cache.
+
+``Scheduler`` serves whole requests (the one-process engine, the decode worker);
+``PrefillScheduler`` lets each request go after its first token, keeping its pages for the
+handoff until ``release``.
 """
 
 from __future__ import annotations
@@ -13,12 +23,16 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from common.config import SchedulerConfig
 from common.engine.block_manager import BlockManager
 from common.engine.sampler import SampledToken
-from common.engine.sequence import FinishReason, Sequence, SequenceStatus
+from common.engine.sequence import FinishReason, Sequence, SequenceStatus, SpeculationState
 from common.hashing import hash_block
+
+if TYPE_CHECKING:
+    from common.engine.speculative.speculator import Speculator
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,11 +40,21 @@ class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int
     samples: bool  # this step reaches the end of the sequence's known tokens, so it samples
+    num_draft_slots: int = 0  # proposed tokens this step may verify after its known ones
 
     @classmethod
-    def of(cls, seq: Sequence, num_new_tokens: int) -> ScheduledSequence:
+    def of(cls, seq: Sequence, num_new_tokens: int, num_draft_slots: int = 0) -> ScheduledSequence:
         reaches_end = seq.num_computed_tokens + num_new_tokens == seq.num_tokens
-        return cls(seq, num_new_tokens, reaches_end)
+        return cls(seq, num_new_tokens, reaches_end, num_draft_slots)
+
+
+@dataclass(slots=True)
+class SequenceOutput:
+    """What one step appended to one sampling sequence."""
+
+    seq: Sequence
+    new_samples: list[SampledToken]  # in order; several when proposed tokens were accepted
+    left_batch: bool  # finished, or (prefill) handed over after its first token
 
 
 class Scheduler:
@@ -40,18 +64,15 @@ class Scheduler:
         block_manager: BlockManager,
         max_model_len: int,
         eos_token_ids: Seq[int],
-        first_token_only: bool = False,
+        speculator: Speculator | None = None,
     ) -> None:
-        """``first_token_only`` is the prefill worker's mode: a sequence leaves the batch once
-        its first token is sampled, and unless that token ended it (``finish_reason`` set), it
-        keeps its pages for the transfer until the caller hands them to ``release``."""
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
         self.max_model_len = max_model_len
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.first_token_only = first_token_only
+        self.speculator = speculator
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -82,11 +103,6 @@ class Scheduler:
     def holds(self, request_id: str) -> bool:
         return any(seq.request_id == request_id for seq in (*self.running, *self.waiting))
 
-    def release(self, seq: Sequence) -> None:
-        """Free the pages a sequence still holds (a prefilled sequence, once shipped)."""
-        self.block_manager.free(seq.block_ids)
-        seq.block_ids = []
-
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -107,11 +123,15 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._reserve_for_running(seq, num_new, scheduled):
+            num_slots = 0
+            if self.speculator is not None and seq.num_tokens - seq.num_computed_tokens == 1:
+                num_slots = self.speculator.plan_slots(seq, len(decoding), self.max_model_len)
+                num_slots = min(num_slots, budget - num_new)
+            if not self._reserve_for_running(seq, num_new + num_slots, scheduled):
                 continue
-            batch.append(ScheduledSequence.of(seq, num_new))
+            batch.append(ScheduledSequence.of(seq, num_new, num_slots))
             scheduled.add(id(seq))
-            budget -= num_new
+            budget -= num_new + num_slots
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             num_new = self._admit(seq, budget)
@@ -125,30 +145,45 @@ class Scheduler:
         return batch
 
     def postprocess(
-        self, batch: list[ScheduledSequence], sampled: Seq[SampledToken]
-    ) -> list[Sequence]:
-        """Advance each scheduled sequence, append the tokens sampled for those that sampled
-        (in batch order), and return the sequences that finished in this step."""
-        tokens = iter(sampled)
-        finished = []
+        self, batch: list[ScheduledSequence], runs: Seq[Seq[SampledToken]]
+    ) -> list[SequenceOutput]:
+        """Advance each scheduled sequence and append the run of tokens sampled for each one
+        that sampled (``runs`` in batch order: the next token, after any accepted proposals),
+        up to the first token that stops it. Returns what each sampling sequence gained."""
+        sampled_runs = iter(runs)
+        outputs = []
         for item in batch:
             seq = item.seq
             prompt_left = seq.num_prompt_tokens - seq.num_computed_tokens
             self.num_prompt_tokens_computed += max(0, min(item.num_new_tokens, prompt_left))
-            seq.num_computed_tokens += item.num_new_tokens
+            # Each accepted proposal's KV was written by this step's forward; the last token of
+            # the run has none yet.
+            run = next(sampled_runs) if item.samples else ()
+            seq.num_computed_tokens += item.num_new_tokens + max(0, len(run) - 1)
             self._cache_full_blocks(seq)
             if not item.samples:
                 continue
-            sample = next(tokens)
-            seq.token_ids.append(sample.token_id)
-            seq.samples.append(sample)
-            reason = self._stop_reason(seq, sample.token_id)
-            if reason is not None or self.first_token_only:
-                self.running.remove(seq)
-                self._finish(seq, reason, free_pages=reason is not None)
-                finished.append(seq)
-        assert next(tokens, None) is None, "more sampled tokens than sampling sequences"
-        return finished
+            new_samples = []
+            reason = None
+            for sample in run:
+                seq.token_ids.append(sample.token_id)
+                seq.samples.append(sample)
+                new_samples.append(sample)
+                reason = self._stop_reason(seq, sample.token_id)
+                if reason is not None:
+                    break
+            leaves = self._after_sampling(seq, reason)
+            outputs.append(SequenceOutput(seq, new_samples, leaves))
+        assert next(sampled_runs, None) is None, "more sampled runs than sampling sequences"
+        return outputs
+
+    def _after_sampling(self, seq: Sequence, reason: FinishReason | None) -> bool:
+        """Retire ``seq`` if its new tokens ended it; whether it left the batch."""
+        if reason is None:
+            return False
+        self.running.remove(seq)
+        self._finish(seq, reason)
+        return True
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -239,12 +274,30 @@ class Scheduler:
         seq.block_ids = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
+        seq.speculation = SpeculationState()  # a draft model's KV went with the pages
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def _finish(self, seq: Sequence, reason: FinishReason | None, free_pages: bool = True) -> None:
         if free_pages:
-            self.release(seq)
+            self.block_manager.free(seq.block_ids)
+            seq.block_ids = []
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+
+class PrefillScheduler(Scheduler):
+    """The prefill worker's scheduler: a sequence leaves the batch once its first token is
+    sampled and, unless that token ended it (``finish_reason`` set), keeps its pages for the
+    transfer until the caller hands it to ``release``. It has nothing to speculate on."""
+
+    def release(self, seq: Sequence) -> None:
+        """Free the pages a prefilled sequence still holds, once they are shipped."""
+        self.block_manager.free(seq.block_ids)
+        seq.block_ids = []
+
+    def _after_sampling(self, seq: Sequence, reason: FinishReason | None) -> bool:
+        self.running.remove(seq)
+        self._finish(seq, reason, free_pages=reason is not None)
+        return True

@@ -22,6 +22,15 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"
 
 
+@dataclass(slots=True)
+class SpeculationState:
+    """How speculation goes for one sequence (``common/engine/speculative``)."""
+
+    acceptance: float = 1.0  # moving average of the chance a proposed token is accepted
+    idle_steps: int = 0  # steps left without proposals, after acceptance collapsed
+    draft_fed_tokens: int = 0  # leading positions a draft model has written its KV for
+
+
 @dataclass(slots=True, eq=False)
 class Sequence:
     request_id: str
@@ -36,6 +45,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    speculation: SpeculationState = field(default_factory=SpeculationState)
 
     @classmethod
     def from_prompt(

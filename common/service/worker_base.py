@@ -25,7 +25,7 @@ from collections.abc import Callable
 import zmq
 
 from common.engine.llm_engine import LLMEngine
-from common.engine.scheduler import ScheduledSequence
+from common.engine.scheduler import ScheduledSequence, SequenceOutput
 from common.engine.sequence import Sequence
 from common.engine_args import add_engine_args, engine_config_from_args
 from common.messages import PROTOCOL_VERSION, Message
@@ -122,8 +122,10 @@ class WorkerService(ABC):
         """Sockets besides the router link whose traffic should wake the idle loop."""
 
     @abstractmethod
-    def on_finished_step(self, batch: list[ScheduledSequence], finished: list[Sequence]) -> None:
-        """Report what one step produced."""
+    def on_finished_step(
+        self, batch: list[ScheduledSequence], outputs: list[SequenceOutput]
+    ) -> None:
+        """Report what one step produced: ``outputs`` has one entry per sampling sequence."""
 
     def num_pending(self) -> int:
         """Requests held outside the scheduler (e.g. waiting for their pages)."""
@@ -180,10 +182,10 @@ class WorkerService(ABC):
     def step(self) -> None:
         batch = self.scheduler.schedule()
         with self._step_io or contextlib.nullcontext():
-            sampled = self.engine.runner.run(batch)
-        finished = self.scheduler.postprocess(batch, sampled)
-        GENERATED_TOKENS.inc(len(sampled))
-        self.on_finished_step(batch, finished)
+            runs = self.engine.runner.run(batch)
+        outputs = self.scheduler.postprocess(batch, runs)
+        GENERATED_TOKENS.inc(sum(len(out.new_samples) for out in outputs))
+        self.on_finished_step(batch, outputs)
 
     def _on_register_ack(self, ack: RegisterAck) -> None:
         if ack.accepted:
@@ -265,15 +267,15 @@ class WorkerService(ABC):
         logger.warning("request %s failed: %s", request_id, error)
         self.link.send(RequestFailed(request_id, error, retryable))
 
-    def delta(self, seq: Sequence, first: bool = False) -> TokenDelta:
-        """The delta of ``seq``'s newest token (and its finish, if it finished)."""
+    def delta(self, seq: Sequence, num_new: int = 1, first: bool = False) -> TokenDelta:
+        """The delta of ``seq``'s ``num_new`` newest tokens (and its finish, if it finished)."""
         reason = seq.finish_reason.value if seq.finish_reason is not None else None
-        if seq.num_output_tokens == 1 and seq.num_cached_tokens:
+        if seq.num_output_tokens == num_new and seq.num_cached_tokens:
             PREFIX_CACHE_HIT_TOKENS.inc(seq.num_cached_tokens)
         return TokenDelta(
             seq.request_id,
-            [sample_to_wire(seq.samples[-1])],
-            start_index=seq.num_output_tokens - 1,
+            [sample_to_wire(sample) for sample in seq.samples[-num_new:]],
+            start_index=seq.num_output_tokens - num_new,
             finish_reason=reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,

@@ -1,0 +1,209 @@
+"""Speculative decoding against plain decoding, in one run, on one pinned core (a decode worker's
+share of this machine under `pdserve up`).
+
+The workload is repetitive on purpose: each prompt asks the model to copy a piece of pdserve's
+own source, which it mostly does, so its output repeats its input. Decode tokens/s (the tokens
+after each request's first, over the time from its first token to its last) at batch 1 and 8:
+without speculation, with n-gram lookup, and with a draft model. Greedy, so all three must give
+the very same tokens (checked). The draft is SmolLM2's own first layers with its head (no other
+checkpoint with its tokenizer can be had here), written to ``--draft-dir``.
+
+It also measures where a draft's prompt KV should come from: the draft prefilling a prompt on
+the decode worker, against shipping the same pages from a prefill worker (the bytes of the
+draft's KV for that prompt over a loopback ZeroMQ socket, the transfer alone).
+
+    python -m benchmarks.speculative [--model PATH] [--core 0] [--draft-layers 4] [-k 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import zmq
+from safetensors.torch import load_file, save_file
+
+from common.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from common.engine.llm_engine import LLMEngine
+from common.engine.sequence import Sequence
+from common.model.default_model import resolve_model_path
+from common.sampling_params import SamplingParams
+from common.tokenizer import Tokenizer
+
+REPO = Path(__file__).resolve().parent.parent
+SOURCES = [
+    "common/engine/speculative/ngram.py",
+    "common/engine/block_manager.py",
+    "router/detokenizer.py",
+    "common/hashing.py",
+    "kvtransfer/messages.py",
+    "common/engine/kv_pool.py",
+    "router/metrics.py",
+    "common/sampling_params.py",
+]
+PROMPT_TOKENS = 240
+
+
+def copy_prompts(tokenizer: Tokenizer, count: int) -> list[list[int]]:
+    """Chat prompts asking to copy ~240 tokens of source each, the answer's code block begun."""
+    prompts = []
+    for index in range(count):
+        source = (REPO / SOURCES[index % len(SOURCES)]).read_text()
+        code = tokenizer.decode(tokenizer.encode(source, add_special_tokens=False)[:PROMPT_TOKENS])
+        messages = [{"role": "user", "content": f"Copy this code exactly:\n```python\n{code}\n```"}]
+        prompts.append(tokenizer.encode_chat(messages) + tokenizer.encode("```python\n"))
+    return prompts
+
+
+def truncated_draft(model: Path, layers: int, folder: Path) -> Path:
+    """The target's first ``layers`` decoder layers, final norm and head, as a checkpoint."""
+    config = json.loads((model / "config.json").read_text())
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for file in sorted(model.glob("*.safetensors")):
+        for name, tensor in load_file(file).items():
+            if name.startswith("model.layers.") and int(name.split(".")[2]) >= layers:
+                continue
+            tensors[name] = tensor.contiguous()
+    save_file(tensors, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(config | {"num_hidden_layers": layers}))
+    for extra in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (model / extra).exists():
+            shutil.copy(model / extra, folder / extra)
+    return folder
+
+
+def make_engine(args, spec: SpeculativeConfig) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=args.model,
+            dtype="bfloat16",
+            cache=CacheConfig(kv_cache_memory=1 << 30),
+            scheduler=SchedulerConfig(max_num_batched_tokens=256, max_model_len=2048),
+            speculative=spec,
+        )
+    )
+
+
+def decode_rate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int):
+    """(decode tokens/s, tokens each sequence gained per step, the tokens) over the steps after
+    every prompt's first token."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+
+    def step() -> None:
+        for output in engine.step():
+            tokens[output.request_id] += [s.token_id for s in output.new_samples]
+
+    while any(not t for t in tokens.values()):
+        step()
+    start, decoded = time.perf_counter(), -sum(len(t) for t in tokens.values())
+    sequence_steps = 0
+    while engine.has_unfinished:
+        sequence_steps += len(engine.scheduler.running)
+        step()
+    elapsed = time.perf_counter() - start
+    decoded += sum(len(t) for t in tokens.values())
+    return decoded / elapsed, decoded / sequence_steps, [tokens[i] for i in ids]
+
+
+def counters(engine: LLMEngine) -> tuple[float, float]:
+    from common import metrics
+
+    return metrics.SPEC_PROPOSED._value.get(), metrics.SPEC_ACCEPTED._value.get()
+
+
+def draft_catch_up_vs_shipping(engine: LLMEngine, prompt_tokens: int, repeats: int = 3):
+    """Seconds for the draft to prefill a prompt here, and for its pages' bytes to cross a
+    loopback ZeroMQ socket."""
+    proposer = engine.speculator.proposer
+    layout = proposer.pool.layout
+    num_pages = -(-prompt_tokens // layout.block_size)
+    blocks = engine.block_manager.allocate(num_pages)
+    prefill = []
+    for _ in range(repeats):
+        seq = Sequence.from_prompt("probe", list(range(100, 100 + prompt_tokens)), SamplingParams())
+        seq.block_ids = blocks
+        seq.num_computed_tokens = prompt_tokens - 1
+        start = time.perf_counter()
+        proposer.propose([seq], [1])
+        prefill.append(time.perf_counter() - start)
+    engine.block_manager.free(blocks)
+    payload = bytes(num_pages * layout.bytes_per_block)
+    context = zmq.Context()
+    push, pull = context.socket(zmq.PUSH), context.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push.connect(f"tcp://127.0.0.1:{port}")
+    ship = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        push.send(payload, copy=False)
+        pull.recv(copy=False)
+        ship.append(time.perf_counter() - start)
+    push.close(0)
+    pull.close(0)
+    context.term()
+    return min(prefill), min(ship), len(payload)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--core", type=int, default=0, help="the one core to pin to")
+    parser.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--draft-layers", type=int, default=4)
+    parser.add_argument("--draft-dir", default="/tmp/pdserve-draft")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--batches", default="1,8")
+    args = parser.parse_args()
+    os.sched_setaffinity(0, {args.core})
+    torch.set_num_threads(1)
+    model = resolve_model_path(args.model)
+    args.model = str(model)
+    tokenizer = Tokenizer(model)
+    draft = truncated_draft(model, args.draft_layers, Path(args.draft_dir))
+    k = args.num_speculative_tokens
+    configs = {
+        "plain": SpeculativeConfig(),
+        f"ngram k={k}": SpeculativeConfig(method="ngram", num_speculative_tokens=k),
+        f"draft {args.draft_layers}L k={k}": SpeculativeConfig(
+            method="draft", model=str(draft), num_speculative_tokens=k
+        ),
+    }
+    engines = {name: make_engine(args, spec) for name, spec in configs.items()}
+    print(f"model {model.name}, bf16, one core (#{args.core}); copy-the-code prompts of ")
+    print(f"~{PROMPT_TOKENS + 30} tokens, {args.max_tokens} greedy tokens each\n")
+    print(f"{'':22s}{'decode tok/s':>14s}{'vs plain':>10s}{'accepted':>10s}{'tokens/step':>13s}")
+    for batch in [int(b) for b in args.batches.split(",")]:
+        prompts = copy_prompts(tokenizer, batch)
+        reference = None
+        for name, engine in engines.items():
+            before = counters(engine)
+            rate, per_step, tokens = decode_rate(engine, prompts, args.max_tokens)
+            proposed, accepted = (a - b for a, b in zip(counters(engine), before, strict=True))
+            if reference is None:
+                reference, plain_rate = tokens, rate
+            same = "" if tokens == reference else "  (TOKENS DIFFER)"
+            acceptance = f"{accepted / proposed:9.0%}" if proposed else f"{'-':>9s}"
+            print(
+                f"batch {batch:<2d} {name:14s}{rate:14.1f}{rate / plain_rate:9.2f}x"
+                f"{acceptance} {per_step:12.2f}{same}"
+            )
+        print()
+    draft_engine = engines[f"draft {args.draft_layers}L k={k}"]
+    prefill, ship, nbytes = draft_catch_up_vs_shipping(draft_engine, PROMPT_TOKENS + 30)
+    print(
+        f"draft prompt KV for {PROMPT_TOKENS + 30} tokens ({nbytes / 1e6:.2f} MB): prefilled "
+        f"here {prefill * 1e3:.1f} ms, shipped over loopback ZeroMQ {ship * 1e3:.1f} ms"
+    )
+    print("tokens/step: what each decoding sequence gained per step, on average")
+
+
+if __name__ == "__main__":
+    main()

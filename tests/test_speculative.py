@@ -1,0 +1,332 @@
+"""Speculative decoding in the one-process engine: n-gram and draft proposers, verified in the
+continuous batch. Speculation may change how many tokens a step yields, never which tokens."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from tiny_models import FAMILIES, build_tiny_model, random_prompts
+from transformers import AutoModelForCausalLM
+
+from common import metrics
+from common.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from common.engine.llm_engine import LLMEngine
+from common.engine.speculative.ngram import NgramProposer
+from common.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return build_tiny_model("llama3-rope", tmp_path_factory.mktemp("target"))
+
+
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory):
+    """A draft of another shape and other weights: it proposes, the target mostly disagrees."""
+    return build_tiny_model("qwen3-qknorm", tmp_path_factory.mktemp("draft"), seed=1)
+
+
+def make_engine(folder, spec=None, dtype="float32", kv="auto", num_blocks=256, **scheduler):
+    return LLMEngine(
+        EngineConfig(
+            model=str(folder),
+            dtype=dtype,
+            device="cpu",
+            cache=CacheConfig(num_blocks=num_blocks, kv_cache_dtype=kv),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=scheduler.get("budget", 256), max_model_len=512
+            ),
+            speculative=spec or SpeculativeConfig(),
+        )
+    )
+
+
+def repetitive_prompts(count: int = 8, seed: int = 3) -> list[list[int]]:
+    """Random prompts said twice: n-gram lookup finds plenty to propose."""
+    return [p + p for p in random_prompts(count, seed=seed)]
+
+
+class Counted:
+    """Proposed and accepted tokens counted while the block runs."""
+
+    def __enter__(self):
+        self._start = (metrics.SPEC_PROPOSED._value.get(), metrics.SPEC_ACCEPTED._value.get())
+        return self
+
+    def __exit__(self, *exc):
+        self.proposed = metrics.SPEC_PROPOSED._value.get() - self._start[0]
+        self.accepted = metrics.SPEC_ACCEPTED._value.get() - self._start[1]
+
+
+def ngram(k: int = 4, **extra) -> SpeculativeConfig:
+    return SpeculativeConfig(method="ngram", num_speculative_tokens=k, **extra)
+
+
+def draft(folder, k: int = 4) -> SpeculativeConfig:
+    return SpeculativeConfig(method="draft", model=str(folder), num_speculative_tokens=k)
+
+
+# -- the n-gram proposer --------------------------------------------------------------------------
+
+
+def test_ngram_lookup_takes_the_longest_suffix_and_its_latest_occurrence():
+    proposer = NgramProposer(ngram_min=1, ngram_max=3)
+    #        0  1  2  3  4  5  6  7  8  9
+    tokens = [5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7]
+    # The suffix 3-gram [2, 6, 7]... is new; [6, 7] last occurred at 5, followed by 9, 2, 6.
+    assert proposer.lookup(tokens, 3) == [9, 2, 6]
+    assert proposer.lookup(tokens, 1) == [9]
+    assert proposer.lookup([1, 2, 3, 4], 2) == []  # nothing repeats
+    # Too short for the minimum n-gram: no proposal.
+    assert NgramProposer(ngram_min=2, ngram_max=4).lookup([3, 3], 2) == []
+    # A match that runs into the end proposes what there is.
+    assert proposer.lookup([4, 4, 4], 5) == [4]
+
+
+# -- greedy exactness ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dtype, kv", [("float32", "auto"), ("bfloat16", "auto"), ("float32", "fp8")]
+)
+def test_ngram_speculation_gives_the_same_greedy_tokens(target, dtype, kv):
+    prompts = repetitive_prompts()
+    expected = make_engine(target, dtype=dtype, kv=kv).generate(prompts, GREEDY)
+    with Counted() as counted:
+        assert (
+            make_engine(target, ngram(), dtype=dtype, kv=kv).generate(prompts, GREEDY) == expected
+        )
+    assert 0 < counted.accepted < counted.proposed
+
+
+def test_a_draft_equal_to_the_target_is_always_accepted(target):
+    prompts = random_prompts(6, seed=5)
+    expected = make_engine(target).generate(prompts, GREEDY)
+    with Counted() as counted:
+        assert make_engine(target, draft(target)).generate(prompts, GREEDY) == expected
+    assert counted.proposed > 0 and counted.accepted == counted.proposed
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_another_draft_gives_the_same_greedy_tokens_and_backs_off(target, other_draft, kv):
+    prompts = random_prompts(6, seed=6)
+    expected = make_engine(target, kv=kv).generate(prompts, GREEDY)
+    with Counted() as counted:
+        assert make_engine(target, draft(other_draft), kv=kv).generate(prompts, GREEDY) == expected
+    # Random weights agree on almost nothing: acceptance collapses and proposals pause, so far
+    # fewer tokens are proposed than 4 per sequence per step.
+    assert 0 < counted.proposed < len(prompts) * GREEDY.max_tokens
+
+
+def test_batches_mix_speculating_and_plain_rows_and_prefill_chunks(target):
+    """Prompts arrive in one queue under a small budget: decodes with proposals share steps with
+    plain decodes (no n-gram match) and with other prompts' prefill chunks."""
+    prompts = repetitive_prompts(4) + random_prompts(4, seed=9, min_len=60, max_len=120)
+    expected = make_engine(target, budget=48).generate(prompts, GREEDY)
+    with Counted() as counted:
+        assert make_engine(target, ngram(), budget=48).generate(prompts, GREEDY) == expected
+    assert counted.accepted > 0
+
+
+def test_preemption_under_page_pressure_keeps_the_tokens(target):
+    """Too few pages for every sequence's proposals: sequences are preempted and recomputed,
+    a draft model's KV with them."""
+    prompts = random_prompts(8, seed=12, min_len=30, max_len=60)
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    expected = make_engine(target).generate(prompts, params)
+    engine = make_engine(target, draft(target), num_blocks=32)
+    assert engine.generate(prompts, params) == expected
+    assert engine.scheduler.num_preemptions > 0
+
+
+# -- stops inside an accepted run ----------------------------------------------------------------
+
+
+def test_stops_that_land_inside_an_accepted_run(target):
+    """With the target as its own draft every proposal is accepted, so each step yields five
+    tokens, and every stop must cut the run at its own token."""
+    prompt = random_prompts(1, seed=21)[0]
+    plain = make_engine(target)
+    free = plain.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0))[0]
+    stop_token = free[7]
+    cases = [
+        SamplingParams(max_tokens=13, temperature=0.0),
+        SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[stop_token]),
+        SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[stop_token], min_tokens=9),
+    ]
+    speculating = make_engine(target, draft(target))
+    for params in cases:
+        expected = plain.generate([prompt], params)[0]
+        assert speculating.generate([prompt], params)[0] == expected
+    assert len(plain.generate([prompt], cases[1])[0]) == free.index(stop_token) + 1
+
+
+def test_eos_inside_an_accepted_run(tmp_path):
+    """The model's EOS stops the run on the token itself; ignore_eos runs through it."""
+    folder = build_tiny_model("llama3-rope", tmp_path / "eos")
+    prompt = random_prompts(1, seed=22)[0]
+    free = make_engine(folder).generate([prompt], GREEDY)[0]
+    # Make the model's EOS a token greedy decoding reaches a few steps in.
+    config_file = folder / "config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps(config | {"eos_token_id": free[6]}))
+    plain, speculating = make_engine(folder), make_engine(folder, draft(folder))
+    for params in (GREEDY, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)):
+        expected = plain.generate([prompt], params)[0]
+        assert speculating.generate([prompt], params)[0] == expected
+    assert plain.generate([prompt], GREEDY)[0] == free[: free.index(free[6]) + 1]
+
+
+def test_only_accepted_tokens_reach_the_prefix_cache(target, other_draft):
+    """Rejected proposals wrote KV into pages that later tokens overwrite; none of it may be
+    filed in the prefix cache. A prompt that continues a finished sequence hits its pages and
+    must continue exactly as the sequence did."""
+    engine = make_engine(target, draft(other_draft))
+    prompt = random_prompts(1, seed=23, min_len=20, max_len=20)[0]
+    first = engine.generate([prompt], SamplingParams(max_tokens=60, temperature=0.0))[0]
+    follow = prompt + first[:40]
+    engine.add_request(follow, SamplingParams(max_tokens=20, temperature=0.0), "follow")
+    outputs = []
+    while engine.has_unfinished:
+        outputs += engine.step()
+    assert outputs[0].num_cached_tokens == 48  # three full pages of the 60 known tokens
+    assert [s.token_id for o in outputs for s in o.new_samples] == first[40:60]
+
+
+# -- sampling ------------------------------------------------------------------------------------
+
+
+def test_seeded_sampling_gives_the_same_tokens_with_speculation(target):
+    """A seeded row's noise depends on (seed, step) alone, so speculation changes no token of
+    it, with penalties and filters in play."""
+    prompts = repetitive_prompts(6)
+    params = [
+        SamplingParams(
+            max_tokens=30,
+            temperature=0.8,
+            seed=i,
+            top_k=20,
+            top_p=0.9,
+            repetition_penalty=1.1,
+            frequency_penalty=0.2,
+        )
+        for i in range(len(prompts))
+    ]
+    expected = make_engine(target).generate(prompts, params)
+    with Counted() as counted:
+        assert make_engine(target, draft(target)).generate(prompts, params) == expected
+    assert 0 < counted.accepted < counted.proposed
+
+
+def test_logprobs_are_reported_for_every_token_of_a_run(target):
+    prompt = random_prompts(1, seed=24)[0]
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2)
+    engine = make_engine(target, draft(target))
+    engine.add_request(prompt, params, "r")
+    samples = []
+    while engine.has_unfinished:
+        for output in engine.step():
+            samples += output.new_samples
+    assert len(samples) == 12
+    for sample in samples:
+        assert sample.logprob == pytest.approx(sample.top_logprobs[0][1])
+        assert sample.token_id == sample.top_logprobs[0][0]
+
+
+TINY_VOCAB = 6
+NUM_DRAWS = 3000
+
+
+def tiny_vocab_model(folder, seed: int):
+    config = FAMILIES["llama3-rope"]()
+    config.vocab_size = TINY_VOCAB
+    config.max_position_embeddings = 128
+    config.initializer_range = 0.08  # spread-out distributions: every outcome is seen
+    config.eos_token_id = config.bos_token_id = None
+    config.pad_token_id = 0
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    return folder
+
+
+def exact_joint(folder, prompt: list[int]) -> torch.Tensor:
+    """P(t1, t2, t3) of the first three sampled tokens at temperature 1, from transformers."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    v = TINY_VOCAB
+
+    def next_probs(prefixes: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return model(prefixes).logits[:, -1].softmax(-1)
+
+    base = torch.tensor([prompt])
+    p1 = next_probs(base)[0]  # [v]
+    ones = torch.arange(v)[:, None]
+    p2 = next_probs(torch.cat([base.expand(v, -1), ones], 1))  # [v, v]
+    twos = torch.cartesian_prod(torch.arange(v), torch.arange(v))
+    p3 = next_probs(torch.cat([base.expand(v * v, -1), twos], 1)).view(v, v, v)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def chi_square_p_value(observed: torch.Tensor, expected_probs: torch.Tensor, draws: int) -> float:
+    """Pearson's test, cells with fewer than 5 expected draws pooled into one."""
+    expected = expected_probs.flatten().double() * draws
+    observed = observed.flatten().double()
+    small = expected < 5
+    cells_e = torch.cat([expected[~small], expected[small].sum()[None]])
+    cells_o = torch.cat([observed[~small], observed[small].sum()[None]])
+    statistic = float(((cells_o - cells_e) ** 2 / cells_e).sum())
+    dof = len(cells_e) - 1
+    # Wilson-Hilferty: the chi-square tail through a normal one, accurate at these dofs.
+    z = ((statistic / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_sampled_distribution_is_the_targets(tmp_path, proposer):
+    """Temperature 1 on a six-token vocabulary: 3000 seeded requests draw three tokens each,
+    the last two through verification. The joint distribution of the three must be the
+    target's: a chi-square test over its 216 cells (p > 0.001; the seeds are fixed, so the
+    outcome is too), with proposals both accepted and rejected along the way."""
+    folder = tiny_vocab_model(tmp_path / "target", seed=4)
+    draft_folder = tiny_vocab_model(tmp_path / "draft", seed=5)
+    prompt = [0, 1, 2, 3, 4, 5] * 2 + [0, 1]  # every token recurs: n-grams always match
+    spec = ngram(k=2) if proposer == "ngram" else draft(draft_folder, k=2)
+    engine = make_engine(folder, spec, num_blocks=2048)
+    params = [SamplingParams(max_tokens=3, temperature=1.0, seed=i) for i in range(NUM_DRAWS)]
+    with Counted() as counted:
+        samples = engine.generate([prompt] * NUM_DRAWS, params)
+    assert 0 < counted.accepted < counted.proposed
+    observed = torch.zeros(TINY_VOCAB, TINY_VOCAB, TINY_VOCAB)
+    for t1, t2, t3 in samples:
+        observed[t1, t2, t3] += 1
+    p_value = chi_square_p_value(observed, exact_joint(folder, prompt), NUM_DRAWS)
+    assert p_value > 1e-3, f"p = {p_value:.2e}"
+
+
+# -- policy --------------------------------------------------------------------------------------
+
+
+def test_no_proposals_above_the_batch_size_limit(target):
+    prompts = repetitive_prompts(6)
+    with Counted() as counted:
+        make_engine(target, ngram(disable_by_batch_size=4)).generate(
+            prompts, SamplingParams(max_tokens=3, temperature=0.0)
+        )
+    # Six sequences decode together for their few steps: nobody proposes.
+    assert counted.proposed == 0
+
+
+def test_bad_speculative_settings_are_refused(target):
+    for spec, message in [
+        (SpeculativeConfig(method="medusa"), "must be one of"),
+        (SpeculativeConfig(method="ngram", num_speculative_tokens=0), "num-speculative-tokens"),
+        (SpeculativeConfig(method="ngram", ngram_min=3, ngram_max=2), "ngram"),
+        (SpeculativeConfig(method="draft"), "speculative-model"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            spec.validate()
