@@ -68,6 +68,21 @@ class GemmPlan:
         return f"bf16 tile GEMMs up to {self.bf16_max_rows} rows, fp32 beyond"
 
 
+class StepShape:
+    """What every ``CpuLinear`` of one model knows about the step it runs in (set once per
+    forward by the model).
+
+    A step of decode and verification runs only (``short_runs_only``) takes the bf16 tiles at
+    any row count: they sum each row in the same order whatever the row count, so a sequence's
+    tokens do not depend on how many rows share its step, and speculation, which adds rows,
+    changes no token. Steps with prefill chunks take the plan's kernel for their row count."""
+
+    __slots__ = ("short_runs_only",)
+
+    def __init__(self) -> None:
+        self.short_runs_only = False
+
+
 FP32_ONLY = GemmPlan(bf16_max_rows=0)
 BF16_ONLY = GemmPlan(bf16_max_rows=None)
 BOTH = GemmPlan(bf16_max_rows=PROBE_ROWS[-1])
@@ -84,11 +99,18 @@ def pack_bf16_tiles(weight: torch.Tensor) -> torch.Tensor:
 class CpuLinear(nn.Module):
     """``y = x W^T + b`` in the model's dtype, through the kernel the plan picks for x's rows."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plan: GemmPlan) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        plan: GemmPlan,
+        step: StepShape | None = None,
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
         self.plan = plan
+        self.step = step or StepShape()
         self.packed_bf16 = None
         self.bias_bf16 = None
         if plan.uses_bf16:
@@ -102,7 +124,9 @@ class CpuLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         limit = self.plan.bf16_max_rows
-        if self.packed_bf16 is not None and (limit is None or x.shape[0] <= limit):
+        if self.packed_bf16 is not None and (
+            limit is None or x.shape[0] <= limit or self.step.short_runs_only
+        ):
             return self.forward_bf16(x)
         return self.forward_fp32(x)
 

@@ -171,6 +171,17 @@ def linear_weight(linear: CpuLinear) -> torch.Tensor:
     )
 
 
+def test_bf16_tiles_give_a_row_the_same_bits_whatever_rows_share_the_call(backend) -> None:
+    """Speculation verifies several rows per sequence in a decode step: a row's output must not
+    depend on how many rows the step has, or speculation would change tokens."""
+    linear = CpuLinear(torch.randn(80, 96).to(torch.bfloat16), None, BF16_ONLY)
+    x = torch.randn(41, 96).to(torch.bfloat16)
+    together = linear(x)
+    for rows in (1, 2, 3, 8, 9, 17):
+        assert torch.equal(linear(x[:rows]), together[:rows])
+    assert torch.equal(linear(x[5:6]), together[5:6])
+
+
 def test_probe_returns_a_usable_plan(backend, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     linears = [CpuLinear(torch.randn(64, 32).to(torch.bfloat16), None, BOTH) for _ in range(2)]

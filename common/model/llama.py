@@ -17,7 +17,15 @@ from torch import nn
 
 from common.config import ModelConfig
 from common.engine.kv_pool import KVPool
-from kernels.cpu_linear import BOTH, CpuLinear, GemmPlan, choose_gemm_plan, probe_plan
+from kernels.cpu_backend import SHORT_QUERY_MAX
+from kernels.cpu_linear import (
+    BOTH,
+    CpuLinear,
+    GemmPlan,
+    StepShape,
+    choose_gemm_plan,
+    probe_plan,
+)
 from kernels.cpu_ops import CpuRMSNorm, CpuRotaryApply, CpuSiluAndMul, cpu_ops_apply
 from kernels.interface import AttentionBackend, AttentionMetadata, KVCacheView
 
@@ -174,6 +182,7 @@ class LlamaForCausalLM(nn.Module):
         )
         # Set by pack_for_cpu: the output projection as its own module, tied weights included.
         self.cpu_head: CpuLinear | None = None
+        self.step_shape: StepShape | None = None  # shared by the CpuLinear layers
         self.kv: BoundKV | None = None
 
     def bind_kv(self, pool: KVPool, backend: AttentionBackend) -> None:
@@ -188,6 +197,7 @@ class LlamaForCausalLM(nn.Module):
         num_params = sum(p.numel() for p in self.parameters())
         dtype = self.embed_tokens.weight.dtype
         plan = probe_plan(dtype, num_params)
+        self.step_shape = StepShape()
         for layer in self.layers:
             for parent, name in (
                 (layer.self_attn, "qkv_proj"),
@@ -196,9 +206,9 @@ class LlamaForCausalLM(nn.Module):
                 (layer.mlp, "down_proj"),
             ):
                 linear = getattr(parent, name)
-                setattr(parent, name, CpuLinear(linear.weight, linear.bias, plan))
+                setattr(parent, name, CpuLinear(linear.weight, linear.bias, plan, self.step_shape))
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.cpu_head = CpuLinear(head, None, plan)
+        self.cpu_head = CpuLinear(head, None, plan, self.step_shape)
         self.lm_head = None
         if cpu_ops_apply(dtype, self.config.head_dim):
             self._swap_in_cpu_ops()
@@ -242,6 +252,8 @@ class LlamaForCausalLM(nn.Module):
             raise RuntimeError("bind_kv must attach a KV pool before the first forward")
         # Per-step work of the backend, once for all layers.
         meta = self.kv.backend.plan(meta)
+        if self.step_shape is not None:
+            self.step_shape.short_runs_only = meta.max_query_len <= SHORT_QUERY_MAX
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary(positions, hidden.dtype)
         for layer in self.layers:

@@ -13,7 +13,7 @@
 #include <string.h>
 
 #include "numerics.h"
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -23,6 +23,49 @@
  * crosses tiles, which no prefetcher knows, and one core needs many lines in flight to read
  * memory at full speed. */
 #define PREFETCH_K 64
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+/* k-rows of a tile widened to float32 at a time: 16 KB, so they stay in L1 while every row
+ * pair of the block runs over them. */
+#define CHUNK_K 128
+
+/* Eight bf16 weights widened to float32 (exact: a 16-bit shift). */
+static inline __attribute__((always_inline)) __m256 widen8(const uint16_t *w) {
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)w)), 16));
+}
+
+/* acc[0..n) += x[r][k] * wide[k][j] over `kc` k-rows, for `n` (1 or 2) rows: AVX2 has 16
+ * registers and a row's 32 columns take four, so two rows stay in registers beside the four
+ * weight vectors. Each output still sums its k in order: the chunks only split the loop. */
+static inline __attribute__((always_inline)) void chunk_pair(const float *x, int64_t x_stride,
+                                                             const float *wide, int kc,
+                                                             const int n, float *acc0,
+                                                             float *acc1) {
+    __m256 a[2][4];
+    for (int i = 0; i < 4; i++) {
+        a[0][i] = _mm256_loadu_ps(acc0 + 8 * i);
+        if (n == 2) a[1][i] = _mm256_loadu_ps(acc1 + 8 * i);
+    }
+    for (int k = 0; k < kc; k++) {
+        const float *w = wide + k * TILE;
+        const __m256 w0 = _mm256_load_ps(w), w1 = _mm256_load_ps(w + 8);
+        const __m256 w2 = _mm256_load_ps(w + 16), w3 = _mm256_load_ps(w + 24);
+#pragma GCC unroll 2
+        for (int r = 0; r < n; r++) {
+            const __m256 xv = _mm256_set1_ps(x[r * x_stride + k]);
+            a[r][0] = _mm256_fmadd_ps(xv, w0, a[r][0]);
+            a[r][1] = _mm256_fmadd_ps(xv, w1, a[r][1]);
+            a[r][2] = _mm256_fmadd_ps(xv, w2, a[r][2]);
+            a[r][3] = _mm256_fmadd_ps(xv, w3, a[r][3]);
+        }
+    }
+    for (int i = 0; i < 4; i++) {
+        _mm256_storeu_ps(acc0 + 8 * i, a[0][i]);
+        if (n == 2) _mm256_storeu_ps(acc1 + 8 * i, a[1][i]);
+    }
+}
+#endif
 
 /* acc[r][j] = sum_k x[r][k] * tile[k][j] for `rows` rows (a compile-time count after
  * inlining, so the accumulators stay in registers). */
@@ -53,6 +96,24 @@ static inline __attribute__((always_inline)) void tile_rows(const float *x, int6
     for (int r = 0; r < rows; r++) {
         _mm512_storeu_ps(acc[r], lo[r]);
         _mm512_storeu_ps(acc[r] + 16, hi[r]);
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    /* A chunk of the tile is widened once, then every pair of rows runs over it from L1. */
+    float wide[CHUNK_K * TILE] __attribute__((aligned(32)));
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < TILE; j++) acc[r][j] = 0.0f;
+    for (int k0 = 0; k0 < K; k0 += CHUNK_K) {
+        const int kc = K - k0 < CHUNK_K ? K - k0 : CHUNK_K;
+        for (int k = 0; k < kc; k++) {
+            const uint16_t *w = tile + (int64_t)(k0 + k) * TILE;
+            _mm_prefetch((const char *)(w + PREFETCH_K * TILE), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + 8 * PREFETCH_K * TILE), _MM_HINT_T1);
+            for (int i = 0; i < 4; i++) _mm256_store_ps(wide + k * TILE + 8 * i, widen8(w + 8 * i));
+        }
+        const float *xk = x + k0;
+        for (int r = 0; r + 1 < rows; r += 2)
+            chunk_pair(xk + r * x_stride, x_stride, wide, kc, 2, acc[r], acc[r + 1]);
+        if (rows & 1) chunk_pair(xk + (rows - 1) * x_stride, x_stride, wide, kc, 1, acc[rows - 1], 0);
     }
 #else
     for (int r = 0; r < rows; r++)
