@@ -14,7 +14,9 @@ from transformers import AutoModelForCausalLM
 from common import metrics
 from common.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from common.engine.llm_engine import LLMEngine
+from common.engine.sequence import Sequence
 from common.engine.speculative.ngram import NgramProposer
+from common.engine.speculative.speculator import Speculator, StepCosts
 from common.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0)
@@ -39,7 +41,9 @@ def make_engine(folder, spec=None, dtype="float32", kv="auto", num_blocks=256, *
             device="cpu",
             cache=CacheConfig(num_blocks=num_blocks, kv_cache_dtype=kv),
             scheduler=SchedulerConfig(
-                max_num_batched_tokens=scheduler.get("budget", 256), max_model_len=512
+                max_num_batched_tokens=scheduler.get("budget", 256),
+                max_num_seqs=scheduler.get("max_num_seqs", 256),
+                max_model_len=512,
             ),
             speculative=spec or SpeculativeConfig(),
         )
@@ -123,13 +127,16 @@ def test_another_draft_gives_the_same_greedy_tokens_and_backs_off(target, other_
     assert 0 < counted.proposed < len(prompts) * GREEDY.max_tokens
 
 
-def test_batches_mix_speculating_and_plain_rows_and_prefill_chunks(target):
-    """Prompts arrive in one queue under a small budget: decodes with proposals share steps with
-    plain decodes (no n-gram match) and with other prompts' prefill chunks."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prompts_arriving_together_keep_their_tokens(target, dtype):
+    """Under a small budget, decodes share steps with other prompts' prefill chunks: those steps
+    verify nothing, so every chunk is cut and computed as without speculation and even bf16
+    rounding is unchanged. Once all are decoding, the steps mix speculating and plain rows."""
     prompts = repetitive_prompts(4) + random_prompts(4, seed=9, min_len=60, max_len=120)
-    expected = make_engine(target, budget=48).generate(prompts, GREEDY)
+    expected = make_engine(target, dtype=dtype, budget=48).generate(prompts, GREEDY)
+    engine = make_engine(target, draft(target), dtype=dtype, budget=48)
     with Counted() as counted:
-        assert make_engine(target, ngram(), budget=48).generate(prompts, GREEDY) == expected
+        assert engine.generate(prompts, GREEDY) == expected
     assert counted.accepted > 0
 
 
@@ -296,7 +303,9 @@ def test_sampled_distribution_is_the_targets(tmp_path, proposer):
     draft_folder = tiny_vocab_model(tmp_path / "draft", seed=5)
     prompt = [0, 1, 2, 3, 4, 5] * 2 + [0, 1]  # every token recurs: n-grams always match
     spec = ngram(k=2) if proposer == "ngram" else draft(draft_folder, k=2)
-    engine = make_engine(folder, spec, num_blocks=2048)
+    # Waves of 64: each wave's prompts are prefilled in one step and then decode by themselves,
+    # since proposals wait for steps of decodes alone.
+    engine = make_engine(folder, spec, num_blocks=2048, budget=2048, max_num_seqs=64)
     params = [SamplingParams(max_tokens=3, temperature=1.0, seed=i) for i in range(NUM_DRAWS)]
     with Counted() as counted:
         samples = engine.generate([prompt] * NUM_DRAWS, params)
@@ -309,6 +318,60 @@ def test_sampled_distribution_is_the_targets(tmp_path, proposer):
 
 
 # -- policy --------------------------------------------------------------------------------------
+
+
+def test_step_costs_interpolate_between_measured_row_counts():
+    costs = StepCosts()
+    assert costs.estimate(8) is None
+    costs.observe(8, 0.010)
+    assert costs.estimate(4) == costs.estimate(40) == 0.010  # flat beyond what was measured
+    costs.observe(24, 0.030)
+    assert costs.estimate(16) == pytest.approx(0.020)
+    costs.observe(8, 0.020)  # a moving average, not the last measurement
+    assert 0.010 < costs.estimate(8) < 0.020
+
+
+def decoding_sequences(count: int, acceptance: float) -> list[Sequence]:
+    seqs = [
+        Sequence.from_prompt(f"s{i}", [1, 2, 3], SamplingParams(max_tokens=100))
+        for i in range(count)
+    ]
+    for seq in seqs:
+        seq.speculation.acceptance = acceptance
+    return seqs
+
+
+def test_slots_are_planned_by_what_rows_cost():
+    speculator = Speculator(ngram(k=4), NgramProposer(1, 4))
+    seqs = decoding_sequences(8, acceptance=0.9)
+    # Nothing measured yet: every slot is tried, which measures what the rows cost.
+    assert speculator.plan_slots(seqs, 512) == [4] * 8
+    # Rows nearly free (a memory-bound step): all slots still pay.
+    for rows in (8, 40):
+        speculator.costs.observe(rows, 0.040 + rows * 1e-5)
+    assert speculator.plan_slots(seqs, 512) == [4] * 8
+    # Every row as dear as the next (a compute-bound step): a token earned with chance < 1
+    # never pays for its row.
+    speculator.costs = StepCosts()
+    for rows in (8, 40):
+        speculator.costs.observe(rows, rows * 0.005)
+    assert speculator.plan_slots(seqs, 512) == [0] * 8
+    # In between, the likeliest slots go first: the sequence that accepts more gets more.
+    speculator.costs = StepCosts()
+    speculator.costs.observe(2, 0.020)
+    speculator.costs.observe(10, 0.040)
+    confident, doubtful = decoding_sequences(2, acceptance=0.95)[0], decoding_sequences(1, 0.5)[0]
+    planned = speculator.plan_slots([confident, doubtful], 512)
+    assert planned[0] > planned[1] >= 0 and planned[0] >= 2
+
+
+def test_slots_stop_at_max_tokens_and_the_model_length():
+    speculator = Speculator(ngram(k=4), NgramProposer(1, 4))
+    [near_max_tokens] = decoding_sequences(1, acceptance=1.0)
+    near_max_tokens.token_ids += [7] * 97  # 97 of 100 tokens generated: 3 to go
+    assert speculator.plan_slots([near_max_tokens], 512) == [2]
+    [near_model_end] = decoding_sequences(1, acceptance=1.0)
+    assert speculator.plan_slots([near_model_end], max_model_len=5) == [1]
 
 
 def test_no_proposals_above_the_batch_size_limit(target):

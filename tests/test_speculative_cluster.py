@@ -1,6 +1,6 @@
 """Speculative decoding through the whole stack: router, prefill worker, speculating decode
-worker. The draft is the target itself, so every proposal is accepted and each decode step
-sends five tokens at once: stops, usage and streaming must all still land on the right token."""
+worker. The draft is the target itself, so every proposal is accepted and a decode step sends
+up to five tokens at once: stops, usage and streaming must all still land on the right token."""
 
 from __future__ import annotations
 
@@ -49,8 +49,9 @@ def test_greedy_tokens_equal_the_engine_without_speculation(cluster, expected):
     assert result.usage.completion_tokens == MAX_TOKENS
     assert result.choices[0].finish_reason == "length"
     accepted = worker_metric(base, "decode", "pdserve_spec_decode_accepted_tokens_total")
-    # The first token came from the prefill worker; of the rest, four in five were proposals.
-    assert accepted - before >= (MAX_TOKENS - 1) * 4 // 5 - 4
+    # The decode worker's first step knows nothing of what rows cost yet, so it verifies all
+    # four proposals (later steps weigh them against measured step times).
+    assert accepted - before >= 4
 
 
 def test_stop_string_inside_a_run_cuts_text_and_usage_at_its_token(cluster, expected):

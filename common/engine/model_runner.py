@@ -8,6 +8,7 @@ choice at each position decides how many proposals are accepted (see
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -114,6 +115,7 @@ class ModelRunner:
             self.speculator.propose(batch) if self.speculator is not None else [[]] * len(batch)
         )
         inputs = self.prepare(batch, proposals)
+        started = time.perf_counter()
         logits = self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices)
         rows: list[SamplingRow] = []
         for item, proposed in zip(batch, proposals, strict=True):
@@ -130,6 +132,10 @@ class ModelRunner:
         sampled = self.sampler.sample(logits, rows)
         if self.speculator is None:
             return [[sample] for sample in sampled]
+        if all(item.num_new_tokens == 1 for item in batch):
+            # What a decode step of this many rows costs: the speculator's price of a slot.
+            # (Not the proposing: a draft catching up on a prompt is a cost of that prompt.)
+            self.speculator.costs.observe(len(inputs.input_ids), time.perf_counter() - started)
         return self.speculator.accept(batch, proposals, sampled)
 
     def prepare(

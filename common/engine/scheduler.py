@@ -117,16 +117,22 @@ class Scheduler:
         # passes over the running list in its own order: nothing is sorted or rebuilt per step.
         decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
         chunking = [s for s in self.running if s.num_tokens - s.num_computed_tokens != 1]
+        slots: dict[int, int] = {}
+        # Proposals only in steps of decodes alone. A prefill chunk already makes its step
+        # compute-bound, so every extra row would cost full price there; and leaving such steps
+        # as they would be without speculation keeps every chunk's boundaries and neighbours,
+        # so its rounding, and the tokens that follow, are what they would have been.
+        admitting = bool(self.waiting) and len(self.running) < self.max_num_seqs
+        if self.speculator is not None and decoding and not chunking and not admitting:
+            planned = self.speculator.plan_slots(decoding, self.max_model_len)
+            slots = {id(seq): n for seq, n in zip(decoding, planned, strict=True) if n}
         for seq in (*decoding, *chunking):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            num_slots = 0
-            if self.speculator is not None and seq.num_tokens - seq.num_computed_tokens == 1:
-                num_slots = self.speculator.plan_slots(seq, len(decoding), self.max_model_len)
-                num_slots = min(num_slots, budget - num_new)
+            num_slots = min(slots.get(id(seq), 0), budget - num_new)
             if not self._reserve_for_running(seq, num_new + num_slots, scheduled):
                 continue
             batch.append(ScheduledSequence.of(seq, num_new, num_slots))

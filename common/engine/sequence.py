@@ -28,6 +28,7 @@ class SpeculationState:
 
     acceptance: float = 1.0  # moving average of the chance a proposed token is accepted
     idle_steps: int = 0  # steps left without proposals, after acceptance collapsed
+    collapses: int = 0  # collapses since the last accepted token
     draft_fed_tokens: int = 0  # leading positions a draft model has written its KV for
 
 

@@ -13,11 +13,15 @@ follows the target's distribution exactly. Better still, a seeded request's nois
 ``(seed, step)`` (``common/engine/sampler.py``), so speculation changes not one token of a greedy
 or seeded request: it only changes how many of them one step yields.
 
-Speculation backs off per sequence: a moving average of its acceptance decides how many slots
-are worth a row of the forward (slot ``j`` is used while ``acceptance ** j`` stays above
-``_MIN_ACCEPT_CHANCE``); when not even one is, the sequence stops proposing for ``_IDLE_STEPS``
-steps and then tries a single token again. Above ``disable_by_batch_size`` decoding sequences
-nobody proposes: the step is already full of rows.
+How many tokens to propose is decided per step, for the whole batch, by what they are likely
+to earn and what they cost. Each sequence keeps a moving average of its acceptance, so its
+``j``-th slot yields a token with chance about ``acceptance ** j``; each slot is one more row
+of the forward, and what rows cost is measured on this very engine (``StepCosts``: on a GPU or
+a CPU at batch 1 rows are nearly free, on a CPU core already computing eight rows they are
+not). The step takes the slots, likeliest first, that maximise expected tokens per second.
+A sequence whose acceptance collapses stops proposing for ``_IDLE_STEPS`` steps (twice as long
+after each further collapse) and then tries a single token again; above
+``disable_by_batch_size`` decoding sequences nobody proposes.
 """
 
 from __future__ import annotations
@@ -33,10 +37,17 @@ from common.metrics import SPEC_ACCEPTED, SPEC_ACCEPTED_PER_STEP, SPEC_PROPOSED
 
 # Weight of the latest step in a sequence's moving average of acceptance.
 _ACCEPTANCE_WEIGHT = 0.25
-# A proposal slot is used while the chance of reaching it, acceptance ** j, stays above this.
-_MIN_ACCEPT_CHANCE = 0.3
-# After acceptance collapses: steps without proposals before one token is tried again.
+# A slot is never used when the chance of reaching it, acceptance ** j, is below this.
+_MIN_ACCEPT_CHANCE = 0.2
+# After acceptance collapses: steps without proposals before one token is tried again, doubled
+# for each collapse since the last accepted token, at most _MAX_DOUBLINGS times.
 _IDLE_STEPS = 16
+_MAX_DOUBLINGS = 4
+# Weight of the latest measurement in StepCosts' moving averages; steps after which a figure is
+# forgotten, and after which the plain step's figure is measured again.
+_COST_WEIGHT = 0.2
+_MAX_AGE = 64
+_REFRESH_AGE = 32
 
 
 class Proposer(Protocol):
@@ -44,17 +55,88 @@ class Proposer(Protocol):
         """At most ``num_tokens[i]`` proposed next tokens for each of ``seqs``."""
 
 
+class StepCosts:
+    """Seconds of a decode-only step's forward and sampling by its row count, as
+    measured: a moving average per row count. A count not run yet is estimated from its
+    neighbours: linearly between the nearest two, and flat past the largest, which is
+    optimistic on purpose: taking more rows is how their cost gets measured.
+
+    Steps grow dearer as contexts grow, so a figure not measured for ``_MAX_AGE`` steps is
+    forgotten, and the plain step's own figure is kept fresh (``needs_plain_step``): an old,
+    cheap figure for more rows would make speculation look better than it is."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[int, float] = {}
+        self._measured_at: dict[int, int] = {}
+        self._steps = 0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        self._steps += 1
+        known = self._seconds.get(rows)
+        self._seconds[rows] = seconds if known is None else known + _COST_WEIGHT * (seconds - known)
+        self._measured_at[rows] = self._steps
+        for old in [r for r, at in self._measured_at.items() if at < self._steps - _MAX_AGE]:
+            del self._seconds[old], self._measured_at[old]
+
+    def needs_plain_step(self, rows: int) -> bool:
+        """Whether the figure for ``rows`` (a step without proposals) is missing or stale."""
+        return self._steps - self._measured_at.get(rows, -_MAX_AGE) > _REFRESH_AGE
+
+    def estimate(self, rows: int) -> float | None:
+        """None while nothing is measured."""
+        if rows in self._seconds:
+            return self._seconds[rows]
+        below = max((r for r in self._seconds if r < rows), default=None)
+        above = min((r for r in self._seconds if r > rows), default=None)
+        if below is None and above is None:
+            return None
+        if below is None or above is None:
+            return self._seconds[below if above is None else above]
+        low, high = self._seconds[below], self._seconds[above]
+        return low + (high - low) * (rows - below) / (above - below)
+
+
 class Speculator:
     def __init__(self, config: SpeculativeConfig, proposer: Proposer) -> None:
         self.config = config
         self.proposer = proposer
+        self.costs = StepCosts()
 
-    def plan_slots(self, seq: Sequence, num_decoding: int, max_model_len: int) -> int:
-        """How many proposed tokens ``seq`` may verify this step (0: a plain decode). Called
-        once per step for each decoding sequence the scheduler takes."""
+    def plan_slots(self, decoding: list[Sequence], max_model_len: int) -> list[int]:
+        """How many proposed tokens each decoding sequence may verify this step (0: a plain
+        decode). Called once per step."""
         limit = self.config.disable_by_batch_size
-        if limit is not None and num_decoding > limit:
-            return 0
+        if limit is not None and len(decoding) > limit:
+            return [0] * len(decoding)
+        # Every slot worth considering, likeliest first; a sequence's later slots are never
+        # likelier than its earlier ones, so any prefix of this order is a valid plan.
+        candidates = sorted(
+            (seq.speculation.acceptance**j, j, i)
+            for i, seq in enumerate(decoding)
+            for j in range(1, self._max_slots(seq, max_model_len) + 1)
+        )
+        candidates.reverse()
+        rows = len(decoding)
+        if candidates and self.costs.needs_plain_step(rows) and self.costs.estimate(rows):
+            return [0] * len(decoding)  # measure the step speculation has to beat
+        take, best_rate, expected = len(candidates), None, float(rows)
+        base_seconds = self.costs.estimate(rows)
+        if base_seconds is not None:
+            take, best_rate = 0, rows / base_seconds
+            for n, (chance, _, _) in enumerate(candidates, start=1):
+                expected += chance
+                rate = expected / self.costs.estimate(rows + n)
+                if rate > best_rate:
+                    take, best_rate = n, rate
+        slots = [0] * len(decoding)
+        for _, _, i in candidates[:take]:
+            slots[i] += 1
+        return slots
+
+    def _max_slots(self, seq: Sequence, max_model_len: int) -> int:
+        """The most slots ``seq`` could use: as many as its acceptance makes worth a try, none
+        while it pauses, and never past max_tokens or the model's length (the run's last token
+        is always the target's own)."""
         state = seq.speculation
         if state.idle_steps > 0:
             state.idle_steps -= 1
@@ -63,11 +145,12 @@ class Speculator:
         while k > 0 and state.acceptance**k < _MIN_ACCEPT_CHANCE:
             k -= 1
         if k == 0:
-            state.idle_steps = _IDLE_STEPS
+            # Each collapse in a row pauses twice as long: a proposer that never agrees with
+            # this sequence (a poor draft, text with nothing to look up) soon costs nothing.
+            state.idle_steps = _IDLE_STEPS << min(state.collapses, _MAX_DOUBLINGS)
+            state.collapses += 1
             state.acceptance = _MIN_ACCEPT_CHANCE  # the probe after the pause proposes one
             return 0
-        # The run's last token is always the target's own: proposals beyond max_tokens or the
-        # model's length could never be used.
         tokens_left = seq.params.max_tokens - seq.num_output_tokens - 1
         room = max_model_len - seq.num_tokens - 1
         return max(0, min(k, tokens_left, room))
@@ -116,4 +199,6 @@ class Speculator:
         # Proposals after the first rejected one were never tested.
         tested = num_accepted + (num_accepted < num_proposed)
         state = seq.speculation
+        if num_accepted:
+            state.collapses = 0
         state.acceptance += _ACCEPTANCE_WEIGHT * (num_accepted / tested - state.acceptance)
