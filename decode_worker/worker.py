@@ -174,12 +174,12 @@ class DecodeWorker(WorkerService):
         if pending is None:
             if part.part_index != 0 or self._known(request_id):
                 return  # an earlier part was not taken: the handoff will say what to do
-            num_pages = -(-part.num_prompt_tokens // self.block_manager.block_size)
-            if not 0 < num_pages <= self.block_manager.num_free_blocks:
-                logger.info("no room for %s's %d pages yet; waiting for its handoff", request_id,
-                            num_pages)  # fmt: skip
+            pages = self.scheduler.reserve(part.num_prompt_tokens)
+            if pages is None:
+                logger.info("no room for %s's %d-token prompt yet; waiting for its handoff",
+                            request_id, part.num_prompt_tokens)  # fmt: skip
                 return
-            pending = PendingHandoff(request_id, self.block_manager.allocate(num_pages))
+            pending = PendingHandoff(request_id, pages)
             self._pending[request_id] = pending
         elif pending.handoff is not None or pending.error is not None:
             return  # a part after the handoff, or after one went wrong: nothing to gain
@@ -244,12 +244,13 @@ class DecodeWorker(WorkerService):
             self.fail(request_id, f"bad handoff: {exc}", retryable=True)
             return
         if pending is None:
-            if num_pages > self.block_manager.num_free_blocks:
+            pages = self.scheduler.reserve(seq.num_prompt_tokens)
+            if pages is None:
                 logger.warning("no room for %s's %d pages; prefilling it here", request_id,
                                num_pages)  # fmt: skip
                 self._prefill_locally(seq)
                 return
-            pending = PendingHandoff(request_id, self.block_manager.allocate(num_pages))
+            pending = PendingHandoff(request_id, pages)
             self._pending[request_id] = pending
         pending.handoff, pending.seq = handoff, seq
         self._start_fetch(
@@ -309,7 +310,7 @@ class DecodeWorker(WorkerService):
         if pending.fetches:
             return
         if pending.aborted:
-            self.block_manager.free(pending.dst_block_ids)
+            self.scheduler.drop_reservation(pending.dst_block_ids)
             return
         if pending.handoff is None or pending.seq is None:
             return  # the parts are in; the handoff has not come yet
@@ -317,15 +318,15 @@ class DecodeWorker(WorkerService):
         seq = pending.seq
         if pending.error is not None:
             logger.warning("%s: %s; prefilling it here", seq.request_id, pending.error)
-            self.block_manager.free(pending.dst_block_ids)
+            self.scheduler.drop_reservation(pending.dst_block_ids)
             self._prefill_locally(seq)
             return
         if pending.handoff.prefill_done_at > 0:
             KV_HANDOFF_SECONDS.observe(max(0.0, time.time() - pending.handoff.prefill_done_at))
-        seq.block_ids = pending.dst_block_ids
-        seq.num_computed_tokens = seq.num_prompt_tokens
-        if not self.admit(seq):
-            self.block_manager.free(seq.block_ids)
+        try:
+            self.scheduler.admit_prefilled(seq, pending.dst_block_ids)
+        except ValueError as exc:
+            self.fail(seq.request_id, str(exc), retryable=False)
 
     def _discard(self, pending: PendingHandoff) -> None:
         """Stop waiting for ``pending``'s pages; they are freed once no fetch writes them."""

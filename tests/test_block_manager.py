@@ -6,8 +6,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.config import SchedulerConfig
 from common.engine.block_manager import BlockManager
+from common.engine.scheduler import DecodeScheduler
+from common.engine.sequence import Sequence
 from common.hashing import block_hashes, hash_block
+from common.sampling_params import SamplingParams
 
 BLOCK = 4
 
@@ -109,3 +113,27 @@ def test_random_allocate_free_share_never_leaks_or_double_frees(ops):
     assert manager.num_free_blocks == 16
     with pytest.raises(AssertionError):
         manager.free([0])
+
+
+def test_decode_scheduler_reserves_pages_for_shipped_prompts_and_admits_or_returns_them():
+    blocks = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    scheduler = DecodeScheduler(SchedulerConfig(max_num_batched_tokens=64), blocks, 64, [])
+    assert scheduler.reserve(0) is None
+    assert scheduler.reserve(33) is None  # nine pages of eight
+    pages = scheduler.reserve(10)
+    assert len(pages) == 3 and blocks.num_free_blocks == 5
+    scheduler.drop_reservation(pages)
+    assert blocks.num_free_blocks == 8
+    # Admitted with its prompt computed: the first step decodes the token after it.
+    seq = Sequence.from_prompt("r", list(range(10)), SamplingParams(max_tokens=4))
+    seq.token_ids.append(99)  # the first token, sampled by the prefill worker
+    scheduler.admit_prefilled(seq, scheduler.reserve(10))
+    [item] = scheduler.schedule()
+    assert item.num_new_tokens == 1 and seq.num_computed_tokens == 10
+    # A prompt the scheduler cannot take gives its pages back.
+    too_long = Sequence.from_prompt("x", list(range(64)), SamplingParams(max_tokens=4))
+    free = blocks.num_free_blocks
+    reserved = blocks.allocate(1)
+    with pytest.raises(ValueError, match="maximum model length"):
+        scheduler.admit_prefilled(too_long, reserved)
+    assert blocks.num_free_blocks == free and too_long.block_ids == []

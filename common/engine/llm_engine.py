@@ -27,7 +27,7 @@ from common.engine.kv_pool import KVLayout, KVPool
 from common.engine.memory import plan_num_blocks
 from common.engine.model_runner import ModelRunner
 from common.engine.sampler import SampledToken, Sampler
-from common.engine.scheduler import PrefillScheduler, Scheduler
+from common.engine.scheduler import DecodeScheduler, PrefillScheduler, Scheduler
 from common.engine.sequence import FinishReason, Sequence
 from common.engine.speculative.draft import DraftModelProposer
 from common.engine.speculative.ngram import NgramProposer
@@ -55,8 +55,11 @@ class RequestOutput:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, first_token_only: bool = False) -> None:
-        """``first_token_only``: the prefill worker's mode (see ``Scheduler``)."""
+    def __init__(self, config: EngineConfig, role: str | None = None) -> None:
+        """``role``: "prefill" or "decode" for a worker's engine (each has its own scheduler,
+        see ``common/engine/scheduler``), None for the one-process engine."""
+        if role not in (None, "prefill", "decode"):
+            raise ValueError(f"unknown engine role {role!r}")
         started = time.monotonic()
         config.cache.validate()
         config.scheduler.validate()
@@ -92,7 +95,7 @@ class LLMEngine:
         self.backend = get_attention_backend(self.device)
         self.sampler = Sampler(self.model_config.vocab_size, self.model_config.eos_token_ids)
         # The prefill worker only ever samples a first token: nothing to speculate on.
-        speculative = config.speculative if not first_token_only else SpeculativeConfig()
+        speculative = config.speculative if role != "prefill" else SpeculativeConfig()
         draft = self._load_draft(speculative.model, kv_dtype) if speculative.model else None
         num_blocks = plan_num_blocks(
             self.model,
@@ -111,11 +114,11 @@ class LLMEngine:
         self.speculator = self._build_speculator(speculative, draft, num_blocks)
         scheduling = (config.scheduler, self.block_manager, self.max_model_len)
         eos = self.model_config.eos_token_ids
-        self.scheduler = (
-            PrefillScheduler(*scheduling, eos)
-            if first_token_only
-            else Scheduler(*scheduling, eos, self.speculator)
-        )
+        if role == "prefill":
+            self.scheduler = PrefillScheduler(*scheduling, eos)
+        else:
+            scheduler_class = DecodeScheduler if role == "decode" else Scheduler
+            self.scheduler = scheduler_class(*scheduling, eos, self.speculator)
         self.runner = ModelRunner(self.model, self.pool, self.sampler, self.speculator)
         self._ids = itertools.count()
         logger.info(

@@ -13,9 +13,10 @@ same forward, and ``postprocess`` appends the accepted run, checking every stop 
 by token. Only positions whose tokens were accepted count as computed, so the KV written for
 rejected proposals is simply overwritten later and never reaches the prefix cache.
 
-``Scheduler`` serves whole requests (the one-process engine, the decode worker);
-``PrefillScheduler`` lets each request go after its first token, keeping its pages for the
-handoff until ``release``.
+``Scheduler`` serves whole requests (the one-process engine); ``DecodeScheduler`` also holds
+the pages of prompts whose KV is on its way from a prefill worker (``reserve``, then
+``admit_prefilled`` or ``drop_reservation``); ``PrefillScheduler`` lets each request go after
+its first token, keeping its pages for the handoff until ``release``.
 """
 
 from __future__ import annotations
@@ -307,3 +308,32 @@ class PrefillScheduler(Scheduler):
         self.running.remove(seq)
         self._finish(seq, reason, free_pages=reason is not None)
         return True
+
+
+class DecodeScheduler(Scheduler):
+    """The decode worker's scheduler. Besides requests it prefills itself, it takes prompts
+    whose KV a prefill worker computed: their pages are reserved when the first news of them
+    comes, written by transfers, and then either handed to the sequence with the prompt counted
+    as computed, or given back."""
+
+    def reserve(self, num_prompt_tokens: int) -> list[int] | None:
+        """Pages for a prompt of ``num_prompt_tokens`` tokens; None if they are not free."""
+        num_pages = -(-num_prompt_tokens // self.block_size)
+        if not 0 < num_pages <= self.block_manager.num_free_blocks:
+            return None
+        return self.block_manager.allocate(num_pages)
+
+    def drop_reservation(self, block_ids: list[int]) -> None:
+        self.block_manager.free(block_ids)
+
+    def admit_prefilled(self, seq: Sequence, block_ids: list[int]) -> None:
+        """Queue ``seq`` with its prompt's KV already in ``block_ids``; the pages are given
+        back, and ``ValueError`` raised, if the scheduler cannot take it."""
+        seq.block_ids = block_ids
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        try:
+            self.add(seq)
+        except ValueError:
+            self.drop_reservation(block_ids)
+            seq.block_ids = []
+            raise

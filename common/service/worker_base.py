@@ -91,9 +91,7 @@ class WorkerService(ABC):
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.worker_id = args.worker_id or f"{self.role}-{socket.gethostname()}-{os.getpid()}"
-        self.engine = LLMEngine(
-            engine_config_from_args(args), first_token_only=self.role == "prefill"
-        )
+        self.engine = LLMEngine(engine_config_from_args(args), role=self.role)
         self.scheduler = self.engine.scheduler
         self.block_manager = self.engine.block_manager
         self.context = zmq.Context()
