@@ -138,12 +138,9 @@ class ModelRunner:
             self.speculator.costs.observe(len(inputs.input_ids), time.perf_counter() - started)
         return self.speculator.accept(batch, proposals, sampled)
 
-    def prepare(
-        self, batch: list[ScheduledSequence], proposals: Seq[Seq[int]] | None = None
-    ) -> ForwardInputs:
+    def prepare(self, batch: list[ScheduledSequence], proposals: Seq[Seq[int]]) -> ForwardInputs:
         """The forward's inputs: each sequence's next known tokens, then its proposals, with
         logits for every position from its last known token on."""
-        proposals = proposals or [()] * len(batch)
         runs = []
         for item, proposed in zip(batch, proposals, strict=True):
             seq, start = item.seq, item.seq.num_computed_tokens

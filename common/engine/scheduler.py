@@ -275,10 +275,13 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
-    def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
+    def _free_pages(self, seq: Sequence) -> None:
         self.block_manager.free(seq.block_ids)
         seq.block_ids = []
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._free_pages(seq)
         seq.block_hashes = []
         seq.num_computed_tokens = 0
         seq.speculation = SpeculationState()  # a draft model's KV went with the pages
@@ -288,8 +291,7 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, reason: FinishReason | None, free_pages: bool = True) -> None:
         if free_pages:
-            self.block_manager.free(seq.block_ids)
-            seq.block_ids = []
+            self._free_pages(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
@@ -301,8 +303,7 @@ class PrefillScheduler(Scheduler):
 
     def release(self, seq: Sequence) -> None:
         """Free the pages a prefilled sequence still holds, once they are shipped."""
-        self.block_manager.free(seq.block_ids)
-        seq.block_ids = []
+        self._free_pages(seq)
 
     def _after_sampling(self, seq: Sequence, reason: FinishReason | None) -> bool:
         self.running.remove(seq)
@@ -334,6 +335,5 @@ class DecodeScheduler(Scheduler):
         try:
             self.add(seq)
         except ValueError:
-            self.drop_reservation(block_ids)
-            seq.block_ids = []
+            self._free_pages(seq)
             raise

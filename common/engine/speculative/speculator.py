@@ -117,10 +117,10 @@ class Speculator:
         )
         candidates.reverse()
         rows = len(decoding)
-        if candidates and self.costs.needs_plain_step(rows) and self.costs.estimate(rows):
+        base_seconds = self.costs.estimate(rows)
+        if candidates and base_seconds is not None and self.costs.needs_plain_step(rows):
             return [0] * len(decoding)  # measure the step speculation has to beat
         take, best_rate, expected = len(candidates), None, float(rows)
-        base_seconds = self.costs.estimate(rows)
         if base_seconds is not None:
             take, best_rate = 0, rows / base_seconds
             for n, (chance, _, _) in enumerate(candidates, start=1):
