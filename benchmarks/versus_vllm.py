@@ -10,6 +10,11 @@ Starts `pdserve up` (1 prefill + 1 decode worker unless told otherwise), runs th
 
     python -m benchmarks.versus_vllm [--vllm-venv ~/vllm-venv] [--model FOLDER]
         [--workloads W1,W3] [--skip-vllm] [--pdserve-args "--kv-transfer nixl"]
+        [--variant NAME="FLAGS" ...]
+
+Each ``--variant`` is one more `pdserve up` measured in the same run with its own flags (after
+``--pdserve-args``), e.g. ``--variant det="--enable-deterministic-inference"``; the plain
+configuration runs first as ``pdserve``.
 """
 
 from __future__ import annotations
@@ -66,11 +71,11 @@ def stop(process: subprocess.Popen) -> None:
             process.wait()
 
 
-def start_pdserve(args, model: Path, log) -> subprocess.Popen:
+def start_pdserve(args, model: Path, log, flags: str) -> subprocess.Popen:
     command = [
         str(Path(sys.executable).with_name("pdserve")), "up", "--model", str(model),
         "--port", str(PDSERVE_PORT), "--max-model-len", "2048",
-        *shlex.split(args.pdserve_args),
+        *shlex.split(args.pdserve_args), *shlex.split(flags),
     ]  # fmt: skip
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -121,10 +126,11 @@ def run_clients(args, clients: list[Client], port: int, served_name: str, model:
     return results
 
 
-def measure(args, system: str, model: Path, workdir: Path) -> dict:
+def measure(args, system: str, model: Path, workdir: Path, flags: str = "") -> dict:
+    """One system's results per workload: ``vllm``, or a pdserve configuration with ``flags``."""
     log = open(workdir / f"{system}-server.log", "w")  # noqa: SIM115 - closed below
-    if system == "pdserve":
-        process, port, name = start_pdserve(args, model, log), PDSERVE_PORT, model.name
+    if system != "vllm":
+        process, port, name = start_pdserve(args, model, log, flags), PDSERVE_PORT, model.name
         command = "pdserve up"
     else:
         process, port, name = start_vllm(args, model, log), VLLM_PORT, str(model)
@@ -151,18 +157,24 @@ def print_table(results: dict[str, dict]) -> None:
                 f"\n{workload} / {client.name}: ISL {client.input_len}, OSL {client.output_len}, "
                 f"{client.num_prompts} prompts, concurrency {client.concurrency}"
             )
+            ours = [s for s in systems if s != "vllm"]
             print(
                 f"{'':14s}"
                 + "".join(f"{s:>12s}" for s in systems)
-                + ("   pdserve/vLLM" if "vllm" in systems else "")
+                + ("".join(f"{s + '/vLLM':>16s}" for s in ours) if "vllm" in systems else "")
             )
             for key, label in FIGURES:
-                values = [results[s][workload][client.name].get(key) for s in systems]
+                values = {s: results[s][workload][client.name].get(key) for s in systems}
                 row = f"{label:14s}" + "".join(
-                    f"{v:12.1f}" if v is not None else f"{'-':>12s}" for v in values
+                    f"{v:12.1f}" if v is not None else f"{'-':>12s}" for v in values.values()
                 )
-                if "vllm" in systems and values[0] and values[-1]:
-                    row += f"   {values[0] / values[-1]:10.2f}x"
+                if "vllm" in systems:
+                    row += "".join(
+                        f"{values[s] / values['vllm']:15.2f}x"
+                        if values[s] and values["vllm"]
+                        else f"{'-':>16s}"
+                        for s in ours
+                    )
                 print(row)
 
 
@@ -173,6 +185,13 @@ def main() -> None:
     parser.add_argument("--workloads", default="W1,W3")
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--pdserve-args", default="", help="extra flags for pdserve up")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar='NAME="FLAGS"',
+        help="one more pdserve configuration measured in the same run (repeatable)",
+    )
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--keep", default=None, help="folder to keep the raw results in")
     args = parser.parse_args()
@@ -186,7 +205,13 @@ def main() -> None:
     workdir = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="versus-vllm-"))
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"model {model}; raw results in {workdir}")
-    results = {"pdserve": measure(args, "pdserve", model, workdir)}
+    variants = {"pdserve": ""}
+    for variant in args.variant:
+        name, separator, flags = variant.partition("=")
+        if not separator or not name or name in variants or name == "vllm":
+            parser.error(f"--variant takes NAME=FLAGS with a new name, got {variant!r}")
+        variants[name] = flags
+    results = {name: measure(args, name, model, workdir, flags) for name, flags in variants.items()}
     if not args.skip_vllm:
         results["vllm"] = measure(args, "vllm", model, workdir)
     print_table(results)

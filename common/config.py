@@ -221,6 +221,19 @@ class EngineConfig:
     seed: int = 0
     # Plain torch modules only: no prepacked weights, no fused C ops (vLLM's flag name).
     enforce_eager: bool = False
+    # Batch-invariant kernels: a request's tokens and logprobs are the same bits whatever else
+    # is in the batch, however its prompt is chunked or cached, whichever worker serves it.
+    enable_deterministic_inference: bool = False
+
+    def validate(self) -> None:
+        self.cache.validate()
+        self.scheduler.validate()
+        self.speculative.validate()
+        if self.enable_deterministic_inference and self.enforce_eager:
+            raise ValueError(
+                "--enable-deterministic-inference needs pdserve's own kernels; it cannot be "
+                "combined with --enforce-eager"
+            )
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

@@ -49,6 +49,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run the plain torch model: no prepacked weights or fused CPU kernels",
     )
+    group.add_argument(
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="batch-invariant kernels: a request's tokens and logprobs do not depend on the "
+        "batch, chunking, prefix cache or worker (CPU)",
+    )
     spec = parser.add_argument_group("speculative decoding (decode side)")
     spec.add_argument(
         "--speculative-method",
@@ -93,10 +99,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         speculative=speculative_config_from_args(args),
         seed=args.seed,
         enforce_eager=args.enforce_eager,
+        enable_deterministic_inference=args.enable_deterministic_inference,
     )
-    config.cache.validate()
-    config.scheduler.validate()
-    config.speculative.validate()
+    config.validate()
     return config
 
 

@@ -57,6 +57,8 @@ class RegisterWorker(Message):
     max_model_len: int
     metrics_url: str
     handoff_endpoint: str | None = None  # decode workers: where prefill workers PUSH handoffs
+    # Batch-invariant kernels (--enable-deterministic-inference); a pool is all one or the other.
+    deterministic: bool = False
 
 
 @message("worker.heartbeat")

@@ -5,11 +5,16 @@ on arithmetic and everything on overhead when they go through gathered pages and
 go to ``kernels/cpu/paged_attention.c``, which reads the pages in place. Prefill chunks are
 compute-bound and go to SDPA's blocked kernel over their gathered context, as in the reference.
 Which sequence takes which path is decided once per step in ``plan``.
+
+Deterministic inference sends every run to the C kernel: it sums in an order fixed by absolute
+positions alone, so a token attends to the same bits as a decode step, inside a prefill chunk of
+any length, or after a cached prefix. SDPA blocks its sums by the chunk's shape.
 """
 
 from __future__ import annotations
 
 import itertools
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -42,9 +47,12 @@ class CpuAttentionPlan(AttentionMetadata):
 class CpuAttentionBackend(AttentionBackend):
     name = "cpu"
 
-    def __init__(self) -> None:
+    def __init__(self, deterministic: bool = False) -> None:
         self._library = cpu_library.load()
         self._widen_long_chunks = _float32_sdpa_is_faster()
+        self.deterministic = deterministic
+        # The longest run of query rows the C kernel takes; longer ones go to SDPA.
+        self._short_query_max = sys.maxsize if deterministic else SHORT_QUERY_MAX
 
     def plan(self, meta: AttentionMetadata) -> CpuAttentionPlan:
         starts = meta.query_start_loc.tolist()
@@ -52,7 +60,7 @@ class CpuAttentionBackend(AttentionBackend):
         short: list[int] = []
         long_chunks: list[tuple[int, int, int, int]] = []
         for seq, (start, end) in enumerate(itertools.pairwise(starts)):
-            if end - start <= SHORT_QUERY_MAX:
+            if end - start <= self._short_query_max:
                 short.append(seq)
             else:
                 long_chunks.append((seq, start, end, seq_lens[seq]))

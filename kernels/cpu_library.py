@@ -146,6 +146,8 @@ def _declare(library: ctypes.CDLL) -> None:
         i32, i32, i32, i32,  # M, N, K, threads
     ]  # fmt: skip
     library.pdserve_linear_bf16.restype = ctypes.c_int
+    library.pdserve_linear_f32.argtypes = library.pdserve_linear_bf16.argtypes
+    library.pdserve_linear_f32.restype = ctypes.c_int
     library.pdserve_store_kv.argtypes = [
         ptr, i64, ptr, i64, ptr, ptr,  # key, its row stride, value, its row stride, caches
         i64, i64, i64, i32, i32,  # block, token, head strides; element bytes; block size

@@ -2,17 +2,21 @@
 
 Two kernels compete, and which is faster depends on the processor and on the row count:
 
-- **bf16 tiles** (``kernels/cpu/linear_bf16.c``): the bf16 weight prepacked into tiles of 32
-  output columns, each one sequential stream, widened to float32 as it is read. A decode step
-  is a stream over the weights, and this one reads half the bytes of fp32 at memory speed;
-- **fp32** (MKL): the weight widened once to float32 and stored transposed (``[in, out]``), the
-  layout MKL runs fastest. With many rows (prefill) it can beat the tiles' FMA loop.
+- **tiles** (``kernels/cpu/linear_tiles.c``): the weight prepacked, in the model's dtype (bf16
+  or float32), into tiles of 32 output columns, each one sequential stream (bf16 widened to
+  float32 as it is read). A decode step is a stream over the weights, and bf16 tiles read half
+  the bytes of fp32 at memory speed; every output is summed in one fixed order, whatever the
+  row count, so a row's result does not depend on the rows beside it;
+- **BLAS** (MKL): the weight widened once to float32 and stored transposed (``[in, out]``), the
+  layout MKL runs fastest. With many rows (prefill) it can beat the tiles on some processors,
+  but it blocks its sums by the shape of the call.
 
 Both multiply exactly (a bf16 value widened to float32 is exact), sum in float32 and round the
 output to the model's dtype once, so the choice changes the summation order, not the
 computation: a bf16 model's hidden states are bf16 either way. ``choose_gemm_plan`` times both
 over the model's own weights at start-up and picks, per row count, the faster; only the forms
-the chosen plan uses are kept in memory.
+the chosen plan uses are kept in memory. Deterministic inference takes the tiles at every row
+count (``TILES_ONLY``), whatever the probe would say.
 
 The choice is made once per machine and model shape and kept on disk beside the kernels: a
 different summation order rounds some bf16 outputs differently, so two processes that chose
@@ -40,40 +44,40 @@ logger = logging.getLogger(__name__)
 
 # Row counts the probe times: decode batches and verification runs, then prefill-sized chunks.
 PROBE_ROWS = (1, 8, 32, 128)
-# Output columns per prepacked tile; must match TILE in kernels/cpu/linear_bf16.c.
+# Output columns per prepacked tile; must match TILE in kernels/cpu/linear_tiles.c.
 TILE = 32
 
 
 @dataclass(frozen=True, slots=True)
 class GemmPlan:
-    """Rows up to ``bf16_max_rows`` run the bf16 tile kernel, the rest fp32.
+    """Rows up to ``tile_max_rows`` run the tile kernel, the rest BLAS.
 
-    ``bf16_max_rows`` is 0 when the tiles are never used and None when they always are."""
+    ``tile_max_rows`` is 0 when the tiles are never used and None when they always are."""
 
-    bf16_max_rows: int | None
-
-    @property
-    def uses_bf16(self) -> bool:
-        return self.bf16_max_rows is None or self.bf16_max_rows > 0
+    tile_max_rows: int | None
 
     @property
-    def uses_fp32(self) -> bool:
-        return self.bf16_max_rows is not None
+    def uses_tiles(self) -> bool:
+        return self.tile_max_rows is None or self.tile_max_rows > 0
+
+    @property
+    def uses_blas(self) -> bool:
+        return self.tile_max_rows is not None
 
     def describe(self) -> str:
-        if not self.uses_fp32:
-            return "bf16 tile GEMMs at every row count"
-        if not self.uses_bf16:
-            return "fp32 GEMMs at every row count"
-        return f"bf16 tile GEMMs up to {self.bf16_max_rows} rows, fp32 beyond"
+        if not self.uses_blas:
+            return "tile GEMMs at every row count"
+        if not self.uses_tiles:
+            return "BLAS GEMMs at every row count"
+        return f"tile GEMMs up to {self.tile_max_rows} rows, BLAS beyond"
 
 
 class StepShape:
     """What every ``CpuLinear`` of one model knows about the step it runs in (set once per
     forward by the model).
 
-    A step of decode and verification runs only (``short_runs_only``) takes the bf16 tiles at
-    any row count: they sum each row in the same order whatever the row count, so a sequence's
+    A step of decode and verification runs only (``short_runs_only``) takes the tiles at any
+    row count: they sum each row in the same order whatever the row count, so a sequence's
     tokens do not depend on how many rows share its step, and speculation, which adds rows,
     changes no token. Steps with prefill chunks take the plan's kernel for their row count."""
 
@@ -83,12 +87,14 @@ class StepShape:
         self.short_runs_only = False
 
 
-FP32_ONLY = GemmPlan(bf16_max_rows=0)
-BF16_ONLY = GemmPlan(bf16_max_rows=None)
-BOTH = GemmPlan(bf16_max_rows=PROBE_ROWS[-1])
+BLAS_ONLY = GemmPlan(tile_max_rows=0)
+TILES_ONLY = GemmPlan(tile_max_rows=None)
+BOTH = GemmPlan(tile_max_rows=PROBE_ROWS[-1])
+# Weight dtypes the tile kernel reads.
+TILE_DTYPES = (torch.bfloat16, torch.float32)
 
 
-def pack_bf16_tiles(weight: torch.Tensor) -> torch.Tensor:
+def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
     """``[N, K]`` -> ``[ceil(N / TILE), K, TILE]`` contiguous, columns past N zero."""
     out_features, in_features = weight.shape
     padded = -(-out_features // TILE) * TILE
@@ -109,36 +115,46 @@ class CpuLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
+        if plan.uses_tiles and self.dtype not in TILE_DTYPES:
+            raise ValueError(f"the tile GEMM reads bf16 or float32 weights, not {self.dtype}")
         self.plan = plan
         self.step = step or StepShape()
-        self.packed_bf16 = None
-        self.bias_bf16 = None
-        if plan.uses_bf16:
-            self.packed_bf16 = pack_bf16_tiles(weight)
-            self.bias_bf16 = None if bias is None else bias.detach().to(torch.float32)
+        self.packed_tiles = None
+        self.bias_tiles = None
+        if plan.uses_tiles:
+            self.packed_tiles = pack_tiles(weight)
+            self.bias_tiles = None if bias is None else bias.detach().to(torch.float32)
         self.weight_t32 = None
         self.bias32 = None
-        if plan.uses_fp32:
+        if plan.uses_blas:
             self.weight_t32 = weight.detach().to(torch.float32).t().contiguous()
             self.bias32 = None if bias is None else bias.detach().to(torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        limit = self.plan.bf16_max_rows
-        if self.packed_bf16 is not None and (
+        limit = self.plan.tile_max_rows
+        if self.packed_tiles is not None and (
             limit is None or x.shape[0] <= limit or self.step.short_runs_only
         ):
-            return self.forward_bf16(x)
-        return self.forward_fp32(x)
+            return self.forward_tiles(x)
+        return self.forward_blas(x)
 
-    def forward_bf16(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_tiles(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.dtype:
+            raise ValueError(f"this layer takes {self.dtype} inputs, got {x.dtype}")
         if x.stride(-1) != 1:
             x = x.contiguous()
-        out = torch.empty((x.shape[0], self.out_features), dtype=torch.bfloat16)
-        status = cpu_library.load().pdserve_linear_bf16(
+        out = torch.empty((x.shape[0], self.out_features), dtype=self.dtype)
+        library = cpu_library.load()
+        kernel = (
+            library.pdserve_linear_bf16
+            if self.dtype == torch.bfloat16
+            else (library.pdserve_linear_f32)
+        )
+        status = kernel(
             x.data_ptr(),
             x.stride(0),
-            self.packed_bf16.data_ptr(),
-            None if self.bias_bf16 is None else self.bias_bf16.data_ptr(),
+            self.packed_tiles.data_ptr(),
+            None if self.bias_tiles is None else self.bias_tiles.data_ptr(),
             out.data_ptr(),
             out.stride(0),
             x.shape[0],
@@ -147,10 +163,10 @@ class CpuLinear(nn.Module):
             torch.get_num_threads(),
         )
         if status != 0:
-            raise MemoryError("the bf16 GEMM kernel could not allocate its scratch memory")
+            raise MemoryError("the tile GEMM kernel could not allocate its scratch memory")
         return out
 
-    def forward_fp32(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_blas(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.to(torch.float32)
         if self.bias32 is None:
             out = torch.mm(x32, self.weight_t32)
@@ -160,14 +176,14 @@ class CpuLinear(nn.Module):
 
     def restrict(self, plan: GemmPlan) -> None:
         """Switch to ``plan`` (which may use fewer kernels) and drop the forms it does not use."""
-        if plan.uses_bf16 and self.packed_bf16 is None:
-            raise ValueError("this layer holds no prepacked bf16 weight")
-        if plan.uses_fp32 and self.weight_t32 is None:
+        if plan.uses_tiles and self.packed_tiles is None:
+            raise ValueError("this layer holds no prepacked tiles")
+        if plan.uses_blas and self.weight_t32 is None:
             raise ValueError("this layer holds no fp32 weight")
         self.plan = plan
-        if not plan.uses_bf16:
-            self.packed_bf16 = self.bias_bf16 = None
-        if not plan.uses_fp32:
+        if not plan.uses_tiles:
+            self.packed_tiles = self.bias_tiles = None
+        if not plan.uses_blas:
             self.weight_t32 = self.bias32 = None
 
     def extra_repr(self) -> str:
@@ -179,13 +195,22 @@ class CpuLinear(nn.Module):
 PROBE_MAX_FP32_BYTES = 4 << 30
 
 
-def probe_plan(dtype: torch.dtype, num_params: int) -> GemmPlan:
+def probe_plan(dtype: torch.dtype, num_params: int, deterministic: bool = False) -> GemmPlan:
     """The plan to pack with before ``choose_gemm_plan``: both kernels where a probe will
-    choose between them, else the one kernel there is to use."""
+    choose between them, else the one kernel there is to use. bf16 models are probed; float32
+    models (the reference dtype) run BLAS. ``deterministic`` takes the tiles, whose sums do not
+    depend on the row count, at every row count."""
+    if deterministic:
+        if dtype not in TILE_DTYPES or not cpu_library.available():
+            raise ValueError(
+                "deterministic inference on a CPU needs the C kernels (a C compiler) and a "
+                f"bfloat16 or float32 model, not {dtype}"
+            )
+        return TILES_ONLY
     if dtype != torch.bfloat16 or not cpu_library.available():
-        return FP32_ONLY
+        return BLAS_ONLY
     if num_params * 4 > PROBE_MAX_FP32_BYTES:
-        return BF16_ONLY
+        return TILES_ONLY
     return BOTH
 
 
@@ -210,7 +235,7 @@ def _publish(path: Path, plan: GemmPlan) -> GemmPlan:
     handle, private = tempfile.mkstemp(prefix=path.stem, dir=path.parent)
     try:
         with os.fdopen(handle, "w") as file:
-            json.dump({"bf16_max_rows": plan.bf16_max_rows}, file)
+            json.dump({"tile_max_rows": plan.tile_max_rows}, file)
         os.link(private, path)  # fails if the plan exists: the first one written stays
     except FileExistsError:
         stored = _read_plan(path)
@@ -227,12 +252,12 @@ def _publish(path: Path, plan: GemmPlan) -> GemmPlan:
 def _read_plan(path: Path) -> GemmPlan | None:
     """The plan stored at ``path``; None if there is none or it is not a plan."""
     try:
-        limit = json.loads(path.read_text())["bf16_max_rows"]
+        limit = json.loads(path.read_text())["tile_max_rows"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if limit is not None and (not isinstance(limit, int) or limit < 0):
         return None
-    return GemmPlan(bf16_max_rows=limit)
+    return GemmPlan(tile_max_rows=limit)
 
 
 def _probe_plan(linears: list[CpuLinear]) -> GemmPlan:
@@ -242,7 +267,7 @@ def _probe_plan(linears: list[CpuLinear]) -> GemmPlan:
     Real weights matter: one layer's matrices would sit in cache and flatter the kernel that
     reads more bytes. Past the largest probed row count, whichever won there keeps winning:
     more rows only make the GEMM more compute-bound."""
-    bf16_wins: list[bool] = []
+    tiles_win: list[bool] = []
     for rows in PROBE_ROWS:
         inputs = {
             size: torch.randn(rows, size, dtype=torch.bfloat16)
@@ -253,15 +278,15 @@ def _probe_plan(linears: list[CpuLinear]) -> GemmPlan:
             for linear in linears:
                 getattr(linear, kernel)(inputs[linear.in_features])
 
-        bf16_wins.append(
-            cpu_library.best_seconds(lambda: run("forward_bf16"))
-            <= cpu_library.best_seconds(lambda: run("forward_fp32"))
+        tiles_win.append(
+            cpu_library.best_seconds(lambda: run("forward_tiles"))
+            <= cpu_library.best_seconds(lambda: run("forward_blas"))
         )
-    if all(bf16_wins):
-        return GemmPlan(bf16_max_rows=None)
+    if all(tiles_win):
+        return TILES_ONLY
     limit = 0
-    for rows, wins in zip(PROBE_ROWS, bf16_wins, strict=True):
+    for rows, wins in zip(PROBE_ROWS, tiles_win, strict=True):
         if not wins:
             break
         limit = rows
-    return GemmPlan(bf16_max_rows=limit)
+    return GemmPlan(tile_max_rows=limit)

@@ -26,6 +26,8 @@ _BACKENDS = {
     "torch": "kernels.reference:TorchAttentionBackend",
     "triton": "kernels.triton_backend:TritonAttentionBackend",
 }
+# Backends with a batch-invariant mode (their constructor takes ``deterministic``).
+_DETERMINISTIC = ("cpu",)
 
 
 def available_backends() -> list[str]:
@@ -36,22 +38,32 @@ def default_backend(device: torch.device) -> str:
     return "triton" if device.type == "cuda" else "cpu"
 
 
-def get_attention_backend(device: torch.device, name: str | None = None) -> AttentionBackend:
+def get_attention_backend(
+    device: torch.device, name: str | None = None, deterministic: bool = False
+) -> AttentionBackend:
+    """The backend for ``device``. ``deterministic``: one whose sums are fixed by absolute
+    positions (batch-invariant); only the C and Triton backends have that mode."""
     chosen = name or os.environ.get(ENV_VAR)
     name = chosen or default_backend(device)
     if name not in _BACKENDS:
         raise ValueError(
             f"unknown attention backend {name!r}; choose one of {', '.join(available_backends())}"
         )
+    if deterministic and name not in _DETERMINISTIC:
+        raise ValueError(
+            f"deterministic inference needs the {' or '.join(_DETERMINISTIC)} attention backend, "
+            f"not {name!r}"
+        )
     try:
-        return _create(name)
+        return _create(name, deterministic)
     except CpuKernelsUnavailable as exc:
-        if chosen:
+        if chosen or deterministic:
             raise ValueError(f"attention backend {name!r} is unavailable: {exc}") from exc
         logger.warning("CPU kernels unavailable (%s); using the torch reference backend", exc)
-        return _create("torch")
+        return _create("torch", False)
 
 
-def _create(name: str) -> AttentionBackend:
+def _create(name: str, deterministic: bool) -> AttentionBackend:
     module_name, class_name = _BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module_name), class_name)()
+    backend_class = getattr(importlib.import_module(module_name), class_name)
+    return backend_class(deterministic=True) if deterministic else backend_class()

@@ -239,6 +239,8 @@ def create_app(config: RouterConfig, codec: TextCodec, eos_token_ids: frozenset[
                     "created": 0,
                     "owned_by": "pdserve",
                     "max_model_len": config.max_model_len,
+                    # None until a worker has registered and said.
+                    "deterministic_inference": registry.deterministic,
                 }
             ],
         }

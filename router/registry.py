@@ -36,6 +36,7 @@ class WorkerState:
     metrics_url: str
     kv_transfer: str
     handoff_endpoint: str | None
+    deterministic: bool
     registered_at: float
     last_seen: float
     num_running: int = 0
@@ -72,6 +73,7 @@ class WorkerState:
             "num_blocks": self.num_blocks,
             "block_size": self.block_size,
             "max_model_len": self.max_model_len,
+            "deterministic_inference": self.deterministic,
             "load": {
                 "num_running": self.num_running,
                 "num_waiting": self.num_waiting,
@@ -100,6 +102,12 @@ class WorkerRegistry:
         self.index: dict[int, set[str]] = {}
         self._held: dict[str, set[int]] = {}
 
+    @property
+    def deterministic(self) -> bool | None:
+        """Whether the registered workers run batch-invariant kernels (they all agree; see
+        ``register``); None while none is registered."""
+        return next((w.deterministic for w in self.workers.values()), None)
+
     # -- membership ----------------------------------------------------------------------------
 
     def register(self, msg: RegisterWorker, now: float) -> str | None:
@@ -117,6 +125,14 @@ class WorkerRegistry:
             return f"kv_layout.block_size must be a positive int, got {block_size!r}"
         if self.block_size is not None and block_size != self.block_size:
             return f"block_size {block_size} does not match the pool's {self.block_size}"
+        # One worker without batch-invariant kernels among workers with them would make a
+        # request's answer depend on where it went.
+        others = {w.deterministic for w in self.workers.values() if w.worker_id != msg.worker_id}
+        if others and others != {msg.deterministic}:
+            return (
+                f"deterministic inference is {'on' if msg.deterministic else 'off'} on this "
+                f"worker and {'off' if msg.deterministic else 'on'} on the registered ones"
+            )
         if msg.role == ROLE_DECODE and not msg.handoff_endpoint:
             return "a decode worker must give its handoff_endpoint"
         if msg.worker_id in self.workers:
@@ -133,6 +149,7 @@ class WorkerRegistry:
             metrics_url=msg.metrics_url,
             kv_transfer=msg.kv_transfer,
             handoff_endpoint=msg.handoff_endpoint,
+            deterministic=msg.deterministic,
             registered_at=now,
             last_seen=now,
             num_free_blocks=msg.num_blocks,

@@ -19,9 +19,9 @@ from common.model.llama import RMSNorm, RotaryApply, SiluAndMul
 from kernels.cpu_backend import SHORT_QUERY_MAX, CpuAttentionBackend
 from kernels.cpu_library import CpuKernelsUnavailable
 from kernels.cpu_linear import (
-    BF16_ONLY,
+    BLAS_ONLY,
     BOTH,
-    FP32_ONLY,
+    TILES_ONLY,
     CpuLinear,
     GemmPlan,
     choose_gemm_plan,
@@ -138,7 +138,7 @@ def test_bf16_tiles_equal_an_fp32_gemm_rounded_once(
     weight = torch.randn(out_features, in_features).to(torch.bfloat16)
     bias_values = torch.randn(out_features).to(torch.bfloat16) if bias else None
     x = torch.randn(rows, in_features).to(torch.bfloat16)
-    linear = CpuLinear(weight, bias_values, BF16_ONLY)
+    linear = CpuLinear(weight, bias_values, TILES_ONLY)
     out = linear(x)
     expected = F.linear(
         x.float(), weight.float(), None if bias_values is None else bias_values.float()
@@ -148,12 +148,12 @@ def test_bf16_tiles_equal_an_fp32_gemm_rounded_once(
     assert (out != expected.bfloat16()).float().mean() < 0.02
 
 
-@pytest.mark.parametrize("plan", [BF16_ONLY, FP32_ONLY, BOTH], ids=lambda p: p.describe())
+@pytest.mark.parametrize("plan", [TILES_ONLY, BLAS_ONLY, BOTH], ids=lambda p: p.describe())
 def test_cpu_linear_keeps_only_what_its_plan_uses(backend, plan) -> None:
     linear = CpuLinear(torch.randn(64, 32).to(torch.bfloat16), None, BOTH)
     linear.restrict(plan)
-    assert (linear.packed_bf16 is not None) == plan.uses_bf16
-    assert (linear.weight_t32 is not None) == plan.uses_fp32
+    assert (linear.packed_tiles is not None) == plan.uses_tiles
+    assert (linear.weight_t32 is not None) == plan.uses_blas
     x = torch.randn(200, 32).to(torch.bfloat16)
     expected = F.linear(x.float(), linear_weight(linear)).bfloat16()
     for rows in (1, 8, 200):
@@ -165,28 +165,42 @@ def test_cpu_linear_keeps_only_what_its_plan_uses(backend, plan) -> None:
 def linear_weight(linear: CpuLinear) -> torch.Tensor:
     if linear.weight_t32 is not None:
         return linear.weight_t32.t()
-    tiles = linear.packed_bf16  # [tiles, K, 32]
+    tiles = linear.packed_tiles  # [tiles, K, 32]
     return (
         tiles.permute(1, 0, 2).reshape(linear.in_features, -1)[:, : linear.out_features].t().float()
     )
 
 
-def test_bf16_tiles_give_a_row_the_same_bits_whatever_rows_share_the_call(backend) -> None:
-    """Speculation verifies several rows per sequence in a decode step: a row's output must not
-    depend on how many rows the step has, or speculation would change tokens."""
-    linear = CpuLinear(torch.randn(80, 96).to(torch.bfloat16), None, BF16_ONLY)
-    x = torch.randn(41, 96).to(torch.bfloat16)
+@pytest.mark.parametrize("rows", [1, 2, 5, 12, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_float32_tiles_equal_an_fp32_gemm(backend, rows, bias) -> None:
+    weight, x = torch.randn(70, 300), torch.randn(rows, 300)
+    bias_values = torch.randn(70) if bias else None
+    out = CpuLinear(weight, bias_values, TILES_ONLY)(x)
+    assert out.dtype == torch.float32 and out.shape == (rows, 70)
+    torch.testing.assert_close(out, F.linear(x, weight, bias_values), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=dtype_id)
+def test_tiles_give_a_row_the_same_bits_whatever_rows_share_the_call(backend, dtype) -> None:
+    """A row's output must not depend on how many rows the step has, nor on where the row sits
+    among them: that is what keeps a sequence's tokens independent of the batch (and of
+    speculation, which adds rows). K spans several of the kernel's chunks."""
+    linear = CpuLinear(torch.randn(80, 300).to(dtype), torch.randn(80).to(dtype), TILES_ONLY)
+    x = torch.randn(41, 300).to(dtype)
     together = linear(x)
-    for rows in (1, 2, 3, 8, 9, 17):
+    for rows in (1, 2, 3, 6, 7, 8, 9, 13, 17):
         assert torch.equal(linear(x[:rows]), together[:rows])
-    assert torch.equal(linear(x[5:6]), together[5:6])
+    for row in (5, 40):
+        assert torch.equal(linear(x[row : row + 1]), together[row : row + 1])
+    assert torch.equal(linear(x[3:20]), together[3:20])
 
 
 def test_probe_returns_a_usable_plan(backend, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     linears = [CpuLinear(torch.randn(64, 32).to(torch.bfloat16), None, BOTH) for _ in range(2)]
     plan = choose_gemm_plan(linears)
-    assert plan.uses_bf16 or plan.uses_fp32
+    assert plan.uses_tiles or plan.uses_blas
     for linear in linears:
         linear.restrict(plan)
         assert linear(torch.randn(3, 32).to(torch.bfloat16)).shape == (3, 64)
@@ -201,11 +215,11 @@ def test_the_machine_keeps_the_first_plan_it_chose(backend, tmp_path, monkeypatc
     [stored] = (tmp_path / "kernels").glob("gemm-plan-*.json")
     assert all(choose_gemm_plan(linears) == first for _ in range(3))
     # Whatever the file says is what every later process runs; garbage there is probed over.
-    stored.write_text(json.dumps({"bf16_max_rows": 7}))
-    assert choose_gemm_plan(linears) == GemmPlan(bf16_max_rows=7)
+    stored.write_text(json.dumps({"tile_max_rows": 7}))
+    assert choose_gemm_plan(linears) == GemmPlan(tile_max_rows=7)
     stored.write_text("{not json")
     probed = choose_gemm_plan(linears)
-    assert json.loads(stored.read_text()) == {"bf16_max_rows": probed.bf16_max_rows}
+    assert json.loads(stored.read_text()) == {"tile_max_rows": probed.tile_max_rows}
     # Other shapes are another plan.
     other = [CpuLinear(torch.randn(32, 64).to(torch.bfloat16), None, BOTH)]
     choose_gemm_plan(other)

@@ -39,6 +39,26 @@ def test_register_checks_version_model_role_and_layout():
     assert list(r.workers) == ["a"]
 
 
+def test_a_pool_is_deterministic_throughout_or_not_at_all():
+    """One worker without batch-invariant kernels would make an answer depend on the route."""
+    r = WorkerRegistry("m", heartbeat_timeout=3)
+    assert r.deterministic is None
+    assert r.register(reg("p0", deterministic=True), 0) is None
+    assert r.register(reg("d0", role="decode", deterministic=True), 0) is None
+    assert r.deterministic is True
+    refusal = r.register(reg("d1", role="decode"), 0)
+    assert "deterministic inference is off on this worker and on on the registered" in refusal
+    assert r.workers["p0"].describe()["deterministic_inference"] is True
+    # A worker restarting under its id is weighed against the others only: alone, it may
+    # come back either way.
+    assert "deterministic" in r.register(reg("p0"), 0)
+    r.remove("d0")
+    assert r.register(reg("p0"), 0) is None
+    assert r.deterministic is False
+    r.remove("p0")
+    assert r.deterministic is None
+
+
 def test_heartbeats_keep_a_worker_and_silence_expires_it():
     r = WorkerRegistry("m", heartbeat_timeout=3)
     r.register(reg("a"), now=0)

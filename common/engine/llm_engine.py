@@ -61,10 +61,14 @@ class LLMEngine:
         if role not in (None, "prefill", "decode"):
             raise ValueError(f"unknown engine role {role!r}")
         started = time.monotonic()
-        config.cache.validate()
-        config.scheduler.validate()
-        config.speculative.validate()
+        config.validate()
         self.device = config.resolve_device()
+        deterministic = config.enable_deterministic_inference
+        if deterministic and self.device.type != "cpu":
+            raise ValueError(
+                "--enable-deterministic-inference runs on the CPU backend; on CUDA the linear "
+                "layers' GEMMs are not batch-invariant yet"
+            )
         if config.scheduler.max_num_batched_tokens is None:
             budget = default_token_budget(self.device)
             config = dataclasses.replace(
@@ -78,7 +82,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.model = load_model(self.model_config, self.dtype, self.device)
         if self.device.type == "cpu" and not config.enforce_eager:
-            gemm_plan = self.model.pack_for_cpu()
+            gemm_plan = self.model.pack_for_cpu(deterministic)
             logger.info("linear layers: %s", gemm_plan.describe())
         self.max_model_len = min(
             config.scheduler.max_model_len or self.model_config.max_position_embeddings,
@@ -92,7 +96,7 @@ class LLMEngine:
             self.model_config.num_kv_heads,
             self.model_config.head_dim,
         )
-        self.backend = get_attention_backend(self.device)
+        self.backend = get_attention_backend(self.device, deterministic=deterministic)
         self.sampler = Sampler(self.model_config.vocab_size, self.model_config.eos_token_ids)
         # The prefill worker only ever samples a first token: nothing to speculate on.
         speculative = config.speculative if role != "prefill" else SpeculativeConfig()
@@ -122,7 +126,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.pool, self.sampler, self.speculator)
         self._ids = itertools.count()
         logger.info(
-            "engine ready in %.1f s: %s on %s in %s, %d KV pages of %d tokens (%s), %s attention%s",
+            "engine ready in %.1f s: %s on %s in %s, %d KV pages of %d tokens (%s), "
+            "%s attention%s%s",
             time.monotonic() - started,
             self.model_config.architecture,
             self.device,
@@ -132,6 +137,7 @@ class LLMEngine:
             self.kv_layout.dtype,
             self.backend.name,
             ", eager" if config.enforce_eager else "",
+            ", deterministic inference (batch-invariant kernels)" if deterministic else "",
         )
 
     def _load_draft(self, folder: str, kv_dtype: torch.dtype) -> tuple[LlamaForCausalLM, KVLayout]:
@@ -144,7 +150,7 @@ class LLMEngine:
             )
         draft = load_model(draft_config, self.dtype, self.device)
         if self.device.type == "cpu" and not self.config.enforce_eager:
-            draft.pack_for_cpu()
+            draft.pack_for_cpu(self.config.enable_deterministic_inference)
         layout = KVLayout.create(
             kv_dtype,
             self.config.cache.block_size,

@@ -190,13 +190,14 @@ class LlamaForCausalLM(nn.Module):
         attends over it. Binding again (a warm-up pool, then the real one) replaces both."""
         self.kv = BoundKV(pool, backend, [pool.layer_view(i) for i in range(len(self.layers))])
 
-    def pack_for_cpu(self) -> GemmPlan:
+    def pack_for_cpu(self, deterministic: bool = False) -> GemmPlan:
         """Replace every linear layer by a ``CpuLinear`` that holds its weight in the forms the
-        fastest GEMMs of this machine want (timed on these very weights); the original weights
-        are dropped (the embedding table stays). Returns the plan chosen."""
+        fastest GEMMs of this machine want (timed on these very weights), or, ``deterministic``,
+        the tiles whose sums do not depend on the row count; the original weights are dropped
+        (the embedding table stays). Returns the plan chosen."""
         num_params = sum(p.numel() for p in self.parameters())
         dtype = self.embed_tokens.weight.dtype
-        plan = probe_plan(dtype, num_params)
+        plan = probe_plan(dtype, num_params, deterministic)
         self.step_shape = StepShape()
         for layer in self.layers:
             for parent, name in (

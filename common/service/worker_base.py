@@ -298,6 +298,7 @@ class WorkerService(ABC):
             num_blocks=self.block_manager.num_blocks,
             max_model_len=self.engine.max_model_len,
             metrics_url=self.metrics_url,
+            deterministic=self.engine.config.enable_deterministic_inference,
             **extra,
         )
 

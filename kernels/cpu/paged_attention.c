@@ -4,8 +4,14 @@
  * from the block-major pool's pages through its strides: nothing is gathered, and only the
  * first seq_len slots of a sequence are ever read, so never-written slots cannot leak in.
  * Keys and values are widened to float32 as they are read (FP8 pages through a table and
- * their per-token scales); scores, softmax and the weighted sum of values are float32. The
- * reduction order depends only on the sequence itself, never on the rest of the batch.
+ * their per-token scales); scores, softmax and the weighted sum of values are float32.
+ *
+ * Every sum runs in an order fixed by absolute positions alone: a query row at position p gets
+ * the same bits whether it is a decode step, one row of a prefill chunk of any length, or sits
+ * after a cached prefix, and whatever else is in the batch. Keys are scored in groups of a fixed
+ * width, each dot product summed in the same lanes and tree; the softmax denominator is summed
+ * in fixed lanes over positions 0..p; values are accumulated in position order and stop at p.
+ * Long runs are cut into tiles of ROW_TILE rows, each attending only up to its last row.
  *
  * Layout (see kernels/interface.py): query rows of sequence s are
  * query_start_loc[s] .. query_start_loc[s + 1]; with q rows and L = seq_lens[s], row j sits at
@@ -15,13 +21,24 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
 #include "numerics.h"
 
 enum kv_dtype { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_FP8_E4M3 = 3 };
+
+/* Query rows of one sequence attended together: one tile's scores stay small, and tiles of a long
+ * prefill chunk spread over the threads. */
+#define ROW_TILE 16
+/* Keys scored at a time: the widest vector's lane count. The row buffer holds a page rounded up
+ * to it, so the last group of a page is always a full one. */
+#if defined(__AVX512F__)
+#define KEY_GROUP 16
+#else
+#define KEY_GROUP 8
+#endif
 
 static float fp8_e4m3_table[256];
 
@@ -83,6 +100,11 @@ static inline size_t element_size(int dtype) {
     return dtype == KV_F32 ? 4 : dtype == KV_FP8_E4M3 ? 1 : 2;
 }
 
+/* Rows of the widened-page buffer: a page rounded up to whole key groups. */
+static inline int page_rows(int block_size) {
+    return (block_size + KEY_GROUP - 1) / KEY_GROUP * KEY_GROUP;
+}
+
 typedef struct {
     const void *key;            /* [num_blocks, block_size, num_kv_heads, head_dim], strided */
     const void *value;          /* same shape and strides as key */
@@ -121,6 +143,32 @@ static inline void prefetch_page(const kv_cache *cache, const void *base, int64_
     for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(start + line, 0, 3);
 }
 
+/* Sums in 8 fixed lanes (element i into lane i % 8) and then a fixed tree: the compiler may
+ * vectorise these loops but not reorder them, so the result depends on the values alone, not on
+ * how the loop was compiled or where the data sits. */
+static inline float lane_tree(float lanes[8]) {
+    return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
+           ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+}
+
+static inline float ordered_sum(const float *restrict x, int n) {
+    float lanes[8] = {0};
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++) lanes[l] += x[i + l];
+    for (int l = 0; i + l < n; l++) lanes[l] += x[i + l];
+    return lane_tree(lanes);
+}
+
+static inline float ordered_dot(const float *restrict a, const float *restrict b, int n) {
+    float lanes[8] = {0};
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++) lanes[l] += a[i + l] * b[i + l];
+    for (int l = 0; i + l < n; l++) lanes[l] += a[i + l] * b[i + l];
+    return lane_tree(lanes);
+}
+
 #ifdef __AVX512F__
 /* out[i] = the sum of v[i]'s 16 lanes, for 16 vectors at once: a tree of in-lane unpacks and
  * cross-lane shuffles instead of 16 separate horizontal sums. */
@@ -140,33 +188,68 @@ static inline __m512 sum16(const __m512 v[16]) {
 }
 #endif
 
-/* scores[t] = q . rows[t] for `count` rows of `head_dim` floats. */
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+/* out[i] = the sum of v[i]'s 8 lanes, for 8 vectors at once: ((0+1)+(2+3))+((4+5)+(6+7)). */
+static inline __m256 sum8(const __m256 v[8]) {
+    const __m256 a01 = _mm256_hadd_ps(v[0], v[1]), a23 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 a45 = _mm256_hadd_ps(v[4], v[5]), a67 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 low = _mm256_hadd_ps(a01, a23), high = _mm256_hadd_ps(a45, a67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20),
+                         _mm256_permute2f128_ps(low, high, 0x31));
+}
+#endif
+
+/* Keep the first `count` of a group's KEY_GROUP scores. */
+static inline void store_scores(const float *group, int count, float *restrict scores) {
+    memcpy(scores, group, (size_t)(count < KEY_GROUP ? count : KEY_GROUP) * sizeof(float));
+}
+
+/* scores[t] = q . rows[t] for `count` rows of `head_dim` floats. `rows` has room for `count`
+ * rounded up to KEY_GROUP rows, scored and dropped past `count`: every key, the last ones of a
+ * page included, is summed by the same code in the same lanes and order. */
 static inline __attribute__((always_inline)) void dot_rows(const float *restrict q,
                                                            const float *restrict rows, int count,
                                                            int head_dim, float *restrict scores) {
 #ifdef __AVX512F__
-    if (head_dim % 16 == 0 && head_dim <= 256 && count == 16) {
+    if (head_dim % 16 == 0 && head_dim <= 256) {
         __m512 qv[16], partial[16];
+        float group[16];
         const int chunks = head_dim / 16;
         for (int c = 0; c < chunks; c++) qv[c] = _mm512_loadu_ps(q + 16 * c);
-        for (int t = 0; t < 16; t++) {
-            const float *row = rows + t * head_dim;
-            __m512 sum = _mm512_mul_ps(qv[0], _mm512_loadu_ps(row));
-            for (int c = 1; c < chunks; c++)
-                sum = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(row + 16 * c), sum);
-            partial[t] = sum;
+        for (int first = 0; first < count; first += 16) {
+            for (int t = 0; t < 16; t++) {
+                const float *row = rows + (first + t) * head_dim;
+                __m512 sum = _mm512_mul_ps(qv[0], _mm512_loadu_ps(row));
+                for (int c = 1; c < chunks; c++)
+                    sum = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(row + 16 * c), sum);
+                partial[t] = sum;
+            }
+            _mm512_storeu_ps(group, sum16(partial));
+            store_scores(group, count - first, scores + first);
         }
-        _mm512_storeu_ps(scores, sum16(partial));
+        return;
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (head_dim % 8 == 0 && head_dim <= 256) {
+        __m256 partial[8];
+        float group[8];
+        const int chunks = head_dim / 8;
+        for (int first = 0; first < count; first += 8) {
+            for (int t = 0; t < 8; t++) {
+                const float *row = rows + (first + t) * head_dim;
+                __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(row));
+                for (int c = 1; c < chunks; c++)
+                    sum = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(row + 8 * c),
+                                          sum);
+                partial[t] = sum;
+            }
+            _mm256_storeu_ps(group, sum8(partial));
+            store_scores(group, count - first, scores + first);
+        }
         return;
     }
 #endif
-    for (int t = 0; t < count; t++) {
-        const float *row = rows + t * head_dim;
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (int d = 0; d < head_dim; d++) dot += q[d] * row[d];
-        scores[t] = dot;
-    }
+    for (int t = 0; t < count; t++) scores[t] = ordered_dot(q, rows + t * head_dim, head_dim);
 }
 
 /* acc += sum_t weights[t] * rows[t], for `count` rows of `head_dim` floats. */
@@ -221,8 +304,8 @@ static inline __attribute__((always_inline)) void attend_sequence(
     const int block_size = cache->block_size;
     float *restrict queries = scratch;                              /* [num_vectors, head_dim] */
     float *restrict acc = queries + (size_t)num_vectors * head_dim; /* [num_vectors, head_dim] */
-    float *restrict rows = acc + (size_t)num_vectors * head_dim;    /* [block_size, head_dim] */
-    float *restrict scores = rows + (size_t)block_size * head_dim;  /* [num_vectors, seq_len] */
+    float *restrict rows = acc + (size_t)num_vectors * head_dim; /* [page_rows(), head_dim] */
+    float *restrict scores = rows + (size_t)page_rows(block_size) * head_dim; /* [vectors, len] */
 
     for (int j = 0; j < q_len; j++)
         for (int head = 0; head < num_heads; head++) {
@@ -250,25 +333,23 @@ static inline __attribute__((always_inline)) void attend_sequence(
         }
     }
 
-    /* Softmax of each vector over the positions its row may see; the rest weigh nothing. */
+    /* Softmax of each vector over the positions its row may see (the maximum is exact in any
+     * order; the denominator is summed in fixed lanes). */
     for (int v = 0; v < num_vectors; v++) {
         const int visible = seq_len - q_len + v / num_heads + 1;
         float *s = scores + (size_t)v * seq_len;
         float max = -INFINITY;
 #pragma omp simd reduction(max : max)
         for (int t = 0; t < visible; t++) max = s[t] > max ? s[t] : max;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int t = 0; t < visible; t++) {
-            s[t] = exp_approx(s[t] - max);
-            sum += s[t];
-        }
-        const float inverse = 1.0f / sum;
+#pragma omp simd
+        for (int t = 0; t < visible; t++) s[t] = exp_approx(s[t] - max);
+        const float inverse = 1.0f / ordered_sum(s, visible);
+#pragma omp simd
         for (int t = 0; t < visible; t++) s[t] *= inverse;
-        for (int t = visible; t < seq_len; t++) s[t] = 0.0f;
     }
 
-    /* Pass 2: every value row once per page and head, weighted into each vector of the head. */
+    /* Pass 2: every value row once per page and head, weighted into each vector of the head in
+     * position order, up to the vector's own position. */
     memset(acc, 0, (size_t)num_vectors * head_dim * sizeof(float));
     for (int first = 0; first < seq_len; first += block_size) {
         const int64_t block = block_table[first / block_size];
@@ -278,12 +359,16 @@ static inline __attribute__((always_inline)) void attend_sequence(
         for (int kv_head = 0; kv_head < num_kv_heads; kv_head++) {
             load_page_rows(cache, cache->value, cache->value_scale, block, count, kv_head,
                            head_dim, rows);
-            for (int j = 0; j < q_len; j++)
+            for (int j = 0; j < q_len; j++) {
+                const int visible = seq_len - q_len + j + 1 - first;
+                if (visible <= 0) continue;
                 for (int g = 0; g < group; g++) {
                     const int v = j * num_heads + kv_head * group + g;
-                    weighted_rows(scores + (size_t)v * seq_len + first, rows, count, head_dim,
+                    weighted_rows(scores + (size_t)v * seq_len + first, rows,
+                                  visible < count ? visible : count, head_dim,
                                   acc + (size_t)v * head_dim);
                 }
+            }
         }
     }
 
@@ -337,40 +422,57 @@ int pdserve_paged_attention(const void *query, int64_t query_row_stride, void *o
                             block_stride, token_stride, head_stride,        scale_block_stride,
                             scale_token_stride,         scale_head_stride,  dtype,
                             block_size};
-    int max_vectors = 0, max_len = 0;
+    /* Work items: one tile of ROW_TILE query rows (or fewer, at a run's end) of one sequence. */
+    int num_items = 0, max_vectors = 0, max_len = 0;
     for (int i = 0; i < num_listed; i++) {
         const int s = seq_ids[i];
         const int q_len = query_start_loc[s + 1] - query_start_loc[s];
-        max_vectors = q_len * num_heads > max_vectors ? q_len * num_heads : max_vectors;
+        const int tile = q_len < ROW_TILE ? q_len : ROW_TILE;
+        num_items += (q_len + ROW_TILE - 1) / ROW_TILE;
+        max_vectors = tile * num_heads > max_vectors ? tile * num_heads : max_vectors;
         max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
     }
-    const size_t scratch_floats =
-        (size_t)max_vectors * (2 * head_dim + max_len) + (size_t)block_size * head_dim;
+    int32_t *items = malloc((size_t)(num_items > 0 ? num_items : 1) * 2 * sizeof(int32_t));
+    if (!items) return -1;
+    for (int i = 0, n = 0; i < num_listed; i++) {
+        const int s = seq_ids[i];
+        for (int row = 0; row < query_start_loc[s + 1] - query_start_loc[s]; row += ROW_TILE) {
+            items[2 * n] = s;
+            items[2 * n + 1] = row;
+            n++;
+        }
+    }
+    const size_t scratch_floats = (size_t)max_vectors * (2 * head_dim + max_len) +
+                                  (size_t)page_rows(block_size) * head_dim;
     const int64_t io_size = (int64_t)element_size(io_dtype);
     int failed = 0;
 
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_listed > 1)
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_items > 1)
     {
-        float *scratch = malloc(scratch_floats * sizeof(float));
+        /* Zeroed once: key rows past a page's end are scored and dropped, never uninitialised. */
+        float *scratch = calloc(scratch_floats, sizeof(float));
         if (!scratch) {
 #pragma omp atomic write
             failed = 1;
         }
         /* Every thread reaches the worksharing loop, with or without its scratch. */
 #pragma omp for schedule(dynamic, 1)
-        for (int i = 0; i < num_listed; i++) {
+        for (int n = 0; n < num_items; n++) {
             if (!scratch) continue;
-            const int s = seq_ids[i];
-            const int start = query_start_loc[s];
-            attend_sequence_any((const char *)query + start * query_row_stride * io_size,
-                            query_row_stride, (char *)out + start * out_row_stride * io_size,
-                            out_row_stride, io_dtype, &cache,
-                            block_tables + s * block_table_stride, seq_lens[s],
-                            query_start_loc[s + 1] - start, num_heads, num_kv_heads, head_dim,
-                            softmax_scale, scratch);
+            const int s = items[2 * n], row = items[2 * n + 1];
+            const int start = query_start_loc[s], q_len = query_start_loc[s + 1] - start;
+            const int rows = q_len - row < ROW_TILE ? q_len - row : ROW_TILE;
+            /* The tile's last row sees the context up to its own position and no further. */
+            const int tile_len = seq_lens[s] - q_len + row + rows;
+            attend_sequence_any(
+                (const char *)query + (start + row) * query_row_stride * io_size,
+                query_row_stride, (char *)out + (start + row) * out_row_stride * io_size,
+                out_row_stride, io_dtype, &cache, block_tables + s * block_table_stride, tile_len,
+                rows, num_heads, num_kv_heads, head_dim, softmax_scale, scratch);
         }
         free(scratch);
     }
+    free(items);
     return failed ? -1 : 0;
 }
 
