@@ -8,6 +8,7 @@ summation order and in exp's last bits; bf16 runs also round the output once.
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -27,6 +28,7 @@ from kernels.cpu_linear import (
     choose_gemm_plan,
 )
 from kernels.cpu_ops import CpuRMSNorm, CpuRotaryApply, CpuSiluAndMul
+from kernels.interface import AttentionMetadata
 from kernels.reference import paged_attention_reference, store_kv_reference
 from kernels.registry import get_attention_backend
 
@@ -89,6 +91,38 @@ def test_plan_splits_short_runs_from_long_chunks(backend) -> None:
     plan = backend.plan(batch.meta)
     assert plan.short_seq_ids.tolist() == [0, 1]
     assert [chunk[0] for chunk in plan.long_chunks] == [2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("kv_dtype", ["model", FP8_DTYPE], ids=["kv=model", "kv=fp8"])
+@pytest.mark.parametrize("num_kv_heads, group, head_dim", [(3, 3, 64), (2, 2, 32), (1, 4, 80)])
+def test_deterministic_attention_gives_a_position_the_same_bits_however_it_is_batched(
+    backend, dtype, kv_dtype, num_kv_heads, group, head_dim
+) -> None:
+    """A token's attention output depends on its position and the context before it, never on
+    how the step around it was cut: one 75-row prefill, decode rows one by one, or chunks of
+    other sizes (a chunk after a cached prefix, a run of one, runs longer than a row tile)."""
+    deterministic = CpuAttentionBackend(deterministic=True)
+    batch = make_batch([75], [75], num_kv_heads, group, head_dim, dtype,
+                       dtype if kv_dtype == "model" else kv_dtype)  # fmt: skip
+    scale = head_dim**-0.5
+    whole = deterministic.attention(batch.query, batch.cache, batch.meta, scale)
+    for cuts in ([0, 1, 2, 3, 75], list(range(76)), [0, 20, 21, 60, 75], [0, 16, 33, 70, 75]):
+        lens = [end - start for start, end in itertools.pairwise(cuts)]
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(cuts, dtype=torch.int32),
+            seq_lens=torch.tensor(cuts[1:], dtype=torch.int32),
+            block_tables=batch.meta.block_tables.expand(len(lens), -1),
+            slot_mapping=batch.meta.slot_mapping,
+            max_query_len=max(lens),
+            max_seq_len=75,
+        )
+        assert torch.equal(deterministic.attention(batch.query, batch.cache, meta, scale), whole)
+    torch.testing.assert_close(
+        whole.float(),
+        paged_attention_reference(batch.query, batch.cache, batch.meta, scale).float(),
+        **TOLERANCE[dtype],
+    )
 
 
 def test_attention_reads_query_views_of_a_fused_projection(backend) -> None:

@@ -235,13 +235,16 @@ static inline __attribute__((always_inline)) void dot_rows(const float *restrict
         float group[8];
         const int chunks = head_dim / 8;
         for (int first = 0; first < count; first += 8) {
-            for (int t = 0; t < 8; t++) {
-                const float *row = rows + (first + t) * head_dim;
-                __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(row));
-                for (int c = 1; c < chunks; c++)
-                    sum = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(row + 8 * c),
-                                          sum);
-                partial[t] = sum;
+            const float *group_rows = rows + first * head_dim;
+            /* Chunk by chunk across the eight keys: each chunk of q is loaded once. */
+            const __m256 q0 = _mm256_loadu_ps(q);
+            for (int t = 0; t < 8; t++)
+                partial[t] = _mm256_mul_ps(q0, _mm256_loadu_ps(group_rows + t * head_dim));
+            for (int c = 1; c < chunks; c++) {
+                const __m256 qc = _mm256_loadu_ps(q + 8 * c);
+                for (int t = 0; t < 8; t++)
+                    partial[t] = _mm256_fmadd_ps(
+                        qc, _mm256_loadu_ps(group_rows + t * head_dim + 8 * c), partial[t]);
             }
             _mm256_storeu_ps(group, sum8(partial));
             store_scores(group, count - first, scores + first);
@@ -270,12 +273,103 @@ static inline __attribute__((always_inline)) void weighted_rows(const float *res
         for (int c = 0; c < chunks; c++) _mm512_storeu_ps(acc + 16 * c, sum[c]);
         return;
     }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (head_dim % 8 == 0 && head_dim <= 128) {
+        __m256 sum[16];
+        const int chunks = head_dim / 8;
+        for (int c = 0; c < chunks; c++) sum[c] = _mm256_loadu_ps(acc + 8 * c);
+        for (int t = 0; t < count; t++) {
+            const __m256 p = _mm256_set1_ps(weights[t]);
+            for (int c = 0; c < chunks; c++)
+                sum[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(rows + t * head_dim + 8 * c), sum[c]);
+        }
+        for (int c = 0; c < chunks; c++) _mm256_storeu_ps(acc + 8 * c, sum[c]);
+        return;
+    }
 #endif
     for (int t = 0; t < count; t++) {
         const float p = weights[t];
 #pragma omp simd
         for (int d = 0; d < head_dim; d++) acc[d] += p * rows[t * head_dim + d];
     }
+}
+
+/* dot_rows for two query vectors over the same keys: on AVX2 four keys at a time, each chunk of
+ * a key row loaded once for both vectors. Every score is summed exactly as dot_rows sums it
+ * (the same lanes, the same tree). */
+static inline __attribute__((always_inline)) void dot_rows_pair(
+    const float *restrict qa, const float *restrict qb, const float *restrict rows, int count,
+    int head_dim, float *restrict scores_a, float *restrict scores_b) {
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+    if (head_dim % 8 == 0 && head_dim <= 256) {
+        __m256 partial[8];
+        float group[8];
+        const int chunks = head_dim / 8;
+        for (int first = 0; first < count; first += 4) {
+            const float *group_rows = rows + first * head_dim;
+            const __m256 a0 = _mm256_loadu_ps(qa), b0 = _mm256_loadu_ps(qb);
+            for (int t = 0; t < 4; t++) {
+                const __m256 row = _mm256_loadu_ps(group_rows + t * head_dim);
+                partial[t] = _mm256_mul_ps(a0, row);
+                partial[4 + t] = _mm256_mul_ps(b0, row);
+            }
+            for (int c = 1; c < chunks; c++) {
+                const __m256 ac = _mm256_loadu_ps(qa + 8 * c), bc = _mm256_loadu_ps(qb + 8 * c);
+                for (int t = 0; t < 4; t++) {
+                    const __m256 row = _mm256_loadu_ps(group_rows + t * head_dim + 8 * c);
+                    partial[t] = _mm256_fmadd_ps(ac, row, partial[t]);
+                    partial[4 + t] = _mm256_fmadd_ps(bc, row, partial[4 + t]);
+                }
+            }
+            _mm256_storeu_ps(group, sum8(partial));
+            const int n = count - first < 4 ? count - first : 4;
+            memcpy(scores_a + first, group, (size_t)n * sizeof(float));
+            memcpy(scores_b + first, group + 4, (size_t)n * sizeof(float));
+        }
+        return;
+    }
+#endif
+    dot_rows(qa, rows, count, head_dim, scores_a);
+    dot_rows(qb, rows, count, head_dim, scores_b);
+}
+
+/* weighted_rows for two vectors over the same rows, the first `count_a` rows into acc_a and
+ * the first `count_b` into acc_b: on AVX2 each chunk of a row is loaded once for both. Every
+ * output sums its rows in position order, exactly as weighted_rows does. */
+static inline __attribute__((always_inline)) void weighted_rows_pair(
+    const float *restrict weights_a, const float *restrict weights_b, const float *restrict rows,
+    int count_a, int count_b, int head_dim, float *restrict acc_a, float *restrict acc_b) {
+    int common = 0;
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+    if (head_dim % 32 == 0 && head_dim <= 128) {
+        common = count_a < count_b ? count_a : count_b;
+        for (int d0 = 0; d0 < head_dim; d0 += 32) {
+            __m256 sum_a[4], sum_b[4];
+            for (int c = 0; c < 4; c++) {
+                sum_a[c] = _mm256_loadu_ps(acc_a + d0 + 8 * c);
+                sum_b[c] = _mm256_loadu_ps(acc_b + d0 + 8 * c);
+            }
+            for (int t = 0; t < common; t++) {
+                const __m256 pa = _mm256_set1_ps(weights_a[t]), pb = _mm256_set1_ps(weights_b[t]);
+                for (int c = 0; c < 4; c++) {
+                    const __m256 row = _mm256_loadu_ps(rows + t * head_dim + d0 + 8 * c);
+                    sum_a[c] = _mm256_fmadd_ps(pa, row, sum_a[c]);
+                    sum_b[c] = _mm256_fmadd_ps(pb, row, sum_b[c]);
+                }
+            }
+            for (int c = 0; c < 4; c++) {
+                _mm256_storeu_ps(acc_a + d0 + 8 * c, sum_a[c]);
+                _mm256_storeu_ps(acc_b + d0 + 8 * c, sum_b[c]);
+            }
+        }
+    }
+#endif
+    if (count_a > common)
+        weighted_rows(weights_a + common, rows + common * head_dim, count_a - common, head_dim,
+                      acc_a);
+    if (count_b > common)
+        weighted_rows(weights_b + common, rows + common * head_dim, count_b - common, head_dim,
+                      acc_b);
 }
 
 /* One page's rows of one KV head, widened to float32: rows[offset][head_dim]. */
@@ -324,12 +418,19 @@ static inline __attribute__((always_inline)) void attend_sequence(
         for (int kv_head = 0; kv_head < num_kv_heads; kv_head++) {
             load_page_rows(cache, cache->key, cache->key_scale, block, count, kv_head, head_dim,
                            rows);
-            for (int j = 0; j < q_len; j++)
-                for (int g = 0; g < group; g++) {
-                    const int v = j * num_heads + kv_head * group + g;
-                    dot_rows(queries + (size_t)v * head_dim, rows, count, head_dim,
-                             scores + (size_t)v * seq_len + first);
+            /* The head's vectors (row i / group, query head i % group of this KV head), by twos. */
+            for (int i = 0; i < q_len * group; i += 2) {
+                const int a = (i / group) * num_heads + kv_head * group + i % group;
+                if (i + 1 == q_len * group) {
+                    dot_rows(queries + (size_t)a * head_dim, rows, count, head_dim,
+                             scores + (size_t)a * seq_len + first);
+                    break;
                 }
+                const int b = ((i + 1) / group) * num_heads + kv_head * group + (i + 1) % group;
+                dot_rows_pair(queries + (size_t)a * head_dim, queries + (size_t)b * head_dim, rows,
+                              count, head_dim, scores + (size_t)a * seq_len + first,
+                              scores + (size_t)b * seq_len + first);
+            }
         }
     }
 
@@ -359,15 +460,18 @@ static inline __attribute__((always_inline)) void attend_sequence(
         for (int kv_head = 0; kv_head < num_kv_heads; kv_head++) {
             load_page_rows(cache, cache->value, cache->value_scale, block, count, kv_head,
                            head_dim, rows);
-            for (int j = 0; j < q_len; j++) {
-                const int visible = seq_len - q_len + j + 1 - first;
-                if (visible <= 0) continue;
-                for (int g = 0; g < group; g++) {
-                    const int v = j * num_heads + kv_head * group + g;
-                    weighted_rows(scores + (size_t)v * seq_len + first, rows,
-                                  visible < count ? visible : count, head_dim,
-                                  acc + (size_t)v * head_dim);
-                }
+            /* As in pass 1, by twos; each vector takes the page's rows up to its own position. */
+            for (int i = 0; i < q_len * group; i += 2) {
+                const int second = i + 1 < q_len * group ? i + 1 : i;
+                const int a = (i / group) * num_heads + kv_head * group + i % group;
+                const int b = (second / group) * num_heads + kv_head * group + second % group;
+                const int seen_a = seq_len - q_len + i / group + 1 - first;
+                const int seen_b = second == i ? 0 : seq_len - q_len + second / group + 1 - first;
+                weighted_rows_pair(scores + (size_t)a * seq_len + first,
+                                   scores + (size_t)b * seq_len + first, rows,
+                                   seen_a <= 0 ? 0 : seen_a < count ? seen_a : count,
+                                   seen_b <= 0 ? 0 : seen_b < count ? seen_b : count, head_dim,
+                                   acc + (size_t)a * head_dim, acc + (size_t)b * head_dim);
             }
         }
     }
