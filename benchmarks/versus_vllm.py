@@ -158,22 +158,20 @@ def print_table(results: dict[str, dict]) -> None:
                 f"{client.num_prompts} prompts, concurrency {client.concurrency}"
             )
             ours = [s for s in systems if s != "vllm"]
-            print(
-                f"{'':14s}"
-                + "".join(f"{s:>12s}" for s in systems)
-                + ("".join(f"{s + '/vLLM':>16s}" for s in ours) if "vllm" in systems else "")
-            )
+            ratios = [f"{s}/vLLM" for s in ours] if "vllm" in systems else []
+            width = {name: max(12, len(name) + 2) for name in systems + ratios}
+            print(f"{'':14s}" + "".join(f"{s:>{width[s]}s}" for s in systems + ratios))
             for key, label in FIGURES:
                 values = {s: results[s][workload][client.name].get(key) for s in systems}
                 row = f"{label:14s}" + "".join(
-                    f"{v:12.1f}" if v is not None else f"{'-':>12s}" for v in values.values()
+                    f"{v:{width[s]}.1f}" if v is not None else f"{'-':>{width[s]}s}"
+                    for s, v in values.items()
                 )
-                if "vllm" in systems:
-                    row += "".join(
-                        f"{values[s] / values['vllm']:15.2f}x"
+                for s, ratio in zip(ours, ratios, strict=False):
+                    row += (
+                        f"{values[s] / values['vllm']:{width[ratio] - 1}.2f}x"
                         if values[s] and values["vllm"]
-                        else f"{'-':>16s}"
-                        for s in ours
+                        else f"{'-':>{width[ratio]}s}"
                     )
                 print(row)
 
