@@ -17,6 +17,8 @@ MAX_LOGPROBS = 20
 # The range torch.Generator.manual_seed accepts; negative seeds wrap modulo 2**64 as they do there.
 SEED_MIN = -(1 << 63)
 SEED_MAX = (1 << 64) - 1
+# Any top_k at or beyond the vocabulary keeps every token; beyond this one it is a client bug.
+TOP_K_MAX = (1 << 31) - 1
 
 _FLOAT_FIELDS = frozenset(
     {
@@ -66,7 +68,12 @@ class SamplingParams:
         _check_float("temperature", self.temperature, ">= 0 (0 means greedy)", lambda v: v >= 0)
         _check_float("top_p", self.top_p, "in (0, 1]", lambda v: 0 < v <= 1)
         if self.top_k is not None:
-            _check_int("top_k", self.top_k, ">= 1, or None for off", lambda v: v >= 1)
+            _check_int(
+                "top_k",
+                self.top_k,
+                f"in [1, {TOP_K_MAX}], or None for off",
+                lambda v: 1 <= v <= TOP_K_MAX,
+            )
         _check_float("min_p", self.min_p, "in [0, 1]", lambda v: 0 <= v <= 1)
         for name in ("presence_penalty", "frequency_penalty"):
             _check_float(name, getattr(self, name), "in [-2, 2]", lambda v: -2 <= v <= 2)

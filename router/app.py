@@ -190,6 +190,12 @@ def create_app(config: RouterConfig, codec: TextCodec, eos_token_ids: frozenset[
             raise APIError(
                 503, f"no worker can serve the request: {exc}", code="no_worker"
             ) from None
+        except Exception:
+            # Whatever went wrong, nothing of this request may stay in flight; and the answer
+            # is an error response, not a dropped connection.
+            run.close("error")
+            logger.exception("dispatching %s failed", rid)
+            raise APIError(500, "internal server error", code="internal_error") from None
         headers = _id_header(request)
         if gen_request.stream:
             metrics.request_count(path, "200").inc()

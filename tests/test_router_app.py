@@ -142,6 +142,54 @@ def test_errors_are_openai_shaped(cluster):
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
 
 
+def test_out_of_range_parameters_are_refused_and_leave_nothing_in_flight():
+    """Numbers the wire cannot carry, or that make no sense, are a 400 naming the parameter at
+    the edge; 4,096 of them leave the in-flight table as it was, so the next request is served
+    (the router here admits 16 sequences in flight at most)."""
+    huge = 1 << 64
+    bad = [
+        ({"top_k": huge}, "top_k"),
+        ({"top_k": -2}, "top_k"),
+        ({"seed": huge << 8}, "seed"),
+        ({"min_tokens": huge, "max_tokens": 4}, "min_tokens"),
+        ({"stop_token_ids": [huge]}, "stop_token_ids"),
+        ({"logprobs": huge}, "logprobs"),
+        ({"n": huge}, "n"),
+        ({"max_tokens": huge}, "max_tokens"),
+        ({"top_p": 2.0}, "top_p"),
+    ]
+    with router_server(MODEL, max_inflight=16) as router:
+        hub: dict = {}
+        start_fakes(router, hub, [("p0", "prefill"), ("d0", "decode")])
+        router.wait_for_workers(1, 1)
+        with router.client() as h:
+            for i in range(4096):
+                fields, param = bad[i % len(bad)]
+                r = h.post("/v1/completions", json={"model": MODEL.name, "prompt": "hi", **fields})
+                assert r.status_code == 400, (fields, r.status_code, r.text)
+                assert r.json()["error"]["param"] == param, (fields, r.json())
+            r = h.post("/v1/completions", json={"model": MODEL.name, "prompt": "hi", "top_k": 5})
+            assert r.status_code == 200, r.text
+            # A failure the router did not foresee, while dispatching: a 500, and nothing kept.
+            dispatcher = router.app.state.dispatcher
+            send = dispatcher.send
+
+            def broken(worker_id, msg):
+                if isinstance(msg, PrefillRequest | DecodeRequest):
+                    raise RuntimeError("a bug on the dispatch path")
+                send(worker_id, msg)
+
+            dispatcher.send = broken
+            for _ in range(32):
+                r = h.post("/v1/completions", json={"model": MODEL.name, "prompt": "hi"})
+                assert r.status_code == 500 and "error" in r.json()
+            dispatcher.send = send
+            assert not dispatcher.generations
+            r = h.post("/v1/completions", json={"model": MODEL.name, "prompt": "hi"})
+            assert r.status_code == 200, r.text
+        assert router.metric("pdserve_router_inflight_requests") == 0
+
+
 def test_api_key():
     with router_server(MODEL, api_key="sekret") as router:
         start_fakes(router, {}, [("d0", "decode")])
