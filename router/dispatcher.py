@@ -68,6 +68,12 @@ class Generation:
     finished_at: float | None = None
 
     @property
+    def wire_id(self) -> str:
+        """The id the workers know this dispatch by: a re-dispatch is a new id, so it can never
+        meet what a worker remembers of the attempt before it (an abort, a late handoff)."""
+        return self.request_id if self.retries == 0 else f"{self.request_id}#{self.retries}"
+
+    @property
     def done(self) -> bool:
         return self.finish_reason is not None or self.error is not None
 
@@ -100,22 +106,22 @@ class Dispatcher:
         first = group[0]
         decision = self._route(first, exclude=frozenset())
         for gen in group:
-            self.generations[gen.request_id] = gen
+            self.generations[gen.wire_id] = gen
             self._dispatch(gen, decision)
         self.metrics.inflight.set(len(self.generations))
         return decision
 
     def finish_early(self, gen: Generation, cause: str) -> None:
         """The router ended the sequence (stop string, client gone): free it on its workers."""
-        if self.generations.pop(gen.request_id, None) is None:
+        if self.generations.pop(gen.wire_id, None) is None:
             return
         # Counted before the workers hear of it: whoever sees the abort also sees the count.
         self.metrics.abort_count(cause).inc()
         for worker_id in {gen.prefill_worker, gen.decode_worker} - {None}:
             state = self.registry.workers.get(worker_id)
-            if state is not None and gen.request_id in state.inflight:
-                self.send(worker_id, AbortRequest(gen.request_id))
-                self.registry.on_released(worker_id, gen.request_id)
+            if state is not None and gen.wire_id in state.inflight:
+                self.send(worker_id, AbortRequest(gen.wire_id))
+                self.registry.on_released(worker_id, gen.wire_id)
         self.metrics.inflight.set(len(self.generations))
 
     # -- from the control socket ---------------------------------------------------------------
@@ -151,8 +157,8 @@ class Dispatcher:
         logger.warning("worker %s (%s) removed: %s", worker_id, state.role, cause)
         self.metrics.removed_workers.labels(cause).inc()
         self._count_workers()
-        for request_id in sorted(state.inflight):
-            gen = self.generations.get(request_id)
+        for wire_id in sorted(state.inflight):
+            gen = self.generations.get(wire_id)
             if gen is None or gen.done:
                 continue
             self._recover(gen, worker_id, f"worker {worker_id} was removed ({cause})")
@@ -219,22 +225,22 @@ class Dispatcher:
         total = len(gen.prompt_token_ids) + gen.params.max_tokens
         blocks = -(-total // decode_state.block_size)
         if decision.prefill_worker_id is None:
-            msg: Message = DecodeRequest(gen.request_id, gen.prompt_token_ids, params, output_ids)
+            msg: Message = DecodeRequest(gen.wire_id, gen.prompt_token_ids, params, output_ids)
             # Counted as queued prefill there until it reports it (the overflow rule reads it).
             local_tokens = len(gen.prompt_token_ids) + len(output_ids)
             self.registry.on_dispatch(
-                decision.decode_worker_id, gen.request_id, local_tokens, blocks, now
+                decision.decode_worker_id, gen.wire_id, local_tokens, blocks, now
             )
             self.send(decision.decode_worker_id, msg)
             return
         uncached = len(gen.prompt_token_ids) - decision.num_cached_tokens
-        self.registry.on_dispatch(decision.prefill_worker_id, gen.request_id, uncached, 0, now)
-        self.registry.on_dispatch(decision.decode_worker_id, gen.request_id, 0, blocks, now)
+        self.registry.on_dispatch(decision.prefill_worker_id, gen.wire_id, uncached, 0, now)
+        self.registry.on_dispatch(decision.decode_worker_id, gen.wire_id, 0, blocks, now)
         assert decode_state.handoff_endpoint is not None  # checked at registration
         self.send(
             decision.prefill_worker_id,
             PrefillRequest(
-                gen.request_id,
+                gen.wire_id,
                 gen.prompt_token_ids,
                 params,
                 decision.decode_worker_id,
@@ -253,7 +259,7 @@ class Dispatcher:
             # A decode worker prefilling locally may not mark its first token as ``first``.
             gen.num_cached_tokens = msg.num_cached_tokens
             self.metrics.ttft.observe(now - gen.arrived_at)
-            self.registry.on_prefilled(sender, gen.request_id)
+            self.registry.on_prefilled(sender, gen.wire_id)
         if msg.start_index > len(gen.samples):
             gen.early[msg.start_index] = msg
             return
@@ -267,7 +273,7 @@ class Dispatcher:
             and gen.prefill_worker is not None
         ):
             # The prompt is handed off: the prefill worker no longer holds the request.
-            self.registry.on_released(gen.prefill_worker, gen.request_id)
+            self.registry.on_released(gen.prefill_worker, gen.wire_id)
         if gen.finish_reason is not None:
             gen.finished_at = now
             self._release(gen)
@@ -290,16 +296,20 @@ class Dispatcher:
 
     def _recover(self, gen: Generation, failed_worker: str, why: str) -> None:
         """Re-dispatch (no token yet) or migrate (tokens so far) away from ``failed_worker``."""
-        gen.retries += 1
-        if gen.retries > self.max_retries:
+        if gen.retries >= self.max_retries:
             self._fail(gen, f"{why}; gave up after {self.max_retries} retries", 503)
             return
-        for worker_id in {gen.prefill_worker, gen.decode_worker} - {None, failed_worker}:
+        for worker_id in {gen.prefill_worker, gen.decode_worker} - {None}:
             state = self.registry.workers.get(worker_id)
-            if state is not None and gen.request_id in state.inflight:
-                self.send(worker_id, AbortRequest(gen.request_id))
-            self.registry.on_released(worker_id, gen.request_id)
-        self.registry.on_released(failed_worker, gen.request_id)
+            # The failed worker is told too: one removed as silent may only be slow, and it
+            # should not go on computing a request that now runs elsewhere.
+            if worker_id == failed_worker or (state is not None and gen.wire_id in state.inflight):
+                self.send(worker_id, AbortRequest(gen.wire_id))
+            self.registry.on_released(worker_id, gen.wire_id)
+        # The next attempt goes out under a new id; whatever still comes for the old one is late.
+        self.generations.pop(gen.wire_id, None)
+        gen.retries += 1
+        self.generations[gen.wire_id] = gen
         gen.early.clear()
         migrate = bool(gen.samples)
         try:
@@ -320,10 +330,10 @@ class Dispatcher:
         gen.sink.put_nowait(gen.index)
 
     def _release(self, gen: Generation) -> None:
-        self.generations.pop(gen.request_id, None)
+        self.generations.pop(gen.wire_id, None)
         for worker_id in (gen.prefill_worker, gen.decode_worker):
             if worker_id is not None:
-                self.registry.on_released(worker_id, gen.request_id)
+                self.registry.on_released(worker_id, gen.wire_id)
         self.metrics.inflight.set(len(self.generations))
 
     def _count_workers(self) -> None:

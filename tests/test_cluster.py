@@ -4,11 +4,13 @@ own process — driven by the official `openai` client."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -229,11 +231,77 @@ def test_decode_worker_killed_mid_stream_migrates_and_the_stream_goes_on(tmp_pat
         process.wait(timeout=60)
 
 
+def test_prefill_worker_killed_under_load_every_request_completes(tmp_path):
+    """Kill -9 one of two prefill workers while both hold prompts: the router re-dispatches
+    them through the other one, to the decode worker that was already expecting them (under a
+    new id, so the abort of the first attempt cannot swallow the second), and every request
+    completes with the tokens one process gives."""
+    folder = build_tiny_chat_model(tmp_path / "tiny-chat")
+    port = free_port_pair()
+    base = f"http://127.0.0.1:{port}"
+    # Small steps: a prompt stays on its prefill worker for several of them.
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "up", "--model", str(folder), "--port", str(port),
+         "--prefill", "2", "--max-model-len", "1024", "--kv-cache-memory", "64MiB",
+         "--dtype", "float32", "--remote-prefill-min-tokens", "8",
+         "--max-num-batched-tokens", "32", "--log-level", "WARNING"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    try:
+        line = ""
+        while "pdserve is up" not in line:
+            line = process.stdout.readline()
+            assert line or process.poll() is None, "pdserve up exited"
+        tokenizer = Tokenizer(folder)
+        prompts = [f"request {i}: " + LONG_PROMPT * 3 for i in range(24)]
+        engine = reference_engine(folder, max_model_len=1024)
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        expected = engine.generate([tokenizer.encode(p) for p in prompts], params)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=120)
+
+        def complete(prompt: str):
+            return client.completions.create(
+                model="tiny-chat", prompt=prompt, max_tokens=12, temperature=0,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+
+        with ThreadPoolExecutor(max_workers=24) as pool:
+            futures = [pool.submit(complete, p) for p in prompts]
+            killed = kill_busy_worker(base, process.pid, "prefill", at_least=2)
+            results = [f.result(timeout=180) for f in futures]
+        assert killed is not None
+        assert [r.choices[0].finish_reason for r in results] == ["length"] * 24
+        assert [r.choices[0].text for r in results] == [tokenizer.decode(t) for t in expected]
+        metrics = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
+        redispatched = re.search(r'^pdserve_router_redispatches_total\{kind="prefill"\} (\S+)$',
+                                 metrics, re.MULTILINE)  # fmt: skip
+        assert redispatched and float(redispatched.group(1)) >= 1
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+
+
 def kill_busy_decode_worker(base: str, launcher_pid: int) -> str:
+    killed = kill_busy_worker(base, launcher_pid, "decode")
+    assert killed is not None
+    return killed
+
+
+def kill_busy_worker(base: str, launcher_pid: int, role: str, at_least: int = 1) -> str | None:
+    """SIGKILL the first ``role`` worker holding at least ``at_least`` requests (waiting up to
+    30 s for one to); returns its id, or None if none got so busy."""
     import json
 
-    workers = json.loads(urllib.request.urlopen(f"{base}/v1/workers", timeout=10).read())
-    busy = next(w["id"] for w in workers["decode"] if w["load"]["inflight"] > 0)
+    deadline = time.monotonic() + 30
+    busy = None
+    while busy is None and time.monotonic() < deadline:
+        workers = json.loads(urllib.request.urlopen(f"{base}/v1/workers", timeout=10).read())
+        busy = next((w["id"] for w in workers[role] if w["load"]["inflight"] >= at_least), None)
+        time.sleep(0.02)
+    if busy is None:
+        return None
     children = subprocess.run(
         ["pgrep", "-P", str(launcher_pid)], capture_output=True, text=True
     ).stdout.split()
