@@ -63,6 +63,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="the router's overflow threshold (default: 1024 without a GPU, off with one)",
     )
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=None,
+        help="the router's: seconds of silence before a worker is taken out (default 10)",
+    )
+    parser.add_argument(
+        "--request-stall-timeout",
+        type=float,
+        default=None,
+        help="the router's: seconds without a token before a request is sent again (default 120)",
+    )
     # Flags of one role only; the rest of the unknown flags go to every worker.
     prefill = parser.add_argument_group("prefill workers")
     prefill.add_argument("--kv-lease-seconds", type=float, default=None)
@@ -207,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         router_args += ["--api-key", args.api_key]
     if args.remote_prefill_min_tokens is not None:
         router_args += ["--remote-prefill-min-tokens", str(args.remote_prefill_min_tokens)]
+    for flag in ("heartbeat_timeout", "request_stall_timeout"):
+        if getattr(args, flag) is not None:
+            router_args += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     import torch
 
     overflow = args.local_prefill_overflow_tokens

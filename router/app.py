@@ -57,6 +57,8 @@ class RouterConfig:
     control: str = "tcp://127.0.0.1:8001"
     api_key: str | None = None
     heartbeat_timeout: float = 3.0
+    # Seconds a request may go without a token before it is sent again (a new attempt).
+    request_stall_timeout: float = 120.0
     max_retries: int = 3
     max_body_bytes: int = 4 << 20
     max_inflight: int = 4096  # sequences in flight; more -> 429
@@ -74,6 +76,7 @@ def create_app(config: RouterConfig, codec: TextCodec, eos_token_ids: frozenset[
         control.send,
         config.max_retries,
         heartbeat_interval=min(1.0, config.heartbeat_timeout / 3),
+        stall_timeout=config.request_stall_timeout,
     )
     token_text = TokenText(codec.decode, eos_token_ids)
 

@@ -66,6 +66,7 @@ class Generation:
     num_cached_tokens: int = 0
     retries: int = 0
     finished_at: float | None = None
+    progressed_at: float = 0.0  # when it was last dispatched or last got a token
 
     @property
     def wire_id(self) -> str:
@@ -87,6 +88,7 @@ class Dispatcher:
         send: Callable[[str, Message], None],
         max_retries: int,
         heartbeat_interval: float,
+        stall_timeout: float = 120.0,
     ):
         self.registry = registry
         self.routing = routing
@@ -94,6 +96,7 @@ class Dispatcher:
         self.send = send
         self.max_retries = max_retries
         self.heartbeat_interval = heartbeat_interval
+        self.stall_timeout = stall_timeout
         self.generations: dict[str, Generation] = {}
         self._hash_cache: tuple[int, int, list[int]] | None = None
         self._seq = itertools.count()
@@ -164,8 +167,19 @@ class Dispatcher:
             self._recover(gen, worker_id, f"worker {worker_id} was removed ({cause})")
 
     def expire(self, now: float) -> None:
+        """Take out silent workers, and send again the requests that made no progress for
+        ``stall_timeout`` (a lost message, a worker that forgot a request): no stream is left
+        waiting for ever."""
         for worker_id in self.registry.expired(now):
             self.remove_worker(worker_id, "heartbeat_timeout")
+        stalled = [
+            gen
+            for gen in self.generations.values()
+            if not gen.done and now - gen.progressed_at > self.stall_timeout
+        ]
+        for gen in stalled:
+            self.metrics.stalls.inc()
+            self._recover(gen, None, f"no token for {self.stall_timeout:g} s")
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -217,6 +231,7 @@ class Dispatcher:
 
     def _dispatch(self, gen: Generation, decision: Decision, migrate: bool = False) -> None:
         now = time.monotonic()
+        gen.progressed_at = now
         gen.prefill_worker = decision.prefill_worker_id
         gen.decode_worker = decision.decode_worker_id
         params = gen.params.to_dict()
@@ -255,6 +270,7 @@ class Dispatcher:
         if sender not in (gen.prefill_worker, gen.decode_worker):
             return  # from a worker the request has moved away from
         self.registry.touch(sender, now)
+        gen.progressed_at = now
         if msg.first or (msg.start_index == 0 and not gen.samples):
             # A decode worker prefilling locally may not mark its first token as ``first``.
             gen.num_cached_tokens = msg.num_cached_tokens
@@ -294,8 +310,9 @@ class Dispatcher:
         else:
             self._fail(gen, f"the request failed on worker {sender}: {msg.error}", 500)
 
-    def _recover(self, gen: Generation, failed_worker: str, why: str) -> None:
-        """Re-dispatch (no token yet) or migrate (tokens so far) away from ``failed_worker``."""
+    def _recover(self, gen: Generation, failed_worker: str | None, why: str) -> None:
+        """Re-dispatch (no token yet) or migrate (tokens so far) under a new id, away from
+        ``failed_worker`` (None: to wherever routing says, the old workers included)."""
         if gen.retries >= self.max_retries:
             self._fail(gen, f"{why}; gave up after {self.max_retries} retries", 503)
             return
@@ -313,7 +330,8 @@ class Dispatcher:
         gen.early.clear()
         migrate = bool(gen.samples)
         try:
-            decision = self._route(gen, exclude=frozenset({failed_worker}), migrate=migrate)
+            exclude = frozenset() if failed_worker is None else frozenset({failed_worker})
+            decision = self._route(gen, exclude=exclude, migrate=migrate)
         except NoWorkerError as exc:
             self._fail(gen, f"{why}, and {exc}", 503)
             return

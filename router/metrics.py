@@ -49,6 +49,11 @@ class RouterMetrics:
             ["kind"],
             registry=r,
         )
+        self.stalls = Counter(
+            "pdserve_router_stalled_requests",
+            "Requests sent again after going --request-stall-timeout seconds without a token",
+            registry=r,
+        )
         self.aborts = Counter(
             "pdserve_router_aborts",
             "Requests aborted on the workers, by cause",

@@ -124,7 +124,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--heartbeat-timeout",
         type=float,
         default=10.0,
-        help="seconds of silence before a worker is taken out (longer than one forward step)",
+        help="seconds of silence before a worker is taken out (its heartbeats go on during a "
+        "step, so this need not outlast one)",
+    )
+    p.add_argument(
+        "--request-stall-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a request may go without a token before it is sent again (a new attempt; "
+        "it fails once --max-retries are spent)",
     )
     p.add_argument("--max-retries", type=int, default=3, help="re-dispatches per request")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
@@ -142,8 +150,8 @@ def config_from_args(args: argparse.Namespace, text: ModelText, model_path: Path
     for name in ("remote_prefill_min_tokens", "max_retries"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
-    if args.heartbeat_timeout <= 0:
-        raise ValueError("--heartbeat-timeout must be > 0")
+    if args.heartbeat_timeout <= 0 or args.request_stall_timeout <= 0:
+        raise ValueError("--heartbeat-timeout and --request-stall-timeout must be > 0")
     if args.max_body_bytes < 1 or args.max_inflight < 1:
         raise ValueError("--max-body-bytes and --max-inflight must be >= 1")
     max_len = args.max_model_len or text.max_position_embeddings
@@ -155,6 +163,7 @@ def config_from_args(args: argparse.Namespace, text: ModelText, model_path: Path
         control=args.control,
         api_key=args.api_key,
         heartbeat_timeout=args.heartbeat_timeout,
+        request_stall_timeout=args.request_stall_timeout,
         max_retries=args.max_retries,
         max_body_bytes=args.max_body_bytes,
         max_inflight=args.max_inflight,

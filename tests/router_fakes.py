@@ -125,6 +125,7 @@ class FakeWorker(threading.Thread):
         self.jobs: dict[str, _Job] = {}
         self.stop_event = threading.Event()
         self.silent = threading.Event()  # set: stop heartbeats and answers (a hung worker)
+        self.handoffs_to_lose = 0  # a prefill fake loses this many handoffs (sends no job on)
         self.ack: RegisterAck | None = None
         self.ready = threading.Event()
         hub[worker_id] = self
@@ -181,7 +182,9 @@ class FakeWorker(threading.Thread):
                     first=True,
                 )
             )
-            if finish is None:
+            if finish is None and self.handoffs_to_lose > 0:
+                self.handoffs_to_lose -= 1
+            elif finish is None:
                 self.hub[msg.decode_worker_id].inbox.put(
                     _Job(msg.request_id, msg.prompt_token_ids, params, 1)
                 )

@@ -283,6 +283,49 @@ def test_prefill_worker_killed_under_load_every_request_completes(tmp_path):
         process.wait(timeout=60)
 
 
+def test_a_step_longer_than_the_heartbeat_timeout_keeps_its_worker(tmp_path):
+    """A worker's heartbeats go on while it computes a step, so a prefill step of 2,000 tokens
+    (seconds on a CPU) under a 1-second heartbeat timeout takes no worker out, and short
+    requests sent meanwhile all complete. The default model, for steps that are really long."""
+    port = free_port_pair()
+    base = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port),
+         "--heartbeat-timeout", "1", "--max-num-batched-tokens", "2048",
+         "--max-model-len", "2304", "--kv-cache-memory", "256MiB",
+         "--remote-prefill-min-tokens", "64", "--log-level", "WARNING"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    try:
+        line = ""
+        while "pdserve is up" not in line:
+            line = process.stdout.readline()
+            assert line or process.poll() is None, "pdserve up exited"
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=300)
+        model = client.models.list().data[0].id
+        long_prompt = [100 + (i * 7919) % 30000 for i in range(2000)]
+
+        def complete(prompt, max_tokens):
+            return client.completions.create(
+                model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+
+        with ThreadPoolExecutor(max_workers=9) as pool:
+            long_one = pool.submit(complete, long_prompt, 4)
+            time.sleep(0.5)  # the long prompt's step is under way
+            short = [pool.submit(complete, f"Say {i}.", 8) for i in range(8)]
+            results = [long_one.result(timeout=300)] + [f.result(timeout=300) for f in short]
+        assert [r.choices[0].finish_reason for r in results] == ["length"] * 9
+        metrics = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
+        assert "pdserve_router_workers_removed_total{" not in metrics
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+
+
 def kill_busy_decode_worker(base: str, launcher_pid: int) -> str:
     killed = kill_busy_worker(base, launcher_pid, "decode")
     assert killed is not None

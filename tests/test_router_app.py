@@ -413,6 +413,30 @@ def test_silent_prefill_worker_requests_go_elsewhere():
             time.sleep(0.05)
 
 
+def test_a_request_that_stalls_is_sent_again_and_completes():
+    """A handoff lost on the way: the client has its first token and the decode worker never
+    hears of the request. After --request-stall-timeout without a token the router sends it
+    again, under a new id, and the stream completes."""
+    with router_server(MODEL, request_stall_timeout=1.0) as router:
+        hub: dict = {}
+        p0, d0 = start_fakes(router, hub, [("p0", "prefill"), ("d0", "decode")])
+        router.wait_for_workers(1, 1)
+        p0.handoffs_to_lose = 1
+        started = time.monotonic()
+        stream = client(router).completions.create(
+            model=MODEL.name, prompt=long_prompt(7), max_tokens=6, stream=True
+        )
+        finishes = [c.choices[0].finish_reason for c in stream if c.choices[0].finish_reason]
+        assert finishes == ["length"]
+        assert time.monotonic() - started >= 1.0
+        assert router.metric("pdserve_router_stalled_requests_total") == 1
+        # It had its first token, so it moves to a decode worker with it, as a new attempt.
+        [first] = [m.request_id for m in prefill_requests(p0)]
+        again = [m for m in d0.received if isinstance(m, DecodeRequest)]
+        assert [m.request_id for m in again] == [first + "#1"]
+        assert len(again[0].output_token_ids) == 1
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_client_disconnect_aborts_on_every_worker_holding_the_request(stream):
     with router_server(MODEL) as router:

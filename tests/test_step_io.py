@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import zmq
 
@@ -91,3 +92,28 @@ def test_a_failing_serve_does_not_stop_the_helper() -> None:
         server.close()
         client.close()
         context.term()
+
+
+def test_pulses_go_on_inside_a_long_step_only() -> None:
+    """A worker's heartbeat rides on ``pulse``: it must keep beating while a step runs, however
+    long, and leave the link to the main loop outside steps. Without sockets to serve, the
+    helper waits on the step's end itself rather than on a poll."""
+    pulses: list[float] = []
+    enough = threading.Event()
+
+    def pulse() -> None:
+        pulses.append(time.monotonic())
+        if len(pulses) >= 5:
+            enough.set()
+
+    step_io = StepIO(None, [], pulse=pulse)
+    try:
+        time.sleep(0.2)
+        assert not pulses  # no step yet
+        with step_io:
+            assert enough.wait(DEADLINE_S)
+        count = len(pulses)
+        time.sleep(0.2)
+        assert len(pulses) == count  # none outside a step
+    finally:
+        step_io.close()

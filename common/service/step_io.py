@@ -1,16 +1,19 @@
-"""Serving a worker's sockets while its main loop is inside a step.
+"""Serving a worker's sockets, and its heartbeat, while its main loop is inside a step.
 
 A prefill step on a CPU takes hundreds of milliseconds. A decode worker that asks for the pages
 of a prompt finished one step earlier would otherwise wait for the whole next step before the
 prefill worker's loop reads its request: the client sees that wait as the gap between its first
-and second token. ``StepIO`` hands the serving to a helper thread for the duration of a step:
+and second token. And a worker whose heartbeat waited for its step to end would look dead to
+the router whenever a step outlasted the heartbeat timeout. ``StepIO`` hands both to a helper
+thread for the duration of a step:
 
     with step_io:        # the main loop calls nothing the helper touches until the block ends
         runner.run(batch)
 
 The helper sleeps in ``zmq.Poller`` on the sockets (no GIL held, so the step's kernels are not
-slowed) and calls ``serve`` when one has traffic. Exactly one thread uses the sockets at any
-time: the helper only inside the block, the main loop only outside it, with a lock between.
+slowed) and calls ``serve`` when one has traffic, and ``pulse`` (which sends a heartbeat when one
+is due) after every wake-up. Exactly one thread uses the sockets at any time: the helper only
+inside the block, the main loop only outside it, with a lock between.
 """
 
 from __future__ import annotations
@@ -25,13 +28,22 @@ logger = logging.getLogger(__name__)
 
 # How long the helper sleeps in one poll: also the most a step's end waits for it to let go.
 _POLL_MS = 2
+# Without sockets to serve the helper only pulses, this often; a step's end wakes it at once.
+_PULSE_S = 0.05
 
 
 class StepIO:
-    def __init__(self, serve: Callable[[], None], sockets: list[zmq.Socket]) -> None:
+    def __init__(
+        self,
+        serve: Callable[[], None] | None,
+        sockets: list[zmq.Socket],
+        pulse: Callable[[], None] | None = None,
+    ) -> None:
         self._serve = serve
+        self._pulse = pulse
+        self._sockets = list(sockets)
         self._poller = zmq.Poller()
-        for sock in sockets:
+        for sock in self._sockets:
             self._poller.register(sock, zmq.POLLIN)
         self._state = threading.Condition()
         self._active = False  # the main loop is inside a step
@@ -66,10 +78,17 @@ class StepIO:
                     self._state.wait()
                 if self._closed:
                     return
+                if not self._sockets:
+                    # Nothing to poll: wait for a pulse to be due, or for the step to end.
+                    self._state.wait(_PULSE_S)
+                    if not self._active or self._closed:
+                        continue
                 self._busy = True
             try:
-                if self._poller.poll(_POLL_MS):
+                if self._sockets and self._poller.poll(_POLL_MS) and self._serve is not None:
                     self._serve()
+                if self._pulse is not None:
+                    self._pulse()
             except Exception:  # a socket error must not kill the helper; the loop sees it too
                 logger.exception("serving sockets during a step failed")
             finally:

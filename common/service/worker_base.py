@@ -13,7 +13,6 @@ while it has none.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import signal
@@ -98,7 +97,7 @@ class WorkerService(ABC):
         self.link = RouterLink(self.context, args.router, self.worker_id)
         self.metrics_url = serve_metrics(args.host, args.metrics_port)
         self._stopping = False
-        self._step_io: StepIO | None = None
+        self._step_io: StepIO
         self._last_heartbeat = 0.0
         self._prompt_tokens_seen = 0
 
@@ -153,8 +152,9 @@ class WorkerService(ABC):
             self.metrics_url,
         )
         poller = zmq.Poller()
-        during_step = self.serve_during_step()
-        self._step_io = StepIO(*during_step) if during_step is not None else None
+        serve, sockets = self.serve_during_step() or (None, [])
+        # Heartbeats go on during a step: liveness must not depend on how long a step takes.
+        self._step_io = StepIO(serve, sockets, pulse=self._heartbeat_if_due)
         try:
             while not self._stopping:
                 busy = self.scheduler.has_work
@@ -170,8 +170,7 @@ class WorkerService(ABC):
                     self.step()
                 self._report()
         finally:
-            if self._step_io is not None:
-                self._step_io.close()  # before the sockets it serves are closed
+            self._step_io.close()  # before the sockets it serves are closed
             self.close()
 
     def stop(self) -> None:
@@ -179,7 +178,7 @@ class WorkerService(ABC):
 
     def step(self) -> None:
         batch = self.scheduler.schedule()
-        with self._step_io or contextlib.nullcontext():
+        with self._step_io:
             runs = self.engine.runner.run(batch)
         outputs = self.scheduler.postprocess(batch, runs)
         GENERATED_TOKENS.inc(sum(len(out.new_samples) for out in outputs))
@@ -217,6 +216,11 @@ class WorkerService(ABC):
         if computed > self._prompt_tokens_seen:
             PROMPT_TOKENS_COMPUTED.inc(computed - self._prompt_tokens_seen)
             self._prompt_tokens_seen = computed
+        self._heartbeat_if_due()
+
+    def _heartbeat_if_due(self) -> None:
+        """Send a heartbeat if one is due: from the loop, or from the step helper meanwhile
+        (never both at once; see ``StepIO``)."""
         now = time.monotonic()
         if now - self._last_heartbeat >= self.link.heartbeat_interval:
             self._last_heartbeat = now
