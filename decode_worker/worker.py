@@ -122,7 +122,11 @@ class DecodeWorker(WorkerService):
             except ProtocolError as exc:
                 self._drop(str(exc))
                 continue
-            if isinstance(msg, Handoff):
+            problem = self._size_problem(msg)
+            if problem is not None:
+                name = getattr(msg, "request_id", "?")
+                self._drop(f"{type(msg).__name__} for {name!r}: {problem}")
+            elif isinstance(msg, Handoff):
                 self._accept_handoff(msg)
             elif isinstance(msg, HandoffPart):
                 self._accept_part(msg)
@@ -152,6 +156,28 @@ class DecodeWorker(WorkerService):
         return self.receiver.progressing_silently()
 
     # -- handoffs -------------------------------------------------------------------------------
+
+    def _size_problem(self, msg) -> str | None:
+        """What in a handoff or part lies outside this worker's own limits (a token id beyond
+        the vocabulary, a prompt longer than the context, pages it could never hold), or None.
+        Checked before anything is reserved or computed for it."""
+        vocab, max_len = self.engine.model_config.vocab_size, self.engine.max_model_len
+        if isinstance(msg, HandoffPart):
+            if not 1 <= msg.num_prompt_tokens < max_len:
+                return f"a {msg.num_prompt_tokens}-token prompt (the context is {max_len})"
+            if msg.part_index < 0 or msg.first_page < 0:
+                return "a negative part index or page"
+        elif isinstance(msg, Handoff):
+            prompt = msg.prompt_token_ids
+            if not 1 <= len(prompt) < max_len:
+                return f"a {len(prompt)}-token prompt (the context is {max_len})"
+            if not 0 <= msg.first_token.token_id < vocab or not all(0 <= t < vocab for t in prompt):
+                return f"token ids outside the vocabulary [0, {vocab})"
+            if not 0 <= msg.num_cached_tokens <= len(prompt):
+                return f"{msg.num_cached_tokens} cached tokens of a {len(prompt)}-token prompt"
+            if msg.first_page < 0 or msg.num_parts < 0:
+                return "a negative first page or part count"
+        return None
 
     def _known(self, request_id: str) -> bool:
         """Whether a handoff's request is already served here or was aborted: an abort or a

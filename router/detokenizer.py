@@ -4,12 +4,16 @@ Byte-level BPE splits a multi-byte character across tokens, so text is taken fro
 recent tokens and only once it no longer ends in U+FFFD (the decoder's mark for an incomplete
 character). Text that could still grow into a stop string is held back; a stop string, once
 complete, is cut off and never emitted. At the end, the held-back tail is flushed so the emitted
-text equals the full decode of the tokens (minus anything from a stop string on).
+text equals the full decode of the tokens (minus anything from a stop string on). Stop strings
+are followed by ``StopMatcher`` automata, so a token costs what its own characters cost, however
+long the text and the stop strings are.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+
+from router.stop_matcher import StopMatcher
 
 _REPLACEMENT = "\ufffd"
 # Tokens before the new ones that are decoded with them: enough context for the decoder to merge
@@ -25,7 +29,8 @@ class IncrementalDetokenizer:
         skip_token_ids: frozenset[int] = frozenset(),
     ):
         self._decode = decode
-        self._stop = [s for s in stop if s]
+        self._stop = [StopMatcher(s) for s in stop if s]
+        self._fed = 0  # characters of ``text`` the stop matchers have seen
         self._skip = skip_token_ids  # e.g. a stop token id, whose text is not emitted
         self.token_ids: list[int] = []
         self._prefix_offset = 0
@@ -84,13 +89,15 @@ class IncrementalDetokenizer:
     def _release(self, final: bool) -> str:
         start = self._emitted
         if self._stop:
-            # A stop string can only begin in text not yet emitted: emitted text never ends
-            # with a stop string's prefix.
+            # Only text not yet fed can complete a stop string: earlier text never did.
+            new = self.text[self._fed :]
             earliest = None
-            for stop in self._stop:
-                at = self.text.find(stop, max(start - len(stop) + 1, 0))
-                if at != -1 and (earliest is None or at < earliest):
-                    earliest, self.stop_reason = at, stop
+            for matcher in self._stop:
+                end = matcher.feed(new)
+                at = self._fed + end - len(matcher.stop)
+                if end != -1 and (earliest is None or at < earliest):
+                    earliest, self.stop_reason = at, matcher.stop
+            self._fed = len(self.text)
             if earliest is not None:
                 self.stopped = True
                 self.text = self.text[:earliest]
@@ -103,10 +110,4 @@ class IncrementalDetokenizer:
 
     def _holdback(self) -> int:
         """Length of the longest tail of the text that is a proper prefix of a stop string."""
-        longest = 0
-        for stop in self._stop:
-            for n in range(min(len(stop) - 1, len(self.text)), longest, -1):
-                if self.text.endswith(stop[:n]):
-                    longest = n
-                    break
-        return longest
+        return max((matcher.matched for matcher in self._stop), default=0)

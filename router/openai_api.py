@@ -17,6 +17,8 @@ from router.errors import BadRequest
 
 MAX_N = 128
 MAX_STOP_STRINGS = 16
+# Characters per stop string: every one is followed character by character as text arrives.
+MAX_STOP_CHARS = 4096
 
 
 class StreamOptions(BaseModel):
@@ -177,6 +179,8 @@ def to_generation(
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > MAX_STOP_STRINGS:
         raise BadRequest(f"at most {MAX_STOP_STRINGS} stop strings are allowed", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise BadRequest(f"a stop string may have at most {MAX_STOP_CHARS} characters", "stop")
     if body.seed is not None and not SEED_MIN <= body.seed <= SEED_MAX:
         raise BadRequest("seed must fit in 64 bits", "seed")
     params = SamplingParams(

@@ -157,6 +157,7 @@ def test_out_of_range_parameters_are_refused_and_leave_nothing_in_flight():
         ({"n": huge}, "n"),
         ({"max_tokens": huge}, "max_tokens"),
         ({"top_p": 2.0}, "top_p"),
+        ({"stop": ["x" * 5000]}, "stop"),
     ]
     with router_server(MODEL, max_inflight=16) as router:
         hub: dict = {}

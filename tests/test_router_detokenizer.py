@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from common.model.default_model import resolve_model_path
 from router.detokenizer import IncrementalDetokenizer
 from router.server import ModelText
+from router.stop_matcher import StopMatcher
 
 TEXTS = [
     "Hello, world! 👋🏽 Emoji: 🎉🧑‍🚀 and CJK: 你好，世界。日本語のテキスト。",
@@ -97,3 +100,38 @@ def test_direct_tokenizer_calls_match_transformers(text):
             for skip in (True, False):
                 assert text.decode(ids, skip) == hf.decode(ids, skip_special_tokens=skip)
     assert text.decode([0, 1, 2, 42], False) == hf.decode([0, 1, 2, 42], skip_special_tokens=False)
+
+
+def test_stop_matcher_agrees_with_a_plain_search_however_the_text_arrives():
+    """Random stop strings and texts over a small alphabet (so prefixes overlap a lot), fed in
+    random pieces: the first match ends where ``str.find`` says, and the state is always the
+    longest tail of the text that begins the stop string."""
+    rng = random.Random(0)
+    for _ in range(2000):
+        stop = "".join(rng.choice("ab") for _ in range(rng.randint(1, 6)))
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 30)))
+        matcher, fed, found = StopMatcher(stop), 0, -1
+        while fed < len(text) and found == -1:
+            piece = text[fed : fed + rng.randint(1, 4)]
+            end = matcher.feed(piece)
+            if end != -1:
+                found = fed + end
+            else:
+                fed += len(piece)
+                seen = text[:fed]
+                tail = max((n for n in range(len(stop)) if seen.endswith(stop[:n])), default=0)
+                assert matcher.matched == tail
+        at = text.find(stop)
+        assert found == (-1 if at == -1 else at + len(stop))
+
+
+def test_long_overlapping_stop_strings_hold_back_and_cut_exactly():
+    """Stop strings built to defeat naive matching (long runs of one character, a different
+    last one): held-back text, the cut and the reason are still exact."""
+    stops = ["a" * 3000 + "b", "a" * 2000 + "c"]
+    detok = IncrementalDetokenizer(lambda ids: "".join(map(chr, ids)), stops)
+    sent = "".join(detok.add([ord("a")]) for _ in range(2500))
+    assert sent == ""  # all of it may still grow into the first stop string
+    sent += detok.add([ord("c")])
+    assert detok.stopped and detok.stop_reason == stops[1]
+    assert sent == "a" * 500

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 
@@ -291,7 +292,8 @@ def test_garbage_on_every_socket_is_dropped_and_counted(router, model):
     tap = HandoffTap(router.context)
     prompt = random_prompts(1, seed=12)[0]
     router.prefill("probe", prompt, GREEDY, handoff_endpoint=tap.endpoint)
-    side_channel = tap.receive(timeout=60).transfer["endpoint"]
+    handoff = tap.receive(timeout=60)
+    side_channel = handoff.transfer["endpoint"]
     for role in ("prefill", "decode"):
         worker_id = router.worker(role).worker_id
         for frame in GARBAGE:
@@ -303,6 +305,20 @@ def test_garbage_on_every_socket_is_dropped_and_counted(router, model):
     for frame in GARBAGE:
         push.send(frame)
     push.send(encode(Heartbeat("w", 0, 0, 0, 0, 0.0)))  # valid, but not a handoff
+    # Well-formed, but beyond what the decode worker can hold: refused before anything is
+    # reserved or computed (a token id past the vocabulary once crashed it).
+    out_of_range = [
+        dataclasses.replace(handoff, request_id="big-id", prompt_token_ids=[10**9, *prompt]),
+        dataclasses.replace(
+            handoff,
+            request_id="bad-first",
+            first_token=dataclasses.replace(handoff.first_token, token_id=-1),
+        ),
+        dataclasses.replace(handoff, request_id="too-long", prompt_token_ids=[5] * 100_000),
+        HandoffPart("huge-part", 0, 0, 10**9, "huge-part", handoff.transfer),
+    ]
+    for msg in out_of_range:
+        push.send(encode(msg))
     dealer = router.context.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(side_channel)
@@ -318,7 +334,8 @@ def test_garbage_on_every_socket_is_dropped_and_counted(router, model):
     assert router.metrics("prefill")[bad_router] == len(GARBAGE) + 1
     decode = router.metrics("decode")
     assert decode[bad_router] == len(GARBAGE) + 1
-    assert decode['pdserve_bad_messages_total{socket="handoff"}'] == len(GARBAGE) + 1
+    handoff_drops = len(GARBAGE) + 1 + len(out_of_range)
+    assert decode['pdserve_bad_messages_total{socket="handoff"}'] == handoff_drops
     bad_side = 'pdserve_kv_transfer_bad_messages_total{backend="zmq",side="sender"}'
     assert router.metrics("prefill")[bad_side] >= len(GARBAGE) - 1
     for sock in (push, dealer):
