@@ -17,7 +17,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -46,6 +46,9 @@ from router.serving import Run, TokenText
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+# Bodies larger than this are parsed into prompts (tokenized) in a thread, off the event loop.
+OFFLOAD_BODY_BYTES = 64 << 10
 _REQUEST_ID_UNSAFE = re.compile(r"[^A-Za-z0-9._:-]")
 _MAX_REQUEST_ID = 64
 
@@ -130,6 +133,13 @@ def create_app(config: RouterConfig, codec: TextCodec, eos_token_ids: frozenset[
         # A client may reuse its id; the counter keeps the router's ids unique.
         return dispatcher.new_request_id(f"{kind}-{prefix}")
 
+    async def off_the_loop_if_large(request: Request, work: Callable[..., T], *args, **kwargs) -> T:
+        """``work(*args, **kwargs)``, in a thread when the request's body is large: encoding a
+        megabyte prompt takes seconds, and /health and every stream must not wait for it."""
+        if getattr(request.state, "body_bytes", 0) > OFFLOAD_BODY_BYTES:
+            return await asyncio.to_thread(work, *args, **kwargs)
+        return work(*args, **kwargs)
+
     async def read_body(request: Request, model: type[BaseModel]) -> Any:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > config.max_body_bytes:
@@ -142,6 +152,7 @@ def create_app(config: RouterConfig, codec: TextCodec, eos_token_ids: frozenset[
                 raise _too_large(config.max_body_bytes)
             chunks.append(chunk)
         raw = b"".join(chunks)
+        request.state.body_bytes = size
         try:
             return model.model_validate_json(raw)
         except ValidationError as exc:
@@ -172,9 +183,10 @@ def create_app(config: RouterConfig, codec: TextCodec, eos_token_ids: frozenset[
         authorize(request)
         body = await read_body(request, body_model)
         check_model(body.model)
-        gen_request = to_generation(
-            body, codec, config.max_model_len, request.headers.get("x-session-id")
-        )
+        gen_request = await off_the_loop_if_large(
+            request, to_generation, body, codec, config.max_model_len,
+            request.headers.get("x-session-id"),
+        )  # fmt: skip
         sequences = len(gen_request.prompts) * gen_request.n
         if len(dispatcher.generations) + sequences > config.max_inflight:
             raise APIError(
@@ -284,9 +296,11 @@ def create_app(config: RouterConfig, codec: TextCodec, eos_token_ids: frozenset[
         if (body.prompt is None) == (body.messages is None):
             raise BadRequest("give exactly one of prompt or messages", "prompt")
         if body.messages is not None:
-            tokens = codec.encode_chat(chat_messages(body))
+            tokens = await off_the_loop_if_large(request, codec.encode_chat, chat_messages(body))
         else:
-            tokens = codec.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokens = await off_the_loop_if_large(
+                request, codec.encode, body.prompt, add_special_tokens=body.add_special_tokens
+            )
         return {"tokens": tokens, "count": len(tokens), "max_model_len": config.max_model_len}
 
     @app.post("/detokenize", openapi_extra=_body_schema(DetokenizeBody))

@@ -17,6 +17,10 @@ from router.policy import RoutingConfig
 DEFAULT_CONTROL = "tcp://127.0.0.1:8001"  # the HTTP port plus one, by convention
 
 
+# Texts longer than this are encoded by a call that releases the GIL.
+LONG_TEXT_CHARS = 16_384
+
+
 class ModelText(TextCodec):
     """The served model's tokenizer and chat template (no weights: the router runs no model)."""
 
@@ -38,11 +42,19 @@ class ModelText(TextCodec):
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.backend is not None:
+            if len(text) > LONG_TEXT_CHARS:
+                # The batch call lets go of the GIL while it works: a long prompt encoded off
+                # the event loop (see router.app) then leaves the loop serving meanwhile.
+                [encoding] = self.backend.encode_batch(
+                    [text], add_special_tokens=add_special_tokens
+                )
+                return encoding.ids
             return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
-        return self._tokenizer.encode_chat(messages)
+        # The rendered template already holds the special tokens, as in Tokenizer.encode_chat.
+        return self.encode(self._tokenizer.apply_chat_template(messages), add_special_tokens=False)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         if self.backend is not None:

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 import zmq
-from router_fakes import FakeWorker, router_server, start_fakes
+from router_fakes import FakeWorker, model_text, router_server, start_fakes
 
 from common.model.default_model import resolve_model_path
 from common.protocol import AbortRequest, DecodeRequest, PrefillRequest
@@ -189,6 +189,40 @@ def test_out_of_range_parameters_are_refused_and_leave_nothing_in_flight():
             r = h.post("/v1/completions", json={"model": MODEL.name, "prompt": "hi"})
             assert r.status_code == 200, r.text
         assert router.metric("pdserve_router_inflight_requests") == 0
+
+
+def test_health_answers_while_a_megabyte_prompt_is_tokenized(cluster, monkeypatch):
+    """Tokenizing a 3 MB prompt takes seconds; it happens off the event loop, so /health and
+    every stream are served meanwhile. The encode is held open until /health has answered: on
+    the event loop that would be a deadlock, which the /health timeout turns into a failure."""
+    prompt = "hello world, this is a long prompt. " * 80_000
+    codec = model_text(MODEL)
+    encode = codec.encode
+    entered, release = threading.Event(), threading.Event()
+
+    def held_open(text, *args, **kwargs):
+        if len(text) > 1_000_000:
+            entered.set()
+            release.wait(timeout=60)
+        return encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(codec, "encode", held_open)
+    outcome: list[httpx.Response] = []
+
+    def send_big() -> None:
+        with cluster.client() as h:
+            outcome.append(h.post("/v1/completions", json={"model": MODEL.name, "prompt": prompt}))
+
+    big = threading.Thread(target=send_big)
+    big.start()
+    try:
+        assert entered.wait(timeout=60)
+        with httpx.Client(base_url=cluster.base_url, timeout=10) as h:
+            assert h.get("/health").status_code == 200
+    finally:
+        release.set()
+        big.join(timeout=120)
+    assert outcome[0].status_code == 400 and "maximum context length" in outcome[0].text
 
 
 def test_api_key():
