@@ -7,8 +7,9 @@ The pydantic models describe what a client may send; ``to_generation`` turns one
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -27,7 +28,8 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Extra fields are kept (``model_extra``) so that ``refuse_unsupported`` can look at them.
+    model_config = ConfigDict(extra="allow")
 
     model: str
     n: int = 1
@@ -129,6 +131,81 @@ class TextCodec:
         raise NotImplementedError
 
 
+def _off(value: Any) -> bool:
+    return not value
+
+
+def _no_ranking(value: Any) -> bool:
+    return value is None or value == 1
+
+
+def _plain_text(value: Any) -> bool:
+    return value is None or (isinstance(value, dict) and value.get("type") == "text")
+
+
+def _no_tool_forced(value: Any) -> bool:
+    return value in (None, "none", "auto")
+
+
+def _on(value: Any) -> bool:
+    return value is None or value is True
+
+
+def _unit(value: Any) -> bool:
+    return value is None or value == 1
+
+
+# Fields of OpenAI's API, or vLLM's extensions to it, that change what the client gets and that
+# pdserve does not implement, each with the test for the values that change nothing. Any other
+# value is refused with a 400 naming the field: a client asking for JSON output must not get
+# free text without a word. Fields that change nothing (``user``, ``metadata``, ``store``,
+# ``service_tier``, ``priority``, ``parallel_tool_calls``, ...) pass.
+UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "best_of": _no_ranking,
+    "suffix": _off,
+    "logit_bias": _off,
+    "response_format": _plain_text,
+    "tools": _off,
+    "tool_choice": _no_tool_forced,
+    "functions": _off,
+    "function_call": _no_tool_forced,
+    "prompt_logprobs": lambda value: value is None,
+    "structured_outputs": _off,
+    "guided_json": _off,
+    "guided_regex": _off,
+    "guided_choice": _off,
+    "guided_grammar": _off,
+    "use_beam_search": _off,
+    "length_penalty": _unit,
+    "allowed_token_ids": _off,
+    "bad_words": _off,
+    "truncate_prompt_tokens": lambda value: value is None,
+    "include_stop_str_in_output": _off,
+    "return_tokens_as_token_ids": _off,
+    "return_token_ids": _off,
+    "continue_final_message": _off,
+    "add_generation_prompt": _on,
+    "echo": _off,  # on chat requests (completions take it)
+    "prediction": _off,
+    "audio": _off,
+    "modalities": lambda value: value is None or value == ["text"],
+    "chat_template": _off,
+    "chat_template_kwargs": _off,
+    "documents": _off,
+    "spaces_between_special_tokens": _on,
+}
+
+
+def refuse_unsupported(body: CompletionBody | ChatBody) -> None:
+    """A 400 naming the first field whose value asks for something pdserve does not do."""
+    for name, value in (body.model_extra or {}).items():
+        accepts = UNSUPPORTED_FIELDS.get(name)
+        if accepts is not None and not accepts(value):
+            raise BadRequest(f"{name} is not supported by pdserve (got {value!r:.80})", name)
+    if body.stream_options is not None and not body.stream:
+        raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
+
+
 def to_generation(
     body: CompletionBody | ChatBody,
     codec: TextCodec,
@@ -136,6 +213,7 @@ def to_generation(
     session_id: str | None,
 ) -> GenerationRequest:
     chat = isinstance(body, ChatBody)
+    refuse_unsupported(body)
     if not 1 <= body.n <= MAX_N:
         raise BadRequest(f"n must be in [1, {MAX_N}], got {body.n}", "n")
     if chat:

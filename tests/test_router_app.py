@@ -225,6 +225,51 @@ def test_health_answers_while_a_megabyte_prompt_is_tokenized(cluster, monkeypatc
     assert outcome[0].status_code == 400 and "maximum context length" in outcome[0].text
 
 
+REFUSED = [
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"logit_bias": {"5": 100}}, "logit_bias"),
+    ("/v1/chat/completions", {"echo": True}, "echo"),
+    ("/v1/chat/completions", {"continue_final_message": True}, "continue_final_message"),
+    ("/v1/chat/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/completions", {"best_of": 3}, "best_of"),
+    ("/v1/completions", {"suffix": " the end"}, "suffix"),
+    ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+    ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
+    ("/v1/completions", {"return_token_ids": True}, "return_token_ids"),
+    ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
+    ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+]
+# Values of the same fields that change nothing, and fields that never change the answer.
+ACCEPTED = [
+    ("/v1/chat/completions", {"response_format": {"type": "text"}, "tools": [], "logit_bias": {},
+                              "tool_choice": "none", "parallel_tool_calls": False}),
+    ("/v1/chat/completions", {"add_generation_prompt": True, "echo": False, "metadata": {"a": 1},
+                              "store": False, "service_tier": "auto", "modalities": ["text"]}),
+    ("/v1/completions", {"best_of": 1, "suffix": None, "logit_bias": None, "priority": 0,
+                         "prompt_logprobs": None, "user": "u"}),
+]  # fmt: skip
+
+
+def test_fields_that_would_change_the_answer_are_refused_not_dropped(cluster):
+    """A field pdserve does not implement is a 400 naming it, unless its value changes nothing:
+    a client asking for JSON output must not get free text without a word."""
+    base = {"model": MODEL.name, "max_tokens": 2}
+    with cluster.client() as h:
+        for path, fields, param in REFUSED:
+            body = base | ({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path
+                           else {"prompt": "hi"}) | fields  # fmt: skip
+            r = h.post(path, json=body)
+            assert r.status_code == 400, (fields, r.text)
+            assert r.json()["error"]["param"] == param
+        for path, fields in ACCEPTED:
+            body = base | ({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path
+                           else {"prompt": "hi"}) | fields  # fmt: skip
+            r = h.post(path, json=body)
+            assert r.status_code == 200, (fields, r.text)
+
+
 def test_api_key():
     with router_server(MODEL, api_key="sekret") as router:
         start_fakes(router, {}, [("d0", "decode")])
