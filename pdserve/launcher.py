@@ -55,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--control-port", type=int, default=None, help="default: --port + 1")
     parser.add_argument("--kv-transfer", default="zmq", choices=["zmq", "nixl"])
     parser.add_argument("--api-key", default=None)
+    parser.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="the router's: names the API answers to (default: the model folder's name)",
+    )
     parser.add_argument("--remote-prefill-min-tokens", type=int, default=None)
     parser.add_argument(
         "--local-prefill-overflow-tokens",
@@ -217,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if args.api_key:
         router_args += ["--api-key", args.api_key]
+    if args.served_model_name:
+        router_args += ["--served-model-name", *args.served_model_name]
     if args.remote_prefill_min_tokens is not None:
         router_args += ["--remote-prefill-min-tokens", str(args.remote_prefill_min_tokens)]
     for flag in ("heartbeat_timeout", "request_stall_timeout"):

@@ -55,8 +55,14 @@ _MAX_REQUEST_ID = 64
 
 @dataclass(slots=True)
 class RouterConfig:
-    served_model_name: str
+    served_model_name: str  # the name responses report, and the first in /v1/models
     max_model_len: int
+    # Other names requests may use: --served-model-name's others (listed in /v1/models), and
+    # the model's path (accepted, not listed), as vLLM serves a model under the path it was given.
+    model_aliases: tuple[str, ...] = ()
+    model_path_names: tuple[str, ...] = ()
+    # The model name workers register with (their model folder's name); None: the served name.
+    worker_model: str | None = None
     control: str = "tcp://127.0.0.1:8001"
     api_key: str | None = None
     heartbeat_timeout: float = 3.0
@@ -70,7 +76,11 @@ class RouterConfig:
 
 def create_app(config: RouterConfig, codec: TextCodec, eos_token_ids: frozenset[int]) -> FastAPI:
     metrics = RouterMetrics()
-    registry = WorkerRegistry(config.served_model_name, config.heartbeat_timeout)
+    registry = WorkerRegistry(
+        config.worker_model or config.served_model_name, config.heartbeat_timeout
+    )
+    listed_names = list(dict.fromkeys([config.served_model_name, *config.model_aliases]))
+    accepted_names = {*listed_names, *config.model_path_names}
     control = ControlServer(config.control, config.heartbeat_timeout)
     dispatcher = Dispatcher(
         registry,
@@ -164,7 +174,7 @@ def create_app(config: RouterConfig, codec: TextCodec, eos_token_ids: frozenset[
             raise BadRequest(message, loc[0] if loc else None) from None
 
     def check_model(name: str | None) -> None:
-        if name is not None and name != config.served_model_name:
+        if name is not None and name not in accepted_names:
             raise APIError(
                 404,
                 f"The model `{name}` does not exist. This router serves "
@@ -255,14 +265,16 @@ def create_app(config: RouterConfig, codec: TextCodec, eos_token_ids: frozenset[
             "object": "list",
             "data": [
                 {
-                    "id": config.served_model_name,
+                    "id": name,
                     "object": "model",
                     "created": 0,
                     "owned_by": "pdserve",
+                    "root": config.worker_model or config.served_model_name,
                     "max_model_len": config.max_model_len,
                     # None until a worker has registered and said.
                     "deterministic_inference": registry.deterministic,
                 }
+                for name in listed_names
             ],
         }
 

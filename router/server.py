@@ -117,7 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="model folder: tokenizer, chat template and served name (default: SmolLM2-135M)",
     )
-    p.add_argument("--served-model-name", default=None, help="default: the model folder's name")
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="names the API answers to; the first is the one responses report (default: the "
+        "model folder's name). The model's path is accepted as a name too, as vLLM serves it",
+    )
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
     p.add_argument(
         "--remote-prefill-min-tokens",
@@ -169,8 +175,13 @@ def config_from_args(args: argparse.Namespace, text: ModelText, model_path: Path
     max_len = args.max_model_len or text.max_position_embeddings
     if max_len < 2:
         raise ValueError("--max-model-len must be >= 2")
+    names = args.served_model_name or [model_path.name]
+    path_names = {str(model_path), str(model_path.resolve()), *([args.model] if args.model else [])}
     return RouterConfig(
-        served_model_name=args.served_model_name or model_path.name,
+        served_model_name=names[0],
+        model_aliases=tuple(names[1:]),
+        model_path_names=tuple(sorted(path_names - set(names))),
+        worker_model=model_path.name,
         max_model_len=max_len,
         control=args.control,
         api_key=args.api_key,

@@ -403,7 +403,7 @@ def model_text(path) -> ModelText:
 def router_server(model_path, **overrides) -> Iterator[RouterServer]:
     text = model_text(model_path)
     config = RouterConfig(
-        served_model_name=model_path.name,
+        served_model_name=overrides.pop("served_model_name", model_path.name),
         max_model_len=overrides.pop("max_model_len", 2048),
         control="tcp://127.0.0.1:0",
         # Generous: fake workers share a process (and its GIL) with the router under test.
@@ -436,7 +436,8 @@ def router_server(model_path, **overrides) -> Iterator[RouterServer]:
 
 def start_fakes(router: RouterServer, hub: dict, specs: list[tuple[str, str]], **kw) -> list:
     """Start FakeWorkers given as (worker_id, role) and wait until they are registered."""
-    model = router.app.state.config.served_model_name
+    config = router.app.state.config
+    model = config.worker_model or config.served_model_name
     workers = [FakeWorker(router.control, wid, role, model, hub, **kw) for wid, role in specs]
     for w in workers:
         w.start()

@@ -14,6 +14,7 @@ from router_fakes import FakeWorker, model_text, router_server, start_fakes
 
 from common.model.default_model import resolve_model_path
 from common.protocol import AbortRequest, DecodeRequest, PrefillRequest
+from router.server import build_parser, config_from_args
 
 MODEL = resolve_model_path(None)
 
@@ -114,6 +115,30 @@ def test_models_tokenize_detokenize_health_metrics_workers(cluster):
         assert workers["decode"][0]["metrics_url"].endswith("/metrics")
         client(cluster).completions.create(model=MODEL.name, prompt="x", max_tokens=1)
         assert "pdserve_router_decisions_total" in h.get("/metrics").text
+
+
+def test_served_model_names_aliases_and_the_model_path():
+    """`--served-model-name a b`: both are listed and answered to, responses report the first;
+    the model's path is accepted as a name too (`vllm bench serve --model PATH` sends it)."""
+    args = build_parser().parse_args(["--model", str(MODEL), "--served-model-name", "a", "b"])
+    config = config_from_args(args, model_text(MODEL), MODEL)
+    assert (config.served_model_name, config.model_aliases) == ("a", ("b",))
+    assert str(MODEL) in config.model_path_names and config.worker_model == MODEL.name
+    overrides = {
+        "served_model_name": "a",
+        "model_aliases": ("b",),
+        "model_path_names": config.model_path_names,
+        "worker_model": MODEL.name,
+    }
+    with router_server(MODEL, **overrides) as router:
+        start_fakes(router, {}, [("p0", "prefill"), ("d0", "decode")])
+        router.wait_for_workers(1, 1)
+        c = client(router)
+        assert [m.id for m in c.models.list().data] == ["a", "b"]
+        for name in ("a", "b", str(MODEL)):
+            assert c.completions.create(model=name, prompt="x", max_tokens=1).model == "a"
+        with pytest.raises(openai.NotFoundError):
+            c.completions.create(model=MODEL.name + "-other", prompt="x", max_tokens=1)
 
 
 def test_errors_are_openai_shaped(cluster):
