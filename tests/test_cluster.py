@@ -3,6 +3,7 @@ own process — driven by the official `openai` client."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -324,6 +325,64 @@ def test_a_step_longer_than_the_heartbeat_timeout_keeps_its_worker(tmp_path):
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=60)
+
+
+def test_memory_levels_off_over_bursts_of_streams(tmp_path):
+    """Three bursts of 500 concurrent streams: once the second has passed, no service's idle
+    resident memory grows by more than 10% (caches and arenas are warm by then; what grows
+    after is a leak)."""
+    folder = build_tiny_chat_model(tmp_path / "tiny-chat")
+    port = free_port_pair()
+    base = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "up", "--model", str(folder), "--port", str(port),
+         "--max-model-len", "512", "--kv-cache-memory", "64MiB", "--dtype", "float32",
+         "--remote-prefill-min-tokens", "16", "--log-level", "WARNING"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    try:
+        line = ""
+        while "pdserve is up" not in line:
+            line = process.stdout.readline()
+            assert line or process.poll() is None, "pdserve up exited"
+        children = subprocess.run(
+            ["pgrep", "-P", str(process.pid)], capture_output=True, text=True
+        ).stdout.split()
+        assert len(children) == 3
+        after = []
+        for _ in range(3):
+            asyncio.run(stream_burst(base, "tiny-chat", count=500))
+            after.append([resident_mib(pid) for pid in children])
+        for second, third in zip(after[1], after[2], strict=True):
+            assert third <= second * 1.1, after
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+
+
+async def stream_burst(base: str, model: str, count: int) -> None:
+    """``count`` streams at once, each read to its end (and checked to have finished)."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=count)) as c:
+
+        async def one(i: int) -> None:
+            body = {"model": model, "prompt": f"item {i} " * (5 + i % 40), "max_tokens": 24,
+                    "stream": True, "ignore_eos": True}  # fmt: skip
+            async with c.stream("POST", f"{base}/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                lines = [line async for line in response.aiter_lines() if line]
+            assert lines[-1] == "data: [DONE]"
+
+        await asyncio.gather(*(one(i) for i in range(count)))
+
+
+def resident_mib(pid: str) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
 
 
 def kill_busy_decode_worker(base: str, launcher_pid: int) -> str:
