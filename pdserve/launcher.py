@@ -76,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the router's: seconds of silence before a worker is taken out (default 10)",
     )
     parser.add_argument(
+        "--max-tokens-default",
+        type=int,
+        default=None,
+        help="the router's: most tokens for a chat request without max_tokens (default: the "
+        "rest of the context)",
+    )
+    parser.add_argument(
         "--request-stall-timeout",
         type=float,
         default=None,
@@ -227,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         router_args += ["--served-model-name", *args.served_model_name]
     if args.remote_prefill_min_tokens is not None:
         router_args += ["--remote-prefill-min-tokens", str(args.remote_prefill_min_tokens)]
-    for flag in ("heartbeat_timeout", "request_stall_timeout"):
+    for flag in ("heartbeat_timeout", "request_stall_timeout", "max_tokens_default"):
         if getattr(args, flag) is not None:
             router_args += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     import torch

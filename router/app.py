@@ -68,6 +68,8 @@ class RouterConfig:
     heartbeat_timeout: float = 3.0
     # Seconds a request may go without a token before it is sent again (a new attempt).
     request_stall_timeout: float = 120.0
+    # The most tokens a chat request without max_tokens gets; None: the rest of the context.
+    default_max_tokens: int | None = None
     max_retries: int = 3
     max_body_bytes: int = 4 << 20
     max_inflight: int = 4096  # sequences in flight; more -> 429
@@ -195,7 +197,7 @@ def create_app(config: RouterConfig, codec: TextCodec, eos_token_ids: frozenset[
         check_model(body.model)
         gen_request = await off_the_loop_if_large(
             request, to_generation, body, codec, config.max_model_len,
-            request.headers.get("x-session-id"),
+            request.headers.get("x-session-id"), config.default_max_tokens,
         )  # fmt: skip
         sequences = len(gen_request.prompts) * gen_request.n
         if len(dispatcher.generations) + sequences > config.max_inflight:

@@ -211,7 +211,10 @@ def to_generation(
     codec: TextCodec,
     max_model_len: int,
     session_id: str | None,
+    default_max_tokens: int | None = None,
 ) -> GenerationRequest:
+    """The checked request. A chat request without ``max_tokens`` may use the rest of the
+    context, as in vLLM, or at most ``default_max_tokens`` when the server sets it."""
     chat = isinstance(body, ChatBody)
     refuse_unsupported(body)
     if not 1 <= body.n <= MAX_N:
@@ -245,6 +248,8 @@ def to_generation(
         )
     if max_tokens is None:
         max_tokens = max_model_len - longest
+        if default_max_tokens is not None:
+            max_tokens = min(max_tokens, default_max_tokens)
     if max_tokens < 1:
         raise BadRequest(f"{max_tokens_param} must be >= 1, got {max_tokens}", max_tokens_param)
     if longest + max_tokens > max_model_len:

@@ -152,6 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a request may go without a token before it is sent again (a new attempt; "
         "it fails once --max-retries are spent)",
     )
+    p.add_argument(
+        "--max-tokens-default",
+        type=int,
+        default=None,
+        help="the most tokens a chat request without max_tokens gets (default: the rest of the "
+        "context, as vLLM)",
+    )
     p.add_argument("--max-retries", type=int, default=3, help="re-dispatches per request")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
@@ -172,6 +179,8 @@ def config_from_args(args: argparse.Namespace, text: ModelText, model_path: Path
         raise ValueError("--heartbeat-timeout and --request-stall-timeout must be > 0")
     if args.max_body_bytes < 1 or args.max_inflight < 1:
         raise ValueError("--max-body-bytes and --max-inflight must be >= 1")
+    if args.max_tokens_default is not None and args.max_tokens_default < 1:
+        raise ValueError("--max-tokens-default must be >= 1")
     max_len = args.max_model_len or text.max_position_embeddings
     if max_len < 2:
         raise ValueError("--max-model-len must be >= 2")
@@ -187,6 +196,7 @@ def config_from_args(args: argparse.Namespace, text: ModelText, model_path: Path
         api_key=args.api_key,
         heartbeat_timeout=args.heartbeat_timeout,
         request_stall_timeout=args.request_stall_timeout,
+        default_max_tokens=args.max_tokens_default,
         max_retries=args.max_retries,
         max_body_bytes=args.max_body_bytes,
         max_inflight=args.max_inflight,

@@ -22,9 +22,9 @@ class Codec(TextCodec):
         return "".join(chr(t) for t in token_ids)
 
 
-def parse(body: dict, max_len: int = 100, session: str | None = None):
+def parse(body: dict, max_len: int = 100, session: str | None = None, default=None):
     model = ChatBody if "messages" in body else CompletionBody
-    return to_generation(model.model_validate(body), Codec(), max_len, session)
+    return to_generation(model.model_validate(body), Codec(), max_len, session, default)
 
 
 def test_completion_defaults_and_prompt_forms():
@@ -81,6 +81,11 @@ def test_chat_logprobs_and_max_completion_tokens():
     # Without max_tokens, a chat request may use the rest of the context.
     g = parse({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
     assert g.params.max_tokens == 100 - 4
+    # ... unless the server caps it (--max-tokens-default); an explicit max_tokens is kept.
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert parse(chat, default=10).params.max_tokens == 10
+    assert parse(chat, default=1000).params.max_tokens == 100 - 4
+    assert parse(chat | {"max_tokens": 50}, default=10).params.max_tokens == 50
 
 
 @pytest.mark.parametrize(
