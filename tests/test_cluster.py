@@ -11,7 +11,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import openai
 import pytest
@@ -188,14 +190,14 @@ def test_sigterm_stops_every_process(tmp_path):
             os.kill(int(child), 0)
 
 
-def test_decode_worker_killed_mid_stream_migrates_and_the_stream_goes_on(tmp_path):
-    folder = build_tiny_chat_model(tmp_path / "tiny-chat")
+@contextmanager
+def launched(*flags: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`pdserve up *flags` on a free port until the block ends; yields the launcher's process
+    (its children are the services) and the router's base URL."""
     port = free_port_pair()
-    base = f"http://127.0.0.1:{port}"
     process = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "up", "--model", str(folder), "--port", str(port),
-         "--decode", "2", "--max-model-len", "1024", "--kv-cache-memory", "32MiB",
-         "--dtype", "float32", "--remote-prefill-min-tokens", "8", "--log-level", "WARNING"],
+        [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--log-level", "WARNING",
+         *flags],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -205,6 +207,18 @@ def test_decode_worker_killed_mid_stream_migrates_and_the_stream_goes_on(tmp_pat
         while "pdserve is up" not in line:
             line = process.stdout.readline()
             assert line or process.poll() is None, "pdserve up exited"
+        yield process, f"http://127.0.0.1:{port}"
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+
+
+def test_decode_worker_killed_mid_stream_migrates_and_the_stream_goes_on(tmp_path):
+    folder = build_tiny_chat_model(tmp_path / "tiny-chat")
+    flags = ("--model", str(folder), "--decode", "2", "--max-model-len", "1024",
+             "--kv-cache-memory", "32MiB", "--dtype", "float32",
+             "--remote-prefill-min-tokens", "8")  # fmt: skip
+    with launched(*flags) as (process, base):
         tokenizer = Tokenizer(folder)
         engine = LLMEngine(
             EngineConfig(model=str(folder), dtype="float32", device="cpu",
@@ -227,9 +241,6 @@ def test_decode_worker_killed_mid_stream_migrates_and_the_stream_goes_on(tmp_pat
                 killed = kill_busy_decode_worker(base, process.pid)
         assert killed is not None
         assert text == tokenizer.decode(expected)
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=60)
 
 
 def test_prefill_worker_killed_under_load_every_request_completes(tmp_path):
@@ -238,23 +249,11 @@ def test_prefill_worker_killed_under_load_every_request_completes(tmp_path):
     new id, so the abort of the first attempt cannot swallow the second), and every request
     completes with the tokens one process gives."""
     folder = build_tiny_chat_model(tmp_path / "tiny-chat")
-    port = free_port_pair()
-    base = f"http://127.0.0.1:{port}"
     # Small steps: a prompt stays on its prefill worker for several of them.
-    process = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "up", "--model", str(folder), "--port", str(port),
-         "--prefill", "2", "--max-model-len", "1024", "--kv-cache-memory", "64MiB",
-         "--dtype", "float32", "--remote-prefill-min-tokens", "8",
-         "--max-num-batched-tokens", "32", "--log-level", "WARNING"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )  # fmt: skip
-    try:
-        line = ""
-        while "pdserve is up" not in line:
-            line = process.stdout.readline()
-            assert line or process.poll() is None, "pdserve up exited"
+    flags = ("--model", str(folder), "--prefill", "2", "--max-model-len", "1024",
+             "--kv-cache-memory", "64MiB", "--dtype", "float32",
+             "--remote-prefill-min-tokens", "8", "--max-num-batched-tokens", "32")  # fmt: skip
+    with launched(*flags) as (process, base):
         tokenizer = Tokenizer(folder)
         prompts = [f"request {i}: " + LONG_PROMPT * 3 for i in range(24)]
         engine = reference_engine(folder, max_model_len=1024)
@@ -279,31 +278,16 @@ def test_prefill_worker_killed_under_load_every_request_completes(tmp_path):
         redispatched = re.search(r'^pdserve_router_redispatches_total\{kind="prefill"\} (\S+)$',
                                  metrics, re.MULTILINE)  # fmt: skip
         assert redispatched and float(redispatched.group(1)) >= 1
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=60)
 
 
 def test_a_step_longer_than_the_heartbeat_timeout_keeps_its_worker(tmp_path):
     """A worker's heartbeats go on while it computes a step, so a prefill step of 2,000 tokens
     (seconds on a CPU) under a 1-second heartbeat timeout takes no worker out, and short
     requests sent meanwhile all complete. The default model, for steps that are really long."""
-    port = free_port_pair()
-    base = f"http://127.0.0.1:{port}"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port),
-         "--heartbeat-timeout", "1", "--max-num-batched-tokens", "2048",
-         "--max-model-len", "2304", "--kv-cache-memory", "256MiB",
-         "--remote-prefill-min-tokens", "64", "--log-level", "WARNING"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )  # fmt: skip
-    try:
-        line = ""
-        while "pdserve is up" not in line:
-            line = process.stdout.readline()
-            assert line or process.poll() is None, "pdserve up exited"
+    flags = ("--heartbeat-timeout", "1", "--max-num-batched-tokens", "2048",
+             "--max-model-len", "2304", "--kv-cache-memory", "256MiB",
+             "--remote-prefill-min-tokens", "64")  # fmt: skip
+    with launched(*flags) as (_, base):
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=300)
         model = client.models.list().data[0].id
         long_prompt = [100 + (i * 7919) % 30000 for i in range(2000)]
@@ -322,9 +306,6 @@ def test_a_step_longer_than_the_heartbeat_timeout_keeps_its_worker(tmp_path):
         assert [r.choices[0].finish_reason for r in results] == ["length"] * 9
         metrics = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
         assert "pdserve_router_workers_removed_total{" not in metrics
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=60)
 
 
 def test_memory_levels_off_over_bursts_of_streams(tmp_path):
@@ -332,21 +313,9 @@ def test_memory_levels_off_over_bursts_of_streams(tmp_path):
     resident memory grows by more than 10% (caches and arenas are warm by then; what grows
     after is a leak)."""
     folder = build_tiny_chat_model(tmp_path / "tiny-chat")
-    port = free_port_pair()
-    base = f"http://127.0.0.1:{port}"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "up", "--model", str(folder), "--port", str(port),
-         "--max-model-len", "512", "--kv-cache-memory", "64MiB", "--dtype", "float32",
-         "--remote-prefill-min-tokens", "16", "--log-level", "WARNING"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )  # fmt: skip
-    try:
-        line = ""
-        while "pdserve is up" not in line:
-            line = process.stdout.readline()
-            assert line or process.poll() is None, "pdserve up exited"
+    flags = ("--model", str(folder), "--max-model-len", "512", "--kv-cache-memory", "64MiB",
+             "--dtype", "float32", "--remote-prefill-min-tokens", "16")  # fmt: skip
+    with launched(*flags) as (process, base):
         children = subprocess.run(
             ["pgrep", "-P", str(process.pid)], capture_output=True, text=True
         ).stdout.split()
@@ -357,9 +326,6 @@ def test_memory_levels_off_over_bursts_of_streams(tmp_path):
             after.append([resident_mib(pid) for pid in children])
         for second, third in zip(after[1], after[2], strict=True):
             assert third <= second * 1.1, after
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=60)
 
 
 async def stream_burst(base: str, model: str, count: int) -> None:
