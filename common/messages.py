@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import msgpack
 
 # 2: workers batch a step's token deltas into one TokenDeltas frame.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 # Control messages are small; a frame above this is refused before it is parsed. Sockets that
 # carry larger control frames (e.g. a NIXL agent's metadata) pass their own limit.

@@ -41,6 +41,18 @@ class TokenSample:
     top_logprobs: list[float] | None = None  # parallel to top_token_ids
 
 
+@dataclass(slots=True)
+class PromptTokenLogprob:
+    """A prompt token's logprob given the tokens before it, its rank in the vocabulary (1: the
+    most likely) and the most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_token_ids: list[int]  # best first
+    top_logprobs: list[float]  # parallel to top_token_ids
+
+
 # -- worker -> router --------------------------------------------------------------------------
 
 
@@ -98,6 +110,8 @@ class TokenDelta(Message):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     first: bool = False  # carries the request's first token (sent by the prefill worker)
+    # With the first token, when the request asked: prompt tokens 1.. (token 0 has no context).
+    prompt_logprobs: list[PromptTokenLogprob] | None = None
 
 
 @message("worker.token_deltas")

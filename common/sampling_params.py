@@ -45,9 +45,14 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # None: no logprobs; k: the sampled token's logprob plus the k most likely alternatives.
     logprobs: int | None = None
+    # The same for every prompt token after the first, given the tokens before it. A sequence
+    # that asks for them reads nothing from the prefix cache: every position is computed.
+    prompt_logprobs: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     min_tokens: int = 0
     ignore_eos: bool = False
+    # token id -> added to its logit before penalties and sampling (not to reported logprobs).
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     @property
     def is_greedy(self) -> bool:
@@ -78,13 +83,14 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             _check_float(name, getattr(self, name), "in [-2, 2]", lambda v: -2 <= v <= 2)
         _check_float("repetition_penalty", self.repetition_penalty, "> 0", lambda v: v > 0)
-        if self.logprobs is not None:
-            _check_int(
-                "logprobs",
-                self.logprobs,
-                f"in [0, {MAX_LOGPROBS}], or None for none",
-                lambda v: 0 <= v <= MAX_LOGPROBS,
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(
+                    name,
+                    getattr(self, name),
+                    f"in [0, {MAX_LOGPROBS}], or None for none",
+                    lambda v: 0 <= v <= MAX_LOGPROBS,
+                )
         if self.seed is not None:
             _check_int(
                 "seed",
@@ -100,19 +106,28 @@ class SamplingParams:
             )
         upper = "" if vocab_size is None else f" and < vocab_size = {vocab_size}"
         for token_id in self.stop_token_ids:
-            if not (
-                _is_int(token_id)
-                and token_id >= 0
-                and (vocab_size is None or token_id < vocab_size)
-            ):
+            if not _is_token_id(token_id, vocab_size):
                 raise ValueError(
                     f"stop_token_ids must hold integer token ids >= 0{upper}, got {token_id!r}"
                 )
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must map token ids to biases, got {self.logit_bias!r}")
+        for token_id, bias in self.logit_bias.items():
+            if not _is_token_id(token_id, vocab_size):
+                raise ValueError(
+                    f"logit_bias must have integer token ids >= 0{upper} as keys, got {token_id!r}"
+                )
+            _check_float("logit_bias", bias, "in [-100, 100]", lambda v: -100 <= v <= 100)
 
     def to_dict(self) -> dict[str, Any]:
-        """A plain dict of every field (ints, floats, bools, None, a list of ints) for msgpack."""
+        """A plain dict of every field (ints, floats, bools, None, lists) for msgpack.
+
+        ``logit_bias`` travels as ``[token_id, bias]`` pairs: msgpack peers refuse integer map
+        keys by default.
+        """
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["stop_token_ids"] = list(self.stop_token_ids)
+        d["logit_bias"] = [[token_id, bias] for token_id, bias in self.logit_bias.items()]
         return d
 
     @classmethod
@@ -138,9 +153,31 @@ class SamplingParams:
                 kwargs[name] = as_float
         if isinstance(kwargs.get("stop_token_ids"), tuple):
             kwargs["stop_token_ids"] = list(kwargs["stop_token_ids"])
+        if "logit_bias" in kwargs:
+            kwargs["logit_bias"] = _bias_from_pairs(kwargs["logit_bias"])
         params = cls(**kwargs)
         params.validate()
         return params
+
+
+def _bias_from_pairs(pairs: Any) -> dict[Any, Any]:
+    """``logit_bias`` off the wire: ``[token_id, bias]`` pairs (or a map, from a peer whose
+    decoder keeps integer keys), biases as floats where they are numbers."""
+    if isinstance(pairs, Mapping):
+        pairs = list(pairs.items())
+    if not isinstance(pairs, list | tuple) or not all(
+        isinstance(p, list | tuple) and len(p) == 2 for p in pairs
+    ):
+        raise ValueError(f"logit_bias must be a list of [token_id, bias] pairs, got {pairs!r:.80}")
+    as_floats = {token_id: _finite_float(bias) for token_id, bias in pairs}
+    return {
+        token_id: bias if as_floats[token_id] is None else as_floats[token_id]
+        for token_id, bias in pairs
+    }
+
+
+def _is_token_id(value: object, vocab_size: int | None) -> bool:
+    return _is_int(value) and value >= 0 and (vocab_size is None or value < vocab_size)
 
 
 def _is_int(value: object) -> bool:

@@ -36,15 +36,33 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render a conversation to the prompt text the model was trained on."""
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> str:
+        """Render a conversation to the prompt text the model was trained on; with
+        ``continue_final_message`` the last message is left open for the model to go on."""
         if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template")
         return self._tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
         )
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[int]:
         # The rendered template already holds the special tokens; adding BOS again would double it.
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt, continue_final_message)
         return self.encode(text, add_special_tokens=False)
+
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        """Each token as the vocabulary spells it."""
+        return self._tokenizer.convert_ids_to_tokens(token_ids)

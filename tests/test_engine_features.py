@@ -113,3 +113,76 @@ def test_corrupt_weights_are_a_clear_error(model_folder, tmp_path):
 def test_missing_folder_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         make_engine(tmp_path / "nothing-here")
+
+
+def prompt_logprobs_of(engine, prompt, params):
+    """The engine's (tokens, prompt logprobs, cached tokens) for one request."""
+    request_id = engine.add_request(prompt, params)
+    tokens, scored, cached = [], None, None
+    while engine.has_unfinished:
+        for out in engine.step():
+            assert out.request_id == request_id
+            if out.prompt_logprobs is not None:
+                assert scored is None and not tokens  # once, with the first token
+                scored = out.prompt_logprobs
+            tokens += [s.token_id for s in out.new_samples]
+            cached = out.num_cached_tokens
+    return tokens, scored, cached
+
+
+@pytest.mark.parametrize("chunk", [2048, 7], ids=["one-chunk", "chunks-of-7"])
+def test_prompt_logprobs_equal_transformers_and_skip_the_prefix_cache(model_folder, chunk):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = random_prompts(1, seed=5, min_len=40, max_len=40)[0]
+    reference = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32)
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompt])).logits[0].float()
+    expected = torch.log_softmax(logits, dim=-1)  # row p scores token p + 1
+
+    engine = make_engine(model_folder, chunk=chunk)
+    plain = engine.generate([prompt], GREEDY)[0]  # warms the prefix cache with the prompt
+    params = SamplingParams(max_tokens=16, temperature=0.0, prompt_logprobs=3)
+    tokens, scored, cached = prompt_logprobs_of(engine, prompt, params)
+    assert tokens == plain and cached == 0  # every position computed, not read from cache
+    assert [p.token_id for p in scored] == prompt[1:]
+    for position, p in enumerate(scored):
+        row = expected[position]
+        assert p.logprob == pytest.approx(row[prompt[position + 1]].item(), abs=1e-4)
+        assert p.rank == int((row > row[p.token_id] + 1e-6).sum()) + 1
+        top_ids = [t for t, _ in p.top_logprobs]
+        assert top_ids == row.topk(3).indices.tolist()
+        assert [lp for _, lp in p.top_logprobs] == pytest.approx(
+            row.topk(3).values.tolist(), abs=1e-4
+        )
+    # Asked for zero alternatives: the prompt tokens' own logprobs only.
+    _, none_top, _ = prompt_logprobs_of(
+        engine, prompt, SamplingParams(max_tokens=2, prompt_logprobs=0)
+    )
+    assert [p.top_logprobs for p in none_top] == [[]] * 39
+    # Without asking, a repeat reads the cache and nothing is scored.
+    assert prompt_logprobs_of(engine, prompt, GREEDY)[1:] == (None, 32)
+
+
+def test_prompt_logprobs_survive_preemption_once(model_folder):
+    """Sequences preempted mid-prompt are recomputed: their prompt logprobs are still reported
+    once, position by position, equal to an unpressured engine's."""
+    prompts = random_prompts(6, seed=6, min_len=30, max_len=40)
+    params = SamplingParams(max_tokens=12, temperature=0.0, prompt_logprobs=1)
+
+    def run(engine):
+        ids = [engine.add_request(p, params) for p in prompts]
+        scored = {}
+        while engine.has_unfinished:
+            for out in engine.step():
+                if out.prompt_logprobs is not None:
+                    assert out.request_id not in scored
+                    scored[out.request_id] = [(p.token_id, p.rank) for p in out.prompt_logprobs]
+        return [scored[i] for i in ids]
+
+    roomy = run(make_engine(model_folder))
+    tight = make_engine(model_folder, num_blocks=24, block_size=4, chunk=16, max_model_len=80)
+    assert run(tight) == roomy
+    assert tight.scheduler.num_preemptions > 0
+    assert [[t for t, _ in s] for s in roomy] == [p[1:] for p in prompts]

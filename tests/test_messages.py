@@ -21,7 +21,7 @@ from common.messages import (
     message,
     registered_types,
 )
-from common.protocol import TokenDelta, TokenDeltas, TokenSample
+from common.protocol import PromptTokenLogprob, TokenDelta, TokenDeltas, TokenSample
 from kvtransfer.messages import (
     FetchRequest,
     HandshakeReply,
@@ -84,13 +84,23 @@ def frame(**fields) -> bytes:
 
 
 def test_protocol_version():
-    assert PROTOCOL_VERSION == 2
+    assert PROTOCOL_VERSION == 3
 
 
 def test_round_trip_of_a_step_of_token_deltas():
     deltas = [
         TokenDelta("a", [TokenSample(5, -0.1, [5, 6], [-0.1, -2.0])], 3),
         TokenDelta("b", [TokenSample(7)], 0, "stop", 12, 4, first=True),
+        TokenDelta(
+            "c",
+            [TokenSample(9)],
+            0,
+            first=True,
+            prompt_logprobs=[
+                PromptTokenLogprob(3, -1.5, 2, [8], [-0.5]),
+                PromptTokenLogprob(4, -0.1, 1, [], []),
+            ],
+        ),
     ]
     msg = TokenDeltas(deltas)
     assert decode(encode(msg)) == msg

@@ -92,6 +92,12 @@ def test_defaults_are_valid_and_not_greedy():
         ("stop_token_ids", None),
         ("ignore_eos", 1),
         ("ignore_eos", "yes"),
+        ("prompt_logprobs", -1),
+        ("prompt_logprobs", 21),
+        ("logit_bias", {-1: 1.0}),
+        ("logit_bias", {"5": 1.0}),
+        ("logit_bias", {5: 101.0}),
+        ("logit_bias", {5: float("nan")}),
     ],
 )
 def test_bad_values_are_rejected_naming_the_field(field, value):
@@ -110,6 +116,7 @@ def test_bad_values_are_rejected_naming_the_field(field, value):
         {"repetition_penalty": 1e-3, "logprobs": 0, "seed": -(1 << 63)},
         {"logprobs": 20, "seed": (1 << 64) - 1, "min_tokens": 16, "max_tokens": 16},
         {"stop_token_ids": [0, 99], "ignore_eos": True, "top_k": 10**6},
+        {"prompt_logprobs": 0, "logit_bias": {0: -100.0, 99: 100.0}},
     ],
 )
 def test_boundary_values_are_accepted(changes):
@@ -121,6 +128,8 @@ def test_stop_token_ids_are_bounded_by_the_vocabulary():
     SamplingParams(stop_token_ids=[99]).validate(vocab_size=100)
     with pytest.raises(ValueError, match="stop_token_ids"):
         SamplingParams(stop_token_ids=[100]).validate(vocab_size=100)
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={100: 1.0}).validate(vocab_size=100)
 
 
 @pytest.mark.parametrize(
@@ -132,6 +141,9 @@ def test_stop_token_ids_are_bounded_by_the_vocabulary():
         ([("temperature", 0.5)], "mapping"),
         ("temperature=0.5", "mapping"),
         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+        ({"logit_bias": "5:1"}, "pairs"),
+        ({"logit_bias": [[5, 1.0, 2]]}, "pairs"),
+        ({"logit_bias": [["5", 1.0]]}, "logit_bias"),
     ],
 )
 def test_from_dict_rejects_malformed_payloads(payload, match):
@@ -155,6 +167,8 @@ def test_wire_round_trip_through_msgpack(use_list):
         stop_token_ids=[7, 11],
         min_tokens=3,
         ignore_eos=True,
+        prompt_logprobs=2,
+        logit_bias={7: -100.0, 300: 2.5},
     )
     wire = msgpack.unpackb(msgpack.packb(params.to_dict()), use_list=use_list)
     assert SamplingParams.from_dict(wire) == params
@@ -350,6 +364,29 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     rows = [row(output=[1], min_tokens=2, stop_token_ids=[stop], seed=s) for s in range(500)]
     tokens = token_ids(sampler.sample(logits.expand(500, -1), rows))
     assert EOS not in tokens and stop not in tokens
+
+
+def test_logit_bias_moves_sampling_but_not_reported_logprobs():
+    vocab = 8
+    logits = make_logits(3, vocab, seed=4)
+    best = logits.argmax(dim=-1).tolist()
+    sampler = Sampler(vocab, [EOS])
+    rows = [
+        row(temperature=0.0, logprobs=1, logit_bias={best[0]: -100.0}),
+        row(temperature=0.0, logprobs=1, logit_bias={6: 100.0}),
+        row(temperature=0.0, logprobs=1),  # a row without bias beside them is untouched
+    ]
+    results = sampler.sample(logits, rows)
+    raw = torch.log_softmax(logits, dim=-1)
+    second = logits[0].clone()
+    second[best[0]] = -math.inf
+    assert token_ids(results) == [int(second.argmax()), 6, best[2]]
+    for i, result in enumerate(results):
+        assert result.logprob == pytest.approx(raw[i, result.token_id].item())
+        assert result.top_logprobs[0][0] == best[i]  # alternatives from the raw logits too
+    # At temperature 1 a -100 bias makes a token unreachable, whatever its mass.
+    banned = [row(seed=s, logit_bias={best[0]: -100.0}) for s in range(300)]
+    assert best[0] not in token_ids(sampler.sample(logits[:1].expand(300, -1), banned))
 
 
 # --------------------------------------------------------------------------- penalties

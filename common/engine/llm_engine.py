@@ -26,9 +26,9 @@ from common.engine.block_manager import BlockManager
 from common.engine.kv_pool import KVLayout, KVPool
 from common.engine.memory import plan_num_blocks
 from common.engine.model_runner import ModelRunner
-from common.engine.sampler import SampledToken, Sampler
+from common.engine.sampler import PromptLogprob, SampledToken, Sampler
 from common.engine.scheduler import DecodeScheduler, PrefillScheduler, Scheduler
-from common.engine.sequence import FinishReason, Sequence
+from common.engine.sequence import FinishReason, Sequence, first_output_prompt_logprobs
 from common.engine.speculative.draft import DraftModelProposer
 from common.engine.speculative.ngram import NgramProposer
 from common.engine.speculative.speculator import Speculator
@@ -52,6 +52,8 @@ class RequestOutput:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    # With the first token, when params.prompt_logprobs asked: prompt tokens 1.. scored.
+    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 class LLMEngine:
@@ -221,6 +223,7 @@ class LLMEngine:
                 out.seq.finish_reason,
                 out.seq.num_prompt_tokens,
                 out.seq.num_cached_tokens,
+                first_output_prompt_logprobs(out.seq, len(out.new_samples)),
             )
             for out in self.scheduler.postprocess(batch, runs)
         ]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from common.engine.kv_pool import KVPool
-from common.engine.sampler import SampledToken, Sampler, SamplingRow
+from common.engine.sampler import SampledToken, Sampler, SamplingRow, prompt_logprobs
 from common.engine.scheduler import ScheduledSequence
 from common.engine.speculative.speculator import Speculator
 from common.model.llama import LlamaForCausalLM
@@ -117,6 +117,8 @@ class ModelRunner:
         inputs = self.prepare(batch, proposals)
         started = time.perf_counter()
         logits = self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices)
+        if any(item.seq.num_prompt_logprobs_due for item in batch):
+            logits = self._score_prompts(batch, proposals, logits)
         rows: list[SamplingRow] = []
         for item, proposed in zip(batch, proposals, strict=True):
             if not item.samples:
@@ -140,17 +142,52 @@ class ModelRunner:
 
     def prepare(self, batch: list[ScheduledSequence], proposals: Seq[Seq[int]]) -> ForwardInputs:
         """The forward's inputs: each sequence's next known tokens, then its proposals, with
-        logits for every position from its last known token on."""
+        logits for every position from its last known token on (and, for prompt logprobs, for
+        the chunk's prompt positions before it)."""
         runs = []
         for item, proposed in zip(batch, proposals, strict=True):
             seq, start = item.seq, item.seq.num_computed_tokens
             known = seq.token_ids[start : start + item.num_new_tokens]
-            runs.append(
-                TokenRun(
-                    known + list(proposed),
-                    start,
-                    seq.block_ids,
-                    1 + len(proposed) if item.samples else 0,
-                )
-            )
+            num_logits = _prompt_positions_to_score(item)[1]
+            num_logits += 1 + len(proposed) if item.samples else 0
+            runs.append(TokenRun(known + list(proposed), start, seq.block_ids, num_logits))
         return flatten_runs(runs, self.block_size, self.device)
+
+    def _score_prompts(
+        self, batch: list[ScheduledSequence], proposals: Seq[Seq[int]], logits: torch.Tensor
+    ) -> torch.Tensor:
+        """Record the prompt logprobs this forward computed on their sequences; returns the
+        logits rows that sample, in batch order."""
+        sampling_rows: list[int] = []
+        row = 0
+        for item, proposed in zip(batch, proposals, strict=True):
+            first, count = _prompt_positions_to_score(item)
+            if count:
+                seq = item.seq
+                # Position p's logits score prompt token p + 1.
+                targets = seq.token_ids[first + 1 : first + 1 + count]
+                seq.prompt_logprobs += prompt_logprobs(
+                    logits[row : row + count], targets, seq.params.prompt_logprobs or 0
+                )
+                row += count
+            if item.samples:
+                sampling_rows += range(row, row + 1 + len(proposed))
+                row += 1 + len(proposed)
+        return logits[sampling_rows]
+
+
+def _prompt_positions_to_score(item: ScheduledSequence) -> tuple[int, int]:
+    """(first position, count) of this step's positions whose logits score a prompt token for
+    ``prompt_logprobs``: the chunk's positions from the next unscored one up to the prompt's
+    second to last (the last one's logits choose the first output token). They end where the
+    chunk does, or just before its sampling position, so they are the run's last logits rows
+    before the sampling ones."""
+    seq = item.seq
+    if not seq.num_prompt_logprobs_due:
+        return 0, 0
+    start = seq.num_computed_tokens
+    first = len(seq.prompt_logprobs)  # the next position to score
+    end = min(start + item.num_new_tokens, seq.num_prompt_tokens - 1)
+    if first < start:  # its KV came from elsewhere (shipped): nothing here to score
+        return 0, 0
+    return first, max(0, end - first)

@@ -5,9 +5,10 @@ The order of operations is vLLM's:
 1. logprobs to report come from the raw logits (``log_softmax`` before anything below);
 2. ``min_tokens``: until a sequence has that many output tokens, its stop token ids, and EOS
    unless ``ignore_eos``, get ``-inf``;
-3. repetition, frequency and presence penalties;
-4. greedy rows (``temperature == 0``) take the argmax;
-5. the other rows are divided by their temperature, filtered by top-k, top-p and min-p, and
+3. ``logit_bias`` is added;
+4. repetition, frequency and presence penalties;
+5. greedy rows (``temperature == 0``) take the argmax;
+6. the other rows are divided by their temperature, filtered by top-k, top-p and min-p, and
    sampled.
 
 Sampling is an exponential race, ``argmax(p / E)`` with ``E ~ Exponential(1)`` drawn per token,
@@ -52,6 +53,34 @@ class SampledToken:
     # Both are set when params.logprobs is not None, and come from the raw logits.
     logprob: float | None
     top_logprobs: list[tuple[int, float]] | None  # params.logprobs (token_id, logprob), best first
+
+
+@dataclass(slots=True)
+class PromptLogprob:
+    """A prompt token's logprob given the tokens before it (raw logits), its rank among the
+    vocabulary (1: the most likely), and the most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_logprobs: list[tuple[int, float]]  # (token_id, logprob), best first
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: Sequence[int], k: int) -> list[PromptLogprob]:
+    """Each row of ``logits [n, >= V]`` scored against the prompt token that followed it."""
+    vocab_size = logits.shape[1]
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    target = torch.tensor(targets, device=logits.device)[:, None]
+    chosen = logprobs.gather(1, target)
+    ranks = (logprobs > chosen).sum(dim=-1).add_(1).tolist()
+    top_values, top_ids = logprobs.topk(min(k, vocab_size), dim=-1)
+    return [
+        PromptLogprob(token_id, logprob, rank, list(zip(ids, values, strict=True)))
+        for token_id, logprob, rank, ids, values in zip(
+            targets, chosen.squeeze(1).tolist(), ranks, top_ids.tolist(), top_values.tolist(),
+            strict=True,
+        )
+    ]  # fmt: skip
 
 
 class Sampler:
@@ -99,6 +128,7 @@ class Sampler:
             raw_logprobs = torch.log_softmax(_select(x, want_logprobs), dim=-1)
 
         self._mask_stop_tokens(x, rows)
+        _add_logit_bias(x, params)
         apply_penalties(x, rows)
 
         token_ids = torch.empty(len(rows), dtype=torch.long, device=x.device)
@@ -168,6 +198,19 @@ class Sampler:
             generator.seed()
             self._generators[device] = generator
         return generator
+
+
+def _add_logit_bias(x: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    row_index: list[int] = []
+    token_index: list[int] = []
+    bias: list[float] = []
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            row_index += [i] * len(p.logit_bias)
+            token_index += p.logit_bias.keys()
+            bias += p.logit_bias.values()
+    if row_index:
+        x[row_index, token_index] += torch.tensor(bias, device=x.device)
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:

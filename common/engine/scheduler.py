@@ -216,8 +216,11 @@ class Scheduler:
         chunk's token count, or None (nothing taken) if the pages are not there."""
         if seq.block_ids:
             return self._admit_with_pages(seq, budget)
-        # At least the last token is recomputed: its logits give the next token.
+        # At least the last token is recomputed: its logits give the next token. A prompt
+        # whose tokens are to be scored is computed whole.
         max_hit_blocks = (seq.num_tokens - 1) // self.block_size
+        if seq.num_prompt_logprobs_due:
+            max_hit_blocks = 0
         hits = self.block_manager.match_prefix(seq.token_ids, max_hit_blocks)
         num_computed = len(hits) * self.block_size
         num_new = min(seq.num_tokens - num_computed, budget)

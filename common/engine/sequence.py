@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from common.engine.sampler import SampledToken
+from common.engine.sampler import PromptLogprob, SampledToken
 from common.sampling_params import SamplingParams
 
 
@@ -47,6 +47,8 @@ class Sequence:
     finish_reason: FinishReason | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     speculation: SpeculationState = field(default_factory=SpeculationState)
+    # With params.prompt_logprobs: prompt tokens 1.. scored so far, in order.
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
 
     @classmethod
     def from_prompt(
@@ -71,5 +73,22 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def num_prompt_logprobs_due(self) -> int:
+        """Prompt tokens still to be scored for ``params.prompt_logprobs`` (0 if not asked).
+        They go out with the first output token, so once there is one none are due (a decode
+        worker continuing a shipped prompt scores nothing: its prefill worker did)."""
+        if self.params.prompt_logprobs is None or self.num_output_tokens:
+            return 0
+        return self.num_prompt_tokens - 1 - len(self.prompt_logprobs)
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+
+def first_output_prompt_logprobs(seq: Sequence, num_new: int) -> list[PromptLogprob] | None:
+    """The prompt logprobs to report with ``seq``'s ``num_new`` newest tokens: all of them when
+    those include the first output token and they were asked for, else None."""
+    if seq.params.prompt_logprobs is None or seq.num_output_tokens != num_new:
+        return None
+    return seq.prompt_logprobs

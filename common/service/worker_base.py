@@ -24,8 +24,9 @@ from collections.abc import Callable
 import zmq
 
 from common.engine.llm_engine import LLMEngine
+from common.engine.sampler import PromptLogprob
 from common.engine.scheduler import ScheduledSequence, SequenceOutput
-from common.engine.sequence import Sequence
+from common.engine.sequence import Sequence, first_output_prompt_logprobs
 from common.engine_args import add_engine_args, engine_config_from_args
 from common.messages import PROTOCOL_VERSION, Message
 from common.metrics import (
@@ -42,6 +43,7 @@ from common.protocol import (
     REREGISTER,
     CacheEvents,
     Heartbeat,
+    PromptTokenLogprob,
     RegisterAck,
     RegisterWorker,
     RequestFailed,
@@ -82,6 +84,20 @@ def sample_to_wire(sample) -> TokenSample:
     ids = [token_id for token_id, _ in sample.top_logprobs]
     logprobs = [logprob for _, logprob in sample.top_logprobs]
     return TokenSample(sample.token_id, sample.logprob, ids, logprobs)
+
+
+def prompt_logprobs_to_wire(
+    scored: list[PromptLogprob] | None,
+) -> list[PromptTokenLogprob] | None:
+    if scored is None:
+        return None
+    return [
+        PromptTokenLogprob(
+            p.token_id, p.logprob, p.rank, [t for t, _ in p.top_logprobs],
+            [lp for _, lp in p.top_logprobs],
+        )
+        for p in scored
+    ]  # fmt: skip
 
 
 class WorkerService(ABC):
@@ -282,6 +298,7 @@ class WorkerService(ABC):
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             first=first,
+            prompt_logprobs=prompt_logprobs_to_wire(first_output_prompt_logprobs(seq, num_new)),
         )
 
     def send_deltas(self, deltas: list[TokenDelta]) -> None:
