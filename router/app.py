@@ -37,7 +37,7 @@ from router.openai_api import (
     DetokenizeBody,
     TextCodec,
     TokenizeBody,
-    chat_messages,
+    encode_conversation,
     to_generation,
 )
 from router.policy import NoWorkerError, RoutingConfig
@@ -94,6 +94,7 @@ def create_app(config: RouterConfig, codec: TextCodec, eos_token_ids: frozenset[
         stall_timeout=config.request_stall_timeout,
     )
     token_text = TokenText(codec.decode, eos_token_ids)
+    load = ServerLoad()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -108,6 +109,7 @@ def create_app(config: RouterConfig, codec: TextCodec, eos_token_ids: frozenset[
     app.state.dispatcher = dispatcher
     app.state.registry = registry
     app.state.metrics = metrics
+    app.state.load = load
 
     # -- the edge: errors, auth, ids, bodies --------------------------------------------------
 
@@ -190,6 +192,20 @@ def create_app(config: RouterConfig, codec: TextCodec, eos_token_ids: frozenset[
     async def generate(
         request: Request, body_model: type[BaseModel], kind: str, path: str
     ) -> Response:
+        # /load counts a request from here until its response (or stream) has ended.
+        load.requests += 1
+        handed_to_stream = False
+        try:
+            response = await generate_counted(request, body_model, kind, path)
+            handed_to_stream = isinstance(response, StreamingResponse)
+            return response
+        finally:
+            if not handed_to_stream:
+                load.requests -= 1
+
+    async def generate_counted(
+        request: Request, body_model: type[BaseModel], kind: str, path: str
+    ) -> Response:
         arrived = time.monotonic()
         rid = request_id(request, kind)
         authorize(request)
@@ -227,7 +243,7 @@ def create_app(config: RouterConfig, codec: TextCodec, eos_token_ids: frozenset[
         if gen_request.stream:
             metrics.request_count(path, "200").inc()
             return StreamingResponse(
-                _stream(run, request), media_type="text/event-stream", headers=headers
+                _stream(run, request, load), media_type="text/event-stream", headers=headers
             )
         gone = _watch_disconnect(run, request)
         try:
@@ -310,12 +326,22 @@ def create_app(config: RouterConfig, codec: TextCodec, eos_token_ids: frozenset[
         if (body.prompt is None) == (body.messages is None):
             raise BadRequest("give exactly one of prompt or messages", "prompt")
         if body.messages is not None:
-            tokens = await off_the_loop_if_large(request, codec.encode_chat, chat_messages(body))
+            tokens = await off_the_loop_if_large(request, encode_conversation, body, codec)
         else:
             tokens = await off_the_loop_if_large(
                 request, codec.encode, body.prompt, add_special_tokens=body.add_special_tokens
             )
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": config.max_model_len}
+        return {
+            "tokens": tokens,
+            "count": len(tokens),
+            "max_model_len": config.max_model_len,
+            "token_strs": codec.token_strings(tokens) if body.return_token_strs else None,
+        }
+
+    @app.get("/load")
+    async def server_load(request: Request) -> dict:
+        authorize(request)
+        return {"server_load": load.requests}
 
     @app.post("/detokenize", openapi_extra=_body_schema(DetokenizeBody))
     async def detokenize(request: Request) -> dict:
@@ -343,7 +369,15 @@ class _DirectRoute(APIRoute):
         return self.endpoint
 
 
-async def _stream(run: Run, request: Request) -> AsyncIterator[bytes]:
+@dataclass(slots=True)
+class ServerLoad:
+    """Generation requests being answered (vLLM's ``/load``): a load balancer in front of
+    several routers reads it."""
+
+    requests: int = 0
+
+
+async def _stream(run: Run, request: Request, load: ServerLoad) -> AsyncIterator[bytes]:
     gone = _watch_disconnect(run, request)
     cause = "client_disconnected"  # unless the loop below runs to its end
     try:
@@ -358,6 +392,7 @@ async def _stream(run: Run, request: Request) -> AsyncIterator[bytes]:
     finally:
         gone.cancel()
         run.close(cause)
+        load.requests -= 1
 
 
 def _watch_disconnect(run: Run, request: Request) -> asyncio.Future:

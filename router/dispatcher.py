@@ -23,6 +23,7 @@ from common.protocol import (
     DecodeRequest,
     Heartbeat,
     PrefillRequest,
+    PromptTokenLogprob,
     RegisterAck,
     RegisterWorker,
     RequestFailed,
@@ -59,6 +60,7 @@ class Generation:
     prefill_worker: str | None = None
     decode_worker: str | None = None
     samples: list[TokenSample] = field(default_factory=list)
+    prompt_logprobs: list[PromptTokenLogprob] | None = None  # with the first token, if asked
     early: dict[int, TokenDelta] = field(default_factory=dict)  # deltas ahead of a gap
     finish_reason: str | None = None
     error: str | None = None
@@ -274,6 +276,8 @@ class Dispatcher:
         if msg.first or (msg.start_index == 0 and not gen.samples):
             # A decode worker prefilling locally may not mark its first token as ``first``.
             gen.num_cached_tokens = msg.num_cached_tokens
+            if msg.prompt_logprobs is not None:
+                gen.prompt_logprobs = msg.prompt_logprobs
             self.metrics.ttft.observe(now - gen.arrived_at)
             self.registry.on_prefilled(sender, gen.wire_id)
         if msg.start_index > len(gen.samples):

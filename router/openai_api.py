@@ -7,10 +7,12 @@ The pydantic models describe what a client may send; ``to_generation`` turns one
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any
 
+from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field
 
 from common.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
@@ -25,6 +27,8 @@ MAX_STOP_CHARS = 4096
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
+    # Usage (so far) on every chunk, not only in a final chunk of its own.
+    continuous_usage_stats: bool = False
 
 
 class _SamplingBody(BaseModel):
@@ -50,6 +54,13 @@ class _SamplingBody(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None
+    # Each prompt token's logprob given the ones before it, with this many alternatives.
+    prompt_logprobs: int | None = None
+    # vLLM's extensions: the prompt's and each choice's token ids in the response, and tokens
+    # in logprobs written as "token_id:N" (a token's text may not name it uniquely).
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
 
 
 class CompletionBody(_SamplingBody):
@@ -60,24 +71,36 @@ class CompletionBody(_SamplingBody):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    # Any role goes to the chat template, as in vLLM (templates define their own, and OpenAI
+    # still takes the deprecated "function"); the template decides what it accepts.
+    role: str = Field(min_length=1, max_length=64)
     content: str | list[dict] | None = None
     name: str | None = None
 
 
-class ChatBody(_SamplingBody):
+class _ChatTemplateFields(BaseModel):
+    # Render the assistant turn's header (the usual case), or leave the last message open so
+    # the model continues it (a prefilled answer); never both.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+class ChatBody(_SamplingBody, _ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # The answer starts with the last message's content when that message has the answer's role.
+    echo: bool = False
 
 
-class TokenizeBody(BaseModel):
+class TokenizeBody(_ChatTemplateFields):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
+    return_token_strs: bool = False
 
 
 class DetokenizeBody(BaseModel):
@@ -108,6 +131,11 @@ class GenerationRequest:
     echo: bool
     session_id: str | None
     skip_special_tokens: bool = True
+    continuous_usage: bool = False  # usage on every streamed chunk
+    return_token_ids: bool = False
+    tokens_as_ids: bool = False  # logprobs name tokens "token_id:N"
+    role: str = "assistant"  # the chat answer's role
+    echo_text: str = ""  # what a chat answer starts with (echo)
 
     def params_for_choice(self, index: int) -> SamplingParams:
         """Choice ``index`` of a prompt: a seeded request uses seed + index per choice."""
@@ -124,10 +152,19 @@ class TextCodec:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         raise NotImplementedError
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[int]:
         raise NotImplementedError
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        raise NotImplementedError
+
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        """Each token as the vocabulary spells it (byte-level marks included)."""
         raise NotImplementedError
 
 
@@ -163,13 +200,11 @@ def _unit(value: Any) -> bool:
 UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "best_of": _no_ranking,
     "suffix": _off,
-    "logit_bias": _off,
     "response_format": _plain_text,
     "tools": _off,
     "tool_choice": _no_tool_forced,
     "functions": _off,
     "function_call": _no_tool_forced,
-    "prompt_logprobs": lambda value: value is None,
     "structured_outputs": _off,
     "guided_json": _off,
     "guided_regex": _off,
@@ -181,11 +216,6 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "bad_words": _off,
     "truncate_prompt_tokens": lambda value: value is None,
     "include_stop_str_in_output": _off,
-    "return_tokens_as_token_ids": _off,
-    "return_token_ids": _off,
-    "continue_final_message": _off,
-    "add_generation_prompt": _on,
-    "echo": _off,  # on chat requests (completions take it)
     "prediction": _off,
     "audio": _off,
     "modalities": lambda value: value is None or value == ["text"],
@@ -220,7 +250,7 @@ def to_generation(
     if not 1 <= body.n <= MAX_N:
         raise BadRequest(f"n must be in [1, {MAX_N}], got {body.n}", "n")
     if chat:
-        prompts = [Prompt(codec.encode_chat(chat_messages(body)), None)]
+        prompts = [Prompt(encode_conversation(body, codec), None)]
         logprobs = _chat_logprobs(body)
         max_tokens = body.max_completion_tokens or body.max_tokens
         max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
@@ -264,6 +294,7 @@ def to_generation(
         raise BadRequest(f"at most {MAX_STOP_STRINGS} stop strings are allowed", "stop")
     if any(len(s) > MAX_STOP_CHARS for s in stop):
         raise BadRequest(f"a stop string may have at most {MAX_STOP_CHARS} characters", "stop")
+    prompt_logprobs = _prompt_logprobs(body, logprobs)
     if body.seed is not None and not SEED_MIN <= body.seed <= SEED_MAX:
         raise BadRequest("seed must fit in 64 bits", "seed")
     params = SamplingParams(
@@ -277,9 +308,11 @@ def to_generation(
         frequency_penalty=_default(body.frequency_penalty, 0.0),
         repetition_penalty=_default(body.repetition_penalty, 1.0),
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         stop_token_ids=list(body.stop_token_ids or []),
         min_tokens=body.min_tokens,
         ignore_eos=body.ignore_eos,
+        logit_bias=_logit_bias(body.logit_bias, codec.vocab_size),
     )
     try:
         params.validate(codec.vocab_size)
@@ -298,7 +331,67 @@ def to_generation(
         echo=(not chat) and body.echo,
         session_id=session_id or body.user,
         skip_special_tokens=body.skip_special_tokens,
+        # As in vLLM, usage on every chunk needs include_usage too.
+        continuous_usage=bool(
+            body.stream_options
+            and body.stream_options.include_usage
+            and body.stream_options.continuous_usage_stats
+        ),
+        return_token_ids=bool(body.return_token_ids),
+        tokens_as_ids=bool(body.return_tokens_as_token_ids),
+        **(_chat_answer(body) if chat else {}),
     )
+
+
+def encode_conversation(body: ChatBody | TokenizeBody, codec: TextCodec) -> list[int]:
+    """The conversation rendered by the chat template and tokenized."""
+    if body.continue_final_message and body.add_generation_prompt:
+        raise BadRequest(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+            "continue_final_message",
+        )
+    try:
+        return codec.encode_chat(
+            chat_messages(body), body.add_generation_prompt, body.continue_final_message
+        )
+    except (ValueError, TemplateError) as exc:
+        # A template that refuses a role or an order of turns says so by raising.
+        raise BadRequest(
+            f"the chat template cannot render these messages: {exc}", "messages"
+        ) from None
+
+
+def _chat_answer(body: ChatBody) -> dict[str, str]:
+    """The answer's role (the last message's when no generation prompt opens a new turn) and,
+    for echo, the text it starts with: the last message's, when that has the same role."""
+    messages = chat_messages(body)
+    role = "assistant" if body.add_generation_prompt else messages[-1]["role"]
+    echo = messages[-1]["content"] if body.echo and messages[-1]["role"] == role else ""
+    return {"role": role, "echo_text": echo}
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
+    """Token id -> bias added to its logit, clamped to [-100, 100] as in OpenAI's API."""
+    if not bias:
+        return {}
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise BadRequest(
+                f"logit_bias keys must be token ids, got {key!r:.40}", "logit_bias"
+            ) from None
+        if not 0 <= token_id < vocab_size:
+            raise BadRequest(
+                f"token_id(s) [{token_id}] in logit_bias contain out-of-vocab token ids "
+                f"(vocabulary size {vocab_size})",
+                "logit_bias",
+            )
+        if not math.isfinite(value):
+            raise BadRequest(f"logit_bias values must be finite, got {value}", "logit_bias")
+        out[token_id] = min(100.0, max(-100.0, float(value)))
+    return out
 
 
 def chat_messages(body: ChatBody | TokenizeBody) -> list[dict]:
@@ -313,8 +406,30 @@ def chat_messages(body: ChatBody | TokenizeBody) -> list[dict]:
                     raise BadRequest("only text content parts are supported", "messages")
                 texts.append(part["text"])
             content = "\n".join(texts)
-        messages.append({"role": m.role, "content": content or ""})
+        message = {"role": m.role, "content": content or ""}
+        if m.name is not None:
+            message["name"] = m.name
+        messages.append(message)
     return messages
+
+
+def _prompt_logprobs(body: CompletionBody | ChatBody, logprobs: int | None) -> int | None:
+    """Alternatives per prompt token, or None. A completion that echoes its prompt with logprobs
+    scores the prompt too (its logprobs then cover the prompt's tokens), as in vLLM."""
+    asked = body.prompt_logprobs
+    if asked is not None:
+        if not 0 <= asked <= MAX_LOGPROBS:
+            raise BadRequest(
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {asked}", "prompt_logprobs"
+            )
+        if body.stream and asked > 0:
+            raise BadRequest(
+                "`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs"
+            )
+        return asked
+    if isinstance(body, CompletionBody) and body.echo:
+        return logprobs
+    return None
 
 
 def _chat_logprobs(body: ChatBody) -> int | None:

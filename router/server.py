@@ -52,9 +52,20 @@ class ModelText(TextCodec):
             return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[int]:
         # The rendered template already holds the special tokens, as in Tokenizer.encode_chat.
-        return self.encode(self._tokenizer.apply_chat_template(messages), add_special_tokens=False)
+        text = self._tokenizer.apply_chat_template(
+            messages, add_generation_prompt, continue_final_message
+        )
+        return self.encode(text, add_special_tokens=False)
+
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        return self._tokenizer.token_strings(token_ids)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         if self.backend is not None:

@@ -52,9 +52,10 @@ class _Choice:
     consumed: int = 0  # samples taken from gen.samples
     text: str = ""
     finish_reason: str | None = None
-    sent_role: bool = False
+    sent_prompt_ids: bool = False
+    echoed: bool = False  # (streamed) the echoed prompt's chunk has gone out
     text_offset: int = 0
-    logprobs: list[TokenSample] = field(default_factory=list)
+    samples: list[TokenSample] = field(default_factory=list)  # kept for a whole body
 
     @property
     def done(self) -> bool:
@@ -178,66 +179,120 @@ class Run:
 
     async def body(self) -> dict:
         async for update in self.updates():
-            update.choice.logprobs.extend(update.samples)
+            update.choice.samples.extend(update.samples)
+        request = self.request
         choices = []
         for i, c in enumerate(self.choices):
-            if self.request.chat:
-                choices.append(
-                    {
-                        "index": i,
-                        "message": {"role": "assistant", "content": c.text},
-                        "logprobs": self._chat_logprobs(c.logprobs),
-                        "finish_reason": c.finish_reason,
-                    }
-                )
+            token_ids = [s.token_id for s in c.samples] if request.return_token_ids else None
+            if request.chat:
+                message = {"role": request.role, "content": request.echo_text + c.text}
+                choice = {
+                    "index": i,
+                    "message": message,
+                    "logprobs": self._chat_logprobs(c.samples),
+                    "finish_reason": c.finish_reason,
+                }
+                if token_ids is not None:
+                    choice["token_ids"] = token_ids
             else:
-                prefix = self._echo(c) if self.request.echo else ""
-                choices.append(
-                    {
-                        "index": i,
-                        "text": prefix + c.text,
-                        "logprobs": self._completion_logprobs(c, c.logprobs, len(prefix)),
-                        "finish_reason": c.finish_reason,
-                    }
-                )
-        return {
+                prefix = self._echo(c) if request.echo else ""
+                if request.echo and request.logprobs is not None:
+                    echoed, offset = self._echo_logprobs(c)
+                    generated = self._completion_logprobs(c.samples, offset)
+                    logprobs = {key: echoed[key] + generated[key] for key in echoed}
+                else:
+                    logprobs = self._completion_logprobs(c.samples, len(prefix))
+                choice = {
+                    "index": i,
+                    "text": prefix + c.text,
+                    "logprobs": logprobs,
+                    "finish_reason": c.finish_reason,
+                    "prompt_logprobs": self._prompt_logprobs(c),
+                    # vLLM's completion choices always carry both keys.
+                    "prompt_token_ids": self._prompt_ids(c) if token_ids is not None else None,
+                    "token_ids": token_ids,
+                }
+            choices.append(choice)
+        body = {
             "id": self.id,
-            "object": "chat.completion" if self.request.chat else "text_completion",
+            "object": "chat.completion" if request.chat else "text_completion",
             "created": self.created,
             "model": self.model,
             "choices": choices,
             "usage": self.usage(),
         }
+        if request.chat:
+            body["prompt_logprobs"] = self._prompt_logprobs(self.choices[0])
+            if request.return_token_ids:
+                body["prompt_token_ids"] = self.request.prompts[0].token_ids
+        return body
 
     async def sse(self) -> AsyncIterator[bytes]:
-        if self.request.chat:
-            for c in self.choices:
-                yield self._chunk(c, {"role": "assistant", "content": ""}, None, None)
-        elif self.request.echo:
-            for c in self.choices:
-                echo = self._echo(c)
-                c.text_offset = len(echo)
-                yield self._chunk(c, echo, None, None)
+        request = self.request
+        for c in self.choices:
+            # Opening chunks: the chat role (and echoed text).
+            if request.chat:
+                yield self._chunk(c, {"role": request.role, "content": ""}, None, None)
+                if request.echo_text:
+                    yield self._chunk(c, {"content": request.echo_text}, None, None)
         async for update in self.updates():
             c = update.choice
-            if self.request.chat:
+            if request.echo and not request.chat and not c.echoed:
+                # The echoed prompt goes out with the first token, which brings the prompt's
+                # logprobs (as in vLLM).
+                c.echoed = True
+                echo, logprobs = self._echo(c), None
+                c.text_offset = len(echo)
+                if request.logprobs is not None:
+                    logprobs, c.text_offset = self._echo_logprobs(c)
+                yield self._chunk(c, echo, logprobs, None)
+            ids = [s.token_id for s in update.samples]
+            if request.chat:
                 logprobs = self._chat_logprobs(update.samples)
                 delta = {"content": update.text} if update.text or not update.finished else {}
-                yield self._chunk(c, delta, logprobs, c.finish_reason)
+                yield self._chunk(c, delta, logprobs, c.finish_reason, ids)
             else:
-                logprobs = self._completion_logprobs(c, update.samples, c.text_offset)
+                logprobs = self._completion_logprobs(update.samples, c.text_offset)
                 c.text_offset += len(update.text)
-                yield self._chunk(c, update.text, logprobs, c.finish_reason)
-        if self.request.include_usage:
+                yield self._chunk(c, update.text, logprobs, c.finish_reason, ids)
+        if request.include_usage:
             yield _sse(self._envelope([], usage=self.usage()))
         yield b"data: [DONE]\n\n"
 
-    def _chunk(self, c: _Choice, payload: dict | str, logprobs: dict | None, finish: str | None):
+    def _chunk(
+        self,
+        c: _Choice,
+        payload: dict | str,
+        logprobs: dict | None,
+        finish: str | None,
+        token_ids: list[int] | None = None,
+    ) -> bytes:
+        request = self.request
         index = self.choices.index(c)
-        key = "delta" if self.request.chat else "text"
+        key = "delta" if request.chat else "text"
         choice = {"index": index, key: payload, "logprobs": logprobs, "finish_reason": finish}
-        usage = {} if not self.request.include_usage else {"usage": None}
-        return _sse(self._envelope([choice], **usage))
+        extra: dict = {}
+        if request.return_token_ids:
+            # The prompt's ids ride on a choice's first chunk (on the envelope for chat), the
+            # new tokens' ids on every chunk that has some.
+            if not c.sent_prompt_ids:
+                c.sent_prompt_ids = True
+                if request.chat:
+                    extra["prompt_token_ids"] = self._prompt_ids(c)
+                else:
+                    choice["prompt_token_ids"] = self._prompt_ids(c)
+            if token_ids is not None:
+                choice["token_ids"] = token_ids
+        if request.continuous_usage:
+            prompt_tokens = len(self._prompt_ids(c))
+            extra["usage"] = {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": c.consumed,
+                "total_tokens": prompt_tokens + c.consumed,
+            }
+        elif request.include_usage:
+            extra["usage"] = None
+        return _sse(self._envelope([choice], **extra))
 
     def _envelope(self, choices: list, **extra) -> dict:
         return {
@@ -249,16 +304,26 @@ class Run:
             **extra,
         }
 
+    def _prompt_ids(self, c: _Choice) -> list[int]:
+        return self.request.prompts[c.prompt_index].token_ids
+
     def _echo(self, c: _Choice) -> str:
+        if self.request.return_token_ids:
+            return ""  # the prompt comes back as ids instead (vLLM's rule)
         prompt = self.request.prompts[c.prompt_index]
         return prompt.text if prompt.text is not None else self.tokens.text(prompt.token_ids)
+
+    def _token_name(self, token_id: int) -> str:
+        if self.request.tokens_as_ids:
+            return f"token_id:{token_id}"
+        return self.tokens.token(token_id)
 
     def _chat_logprobs(self, samples: list[TokenSample]) -> dict | None:
         if self.request.logprobs is None:
             return None
         content = []
         for s in samples:
-            token = self.tokens.token(s.token_id)
+            token = self._token_name(s.token_id)
             content.append(
                 {
                     "token": token,
@@ -266,21 +331,26 @@ class Run:
                     "bytes": list(token.encode()),
                     "top_logprobs": [
                         {"token": t, "logprob": _lp(lp), "bytes": list(t.encode())}
-                        for t, lp in _top(self.tokens, s)
+                        for t, lp in self._alternatives(s)
                     ],
                 }
             )
         return {"content": content}
 
-    def _completion_logprobs(self, c: _Choice, samples: list[TokenSample], offset: int):
+    def _completion_logprobs(self, samples: list[TokenSample], offset: int) -> dict | None:
         if self.request.logprobs is None:
             return None
         tokens, lps, tops, offsets = [], [], [], []
         for s in samples:
-            token = self.tokens.token(s.token_id)
+            token = self._token_name(s.token_id)
             tokens.append(token)
             lps.append(_lp(s.logprob))
-            tops.append({t: _lp(lp) for t, lp in _top(self.tokens, s)})
+            # The legacy API's top_logprobs holds the sampled token too (first), then the
+            # alternatives: up to logprobs + 1 entries, so logprobs=0 gives the sampled one.
+            top = {token: _lp(s.logprob)}
+            for t, lp in self._alternatives(s):
+                top.setdefault(t, _lp(lp))
+            tops.append(top)
             offsets.append(offset)
             offset += len(token)
         return {
@@ -290,12 +360,53 @@ class Run:
             "text_offset": offsets,
         }
 
+    def _echo_logprobs(self, c: _Choice) -> tuple[dict, int]:
+        """The legacy logprobs of an echoed prompt (its first token has none: nothing comes
+        before it), and the text offset after it."""
+        scored = c.gen.prompt_logprobs or []
+        k = self.request.logprobs or 0
+        tokens, lps, tops, offsets = [], [], [], []
+        offset = 0
+        for i, token_id in enumerate(self._prompt_ids(c)):
+            token = self._token_name(token_id)
+            tokens.append(token)
+            offsets.append(offset)
+            offset += len(token)
+            p = scored[i - 1] if 0 < i <= len(scored) else None
+            if p is None:
+                lps.append(None)
+                tops.append(None)
+                continue
+            lps.append(_lp(p.logprob))
+            top = {token: _lp(p.logprob)}
+            for alt, lp in zip(p.top_token_ids[:k], p.top_logprobs[:k], strict=True):
+                top.setdefault(self._token_name(alt), _lp(lp))
+            tops.append(top)
+        block = {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops}
+        return block | {"text_offset": offsets}, offset
 
-def _top(tokens: TokenText, s: TokenSample) -> list[tuple[str, float | None]]:
-    if not s.top_token_ids:
-        return []
-    lps = s.top_logprobs or [None] * len(s.top_token_ids)
-    return [(tokens.token(t), lp) for t, lp in zip(s.top_token_ids, lps, strict=False)]
+    def _prompt_logprobs(self, c: _Choice) -> list[dict | None] | None:
+        """vLLM's ``prompt_logprobs``: per prompt token (none for the first), the token and its
+        alternatives by id, each with its logprob, rank and text."""
+        scored = c.gen.prompt_logprobs
+        if self.request.params.prompt_logprobs is None or scored is None:
+            return None
+        out: list[dict | None] = [None]
+        for p in scored:
+            entry = {str(p.token_id): self._ranked(p.token_id, p.logprob, p.rank)}
+            for rank, (alt, lp) in enumerate(zip(p.top_token_ids, p.top_logprobs, strict=True)):
+                entry.setdefault(str(alt), self._ranked(alt, lp, rank + 1))
+            out.append(entry)
+        return out
+
+    def _ranked(self, token_id: int, logprob: float, rank: int) -> dict:
+        return {"logprob": _lp(logprob), "rank": rank, "decoded_token": self._token_name(token_id)}
+
+    def _alternatives(self, s: TokenSample) -> list[tuple[str, float | None]]:
+        if not s.top_token_ids:
+            return []
+        lps = s.top_logprobs or [None] * len(s.top_token_ids)
+        return [(self._token_name(t), lp) for t, lp in zip(s.top_token_ids, lps, strict=False)]
 
 
 def _lp(value: float | None) -> float | None:

@@ -20,6 +20,8 @@ from tiny_models import build_tiny_chat_model
 
 from common.config import EngineConfig, SchedulerConfig
 from common.engine.llm_engine import LLMEngine
+from common.sampling_params import SamplingParams
+from common.tokenizer import Tokenizer
 
 STARTUP_TIMEOUT_S = 240
 
@@ -88,6 +90,18 @@ def reference_engine(folder: Path, max_model_len: int = 512) -> LLMEngine:
         EngineConfig(model=str(folder), dtype="float32", device="cpu",
                      scheduler=SchedulerConfig(max_model_len=max_model_len))
     )  # fmt: skip
+
+
+def greedy_reference(folder: Path):
+    """(generate, tokenizer) for the same model in one process: ``generate(prompt_ids,
+    max_tokens, **params)`` gives the greedy tokens the cluster's answer must equal."""
+    engine = reference_engine(folder)
+
+    def generate(prompt_ids: list[int], max_tokens: int, **params) -> list[int]:
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, **params)
+        return engine.generate([prompt_ids], sampling)[0]
+
+    return generate, Tokenizer(folder)
 
 
 def worker_metric(base: str, role: str, name: str) -> float:

@@ -17,7 +17,13 @@ from contextlib import contextmanager
 
 import openai
 import pytest
-from cluster_harness import free_port_pair, reference_engine, tiny_chat_cluster, worker_metric
+from cluster_harness import (
+    free_port_pair,
+    greedy_reference,
+    reference_engine,
+    tiny_chat_cluster,
+    worker_metric,
+)
 from tiny_models import build_tiny_chat_model
 
 from common.config import EngineConfig, SchedulerConfig
@@ -41,15 +47,7 @@ def cluster(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(cluster):
     """The same model in one process: what greedy output through the cluster must equal."""
-    _, folder, _ = cluster
-    engine = reference_engine(folder)
-    tokenizer = Tokenizer(folder)
-
-    def generate(prompt_ids: list[int], max_tokens: int) -> list[int]:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-        return engine.generate([prompt_ids], params)[0]
-
-    return generate, tokenizer
+    return greedy_reference(cluster[1])
 
 
 @pytest.mark.parametrize("prompt", [LONG_PROMPT, SHORT_PROMPT])

@@ -254,15 +254,14 @@ REFUSED = [
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
-    ("/v1/chat/completions", {"logit_bias": {"5": 100}}, "logit_bias"),
-    ("/v1/chat/completions", {"echo": True}, "echo"),
+    ("/v1/chat/completions", {"logit_bias": {"99999999": 100}}, "logit_bias"),  # out of vocab
+    ("/v1/chat/completions", {"logit_bias": {"five": 1}}, "logit_bias"),
     ("/v1/chat/completions", {"continue_final_message": True}, "continue_final_message"),
     ("/v1/chat/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
     ("/v1/completions", {"suffix": " the end"}, "suffix"),
-    ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
-    ("/v1/completions", {"return_token_ids": True}, "return_token_ids"),
     ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
     ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
 ]
