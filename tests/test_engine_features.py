@@ -131,9 +131,15 @@ def prompt_logprobs_of(engine, prompt, params):
 
 
 @pytest.mark.parametrize("chunk", [2048, 7], ids=["one-chunk", "chunks-of-7"])
-def test_prompt_logprobs_equal_transformers_and_skip_the_prefix_cache(model_folder, chunk):
+def test_prompt_logprobs_equal_transformers_and_skip_the_prefix_cache(
+    model_folder, chunk, monkeypatch
+):
     import torch
     from transformers import AutoModelForCausalLM
+
+    from common.engine import sampler
+
+    monkeypatch.setattr(sampler, "_PROMPT_ROWS_PER_SLICE", 16)  # a 40-row chunk in 3 slices
 
     prompt = random_prompts(1, seed=5, min_len=40, max_len=40)[0]
     reference = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32)

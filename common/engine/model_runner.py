@@ -166,8 +166,10 @@ class ModelRunner:
                 seq = item.seq
                 # Position p's logits score prompt token p + 1.
                 targets = seq.token_ids[first + 1 : first + 1 + count]
+                # Columns past the vocabulary are the model's padding, never a token.
+                rows = logits[row : row + count, : self.sampler.vocab_size]
                 seq.prompt_logprobs += prompt_logprobs(
-                    logits[row : row + count], targets, seq.params.prompt_logprobs or 0
+                    rows, targets, seq.params.prompt_logprobs or 0
                 )
                 row += count
             if item.samples:

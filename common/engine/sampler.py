@@ -36,6 +36,7 @@ _MASK64 = (1 << 64) - 1
 _FIRST_CANDIDATES = 64
 _WIDEN = 16
 _MAX_CANDIDATES = 1024
+_PROMPT_ROWS_PER_SLICE = 256
 
 
 @dataclass(slots=True)
@@ -68,12 +69,21 @@ class PromptLogprob:
 
 def prompt_logprobs(logits: torch.Tensor, targets: Sequence[int], k: int) -> list[PromptLogprob]:
     """Each row of ``logits [n, >= V]`` scored against the prompt token that followed it."""
-    vocab_size = logits.shape[1]
+    scored: list[PromptLogprob] = []
+    # A float32 log_softmax of a whole chunk is rows x vocabulary x 4 bytes (1 GB for 2048 rows
+    # of a 128k vocabulary): slices keep it small.
+    for start in range(0, len(targets), _PROMPT_ROWS_PER_SLICE):
+        end = min(start + _PROMPT_ROWS_PER_SLICE, len(targets))
+        scored += _score_rows(logits[start:end], targets[start:end], k)
+    return scored
+
+
+def _score_rows(logits: torch.Tensor, targets: Sequence[int], k: int) -> list[PromptLogprob]:
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     target = torch.tensor(targets, device=logits.device)[:, None]
     chosen = logprobs.gather(1, target)
     ranks = (logprobs > chosen).sum(dim=-1).add_(1).tolist()
-    top_values, top_ids = logprobs.topk(min(k, vocab_size), dim=-1)
+    top_values, top_ids = logprobs.topk(min(k, logprobs.shape[1]), dim=-1)
     return [
         PromptLogprob(token_id, logprob, rank, list(zip(ids, values, strict=True)))
         for token_id, logprob, rank, ids, values in zip(
