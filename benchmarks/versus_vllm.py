@@ -39,11 +39,32 @@ VLLM_PORT = 8100
 
 @dataclass(frozen=True)
 class Client:
+    """One `vllm bench serve` run: random prompts of ``input_len`` tokens (after a shared
+    prefix of ``prefix_len`` tokens, one of ``num_prefixes``, when that is set), at most
+    ``concurrency`` in flight, arriving at ``request_rate`` per second (None: all at once)."""
+
     name: str
     input_len: int
     output_len: int
     num_prompts: int
     concurrency: int
+    request_rate: float | None = None
+    prefix_len: int = 0
+    num_prefixes: int = 1
+
+    def dataset_args(self) -> list[str]:
+        if self.prefix_len:
+            return [
+                "--dataset-name", "prefix_repetition",
+                "--prefix-repetition-prefix-len", str(self.prefix_len),
+                "--prefix-repetition-suffix-len", str(self.input_len),
+                "--prefix-repetition-num-prefixes", str(self.num_prefixes),
+                "--prefix-repetition-output-len", str(self.output_len),
+            ]  # fmt: skip
+        return [
+            "--dataset-name", "random", "--random-input-len", str(self.input_len),
+            "--random-output-len", str(self.output_len),
+        ]  # fmt: skip
 
 
 WORKLOADS = {
@@ -97,21 +118,29 @@ def start_vllm(args, model: Path, log) -> subprocess.Popen:
     )
 
 
-def run_clients(args, clients: list[Client], port: int, served_name: str, model: Path, out: Path):
-    """Runs every client of one workload at once; returns {client name: result dict}."""
+def run_clients(
+    args,
+    clients: list[Client],
+    port: int,
+    served_name: str,
+    model: Path,
+    out: Path,
+    extra: list[str] | None = None,
+):
+    """Runs every client of one workload at once; returns {client name: result dict}.
+    ``extra`` goes to every `vllm bench serve` (e.g. ``--goodput ...``, ``--save-detailed``)."""
     running = {}
     for client in clients:
+        rate = [] if client.request_rate is None else ["--request-rate", str(client.request_rate)]
         command = [
             str(Path(args.vllm_venv) / "bin" / "vllm"), "bench", "serve", "--backend", "vllm",
             "--base-url", f"http://127.0.0.1:{port}", "--model", str(model),
             "--served-model-name", served_name, "--tokenizer", str(model),
-            "--dataset-name", "random", "--random-input-len", str(client.input_len),
-            "--random-output-len", str(client.output_len),
-            "--num-prompts", str(client.num_prompts),
+            *client.dataset_args(), "--num-prompts", str(client.num_prompts), *rate,
             "--max-concurrency", str(client.concurrency), "--ignore-eos", "--temperature", "0",
-            "--seed", "1", "--percentile-metrics", "ttft,tpot,itl",
-            "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(out),
-            "--result-filename", f"{client.name}.json",
+            "--seed", "1", "--percentile-metrics", "ttft,tpot,itl,e2el",
+            "--metric-percentiles", "50,90,99", "--save-result", "--result-dir", str(out),
+            "--result-filename", f"{client.name}.json", *(extra or []),
         ]  # fmt: skip
         log = open(out / f"{client.name}.log", "w")  # noqa: SIM115 - closed below
         running[client.name] = (subprocess.Popen(command, stdout=log, stderr=log), log)
@@ -126,8 +155,19 @@ def run_clients(args, clients: list[Client], port: int, served_name: str, model:
     return results
 
 
-def measure(args, system: str, model: Path, workdir: Path, flags: str = "") -> dict:
-    """One system's results per workload: ``vllm``, or a pdserve configuration with ``flags``."""
+def measure(
+    args,
+    system: str,
+    model: Path,
+    workdir: Path,
+    flags: str = "",
+    workloads: dict[str, list[Client]] | None = None,
+    extra: list[str] | None = None,
+) -> dict:
+    """One system's results per workload: ``vllm``, or a pdserve configuration with ``flags``.
+    ``workloads`` defaults to ``args.workloads`` of WORKLOADS; ``extra`` goes to every client."""
+    if workloads is None:
+        workloads = {name: WORKLOADS[name] for name in args.workloads}
     log = open(workdir / f"{system}-server.log", "w")  # noqa: SIM115 - closed below
     if system != "vllm":
         process, port, name = start_pdserve(args, model, log, flags), PDSERVE_PORT, model.name
@@ -138,11 +178,11 @@ def measure(args, system: str, model: Path, workdir: Path, flags: str = "") -> d
     try:
         wait_for_cluster(f"http://127.0.0.1:{port}", process, args.startup_timeout, command)
         results = {}
-        for workload in args.workloads:
+        for workload, clients in workloads.items():
             out = workdir / system / workload
             out.mkdir(parents=True)
             print(f"  {system}: {workload} ...", flush=True)
-            results[workload] = run_clients(args, WORKLOADS[workload], port, name, model, out)
+            results[workload] = run_clients(args, clients, port, name, model, out, extra)
         return results
     finally:
         stop(process)

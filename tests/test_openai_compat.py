@@ -439,3 +439,56 @@ def test_prompt_logprobs_on_chat_and_their_limits(cluster, reference):
     for bad in (-1, 21):
         with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
             complete(client, extra_body={"prompt_logprobs": bad})
+
+
+# -- clients built on the OpenAI API --------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_langchain_openai_invoke_stream_n_and_logprobs(cluster):
+    from langchain_core.messages import HumanMessage, SystemMessage
+    from langchain_openai import ChatOpenAI
+
+    client, _, base = cluster
+    expected = chat(client).choices[0].message.content
+    messages = [SystemMessage(CONVERSATION[0]["content"]), HumanMessage(CONVERSATION[1]["content"])]
+    settings = {"base_url": f"{base}/v1", "api_key": "unused", "model": MODEL, "temperature": 0}
+    llm = ChatOpenAI(max_tokens=8, extra_body={"ignore_eos": True}, **settings)
+    answer = llm.invoke(messages)
+    assert answer.content == expected
+    assert answer.usage_metadata["output_tokens"] == 8
+    assert "".join(chunk.content for chunk in llm.stream(messages)) == expected
+    result = ChatOpenAI(max_tokens=8, n=2, **settings).generate([messages])
+    assert [g.text for g in result.generations[0]] == [expected, expected]  # greedy: alike
+    scored = ChatOpenAI(max_tokens=8, logprobs=True, top_logprobs=2, **settings).invoke(messages)
+    content = scored.response_metadata["logprobs"]["content"]
+    assert len(content) == 8 and all(len(entry["top_logprobs"]) == 2 for entry in content)
+
+
+@pytest.mark.slow
+def test_litellm_openai_provider_invoke_stream_n_and_logprobs(cluster, monkeypatch):
+    # Offline: litellm would otherwise try to download its model price list at import.
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    import litellm
+
+    client, _, base = cluster
+    expected = chat(client).choices[0].message.content
+    settings = {
+        "model": f"openai/{MODEL}",
+        "api_base": f"{base}/v1",
+        "api_key": "unused",
+        "messages": CONVERSATION,
+        "max_tokens": 8,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
+    answer = litellm.completion(**settings)
+    assert answer.choices[0].message.content == expected
+    assert answer.usage.completion_tokens == 8
+    stream = litellm.completion(stream=True, **settings)
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in stream) == expected
+    several = litellm.completion(n=2, **settings)
+    assert [c.message.content for c in several.choices] == [expected, expected]
+    scored = litellm.completion(logprobs=True, top_logprobs=2, **settings)
+    content = scored.choices[0].logprobs.content
+    assert len(content) == 8 and all(len(entry.top_logprobs) == 2 for entry in content)
