@@ -50,6 +50,11 @@ SPEC_ACCEPTED_PER_STEP = Histogram(
     "Proposed tokens accepted per speculating sequence per step",
     buckets=tuple(range(16)),
 )
+AUTH_FAILURES = Counter(
+    "pdserve_auth_failures",
+    "Connections refused on an internal socket: the peer did not prove the cluster secret",
+    ["socket"],
+)
 RUNNING = Gauge("pdserve_running_requests", "Requests in the running batch")
 WAITING = Gauge("pdserve_waiting_requests", "Requests waiting to be scheduled")
 KV_USAGE = Gauge("pdserve_kv_cache_usage", "Fraction of KV pages in use")

@@ -79,6 +79,7 @@ class DecodeWorker(WorkerService):
         self.receiver = create_receiver(args.kv_transfer, self.engine.pool, self.worker_id)
         self.fetch_timeout = args.kv_fetch_timeout
         self.handoffs = self.context.socket(zmq.PULL)
+        self.auth.server(self.handoffs, "handoff")
         self.handoffs.setsockopt(zmq.LINGER, 0)
         self.handoffs.setsockopt(zmq.MAXMSGSIZE, _MAX_HANDOFF_BYTES)
         port = self.handoffs.bind_to_random_port(f"tcp://{args.host}")

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import zmq
 
+from common import cluster_auth
 from common.messages import MAX_FRAME_BYTES, Message, ProtocolError, decode, encode
 from kvtransfer.metrics import BAD_MESSAGES
 
@@ -86,6 +87,7 @@ class SideChannel:
     @classmethod
     def bind(cls, host: str, port: int, backend: str, side: str, **kwargs) -> SideChannel:
         socket = zmq.Context.instance().socket(zmq.ROUTER)
+        cluster_auth.installed().server(socket, "kv")
         socket.setsockopt(zmq.LINGER, 0)
         # Report an unroutable reply (receiver gone) instead of dropping it silently.
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -101,6 +103,7 @@ class SideChannel:
         cls, endpoint: str, backend: str, side: str, max_inbound_bytes: int, **kwargs
     ) -> SideChannel:
         socket = zmq.Context.instance().socket(zmq.DEALER)
+        cluster_auth.installed().client(socket)
         # A closed DEALER still flushes its last messages (a ReleasePages) in the background.
         socket.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
         socket.setsockopt(zmq.MAXMSGSIZE, max(max_inbound_bytes, MAX_INBOUND_FRAME_BYTES))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -20,6 +21,8 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+
+from common import cluster_auth
 
 # A worker that dies is started again (the router re-dispatches its requests meanwhile), at
 # most this many times, so a worker that cannot start does not loop for ever.
@@ -99,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="pin each worker to its own cores (default: when there is no GPU)",
+    )
+    parser.add_argument(
+        "--cluster-secret-file",
+        default=None,
+        help="the secret every process proves on the internal sockets (default: "
+        "$PDSERVE_CLUSTER_SECRET, else a new one for this cluster)",
     )
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--log-level", default="INFO")
@@ -214,6 +223,17 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, ModuleNotFoundError) as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2
+    if args.cluster_secret_file:
+        secret_flags = ["--cluster-secret-file", args.cluster_secret_file]
+    else:
+        secret_flags = []
+        # Every process started from here inherits it: the cluster's sockets admit no one else.
+        os.environ.setdefault(cluster_auth.SECRET_ENV, secrets.token_urlsafe(32))
+    try:
+        cluster_auth.load_secret(args.cluster_secret_file)
+    except ValueError as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr)
+        return 2
     control = f"tcp://{args.host}:{args.control_port or args.port + 1}"
     base_url = f"http://{args.host}:{args.port}"
     router_args = [
@@ -227,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         model,
         "--log-level",
         args.log_level.lower(),
+        *secret_flags,
     ]
     if args.api_key:
         router_args += ["--api-key", args.api_key]
@@ -257,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         args.kv_transfer,
         "--log-level",
         args.log_level,
+        *secret_flags,
     ]
     if args.max_model_len is not None:
         router_args += ["--max-model-len", str(args.max_model_len)]

@@ -211,6 +211,7 @@ class PrefillWorker(WorkerService):
         sock = self._push.get(endpoint)
         if sock is None:
             sock = self.context.socket(zmq.PUSH)
+            self.auth.client(sock)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 1000)
             sock.connect(endpoint)

@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from common.cluster_auth import ClusterAuth
 from common.protocol import ROLE_DECODE, ROLE_PREFILL
 from router.control import ControlServer
 from router.dispatcher import Dispatcher
@@ -73,6 +74,8 @@ class RouterConfig:
     max_retries: int = 3
     max_body_bytes: int = 4 << 20
     max_inflight: int = 4096  # sequences in flight; more -> 429
+    # Workers must prove it on the control socket (common/cluster_auth); None: in the clear.
+    cluster_secret: str | None = None
     routing: RoutingConfig = field(default_factory=RoutingConfig)
 
 
@@ -83,7 +86,10 @@ def create_app(config: RouterConfig, codec: TextCodec, eos_token_ids: frozenset[
     )
     listed_names = list(dict.fromkeys([config.served_model_name, *config.model_aliases]))
     accepted_names = {*listed_names, *config.model_path_names}
-    control = ControlServer(config.control, config.heartbeat_timeout)
+    auth = ClusterAuth(
+        config.cluster_secret, lambda name: metrics.auth_failures.labels(socket=name).inc()
+    )
+    control = ControlServer(config.control, config.heartbeat_timeout, auth)
     dispatcher = Dispatcher(
         registry,
         config.routing,

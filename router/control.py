@@ -15,6 +15,7 @@ import time
 
 import zmq
 
+from common.cluster_auth import ClusterAuth
 from common.messages import Message, ProtocolError, decode, encode
 from router.dispatcher import Dispatcher
 
@@ -27,8 +28,9 @@ _DRAIN_MAX = 256
 
 
 class ControlServer:
-    def __init__(self, endpoint: str, heartbeat_timeout: float):
+    def __init__(self, endpoint: str, heartbeat_timeout: float, auth: ClusterAuth):
         self.endpoint = endpoint
+        self.auth = auth
         self.heartbeat_timeout = heartbeat_timeout
         self.dispatcher: Dispatcher | None = None
         self._ctx: zmq.Context | None = None
@@ -43,6 +45,7 @@ class ControlServer:
         self.dispatcher = dispatcher
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
+        self.auth.server(self._sock, "control")
         self._sock.setsockopt(zmq.LINGER, 0)
         # Refuse oversized frames in libzmq, before they are read into memory.
         self._sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
@@ -64,6 +67,7 @@ class ControlServer:
             self._loop.remove_reader(self._sock.FD)
             self._sock.close(linger=0)
             self._sock = None
+        self.auth.close()  # its threads hold sockets of the context
         if self._ctx is not None:
             self._ctx.term()
 

@@ -49,6 +49,12 @@ class RouterMetrics:
             ["kind"],
             registry=r,
         )
+        self.auth_failures = Counter(
+            "pdserve_auth_failures",
+            "Connections refused on the control socket: the peer did not prove the cluster secret",
+            ["socket"],
+            registry=r,
+        )
         self.stalls = Counter(
             "pdserve_router_stalled_requests",
             "Requests sent again after going --request-stall-timeout seconds without a token",

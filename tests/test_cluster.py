@@ -4,6 +4,7 @@ own process — driven by the official `openai` client."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -17,6 +18,7 @@ from contextlib import contextmanager
 
 import openai
 import pytest
+import zmq
 from cluster_harness import (
     free_port_pair,
     greedy_reference,
@@ -28,6 +30,9 @@ from tiny_models import build_tiny_chat_model
 
 from common.config import EngineConfig, SchedulerConfig
 from common.engine.llm_engine import LLMEngine
+from common.messages import PROTOCOL_VERSION, encode
+from common.metrics import parse_exposition
+from common.protocol import RegisterWorker
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
 
@@ -157,6 +162,61 @@ def test_errors_are_openai_shaped(cluster):
         client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="512"):
         client.completions.create(model="tiny-chat", prompt="word " * 600, max_tokens=2)
+
+
+def test_strangers_cannot_register_or_hand_off(cluster):
+    """`pdserve up` gives its processes a cluster secret: a process without it can neither
+    register as a worker nor push a handoff; both are refused at the handshake and counted."""
+    client, _, base = cluster
+    port = int(base.rsplit(":", 1)[1])
+    with urllib.request.urlopen(f"{base}/v1/workers", timeout=10) as response:
+        before = json.loads(response.read())
+    context = zmq.Context()
+    try:
+        rogue = context.socket(zmq.DEALER)
+        rogue.setsockopt(zmq.IDENTITY, b"rogue-decode")
+        rogue.setsockopt(zmq.LINGER, 0)
+        rogue.connect(f"tcp://127.0.0.1:{port + 1}")
+        rogue.send(encode(RegisterWorker(
+            protocol_version=PROTOCOL_VERSION, worker_id="rogue-decode", role="decode",
+            model="tiny-chat", kv_layout=before["decode"][0].get("kv_layout", {}),
+            kv_transfer="zmq", num_blocks=4096, max_model_len=512,
+            metrics_url="http://127.0.0.1:1/metrics", handoff_endpoint="tcp://127.0.0.1:1",
+        )))  # fmt: skip
+        pusher = context.socket(zmq.PUSH)
+        pusher.setsockopt(zmq.LINGER, 0)
+        pusher.connect(before["decode"][0]["endpoint"])
+        pusher.send(b"not a handoff")
+
+        def refused(read_metric) -> float:
+            """The count once it is at least 1, or at a generous deadline."""
+            deadline = time.monotonic() + 30
+            while True:
+                value = read_metric()
+                if value >= 1 or time.monotonic() > deadline:
+                    return value
+                time.sleep(0.1)
+
+        router_refusals = refused(lambda: router_metric(base, "pdserve_auth_failures_total",
+                                                        socket="control"))  # fmt: skip
+        decode_refusals = refused(lambda: worker_metric(
+            base, "decode", 'pdserve_auth_failures_total{socket="handoff"}'))  # fmt: skip
+        assert router_refusals >= 1 and decode_refusals >= 1
+        assert not rogue.poll(500)  # no RegisterAck for it
+    finally:
+        context.destroy(linger=0)
+    with urllib.request.urlopen(f"{base}/v1/workers", timeout=10) as response:
+        after = json.loads(response.read())
+    assert [w["id"] for w in after["decode"]] == [w["id"] for w in before["decode"]]
+    result = client.completions.create(model="tiny-chat", prompt="Hello", max_tokens=4)
+    assert result.usage.completion_tokens >= 1
+
+
+def router_metric(base: str, name: str, **labels: str) -> float:
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as response:
+        samples = parse_exposition(response.read().decode())
+    key = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else "")
+    return samples.get(key, 0.0)
 
 
 def test_sigterm_stops_every_process(tmp_path):

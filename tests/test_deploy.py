@@ -41,7 +41,12 @@ def test_every_service_command_parses():
     for name, argv in found.items():
         assert argv[0] == "pdserve"
         args = PARSERS[argv[1]]().parse_args(argv[2:])
-        if argv[1] != "router":
+        # Every process holds the cluster secret, from a compose secret, never the environment.
+        assert args.cluster_secret_file == "/run/secrets/cluster_secret"
+        assert "cluster_secret" in compose()["services"][name]["secrets"]
+        if argv[1] == "router":
+            assert args.control == "tcp://172.28.0.10:8001"  # the cluster network only
+        else:
             # A worker advertises the address it binds: it must be its fixed cluster address.
             address = compose()["services"][name]["networks"]["cluster"]["ipv4_address"]
             assert args.host == address

@@ -7,6 +7,7 @@ import time
 
 import zmq
 
+from common.cluster_auth import ClusterAuth
 from common.messages import Message, ProtocolError, decode, encode
 from common.metrics import BAD_MESSAGES
 from common.protocol import RegisterAck, RegisterWorker
@@ -23,9 +24,12 @@ class RouterUnavailable(RuntimeError):
 
 
 class RouterLink:
-    def __init__(self, context: zmq.Context, router_address: str, worker_id: str) -> None:
+    def __init__(
+        self, context: zmq.Context, router_address: str, worker_id: str, auth: ClusterAuth
+    ) -> None:
         self.worker_id = worker_id
         self.socket = context.socket(zmq.DEALER)
+        auth.client(self.socket)
         self.socket.setsockopt(zmq.IDENTITY, worker_id.encode())
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.SNDHWM, _SEND_HWM)
@@ -48,7 +52,10 @@ class RouterLink:
                         self.heartbeat_interval = msg.heartbeat_interval
                         return
                     logger.warning("ignoring %s before registration", type(msg).__name__)
-        raise RouterUnavailable(f"no router answered at {self.router_address} in {timeout:.0f} s")
+        raise RouterUnavailable(
+            f"no router answered at {self.router_address} in {timeout:.0f} s (is it running, "
+            "and does this worker hold the same cluster secret?)"
+        )
 
     def send(self, msg: Message) -> None:
         try:

@@ -23,6 +23,8 @@ from collections.abc import Callable
 
 import zmq
 
+from common import cluster_auth
+from common.cluster_auth import ClusterAuth
 from common.engine.llm_engine import LLMEngine
 from common.engine.sampler import PromptLogprob
 from common.engine.scheduler import ScheduledSequence, SequenceOutput
@@ -30,6 +32,7 @@ from common.engine.sequence import Sequence, first_output_prompt_logprobs
 from common.engine_args import add_engine_args, engine_config_from_args
 from common.messages import PROTOCOL_VERSION, Message
 from common.metrics import (
+    AUTH_FAILURES,
     GENERATED_TOKENS,
     KV_USAGE,
     NUM_PREEMPTIONS,
@@ -74,6 +77,12 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=0, help="0: any free port")
     parser.add_argument("--kv-transfer", default="zmq", choices=["zmq", "nixl"])
     parser.add_argument("--register-timeout", type=float, default=120.0)
+    parser.add_argument(
+        "--cluster-secret-file",
+        default=None,
+        help=f"the cluster secret's file (default: ${cluster_auth.SECRET_ENV}); peers on the "
+        "internal sockets must hold it",
+    )
     parser.add_argument("--log-level", default="INFO")
     add_engine_args(parser)
 
@@ -109,8 +118,13 @@ class WorkerService(ABC):
         self.engine = LLMEngine(engine_config_from_args(args), role=self.role)
         self.scheduler = self.engine.scheduler
         self.block_manager = self.engine.block_manager
+        self.auth = ClusterAuth(
+            cluster_auth.load_secret(args.cluster_secret_file),
+            lambda name: AUTH_FAILURES.labels(socket=name).inc(),
+        )
+        cluster_auth.install(self.auth)  # the KV side channel's sockets take it from there
         self.context = zmq.Context()
-        self.link = RouterLink(self.context, args.router, self.worker_id)
+        self.link = RouterLink(self.context, args.router, self.worker_id, self.auth)
         self.metrics_url = serve_metrics(args.host, args.metrics_port)
         self._stopping = False
         self._step_io: StepIO
@@ -325,6 +339,7 @@ class WorkerService(ABC):
 
     def close(self) -> None:
         self.link.close()
+        self.auth.close()
 
 
 def worker_parser(
