@@ -10,7 +10,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from common.cluster_auth import load_secret
 from router.app import RouterConfig, create_app
+from router.http_protocol import with_read_deadline
 from router.openai_api import TextCodec
 from router.policy import RoutingConfig
 
@@ -175,6 +177,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
     p.add_argument("--max-inflight", type=int, default=4096, help="sequences; above it 429")
     p.add_argument(
+        "--request-read-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client has to send a whole request (headers and body); slower "
+        "connections are closed",
+    )
+    p.add_argument(
+        "--cluster-secret-file",
+        default=None,
+        help="the cluster secret's file (default: $PDSERVE_CLUSTER_SECRET); workers must hold it",
+    )
+    p.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"]
     )
     return p
@@ -190,6 +204,8 @@ def config_from_args(args: argparse.Namespace, text: ModelText, model_path: Path
         raise ValueError("--heartbeat-timeout and --request-stall-timeout must be > 0")
     if args.max_body_bytes < 1 or args.max_inflight < 1:
         raise ValueError("--max-body-bytes and --max-inflight must be >= 1")
+    if args.request_read_timeout <= 0:
+        raise ValueError("--request-read-timeout must be > 0")
     if args.max_tokens_default is not None and args.max_tokens_default < 1:
         raise ValueError("--max-tokens-default must be >= 1")
     max_len = args.max_model_len or text.max_position_embeddings
@@ -211,6 +227,7 @@ def config_from_args(args: argparse.Namespace, text: ModelText, model_path: Path
         max_retries=args.max_retries,
         max_body_bytes=args.max_body_bytes,
         max_inflight=args.max_inflight,
+        cluster_secret=load_secret(args.cluster_secret_file),
         routing=RoutingConfig(
             remote_prefill_min_tokens=args.remote_prefill_min_tokens,
             local_prefill_overflow_tokens=args.local_prefill_overflow_tokens,
@@ -240,5 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     # process, so they are moved out of the collector's reach.
     gc.collect()
     gc.freeze()
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,
+        http=with_read_deadline(args.request_read_timeout),
+    )
     return 0

@@ -39,6 +39,7 @@ from common.protocol import (
 )
 from common.sampling_params import SamplingParams
 from router.app import RouterConfig, create_app
+from router.http_protocol import with_read_deadline
 from router.server import ModelText
 
 HEARTBEAT = 0.1
@@ -400,7 +401,7 @@ def model_text(path) -> ModelText:
 
 
 @contextlib.contextmanager
-def router_server(model_path, **overrides) -> Iterator[RouterServer]:
+def router_server(model_path, read_timeout: float = 30.0, **overrides) -> Iterator[RouterServer]:
     text = model_text(model_path)
     config = RouterConfig(
         served_model_name=overrides.pop("served_model_name", model_path.name),
@@ -412,7 +413,14 @@ def router_server(model_path, **overrides) -> Iterator[RouterServer]:
     )
     app = create_app(config, text, text.eos_token_ids)
     server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+        uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=0,
+            log_level="warning",
+            lifespan="on",
+            http=with_read_deadline(read_timeout),
+        )
     )
     thread = threading.Thread(target=server.run, daemon=True, name="router")
     thread.start()

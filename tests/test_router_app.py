@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
+import socket
 import threading
 import time
 
@@ -304,6 +306,55 @@ def test_api_key():
         with router.client() as h:
             assert h.get("/v1/models").status_code == 401
             assert h.get("/health").status_code == 200  # probes need no key
+
+
+def test_slow_clients_are_cut_off_and_others_still_served():
+    """Connections that send their request a trickle at a time (slowloris) are closed once the
+    read deadline passes, while requests that arrive whole are answered meanwhile; headers
+    past 64 KiB are a 400."""
+    with router_server(MODEL, read_timeout=1.0) as router:
+        start_fakes(router, {}, [("d0", "decode")])
+        host, port = router.base_url.removeprefix("http://").split(":")
+        slow = []
+        for i in range(50):
+            sock = socket.create_connection((host, int(port)), timeout=30)
+            head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\n" if i % 2 else "GET /hea"
+            sock.sendall(head.encode())
+            slow.append(sock)
+        with router.client() as h:
+            assert h.get("/health").status_code == 200
+            body = {"model": MODEL.name, "prompt": "x", "max_tokens": 2}
+            assert h.post("/v1/completions", json=body).status_code == 200
+        for sock in slow:  # each is closed by the server: recv sees the end (deadline: 30 s)
+            with contextlib.suppress(ConnectionResetError):
+                assert sock.recv(1024) == b""
+            sock.close()
+        huge = socket.create_connection((host, int(port)), timeout=30)
+        huge.sendall(
+            b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (70 << 10) + b"\r\n\r\n"
+        )
+        assert huge.recv(1024).startswith(b"HTTP/1.1 400")
+        huge.close()
+
+
+def test_control_socket_admits_only_holders_of_the_cluster_secret():
+    secret = "a cluster secret of some length"
+    with router_server(MODEL, cluster_secret=secret) as router:
+        context = zmq.Context()
+        try:
+            stranger = context.socket(zmq.DEALER)  # a worker without the secret
+            stranger.setsockopt(zmq.LINGER, 0)
+            stranger.connect(router.control)
+            stranger.send(b"a registration would go here")
+            deadline = time.monotonic() + 30
+            while router.metric("pdserve_auth_failures_total", socket="control") < 1:
+                assert time.monotonic() < deadline, "the stranger's handshake was not refused"
+                time.sleep(0.05)
+        finally:
+            context.destroy(linger=0)
+        assert router.metric("pdserve_router_protocol_errors_total") == 0  # nothing got in
+        with router.client() as h:
+            assert h.get("/v1/workers").json()["decode"] == []
 
 
 def test_no_decode_worker_is_503_and_no_prefill_means_local_prefill():
