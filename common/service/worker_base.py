@@ -57,6 +57,7 @@ from common.protocol import (
 from common.sampling_params import SamplingParams
 from common.service.router_link import RouterLink
 from common.service.step_io import StepIO
+from kvtransfer.ucx_interface import pin_ucx_to_host
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +124,9 @@ class WorkerService(ABC):
             lambda name: AUTH_FAILURES.labels(socket=name).inc(),
         )
         cluster_auth.install(self.auth)  # the KV side channel's sockets take it from there
+        if args.kv_transfer == "nixl":
+            # Before the first NIXL agent starts UCX: its listeners stay on --host's interface.
+            logger.info("UCX network devices: %s", pin_ucx_to_host(args.host) or "all")
         self.context = zmq.Context()
         self.link = RouterLink(self.context, args.router, self.worker_id, self.auth)
         self.metrics_url = serve_metrics(args.host, args.metrics_port)
