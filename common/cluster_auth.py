@@ -101,10 +101,6 @@ class ClusterAuth:
                 SECRET_ENV,
             )
 
-    @property
-    def enabled(self) -> bool:
-        return self.keys is not None
-
     def server(self, socket: zmq.Socket, name: str) -> None:
         """Make ``socket`` (before it binds) accept only peers holding the secret."""
         if self.keys is None:

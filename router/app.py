@@ -38,6 +38,7 @@ from router.openai_api import (
     DetokenizeBody,
     TextCodec,
     TokenizeBody,
+    chat_messages,
     encode_conversation,
     to_generation,
 )
@@ -332,7 +333,9 @@ def create_app(config: RouterConfig, codec: TextCodec, eos_token_ids: frozenset[
         if (body.prompt is None) == (body.messages is None):
             raise BadRequest("give exactly one of prompt or messages", "prompt")
         if body.messages is not None:
-            tokens = await off_the_loop_if_large(request, encode_conversation, body, codec)
+            tokens = await off_the_loop_if_large(
+                request, encode_conversation, body, codec, chat_messages(body)
+            )
         else:
             tokens = await off_the_loop_if_large(
                 request, codec.encode, body.prompt, add_special_tokens=body.add_special_tokens

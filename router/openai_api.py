@@ -249,8 +249,9 @@ def to_generation(
     refuse_unsupported(body)
     if not 1 <= body.n <= MAX_N:
         raise BadRequest(f"n must be in [1, {MAX_N}], got {body.n}", "n")
+    messages = chat_messages(body) if chat else []
     if chat:
-        prompts = [Prompt(encode_conversation(body, codec), None)]
+        prompts = [Prompt(encode_conversation(body, codec, messages), None)]
         logprobs = _chat_logprobs(body)
         max_tokens = body.max_completion_tokens or body.max_tokens
         max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
@@ -339,21 +340,21 @@ def to_generation(
         ),
         return_token_ids=bool(body.return_token_ids),
         tokens_as_ids=bool(body.return_tokens_as_token_ids),
-        **(_chat_answer(body) if chat else {}),
+        **(_chat_answer(body, messages) if chat else {}),
     )
 
 
-def encode_conversation(body: ChatBody | TokenizeBody, codec: TextCodec) -> list[int]:
-    """The conversation rendered by the chat template and tokenized."""
+def encode_conversation(
+    body: ChatBody | TokenizeBody, codec: TextCodec, messages: list[dict]
+) -> list[int]:
+    """The conversation (``chat_messages(body)``) rendered by the chat template, tokenized."""
     if body.continue_final_message and body.add_generation_prompt:
         raise BadRequest(
             "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
             "continue_final_message",
         )
     try:
-        return codec.encode_chat(
-            chat_messages(body), body.add_generation_prompt, body.continue_final_message
-        )
+        return codec.encode_chat(messages, body.add_generation_prompt, body.continue_final_message)
     except (ValueError, TemplateError) as exc:
         # A template that refuses a role or an order of turns says so by raising.
         raise BadRequest(
@@ -361,10 +362,9 @@ def encode_conversation(body: ChatBody | TokenizeBody, codec: TextCodec) -> list
         ) from None
 
 
-def _chat_answer(body: ChatBody) -> dict[str, str]:
+def _chat_answer(body: ChatBody, messages: list[dict]) -> dict[str, str]:
     """The answer's role (the last message's when no generation prompt opens a new turn) and,
     for echo, the text it starts with: the last message's, when that has the same role."""
-    messages = chat_messages(body)
     role = "assistant" if body.add_generation_prompt else messages[-1]["role"]
     echo = messages[-1]["content"] if body.echo and messages[-1]["role"] == role else ""
     return {"role": role, "echo_text": echo}

@@ -345,12 +345,15 @@ class Run:
             token = self._token_name(s.token_id)
             tokens.append(token)
             lps.append(_lp(s.logprob))
-            # The legacy API's top_logprobs holds the sampled token too (first), then the
-            # alternatives: up to logprobs + 1 entries, so logprobs=0 gives the sampled one.
-            top = {token: _lp(s.logprob)}
-            for t, lp in self._alternatives(s):
-                top.setdefault(t, _lp(lp))
-            tops.append(top)
+            if s.logprob is None:  # an echoed prompt's first token: nothing comes before it
+                tops.append(None)
+            else:
+                # The legacy API's top_logprobs holds the sampled token too (first), then the
+                # alternatives: up to logprobs + 1 entries, so logprobs=0 gives the sampled one.
+                top = {token: _lp(s.logprob)}
+                for t, lp in self._alternatives(s):
+                    top.setdefault(t, _lp(lp))
+                tops.append(top)
             offsets.append(offset)
             offset += len(token)
         return {
@@ -361,29 +364,18 @@ class Run:
         }
 
     def _echo_logprobs(self, c: _Choice) -> tuple[dict, int]:
-        """The legacy logprobs of an echoed prompt (its first token has none: nothing comes
-        before it), and the text offset after it."""
-        scored = c.gen.prompt_logprobs or []
+        """The legacy logprobs of an echoed prompt, each token scored given those before it (the
+        first one has nothing before it), and the text offset after it."""
         k = self.request.logprobs or 0
-        tokens, lps, tops, offsets = [], [], [], []
-        offset = 0
-        for i, token_id in enumerate(self._prompt_ids(c)):
-            token = self._token_name(token_id)
-            tokens.append(token)
-            offsets.append(offset)
-            offset += len(token)
-            p = scored[i - 1] if 0 < i <= len(scored) else None
-            if p is None:
-                lps.append(None)
-                tops.append(None)
-                continue
-            lps.append(_lp(p.logprob))
-            top = {token: _lp(p.logprob)}
-            for alt, lp in zip(p.top_token_ids[:k], p.top_logprobs[:k], strict=True):
-                top.setdefault(self._token_name(alt), _lp(lp))
-            tops.append(top)
-        block = {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops}
-        return block | {"text_offset": offsets}, offset
+        scored = {
+            i + 1: TokenSample(p.token_id, p.logprob, p.top_token_ids[:k], p.top_logprobs[:k])
+            for i, p in enumerate(c.gen.prompt_logprobs or [])
+        }
+        samples = [scored.get(i, TokenSample(t)) for i, t in enumerate(self._prompt_ids(c))]
+        block = self._completion_logprobs(samples, 0)
+        assert block is not None  # the request has logprobs
+        end = block["text_offset"][-1] + len(block["tokens"][-1])
+        return block, end
 
     def _prompt_logprobs(self, c: _Choice) -> list[dict | None] | None:
         """vLLM's ``prompt_logprobs``: per prompt token (none for the first), the token and its
