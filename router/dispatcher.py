@@ -100,7 +100,10 @@ class Dispatcher:
         self.heartbeat_interval = heartbeat_interval
         self.stall_timeout = stall_timeout
         self.generations: dict[str, Generation] = {}
-        self._hash_cache: tuple[int, int, list[int]] | None = None
+        # (token ids, block size, their block hashes) of the last prompt hashed. The list itself
+        # is kept, and compared by identity: an id() alone is reused once a list is freed, and
+        # a new prompt would then get an old prompt's hashes (and be routed as if cached).
+        self._hash_cache: tuple[list[int], int, list[int]] | None = None
         self._seq = itertools.count()
 
     # -- from the HTTP side --------------------------------------------------------------------
@@ -224,11 +227,11 @@ class Dispatcher:
 
     def _hashes(self, token_ids: list[int], block_size: int) -> list[int]:
         # The n choices of one prompt are routed once, but a retry re-hashes; keep the last.
-        key = (id(token_ids), block_size)
-        if self._hash_cache is not None and self._hash_cache[:2] == key:
-            return self._hash_cache[2]
+        cached = self._hash_cache
+        if cached is not None and cached[0] is token_ids and cached[1] == block_size:
+            return cached[2]
         hashes = block_hashes(token_ids, block_size)
-        self._hash_cache = (*key, hashes)
+        self._hash_cache = (token_ids, block_size, hashes)
         return hashes
 
     def _dispatch(self, gen: Generation, decision: Decision, migrate: bool = False) -> None:

@@ -114,3 +114,22 @@ def test_decode_headroom_subtracts_dispatched_blocks():
     view = r.view().decode[0]
     assert (view.free_blocks, view.num_running) == (50, 2)
     assert r.workers["d"].describe()["metrics_url"].endswith("/metrics")
+
+
+def test_dispatcher_never_reuses_another_prompts_block_hashes():
+    """The dispatcher keeps the last prompt's hashes for its next choice or retry. A new prompt
+    whose list happens to sit where a freed one did (same id()) must be hashed afresh: with
+    stale hashes it was routed as if an old prompt's pages held it."""
+    from common.hashing import block_hashes
+    from router.dispatcher import Dispatcher
+    from router.metrics import RouterMetrics
+    from router.policy import RoutingConfig
+
+    dispatcher = Dispatcher(
+        WorkerRegistry("m", 3.0), RoutingConfig(), RouterMetrics(), lambda *_: None, 3, 1.0
+    )
+    for i in range(200):
+        tokens = [i, *range(63)]  # a new list each time, often where the last one was
+        assert dispatcher._hashes(tokens, 16) == block_hashes(tokens, 16)
+        assert dispatcher._hashes(tokens, 16) == block_hashes(tokens, 16)  # the kept copy
+        del tokens
