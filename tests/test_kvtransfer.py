@@ -475,7 +475,17 @@ def test_sender_restarted_on_the_same_endpoint_is_handshaken_again(backend):
         receiver.side.start_fetch("before", params, [0], timeout=10)
         run_until(lambda: receiver.log, sender, receiver)
         assert receiver.log.pop().ok
+        (peer_socket,) = receiver.side.poll_sockets()
+        disconnects = peer_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sender.side.close()
+        # A real restart takes seconds, long after the receiver saw the connection drop; a
+        # request sent into the dying connection in the instant before is lost with it (and
+        # its fetch times out), which is not what this test is about.
+        try:
+            assert disconnects.poll(10_000), "the receiver never saw the sender go"
+        finally:
+            peer_socket.disable_monitor()
+            disconnects.close()
         second = KVPool(layout, 4, "cpu")
         fill_pool(second, 2)
         for _ in range(100):  # the old socket lets go of the port asynchronously
