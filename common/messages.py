@@ -28,8 +28,9 @@ from typing import Any, TypeVar
 
 import msgpack
 
-# 2: workers batch a step's token deltas into one TokenDeltas frame.
-PROTOCOL_VERSION = 3
+# 2: workers batch a step's token deltas into one TokenDeltas frame. 3: logit bias and prompt
+# logprobs. 4: token deltas carry the worker's stage times.
+PROTOCOL_VERSION = 4
 
 # Control messages are small; a frame above this is refused before it is parsed. Sockets that
 # carry larger control frames (e.g. a NIXL agent's metadata) pass their own limit.

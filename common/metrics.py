@@ -55,10 +55,35 @@ AUTH_FAILURES = Counter(
     "Connections refused on an internal socket: the peer did not prove the cluster secret",
     ["socket"],
 )
-RUNNING = Gauge("pdserve_running_requests", "Requests in the running batch")
-WAITING = Gauge("pdserve_waiting_requests", "Requests waiting to be scheduled")
-KV_USAGE = Gauge("pdserve_kv_cache_usage", "Fraction of KV pages in use")
-NUM_PREEMPTIONS = Gauge("pdserve_preemptions", "Sequences preempted so far (recomputed later)")
+# Names and bucket edges follow vLLM's where it has the same quantity (vllm:num_requests_running
+# is pdserve_num_requests_running): its users' dashboards and alerts carry over.
+RUNNING = Gauge("pdserve_num_requests_running", "Requests in the running batch")
+WAITING = Gauge(
+    "pdserve_num_requests_waiting",
+    "Requests waiting to be scheduled (decode: and those waiting for their KV pages)",
+)
+KV_USAGE = Gauge("pdserve_kv_cache_usage_perc", "Fraction of KV pages in use, 0 to 1")
+NUM_PREEMPTIONS = Counter(
+    "pdserve_num_preemptions", "Sequences preempted (their KV freed, recomputed later)"
+)
+STEP_SECONDS = Histogram(
+    "pdserve_step_seconds",
+    "One engine step: schedule, forward, sample, postprocess",
+    buckets=(
+        0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+        2.5, 5.0, 10.0, 20.0,
+    ),
+)  # fmt: skip
+STEP_BATCH_SIZE = Histogram(
+    "pdserve_step_batch_size",
+    "Sequences in one engine step",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
+)
+ITERATION_TOKENS = Histogram(
+    "pdserve_iteration_tokens_total",
+    "Tokens one engine step ran through the model (prompt chunks, decodes, speculative rows)",
+    buckets=(1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384),
+)
 
 
 def parse_exposition(text: str) -> dict[str, float]:

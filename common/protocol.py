@@ -53,6 +53,18 @@ class PromptTokenLogprob:
     top_logprobs: list[float]  # parallel to top_token_ids
 
 
+@dataclass(slots=True)
+class StageTimes:
+    """Where a request's time went on one worker, in seconds (the router turns them into its
+    latency histograms). Durations, not timestamps: the hosts' clocks need not agree. A field is
+    None when the delta that carries it is not the one that ends that stage."""
+
+    queue_s: float | None = None  # admitted by the scheduler -> first scheduled
+    prefill_s: float | None = None  # first scheduled -> first token sampled
+    handoff_s: float | None = None  # decode: prefill finished -> every page here (wall clocks)
+    decode_queue_s: float | None = None  # decode: every page here -> first decode step
+
+
 # -- worker -> router --------------------------------------------------------------------------
 
 
@@ -112,6 +124,8 @@ class TokenDelta(Message):
     first: bool = False  # carries the request's first token (sent by the prefill worker)
     # With the first token, when the request asked: prompt tokens 1.. (token 0 has no context).
     prompt_logprobs: list[PromptTokenLogprob] | None = None
+    # With the first token a worker produces for the request: how long its stages took there.
+    timings: StageTimes | None = None
 
 
 @message("worker.token_deltas")

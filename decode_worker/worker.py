@@ -349,7 +349,8 @@ class DecodeWorker(WorkerService):
             self._prefill_locally(seq)
             return
         if pending.handoff.prefill_done_at > 0:
-            KV_HANDOFF_SECONDS.observe(max(0.0, time.time() - pending.handoff.prefill_done_at))
+            seq.handoff_wait_s = max(0.0, time.time() - pending.handoff.prefill_done_at)
+            KV_HANDOFF_SECONDS.observe(seq.handoff_wait_s)
         try:
             self.scheduler.admit_prefilled(seq, pending.dst_block_ids)
         except ValueError as exc:

@@ -91,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the router's: seconds without a token before a request is sent again (default 120)",
     )
+    parser.add_argument(
+        "--slo-ttft-ms", type=float, default=None, help="the router's goodput TTFT objective"
+    )
+    parser.add_argument(
+        "--slo-tpot-ms", type=float, default=None, help="the router's goodput TPOT objective"
+    )
     # Flags of one role only; the rest of the unknown flags go to every worker.
     prefill = parser.add_argument_group("prefill workers")
     prefill.add_argument("--kv-lease-seconds", type=float, default=None)
@@ -255,7 +261,11 @@ def main(argv: list[str] | None = None) -> int:
         router_args += ["--served-model-name", *args.served_model_name]
     if args.remote_prefill_min_tokens is not None:
         router_args += ["--remote-prefill-min-tokens", str(args.remote_prefill_min_tokens)]
-    for flag in ("heartbeat_timeout", "request_stall_timeout", "max_tokens_default"):
+    router_flags = (
+        "heartbeat_timeout", "request_stall_timeout", "max_tokens_default", "slo_ttft_ms",
+        "slo_tpot_ms",
+    )  # fmt: skip
+    for flag in router_flags:
         if getattr(args, flag) is not None:
             router_args += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     import torch

@@ -44,6 +44,7 @@ from router.openai_api import (
 )
 from router.policy import NoWorkerError, RoutingConfig
 from router.registry import WorkerRegistry
+from router.request_metrics import ServiceLevel
 from router.serving import Run, TokenText
 
 logger = logging.getLogger(__name__)
@@ -78,10 +79,11 @@ class RouterConfig:
     # Workers must prove it on the control socket (common/cluster_auth); None: in the clear.
     cluster_secret: str | None = None
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    slo: ServiceLevel = field(default_factory=ServiceLevel)  # what counts as goodput
 
 
 def create_app(config: RouterConfig, codec: TextCodec, eos_token_ids: frozenset[int]) -> FastAPI:
-    metrics = RouterMetrics()
+    metrics = RouterMetrics(config.slo)
     registry = WorkerRegistry(
         config.worker_model or config.served_model_name, config.heartbeat_timeout
     )

@@ -69,6 +69,12 @@ class Generation:
     retries: int = 0
     finished_at: float | None = None
     progressed_at: float = 0.0  # when it was last dispatched or last got a token
+    # time.monotonic() of its latest dispatch, first token and latest token; the prefilling
+    # worker's compute time (all for the latency metrics).
+    dispatched_at: float = 0.0
+    first_token_at: float | None = None
+    last_token_at: float = 0.0
+    prefill_s: float | None = None
 
     @property
     def wire_id(self) -> str:
@@ -125,6 +131,7 @@ class Dispatcher:
             return
         # Counted before the workers hear of it: whoever sees the abort also sees the count.
         self.metrics.abort_count(cause).inc()
+        self._record_end(gen, "stop" if cause == "stop_string" else "abort", time.monotonic())
         for worker_id in {gen.prefill_worker, gen.decode_worker} - {None}:
             state = self.registry.workers.get(worker_id)
             if state is not None and gen.wire_id in state.inflight:
@@ -236,7 +243,10 @@ class Dispatcher:
 
     def _dispatch(self, gen: Generation, decision: Decision, migrate: bool = False) -> None:
         now = time.monotonic()
+        if gen.retries == 0:
+            self.metrics.request.dispatched(now - gen.arrived_at)
         gen.progressed_at = now
+        gen.dispatched_at = now
         gen.prefill_worker = decision.prefill_worker_id
         gen.decode_worker = decision.decode_worker_id
         params = gen.params.to_dict()
@@ -281,14 +291,16 @@ class Dispatcher:
             gen.num_cached_tokens = msg.num_cached_tokens
             if msg.prompt_logprobs is not None:
                 gen.prompt_logprobs = msg.prompt_logprobs
-            self.metrics.ttft.observe(now - gen.arrived_at)
+            self._record_first_token(gen, msg, now)
             self.registry.on_prefilled(sender, gen.wire_id)
+        elif msg.timings is not None:
+            self.metrics.request.decode_stages(msg.timings)
         if msg.start_index > len(gen.samples):
             gen.early[msg.start_index] = msg
             return
-        self._apply(gen, msg)
+        self._apply(gen, msg, now)
         while len(gen.samples) in gen.early:
-            self._apply(gen, gen.early.pop(len(gen.samples)))
+            self._apply(gen, gen.early.pop(len(gen.samples)), now)
         if (
             sender == gen.prefill_worker
             and msg.first
@@ -299,14 +311,44 @@ class Dispatcher:
             self.registry.on_released(gen.prefill_worker, gen.wire_id)
         if gen.finish_reason is not None:
             gen.finished_at = now
+            self._record_end(gen, gen.finish_reason, now)
             self._release(gen)
         gen.sink.put_nowait(gen.index)
 
-    def _apply(self, gen: Generation, msg: TokenDelta) -> None:
+    def _apply(self, gen: Generation, msg: TokenDelta, now: float) -> None:
         skip = len(gen.samples) - msg.start_index  # a migrated request may resend a few
-        gen.samples.extend(msg.samples[skip:] if skip > 0 else msg.samples)
+        new = msg.samples[skip:] if skip > 0 else msg.samples
+        if new:
+            since_last = now - gen.last_token_at if gen.samples else None
+            gen.samples.extend(new)
+            gen.last_token_at = now
+            self.metrics.request.tokens(len(new), since_last)
         if msg.finish_reason is not None:
             gen.finish_reason = msg.finish_reason
+
+    def _record_first_token(self, gen: Generation, msg: TokenDelta, now: float) -> None:
+        gen.first_token_at = now
+        if msg.timings is not None:
+            gen.prefill_s = msg.timings.prefill_s
+        self.metrics.request.first_token(
+            ttft_s=now - gen.arrived_at,
+            router_queue_s=gen.dispatched_at - gen.arrived_at,
+            since_dispatch_s=now - gen.dispatched_at,
+            times=msg.timings,
+            num_prompt_tokens=len(gen.prompt_token_ids),
+            num_cached_tokens=msg.num_cached_tokens,
+        )
+
+    def _record_end(self, gen: Generation, reason: str, now: float) -> None:
+        first = gen.first_token_at
+        self.metrics.request.ended(
+            reason,
+            e2e_s=now - gen.arrived_at,
+            ttft_s=None if first is None else first - gen.arrived_at,
+            decode_s=0.0 if first is None else gen.last_token_at - first,
+            num_generated=len(gen.samples),
+            prefill_s=gen.prefill_s,
+        )
 
     def _on_failed(self, sender: str, msg: RequestFailed) -> None:
         gen = self.generations.get(msg.request_id)
@@ -351,6 +393,7 @@ class Dispatcher:
     def _fail(self, gen: Generation, error: str, status: int) -> None:
         gen.error = error
         gen.error_status = status
+        self._record_end(gen, "error", time.monotonic())
         self._release(gen)
         gen.sink.put_nowait(gen.index)
 

@@ -8,6 +8,8 @@ from functools import lru_cache
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
 
+from router.request_metrics import RequestMetrics, ServiceLevel
+
 # Fine buckets below a millisecond: the router's own time per request is the figure of merit.
 _OVERHEAD_BUCKETS = (
     25e-6, 50e-6, 75e-6, 100e-6, 150e-6, 200e-6, 300e-6, 400e-6, 500e-6, 750e-6,
@@ -16,7 +18,8 @@ _OVERHEAD_BUCKETS = (
 
 
 class RouterMetrics:
-    def __init__(self) -> None:
+    def __init__(self, slo: ServiceLevel | None = None) -> None:
+        slo = slo or ServiceLevel()
         self.registry = CollectorRegistry()
         r = self.registry
         self.decisions = Counter(
@@ -76,11 +79,8 @@ class RouterMetrics:
             buckets=_OVERHEAD_BUCKETS,
             registry=r,
         )
-        self.ttft = Histogram(
-            "pdserve_router_time_to_first_token_seconds",
-            "Request arrival to first token",
-            registry=r,
-        )
+        # Request latencies and tokens, vLLM's quantities under pdserve_; SLO goodput.
+        self.request = RequestMetrics(r, slo)
         # ``labels()`` takes a lock and checks its arguments on every call; the label sets are
         # few and fixed, so the hot paths keep each child once it exists.
         self.request_count = _children(self.requests)

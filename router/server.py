@@ -15,6 +15,7 @@ from router.app import RouterConfig, create_app
 from router.http_protocol import with_read_deadline
 from router.openai_api import TextCodec
 from router.policy import RoutingConfig
+from router.request_metrics import ServiceLevel
 
 DEFAULT_CONTROL = "tcp://127.0.0.1:8001"  # the HTTP port plus one, by convention
 
@@ -184,6 +185,16 @@ def build_parser() -> argparse.ArgumentParser:
         "connections are closed",
     )
     p.add_argument(
+        "--slo-ttft-ms",
+        type=float,
+        default=None,
+        help="time-to-first-token objective: finished requests within it (and --slo-tpot-ms) "
+        "count in pdserve_request_goodput_total",
+    )
+    p.add_argument(
+        "--slo-tpot-ms", type=float, default=None, help="time-per-output-token objective"
+    )
+    p.add_argument(
         "--cluster-secret-file",
         default=None,
         help="the cluster secret's file (default: $PDSERVE_CLUSTER_SECRET); workers must hold it",
@@ -208,6 +219,10 @@ def config_from_args(args: argparse.Namespace, text: ModelText, model_path: Path
         raise ValueError("--request-read-timeout must be > 0")
     if args.max_tokens_default is not None and args.max_tokens_default < 1:
         raise ValueError("--max-tokens-default must be >= 1")
+    for name in ("slo_ttft_ms", "slo_tpot_ms"):
+        value = getattr(args, name)
+        if value is not None and not 0 < value < float("inf"):
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive number of ms")
     max_len = args.max_model_len or text.max_position_embeddings
     if max_len < 2:
         raise ValueError("--max-model-len must be >= 2")
@@ -228,6 +243,10 @@ def config_from_args(args: argparse.Namespace, text: ModelText, model_path: Path
         max_body_bytes=args.max_body_bytes,
         max_inflight=args.max_inflight,
         cluster_secret=load_secret(args.cluster_secret_file),
+        slo=ServiceLevel(
+            ttft_s=None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1000,
+            tpot_s=None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1000,
+        ),
         routing=RoutingConfig(
             remote_prefill_min_tokens=args.remote_prefill_min_tokens,
             local_prefill_overflow_tokens=args.local_prefill_overflow_tokens,

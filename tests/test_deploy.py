@@ -1,9 +1,9 @@
 """deploy/: every pdserve command in docker-compose parses with the real CLI, and Prometheus
-scrapes the ports the services listen on."""
+scrapes the ports the services listen on. (The dashboard's and alert rules' metrics are checked
+against a running cluster in test_metrics_documented.py.)"""
 
 from __future__ import annotations
 
-import json
 import re
 import shlex
 from pathlib import Path
@@ -63,16 +63,3 @@ def test_prometheus_scrapes_every_service_port():
         port = argv[argv.index("--port") + 1] if "--port" in argv else None
         port = port or argv[argv.index("--metrics-port") + 1]
         assert f"{address}:{port}" in targets
-
-
-def test_dashboard_queries_only_exported_metrics():
-    dashboard = json.loads((DEPLOY / "grafana/dashboards/pdserve.json").read_text())
-    root = Path(__file__).resolve().parent.parent
-    exported = set()
-    for package in ("common", "kvtransfer", "router"):
-        exported |= set(re.findall(r'"(pdserve_\w+)"', (root / package / "metrics.py").read_text()))
-    for panel in dashboard["panels"]:
-        for target in panel["targets"]:
-            for name in re.findall(r"pdserve_\w+", target["expr"]):
-                base = re.sub(r"_(total|bucket|sum|count)$", "", name)
-                assert base in exported, f"{panel['title']}: {name} is not exported"

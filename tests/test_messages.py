@@ -84,7 +84,7 @@ def frame(**fields) -> bytes:
 
 
 def test_protocol_version():
-    assert PROTOCOL_VERSION == 3
+    assert PROTOCOL_VERSION == 4
 
 
 def test_round_trip_of_a_step_of_token_deltas():

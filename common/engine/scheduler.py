@@ -21,6 +21,7 @@ its first token, keeping its pages for the handoff until ``release``.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -89,6 +90,7 @@ class Scheduler:
                 f"the prompt has {seq.num_tokens} tokens, but the maximum model length is "
                 f"{self.max_model_len} (prompt plus at least one generated token)"
             )
+        seq.queued_time = time.monotonic()
         self.waiting.append(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
@@ -146,6 +148,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
             batch.append(ScheduledSequence.of(seq, num_new))
             budget -= num_new

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 from common.engine.sampler import PromptLogprob, SampledToken
@@ -45,7 +44,12 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
-    arrival_time: float = field(default_factory=time.monotonic)
+    # time.monotonic() when the scheduler took it (again, after a handoff), and when it first
+    # ran: the worker reports the wait and the prefill from them.
+    queued_time: float | None = None
+    first_scheduled_time: float | None = None
+    # Decode, after a handoff: prefill finished -> every page here; reported with its first step.
+    handoff_wait_s: float | None = None
     speculation: SpeculationState = field(default_factory=SpeculationState)
     # With params.prompt_logprobs: prompt tokens 1.. scored so far, in order.
     prompt_logprobs: list[PromptLogprob] = field(default_factory=list)

@@ -34,11 +34,14 @@ from common.messages import PROTOCOL_VERSION, Message
 from common.metrics import (
     AUTH_FAILURES,
     GENERATED_TOKENS,
+    ITERATION_TOKENS,
     KV_USAGE,
     NUM_PREEMPTIONS,
     PREFIX_CACHE_HIT_TOKENS,
     PROMPT_TOKENS_COMPUTED,
     RUNNING,
+    STEP_BATCH_SIZE,
+    STEP_SECONDS,
     WAITING,
     serve_metrics,
 )
@@ -50,6 +53,7 @@ from common.protocol import (
     RegisterAck,
     RegisterWorker,
     RequestFailed,
+    StageTimes,
     TokenDelta,
     TokenDeltas,
     TokenSample,
@@ -110,6 +114,21 @@ def prompt_logprobs_to_wire(
     ]  # fmt: skip
 
 
+def stage_times(seq: Sequence, num_new: int) -> StageTimes | None:
+    """What to tell the router of ``seq``'s stages here with its ``num_new`` newest tokens:
+    the wait and the prefill with the first token it produced, the handoff and the wait for a
+    decode slot with the first step after a handoff; otherwise None."""
+    queued, started = seq.queued_time, seq.first_scheduled_time
+    if queued is None or started is None:
+        return None
+    if seq.num_output_tokens == num_new:
+        return StageTimes(queue_s=started - queued, prefill_s=time.monotonic() - started)
+    if seq.handoff_wait_s is not None:
+        handoff_s, seq.handoff_wait_s = seq.handoff_wait_s, None  # reported once
+        return StageTimes(handoff_s=handoff_s, decode_queue_s=started - queued)
+    return None
+
+
 class WorkerService(ABC):
     role: str
 
@@ -134,6 +153,7 @@ class WorkerService(ABC):
         self._step_io: StepIO
         self._last_heartbeat = 0.0
         self._prompt_tokens_seen = 0
+        self._preemptions_seen = 0
 
     # -- what each role supplies ----------------------------------------------------------------
 
@@ -211,10 +231,14 @@ class WorkerService(ABC):
         self._stopping = True
 
     def step(self) -> None:
+        started = time.perf_counter()
         batch = self.scheduler.schedule()
         with self._step_io:
             runs = self.engine.runner.run(batch)
         outputs = self.scheduler.postprocess(batch, runs)
+        STEP_SECONDS.observe(time.perf_counter() - started)
+        STEP_BATCH_SIZE.observe(len(batch))
+        ITERATION_TOKENS.observe(sum(item.num_new_tokens + item.num_draft_slots for item in batch))
         GENERATED_TOKENS.inc(sum(len(out.new_samples) for out in outputs))
         self.on_finished_step(batch, outputs)
 
@@ -250,6 +274,10 @@ class WorkerService(ABC):
         if computed > self._prompt_tokens_seen:
             PROMPT_TOKENS_COMPUTED.inc(computed - self._prompt_tokens_seen)
             self._prompt_tokens_seen = computed
+        preempted = self.scheduler.num_preemptions
+        if preempted > self._preemptions_seen:
+            NUM_PREEMPTIONS.inc(preempted - self._preemptions_seen)
+            self._preemptions_seen = preempted
         self._heartbeat_if_due()
 
     def _heartbeat_if_due(self) -> None:
@@ -269,7 +297,6 @@ class WorkerService(ABC):
         RUNNING.set(len(scheduler.running))
         WAITING.set(len(scheduler.waiting) + self.num_pending())
         KV_USAGE.set(blocks.usage)
-        NUM_PREEMPTIONS.set(scheduler.num_preemptions)
         return Heartbeat(
             self.worker_id,
             num_running=len(scheduler.running),
@@ -317,6 +344,7 @@ class WorkerService(ABC):
             num_cached_tokens=seq.num_cached_tokens,
             first=first,
             prompt_logprobs=prompt_logprobs_to_wire(first_output_prompt_logprobs(seq, num_new)),
+            timings=stage_times(seq, num_new),
         )
 
     def send_deltas(self, deltas: list[TokenDelta]) -> None:
