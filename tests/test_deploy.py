@@ -37,7 +37,14 @@ def commands() -> dict[str, list[str]]:
 
 def test_every_service_command_parses():
     found = commands()
-    assert {"router", "prefill-0", "decode-0"} <= set(found)
+    assert {
+        "router",
+        "prefill-0",
+        "decode-0",
+        "router-cpu",
+        "prefill-cpu-0",
+        "decode-cpu-0",
+    } <= set(found)
     for name, argv in found.items():
         assert argv[0] == "pdserve"
         args = PARSERS[argv[1]]().parse_args(argv[2:])
@@ -63,3 +70,22 @@ def test_prometheus_scrapes_every_service_port():
         port = argv[argv.index("--port") + 1] if "--port" in argv else None
         port = port or argv[argv.index("--metrics-port") + 1]
         assert f"{address}:{port}" in targets
+
+
+def test_profiles_split_gpu_and_cpu_services_and_prometheus_loads_the_alert_rules():
+    services = compose()["services"]
+    for name, argv in commands().items():
+        profile = services[name]["profiles"]
+        assert profile == (["cpu"] if "-cpu" in name else ["gpu"]), name
+        # A CPU service is its GPU twin without the GPU: same command, same address.
+        if "-cpu" in name:
+            twin = services[name.replace("-cpu", "")]
+            assert argv == commands()[name.replace("-cpu", "")]
+            assert "deploy" not in services[name]
+            assert "deploy" in twin or name == "router-cpu"
+            assert services[name]["build"]["args"]["TORCH_INDEX_URL"].endswith("/whl/cpu}")
+    assert "profiles" not in services["prometheus"]  # both profiles get it
+    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    assert config["rule_files"] == ["alerts.yml"]
+    mounts = services["prometheus"]["volumes"]
+    assert "./alerts.yml:/etc/prometheus/alerts.yml:ro" in mounts

@@ -1,0 +1,142 @@
+"""deploy/docker-compose.yml's CPU profile, started for real: the images build, the router and
+both workers come up and register, a greedy answer through them equals the one-process engine's,
+and Prometheus scrapes every service, loads the alert rules and answers every dashboard query.
+
+Opt-in (it builds images and takes minutes): ``PDSERVE_DOCKER_TESTS=1``. It needs docker and
+docker-compose, and ports 8000 and 9090 free. ``PDSERVE_DOCKER_BUILD=local`` builds with
+deploy/build-local.sh (no registry: a Debian base image and the host's wheels); otherwise
+``docker-compose build`` with whatever BASE_IMAGE, TORCH_INDEX_URL and WHEELS_URL say.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+ROUTER = "http://127.0.0.1:8000"
+PROMETHEUS = "http://127.0.0.1:9090"
+MODEL = "SmolLM2-135M-Instruct"
+
+pytestmark = [
+    pytest.mark.skipif(
+        os.environ.get("PDSERVE_DOCKER_TESTS") != "1", reason="set PDSERVE_DOCKER_TESTS=1"
+    ),
+    pytest.mark.timeout(3600),
+]
+
+
+def compose(*args: str, timeout: float = 600) -> None:
+    command = ["docker-compose", "-f", str(DEPLOY / "docker-compose.yml"), "--profile", "cpu"]
+    subprocess.run([*command, *args], check=True, timeout=timeout)
+
+
+def wait_for(what: str, check, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if check():
+                return
+        except httpx.HTTPError:
+            pass  # not listening yet
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(2)
+
+
+@pytest.fixture(scope="module")
+def stack():
+    if shutil.which("docker-compose") is None or shutil.which("docker") is None:
+        pytest.fail("PDSERVE_DOCKER_TESTS=1 but docker or docker-compose is not installed")
+    secret = DEPLOY / "cluster-secret"
+    if not secret.exists():
+        secret.write_text(base64.b64encode(os.urandom(32)).decode() + "\n")
+    if os.environ.get("PDSERVE_DOCKER_BUILD") == "local":
+        subprocess.run([str(DEPLOY / "build-local.sh")], check=True, timeout=3000)
+        os.environ.setdefault("BASE_IMAGE", "pdserve-base:bookworm")
+    else:
+        compose("build", timeout=3000)
+    try:
+        compose("up", "-d")
+        with httpx.Client(timeout=30) as http:
+            wait_for(
+                "both workers to register",
+                lambda: all(
+                    http.get(f"{ROUTER}/v1/workers").json()[r] for r in ("prefill", "decode")
+                ),
+                timeout=600,
+            )
+            yield http
+    finally:
+        compose("down", "--remove-orphans")
+
+
+def test_greedy_answers_through_the_containers_equal_the_one_process_engine(stack):
+    from common.config import EngineConfig
+    from common.engine.llm_engine import LLMEngine
+    from common.sampling_params import SamplingParams
+
+    models = stack.get(f"{ROUTER}/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    # Long enough to go through the prefill worker and the KV transfer.
+    prompt = "Tell me about the history of Rome in great detail. " * 20
+    answer = stack.post(
+        f"{ROUTER}/v1/completions",
+        json={"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+              "ignore_eos": True, "return_token_ids": True},
+    ).json()  # fmt: skip
+    choice = answer["choices"][0]
+    engine = LLMEngine(EngineConfig(model=None))
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    assert choice["token_ids"] == engine.generate([choice["prompt_token_ids"]], params)[0]
+    chunks = stack.post(
+        f"{ROUTER}/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "Say hi"}],
+              "max_tokens": 8, "stream": True},
+    ).text  # fmt: skip
+    assert chunks.rstrip().endswith("data: [DONE]")
+    assert chunks.count("chat.completion.chunk") >= 2
+
+
+def test_prometheus_scrapes_every_service_and_answers_every_dashboard_query(stack):
+    def targets():
+        found = stack.get(f"{PROMETHEUS}/api/v1/targets").json()["data"]["activeTargets"]
+        return {t["labels"]["job"]: t["health"] for t in found}
+
+    jobs = {"pdserve-router", "pdserve-prefill", "pdserve-decode"}
+    wait_for("every target up", lambda: targets() == dict.fromkeys(jobs, "up"), timeout=120)
+
+    def query(expr: str) -> dict:
+        answer = stack.get(f"{PROMETHEUS}/api/v1/query", params={"query": expr}).json()
+        assert answer["status"] == "success", (expr, answer)
+        return answer["data"]
+
+    stack.post(
+        f"{ROUTER}/v1/completions",
+        json={"model": MODEL, "prompt": "Hello " * 100, "max_tokens": 4},
+    ).raise_for_status()
+    wait_for(
+        "the requests in Prometheus",
+        lambda: query("sum(pdserve_request_success_total)")["result"],
+        timeout=60,
+    )
+    moved = query("sum by (job) (pdserve_kv_transfer_bytes_total)")["result"]
+    assert {r["metric"]["job"] for r in moved if float(r["value"][1]) > 0} == {
+        "pdserve-prefill",
+        "pdserve-decode",
+    }
+    rules = stack.get(f"{PROMETHEUS}/api/v1/rules").json()["data"]["groups"]
+    healths = [rule["health"] for group in rules for rule in group["rules"]]
+    assert healths and set(healths) == {"ok"}
+    dashboard = json.loads((DEPLOY / "grafana/dashboards/pdserve.json").read_text())
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            query(target["expr"].replace("$__rate_interval", "1m"))
