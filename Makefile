@@ -50,3 +50,12 @@ compare: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# docker-compose's CPU profile on a host that reaches no container registry (root, docker and
+# docker-compose, debootstrap): a Debian base image, the wheels from this host's pip, then the
+# cluster in the background. `docker-compose -f deploy/docker-compose.yml --profile cpu down`.
+.PHONY: docker-cpu
+docker-cpu: $(STAMP)
+	test -f deploy/cluster-secret || head -c 32 /dev/urandom | base64 > deploy/cluster-secret
+	deploy/build-local.sh
+	BASE_IMAGE=pdserve-base:bookworm docker-compose -f deploy/docker-compose.yml --profile cpu up -d

@@ -72,6 +72,19 @@ def test_prometheus_scrapes_every_service_port():
         assert f"{address}:{port}" in targets
 
 
+def test_only_worker_targets_carry_a_role_label():
+    # The router's pdserve_router_workers has its own `role` (the pool: alerts and dashboard group
+    # by it); a `role` on the router's target would rename it to `exported_role`.
+    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    roles = {job["job_name"]: [s.get("labels", {}).get("role") for s in job["static_configs"]]
+             for job in config["scrape_configs"]}  # fmt: skip
+    assert roles == {
+        "pdserve-router": [None],
+        "pdserve-prefill": ["prefill"],
+        "pdserve-decode": ["decode"],
+    }
+
+
 def test_profiles_split_gpu_and_cpu_services_and_prometheus_loads_the_alert_rules():
     services = compose()["services"]
     for name, argv in commands().items():

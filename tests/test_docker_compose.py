@@ -97,6 +97,14 @@ def test_greedy_answers_through_the_containers_equal_the_one_process_engine(stac
     engine = LLMEngine(EngineConfig(model=None))
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     assert choice["token_ids"] == engine.generate([choice["prompt_token_ids"]], params)[0]
+    chat = stack.post(
+        f"{ROUTER}/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "What is 2 + 2?"}],
+              "max_tokens": 16, "temperature": 0},
+    ).json()  # fmt: skip
+    message = chat["choices"][0]["message"]
+    assert message["role"] == "assistant" and message["content"].strip()
+    assert chat["usage"]["completion_tokens"] > 0
     chunks = stack.post(
         f"{ROUTER}/v1/chat/completions",
         json={"model": MODEL, "messages": [{"role": "user", "content": "Say hi"}],
@@ -111,13 +119,20 @@ def test_prometheus_scrapes_every_service_and_answers_every_dashboard_query(stac
         found = stack.get(f"{PROMETHEUS}/api/v1/targets").json()["data"]["activeTargets"]
         return {t["labels"]["job"]: t["health"] for t in found}
 
-    jobs = {"pdserve-router", "pdserve-prefill", "pdserve-decode"}
-    wait_for("every target up", lambda: targets() == dict.fromkeys(jobs, "up"), timeout=120)
-
     def query(expr: str) -> dict:
         answer = stack.get(f"{PROMETHEUS}/api/v1/query", params={"query": expr}).json()
         assert answer["status"] == "success", (expr, answer)
         return answer["data"]
+
+    jobs = {"pdserve-router", "pdserve-prefill", "pdserve-decode"}
+    wait_for("every target up", lambda: targets() == dict.fromkeys(jobs, "up"), timeout=120)
+
+    def pools() -> dict[str, str]:
+        found = query("sum by (role) (pdserve_router_workers)")["result"]
+        return {r["metric"].get("role"): r["value"][1] for r in found}
+
+    # The router's own `role` label (the pool), as the PdservePoolEmpty alert groups by it.
+    wait_for("both pools in Prometheus", lambda: pools() == {"prefill": "1", "decode": "1"}, 60)
 
     stack.post(
         f"{ROUTER}/v1/completions",
