@@ -20,7 +20,14 @@ from dataclasses import dataclass
 import torch
 
 from kernels import cpu_library
-from kernels.interface import FP8_DTYPE, AttentionBackend, AttentionMetadata, KVCacheView
+from kernels.interface import (
+    FP8_DTYPE,
+    INT8_DTYPE,
+    INT8_SCALE_DTYPE,
+    AttentionBackend,
+    AttentionMetadata,
+    KVCacheView,
+)
 from kernels.reference import chunk_attention_reference, store_kv_reference
 
 # Sequences with at most this many query rows in a step attend in the C kernel. It reads every
@@ -28,7 +35,13 @@ from kernels.reference import chunk_attention_reference, store_kv_reference
 # until a chunk is long enough for blocked matrix products to pay.
 SHORT_QUERY_MAX = 16
 
-_KV_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, FP8_DTYPE: 3}
+_KV_DTYPE_CODES = {
+    torch.float32: 0,
+    torch.bfloat16: 1,
+    torch.float16: 2,
+    FP8_DTYPE: 3,
+    INT8_DTYPE: 4,
+}
 # Query and output dtypes the kernel reads and writes itself; others go through float32.
 _IO_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -89,19 +102,11 @@ class CpuAttentionBackend(AttentionBackend):
 
     def store_kv(self, key, value, cache, slot_mapping) -> None:
         pages = cache.key
-        if (
-            cache.is_fp8
-            or key.dtype != pages.dtype
-            or value.dtype != pages.dtype
-            or key.stride(-1) != 1
-            or value.stride(-1) != 1
-            or key.stride(1) != key.shape[2]
-            or value.stride(1) != value.shape[2]
-            or pages.stride() != cache.value.stride()
-            or slot_mapping.dtype != torch.int64
-            or not slot_mapping.is_contiguous()
-        ):
+        if not _rows_fit_the_c_store(key, value, cache, slot_mapping):
             store_kv_reference(key, value, cache, slot_mapping)
+            return
+        if cache.is_int8:
+            self._store_int8(key, value, cache, slot_mapping)
             return
         self._library.pdserve_store_kv(
             key.data_ptr(),
@@ -120,6 +125,32 @@ class CpuAttentionBackend(AttentionBackend):
             key.shape[1],
             key.shape[2],
         )
+
+    def _store_int8(self, key, value, cache: KVCacheView, slot_mapping) -> None:
+        """Quantise in C, bit for bit as ``reference.quantize_int8``: a decode step's store
+        in torch would take a dozen small ops per layer."""
+        assert cache.key_scale is not None and cache.value_scale is not None
+        pages, codes = cache.key, cache.key_scale
+        status = self._library.pdserve_store_kv_int8(
+            key.data_ptr(),
+            key.stride(0),
+            value.data_ptr(),
+            value.stride(0),
+            _KV_DTYPE_CODES[key.dtype],
+            pages.data_ptr(),
+            cache.value.data_ptr(),
+            *pages.stride()[:3],
+            codes.data_ptr(),
+            cache.value_scale.data_ptr(),
+            *codes.stride(),
+            cache.block_size,
+            slot_mapping.data_ptr(),
+            slot_mapping.shape[0],
+            key.shape[1],
+            key.shape[2],
+        )
+        if status != 0:
+            raise ValueError(f"head_dim {key.shape[2]} is beyond the C store's row buffer")
 
     def attention(
         self,
@@ -157,9 +188,20 @@ class CpuAttentionBackend(AttentionBackend):
         if key.stride(-1) != 1 or key.stride() != value.stride():
             raise ValueError("the CPU kernel needs key and value pages of one layout, unit stride")
         scale_strides = (0, 0, 0)
-        if cache.is_fp8:
-            assert cache.key_scale is not None and cache.value_scale is not None
-            scale_strides = cache.key_scale.stride()
+        if cache.is_quantized:
+            key_scale, value_scale = cache.key_scale, cache.value_scale
+            assert key_scale is not None and value_scale is not None
+            # The kernel reads both scales through one set of strides, as codes or as floats.
+            scale_dtype = INT8_SCALE_DTYPE if cache.is_int8 else torch.float32
+            if (
+                key_scale.dtype != scale_dtype
+                or value_scale.dtype != scale_dtype
+                or key_scale.stride() != value_scale.stride()
+            ):
+                raise ValueError(
+                    f"the CPU kernel needs {scale_dtype} key and value scales of one layout"
+                )
+            scale_strides = key_scale.stride()
         status = self._library.pdserve_paged_attention(
             query.data_ptr(),
             query.stride(0),
@@ -204,3 +246,26 @@ def _int32(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.dtype == torch.int32 and tensor.is_contiguous():
         return tensor
     return tensor.to(torch.int32).contiguous()
+
+
+def _rows_fit_the_c_store(key, value, cache: KVCacheView, slot_mapping) -> bool:
+    """Whether the C stores take these rows: unit-stride head vectors packed in a row, int64
+    slots, key and value pages (and scales) with one set of strides, and, for 16- and 32-bit
+    pages, rows of the pages' own dtype (FP8 goes through the twin)."""
+    pages = cache.key
+    if cache.is_int8:
+        assert cache.key_scale is not None and cache.value_scale is not None
+        dtypes_fit = key.dtype in _IO_DTYPE_CODES and value.dtype == key.dtype
+        dtypes_fit = dtypes_fit and cache.key_scale.stride() == cache.value_scale.stride()
+    else:
+        dtypes_fit = not cache.is_fp8 and key.dtype == pages.dtype == value.dtype
+    return (
+        dtypes_fit
+        and key.stride(-1) == 1
+        and value.stride(-1) == 1
+        and key.stride(1) == key.shape[2]
+        and value.stride(1) == value.shape[2]
+        and pages.stride() == cache.value.stride()
+        and slot_mapping.dtype == torch.int64
+        and slot_mapping.is_contiguous()
+    )

@@ -154,6 +154,13 @@ def _declare(library: ctypes.CDLL) -> None:
         ptr, i32, i32, i32,  # slots, tokens, kv heads, head_dim
     ]  # fmt: skip
     library.pdserve_store_kv.restype = None
+    library.pdserve_store_kv_int8.argtypes = [
+        ptr, i64, ptr, i64, i32,  # key, its row stride, value, its row stride, their dtype
+        ptr, ptr, i64, i64, i64,  # int8 caches; block, token, head strides
+        ptr, ptr, i64, i64, i64,  # scale codes; their block, token, head strides
+        i32, ptr, i32, i32, i32,  # block size, slots, tokens, kv heads, head_dim
+    ]  # fmt: skip
+    library.pdserve_store_kv_int8.restype = ctypes.c_int
     library.pdserve_rms_norm_bf16.argtypes = [ptr, i64, ptr, f32, ptr, i64, i32, i32]
     library.pdserve_rms_norm_bf16.restype = None
     library.pdserve_silu_mul_bf16.argtypes = [ptr, i64, ptr, i64, i32, i32]

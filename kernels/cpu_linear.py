@@ -269,14 +269,15 @@ def _probe_plan(linears: list[CpuLinear]) -> GemmPlan:
     more rows only make the GEMM more compute-bound."""
     tiles_win: list[bool] = []
     for rows in PROBE_ROWS:
+        # Each layer in its own dtype: the int8 pool's turns stay float32 in a bf16 model.
         inputs = {
-            size: torch.randn(rows, size, dtype=torch.bfloat16)
-            for size in {linear.in_features for linear in linears}
+            (size, dtype): torch.randn(rows, size, dtype=dtype)
+            for size, dtype in {(linear.in_features, linear.dtype) for linear in linears}
         }
 
         def run(kernel: str, inputs=inputs) -> None:
             for linear in linears:
-                getattr(linear, kernel)(inputs[linear.in_features])
+                getattr(linear, kernel)(inputs[linear.in_features, linear.dtype])
 
         tiles_win.append(
             cpu_library.best_seconds(lambda: run("forward_tiles"))

@@ -26,6 +26,16 @@ FP8_MAX = 448.0
 # Keeps an all-zero token's scale positive, so dequantisation never divides by zero.
 FP8_MIN_SCALE = 1e-12
 
+# int8 pages hold keys and values after a Hadamard turn of head_dim (``kernels/kv_turn.py``),
+# rounded to the nearest integer step of their (token, head) vector's scale. The scale is one
+# byte: an unsigned float with 5 exponent and 3 mantissa bits, ``(1 + m/8) * 2**(e - 20)``, so
+# its float32 bits are ``(code << 20) + INT8_SCALE_BITS_BASE`` in every backend, no table and no
+# exp2 to round differently. Scales run from 2**-20 to 1.875 * 2**11.
+INT8_DTYPE = torch.int8
+INT8_MAX = 127.0
+INT8_SCALE_DTYPE = torch.uint8
+INT8_SCALE_BITS_BASE = (127 - 20) << 23
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -47,14 +57,15 @@ class AttentionMetadata:
 class KVCacheView:
     """One layer's view of the block-major pool; every tensor is a strided view, never a copy.
 
-    ``key_scale``/``value_scale`` are set only for FP8 pools: one float32 scale per token and
-    KV head, so ``dequant(x) = x.float() * scale[..., None]``.
+    ``key_scale``/``value_scale`` are set only for quantised pools, one scale per token and KV
+    head, so ``dequant(x) = x.float() * scale[..., None]``: float32 for FP8 pools, the one-byte
+    code of ``INT8_SCALE_BITS_BASE`` for int8 pools.
     """
 
     key: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
     value: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
-    key_scale: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads] float32
-    value_scale: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads] float32
+    key_scale: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads]
+    value_scale: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads]
 
     @property
     def block_size(self) -> int:
@@ -63,6 +74,14 @@ class KVCacheView:
     @property
     def is_fp8(self) -> bool:
         return self.key.dtype == FP8_DTYPE
+
+    @property
+    def is_int8(self) -> bool:
+        return self.key.dtype == INT8_DTYPE
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.is_fp8 or self.is_int8
 
 
 class AttentionBackend(ABC):
@@ -89,7 +108,9 @@ class AttentionBackend(ABC):
         """Write token ``n``'s key and value into slot ``slot_mapping[n]`` of ``cache``.
 
         For FP8 caches each (token, head) vector is scaled by ``amax / 448`` before the cast and
-        the scale is written beside it. Only the given slots are modified.
+        the scale is written beside it; int8 caches take the smallest one-byte scale of at least
+        ``amax / 127`` and round to nearest (``reference.quantize_int8``). Only the given slots
+        are modified.
         """
 
     @abstractmethod

@@ -17,6 +17,10 @@ from kernels.interface import (
     FP8_DTYPE,
     FP8_MAX,
     FP8_MIN_SCALE,
+    INT8_DTYPE,
+    INT8_MAX,
+    INT8_SCALE_BITS_BASE,
+    INT8_SCALE_DTYPE,
     AttentionBackend,
     AttentionMetadata,
     KVCacheView,
@@ -35,6 +39,32 @@ def dequantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return x.float() * scale.unsqueeze(-1)
 
 
+def int8_scale_code(amax: torch.Tensor) -> torch.Tensor:
+    """The code of the smallest one-byte scale ``s`` with ``127 * s >= amax`` (float32 ``amax``):
+    positive floats order like their bits, so it is the ceiling of the bits over 2**20."""
+    bits = (amax / INT8_MAX).view(torch.int32).long()
+    code = torch.div(bits - INT8_SCALE_BITS_BASE + (1 << 20) - 1, 1 << 20, rounding_mode="floor")
+    return code.clamp(0, 255).to(INT8_SCALE_DTYPE)
+
+
+def int8_scale(code: torch.Tensor) -> torch.Tensor:
+    """float32 scales of one-byte codes, exactly as every kernel decodes them."""
+    return ((code.to(torch.int32) << 20) + INT8_SCALE_BITS_BASE).view(torch.float32)
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise ``x [..., head_dim]`` to int8 with one one-byte scale code per vector. Rounds half
+    up (``floor(y + 0.5)``): exact in float32 for ``|y| <= 127`` and the same in every kernel."""
+    x32 = x.float()
+    code = int8_scale_code(x32.abs().amax(dim=-1))
+    scaled = torch.floor(x32 / int8_scale(code).unsqueeze(-1) + 0.5)
+    return scaled.clamp(-INT8_MAX, INT8_MAX).to(INT8_DTYPE), code
+
+
+def dequantize_int8(x: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
+    return x.float() * int8_scale(code).unsqueeze(-1)
+
+
 def store_kv_reference(
     key: torch.Tensor,  # [N, num_kv_heads, head_dim]
     value: torch.Tensor,  # [N, num_kv_heads, head_dim]
@@ -48,9 +78,9 @@ def store_kv_reference(
         (key, cache.key, cache.key_scale),
         (value, cache.value, cache.value_scale),
     ):
-        if cache.is_fp8:
+        if cache.is_quantized:
             assert scales is not None
-            quantized, scale = quantize_fp8(new)
+            quantized, scale = quantize_fp8(new) if cache.is_fp8 else quantize_int8(new)
             # index_put is not implemented for float8 on every device; bytes are bytes.
             pages.view(torch.uint8)[blocks, offsets] = quantized.view(torch.uint8)
             scales[blocks, offsets] = scale
@@ -70,9 +100,10 @@ def _gather_context(
 
     def gather(pages: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
         gathered = torch.index_select(pages, 0, flat_ids)
-        if cache.is_fp8:
+        if cache.is_quantized:
             assert scales is not None
-            gathered = dequantize_fp8(gathered, torch.index_select(scales, 0, flat_ids))
+            dequantize = dequantize_fp8 if cache.is_fp8 else dequantize_int8
+            gathered = dequantize(gathered, torch.index_select(scales, 0, flat_ids))
         gathered = gathered.to(dtype)
         _, block_size, heads, dim = gathered.shape
         return gathered.view(num_seqs, num_blocks * block_size, heads, dim)

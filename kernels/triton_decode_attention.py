@@ -37,8 +37,8 @@ def _decode_kernel(
     q_ptr,  # [S, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], strided
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], strided
-    k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32, strided; FP8 only
-    v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32, strided; FP8 only
+    k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32 (FP8) / uint8 (int8), strided
+    v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32 (FP8) / uint8 (int8), strided
     block_tables_ptr,  # [S, max_blocks_per_seq] int32
     seq_lens_ptr,  # [S] int32
     out_ptr,  # [S, num_heads, num_splits, head_dim], or the output itself when num_splits == 1
@@ -63,7 +63,7 @@ def _decode_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    IS_FP8: tl.constexpr,
+    KV_QUANT: tl.constexpr,  # "none", "fp8" or "int8"
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -120,7 +120,7 @@ def _decode_kernel(
             stride_scale_block,
             stride_scale_slot,
             qk_scale,
-            IS_FP8,
+            KV_QUANT,
         )
 
     # An empty split leaves l_i == 0: it stores zeros with a log-sum-exp of -inf (weight 0).
@@ -236,9 +236,7 @@ def decode_attention(
         query,
         args.key,
         args.value,
-        # Without FP8 the scale pointers are never dereferenced; any tensor will do.
-        args.key_scale if args.is_fp8 else args.key,
-        args.value_scale if args.is_fp8 else args.value,
+        *args.scale_pointers(),
         meta.block_tables,
         meta.seq_lens,
         partial,
@@ -260,7 +258,7 @@ def decode_attention(
         BLOCK_D=block_d,
         # Decode is bound by memory: a wide key tile keeps more loads in flight.
         BLOCK_N=64 if block_d <= 128 else 32,
-        IS_FP8=args.is_fp8,
+        KV_QUANT=args.kv_quant,
         num_warps=4,
         num_stages=2,
     )

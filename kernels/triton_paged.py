@@ -14,13 +14,25 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.interface import FP8_DTYPE, AttentionMetadata, KVCacheView
+from kernels.interface import (
+    FP8_DTYPE,
+    INT8_DTYPE,
+    INT8_SCALE_BITS_BASE,
+    INT8_SCALE_DTYPE,
+    AttentionMetadata,
+    KVCacheView,
+)
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-CACHE_DTYPES = (*ACTIVATION_DTYPES, FP8_DTYPE)
+# Quantised page dtypes: the kernels' KV_QUANT flag ("none" for pages in an activation dtype)
+# and the dtype of the one scale per (token, head) that travels with the pages.
+QUANTIZED = {FP8_DTYPE: ("fp8", torch.float32), INT8_DTYPE: ("int8", INT8_SCALE_DTYPE)}
+CACHE_DTYPES = (*ACTIVATION_DTYPES, *QUANTIZED)
 
 # exp2 is the native instruction; folding log2(e) into the softmax scale costs nothing.
 LOG2E = 1.4426950408889634
+# Globals read inside a kernel must be constexpr.
+_INT8_SCALE_BITS_BASE = tl.constexpr(INT8_SCALE_BITS_BASE)
 
 
 @dataclass(frozen=True)
@@ -31,12 +43,23 @@ class CacheArgs:
     value: torch.Tensor
     key_scale: torch.Tensor | None
     value_scale: torch.Tensor | None
-    is_fp8: bool
+    kv_quant: str  # "none", "fp8" or "int8": the kernels' KV_QUANT flag
     block_size: int
     num_kv_heads: int
     head_dim: int
     kv_strides: tuple[int, int, int]  # block, slot, head (the dim stride is 1)
-    scale_strides: tuple[int, int, int]  # block, slot, head; zeros when not FP8
+    scale_strides: tuple[int, int, int]  # block, slot, head; zeros when not quantised
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.kv_quant != "none"
+
+    def scale_pointers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value scales to hand a kernel. Unquantised kernels never dereference
+        their scale pointers, so the pages stand in for them."""
+        if self.key_scale is None or self.value_scale is None:
+            return self.key, self.value
+        return self.key_scale, self.value_scale
 
 
 def check_cache(cache: KVCacheView, device: torch.device) -> CacheArgs:
@@ -61,17 +84,17 @@ def check_cache(cache: KVCacheView, device: torch.device) -> CacheArgs:
     if key.device != device or value.device != device:
         raise ValueError(f"cache is on {key.device}, inputs on {device}")
 
-    is_fp8 = key.dtype == FP8_DTYPE
+    kv_quant, scale_dtype = QUANTIZED.get(key.dtype, ("none", None))
     scale_strides = (0, 0, 0)
-    if is_fp8:
+    if scale_dtype is not None:
         k_scale, v_scale = cache.key_scale, cache.value_scale
         if k_scale is None or v_scale is None:
-            raise ValueError("an FP8 cache needs key_scale and value_scale")
+            raise ValueError(f"a {key.dtype} cache needs key_scale and value_scale")
         for scale in (k_scale, v_scale):
-            if scale.dtype != torch.float32 or scale.shape != key.shape[:3]:
+            if scale.dtype != scale_dtype or scale.shape != key.shape[:3]:
                 raise ValueError(
-                    f"FP8 scales must be float32 {tuple(key.shape[:3])}, "
-                    f"got {scale.dtype} {tuple(scale.shape)}"
+                    f"the scales of a {key.dtype} cache must be {scale_dtype} "
+                    f"{tuple(key.shape[:3])}, got {scale.dtype} {tuple(scale.shape)}"
                 )
             if scale.device != device:
                 raise ValueError(f"cache scales are on {scale.device}, inputs on {device}")
@@ -79,14 +102,14 @@ def check_cache(cache: KVCacheView, device: torch.device) -> CacheArgs:
             raise ValueError(f"scale strides differ: {k_scale.stride()} vs {v_scale.stride()}")
         scale_strides = (k_scale.stride(0), k_scale.stride(1), k_scale.stride(2))
     elif cache.key_scale is not None or cache.value_scale is not None:
-        raise ValueError(f"scales are only meaningful for an FP8 cache, not {key.dtype}")
+        raise ValueError(f"scales are only meaningful for an FP8 or int8 cache, not {key.dtype}")
 
     return CacheArgs(
         key=key,
         value=value,
         key_scale=cache.key_scale,
         value_scale=cache.value_scale,
-        is_fp8=is_fp8,
+        kv_quant=kv_quant,
         block_size=key.shape[1],
         num_kv_heads=key.shape[2],
         head_dim=key.shape[3],
@@ -122,9 +145,9 @@ def check_query(query: torch.Tensor, cache: CacheArgs) -> int:
         raise ValueError(
             f"num_heads {num_heads} is not a multiple of num_kv_heads {cache.num_kv_heads}"
         )
-    if cache.is_fp8:
+    if cache.kv_quant == "fp8":
         _check_fp8_supported(query.device)
-    elif cache.key.dtype != query.dtype:
+    elif cache.kv_quant == "none" and cache.key.dtype != query.dtype:
         raise ValueError(f"query is {query.dtype} but the cache is {cache.key.dtype}")
     return num_heads // cache.num_kv_heads
 
@@ -171,6 +194,21 @@ def page_slots(block_table_ptr, positions, mask, block_size):
 
 
 @triton.jit
+def int8_scale(code):
+    """float32 scales of one-byte int8 scale codes (any integer type): their bits, not an exp2,
+    so every backend decodes them alike (``reference.int8_scale``)."""
+    return ((code.to(tl.int32) << 20) + _INT8_SCALE_BITS_BASE).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_scale(ptr, mask, KV_QUANT: tl.constexpr):
+    """float32 scales of a quantised cache: stored as they are for FP8, as codes for int8."""
+    if KV_QUANT == "int8":
+        return int8_scale(tl.load(ptr, mask=mask, other=0))
+    return tl.load(ptr, mask=mask, other=0.0)
+
+
+@triton.jit
 def attend_tile(
     q,  # [M, BLOCK_D] query rows, in the query's dtype
     acc,  # [M, BLOCK_D] float32, unnormalised output so far
@@ -178,8 +216,8 @@ def attend_tile(
     l_i,  # [M] float32, running softmax denominator
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], at this KV head
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], at this KV head
-    k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32, at this KV head; FP8 only
-    v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32, at this KV head; FP8 only
+    k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32 or uint8 code, at this KV head
+    v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32 or uint8 code, at this KV head
     block,  # [BLOCK_N] int64 page id of each key
     slot,  # [BLOCK_N] slot of each key within its page
     kv_mask,  # [BLOCK_N] key exists (masked keys are never read: unwritten slots may hold NaN)
@@ -191,7 +229,7 @@ def attend_tile(
     stride_scale_block,
     stride_scale_slot,
     qk_scale,  # softmax scale * log2(e)
-    IS_FP8: tl.constexpr,
+    KV_QUANT: tl.constexpr,  # "none", "fp8" or "int8"
 ):
     """One FlashAttention-2 step: fold a tile of keys/values into the running softmax state."""
     kv_offsets = block * stride_kv_block + slot * stride_kv_slot
@@ -199,11 +237,11 @@ def attend_tile(
     k = tl.load(k_cache_ptr + kv_offsets[:, None] + offs_d[None, :], mask=tile_mask, other=0.0)
     # "ieee" only matters for float32 operands, where TF32 would be less exact than the reference.
     scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
-    if IS_FP8:
-        # The scale is constant along head_dim, so it factors out of q.k: e4m3 values convert
-        # exactly to fp16/bf16, and the scale is applied to the float32 score.
+    if KV_QUANT != "none":
+        # The scale is constant along head_dim, so it factors out of q.k: e4m3 and int8 values
+        # convert exactly to fp16/bf16, and the scale is applied to the float32 score.
         scale_offsets = block * stride_scale_block + slot * stride_scale_slot
-        k_scale = tl.load(k_scale_ptr + scale_offsets, mask=kv_mask, other=0.0)
+        k_scale = _load_scale(k_scale_ptr + scale_offsets, kv_mask, KV_QUANT)
         scores = scores * k_scale[None, :]
     scores = tl.where(allowed, scores * qk_scale, float("-inf"))
 
@@ -213,10 +251,10 @@ def attend_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
 
     v = tl.load(v_cache_ptr + kv_offsets[:, None] + offs_d[None, :], mask=tile_mask, other=0.0)
-    if IS_FP8:
+    if KV_QUANT != "none":
         # V's scale varies along the reduction axis of p @ v; folding it into p would push small
         # probabilities into fp16 subnormals, so V is dequantised instead.
-        v_scale = tl.load(v_scale_ptr + scale_offsets, mask=kv_mask, other=0.0)
+        v_scale = _load_scale(v_scale_ptr + scale_offsets, kv_mask, KV_QUANT)
         v = v.to(tl.float32) * v_scale[:, None]
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
     return acc, m_new, l_i

@@ -56,8 +56,8 @@ def _prefill_kernel(
     q_ptr,  # [N, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], strided
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], strided
-    k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32, strided; FP8 only
-    v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32, strided; FP8 only
+    k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32 (FP8) / uint8 (int8), strided
+    v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32 (FP8) / uint8 (int8), strided
     block_tables_ptr,  # [S, max_blocks_per_seq] int32
     query_start_loc_ptr,  # [S + 1] int32
     seq_lens_ptr,  # [S] int32
@@ -81,7 +81,7 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    IS_FP8: tl.constexpr,
+    KV_QUANT: tl.constexpr,  # "none", "fp8" or "int8"
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
     tile = tl.program_id(0)
@@ -146,7 +146,7 @@ def _prefill_kernel(
             stride_scale_block,
             stride_scale_slot,
             qk_scale,
-            IS_FP8,
+            KV_QUANT,
         )
 
     # Every real row sees key 0, so l_i > 0 there; padding rows are not stored.
@@ -191,9 +191,7 @@ def prefill_attention(
         query,
         args.key,
         args.value,
-        # Without FP8 the scale pointers are never dereferenced; any tensor will do.
-        args.key_scale if args.is_fp8 else args.key,
-        args.value_scale if args.is_fp8 else args.value,
+        *args.scale_pointers(),
         meta.block_tables,
         meta.query_start_loc,
         meta.seq_lens,
@@ -213,7 +211,7 @@ def prefill_attention(
         BLOCK_D=block_d,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        IS_FP8=args.is_fp8,
+        KV_QUANT=args.kv_quant,
         num_warps=8 if block_d >= 128 else 4,
         num_stages=2,
     )

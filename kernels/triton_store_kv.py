@@ -1,4 +1,4 @@
-"""KV store: write a step's new keys and values into their pages, quantising to FP8 if needed.
+"""KV store: write a step's new keys and values into their pages, quantising to FP8 or int8.
 
 Twin: ``kernels.reference.store_kv_reference``.
 """
@@ -9,12 +9,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.interface import FP8_MAX, FP8_MIN_SCALE, KVCacheView
-from kernels.triton_paged import ACTIVATION_DTYPES, check_cache
+from kernels.interface import FP8_MAX, FP8_MIN_SCALE, INT8_MAX, INT8_SCALE_BITS_BASE, KVCacheView
+from kernels.triton_paged import ACTIVATION_DTYPES, check_cache, int8_scale
 
 # Globals read inside a kernel must be constexpr.
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _FP8_MIN_SCALE = tl.constexpr(FP8_MIN_SCALE)
+_INT8_MAX = tl.constexpr(INT8_MAX)
+_INT8_SCALE_BITS_BASE = tl.constexpr(INT8_SCALE_BITS_BASE)
 
 
 @triton.jit
@@ -39,10 +41,23 @@ def _e4m3_bits(x):
 
 
 @triton.jit
+def _int8_scale_code(amax):
+    """The code (int32, 0..255) of the smallest one-byte scale ``s`` with ``127 * s >= amax``.
+
+    Positive floats order like their bits, so the code is the ceiling of ``(bits(amax / 127) -
+    base) / 2**20``, clamped. The sum stays within int32 for every non-negative float32, and the
+    arithmetic shift floors a negative sum as the reference's floor division does.
+    """
+    bits = tl.math.div_rn(amax, _INT8_MAX).to(tl.int32, bitcast=True)
+    code = (bits - _INT8_SCALE_BITS_BASE + ((1 << 20) - 1)) >> 20
+    return tl.minimum(tl.maximum(code, 0), 255)
+
+
+@triton.jit
 def _store_one(
     src_ptr,  # [N, num_kv_heads, head_dim], at this token
     cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] at this slot; uint8 if FP8
-    scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32, at this token's slot; FP8 only
+    scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32 or uint8 code, at this slot
     stride_src_head,
     stride_kv_head,
     stride_scale_head,
@@ -50,20 +65,27 @@ def _store_one(
     offs_d,  # [BLOCK_D]
     h_mask,  # [BLOCK_H]
     d_mask,  # [BLOCK_D]
-    IS_FP8: tl.constexpr,
+    KV_QUANT: tl.constexpr,  # "none", "fp8" or "int8"
 ):
     mask = h_mask[:, None] & d_mask[None, :]
     x = tl.load(src_ptr + offs_h[:, None] * stride_src_head + offs_d[None, :], mask=mask, other=0.0)
     dst = cache_ptr + offs_h[:, None] * stride_kv_head + offs_d[None, :]
-    if IS_FP8:
+    # div_rn in both quantised paths: a plain fp32 division may be approximate on GPU, and the
+    # pages and scales must match the reference bit for bit.
+    if KV_QUANT == "fp8":
         x = x.to(tl.float32)
-        # div_rn: a plain fp32 division may be approximate on GPU, and the scales must match
-        # the reference bit for bit.
         amax = tl.max(tl.abs(x), 1)
         scale = tl.maximum(tl.math.div_rn(amax, _FP8_MAX), _FP8_MIN_SCALE)
         x = tl.clamp(tl.math.div_rn(x, scale[:, None]), -_FP8_MAX, _FP8_MAX)
         tl.store(scale_ptr + offs_h * stride_scale_head, scale, mask=h_mask)
         tl.store(dst, _e4m3_bits(x), mask=mask)
+    elif KV_QUANT == "int8":
+        x = x.to(tl.float32)
+        code = _int8_scale_code(tl.max(tl.abs(x), 1))
+        # Half up, floor(y + 0.5) in float32, exactly as the reference rounds.
+        y = tl.floor(tl.math.div_rn(x, int8_scale(code)[:, None]) + 0.5)
+        tl.store(scale_ptr + offs_h * stride_scale_head, code.to(tl.uint8), mask=h_mask)
+        tl.store(dst, tl.clamp(y, -_INT8_MAX, _INT8_MAX).to(tl.int8), mask=mask)
     else:
         tl.store(dst, x.to(cache_ptr.dtype.element_ty), mask=mask)
 
@@ -74,8 +96,8 @@ def _store_kv_kernel(
     value_ptr,  # [N, num_kv_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], strided; uint8 if FP8
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], strided; uint8 if FP8
-    k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32, strided; FP8 only
-    v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32, strided; FP8 only
+    k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32 (FP8) / uint8 (int8), strided
+    v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32 (FP8) / uint8 (int8), strided
     slot_mapping_ptr,  # [N] int64
     block_size,
     num_kv_heads,
@@ -92,7 +114,7 @@ def _store_kv_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    IS_FP8: tl.constexpr,
+    KV_QUANT: tl.constexpr,  # "none", "fp8" or "int8"
 ):
     token = tl.program_id(0)
     slot_id = tl.load(slot_mapping_ptr + token)  # int64, so the page offsets below are too
@@ -116,7 +138,7 @@ def _store_kv_kernel(
         offs_d,
         h_mask,
         d_mask,
-        IS_FP8,
+        KV_QUANT,
     )
     _store_one(
         value_ptr + token.to(tl.int64) * stride_value_token,
@@ -129,7 +151,7 @@ def _store_kv_kernel(
         offs_d,
         h_mask,
         d_mask,
-        IS_FP8,
+        KV_QUANT,
     )
 
 
@@ -149,7 +171,7 @@ def store_kv(
             )
         if tensor.stride(-1) != 1 or tensor.device != key.device:
             raise ValueError(f"{name} needs a unit head_dim stride and the cache's device")
-        if not args.is_fp8 and tensor.dtype != args.key.dtype:
+        if not args.is_quantized and tensor.dtype != args.key.dtype:
             raise ValueError(f"{name} is {tensor.dtype} but the cache is {args.key.dtype}")
     if slot_mapping.dtype != torch.int64 or slot_mapping.dim() != 1:
         raise ValueError(f"slot_mapping must be 1-d int64, got {slot_mapping.dtype}")
@@ -159,14 +181,14 @@ def store_kv(
     if num_tokens == 0:
         return
 
+    # The kernel writes e4m3 as bytes (see _e4m3_bits).
+    is_fp8 = args.kv_quant == "fp8"
     _store_kv_kernel[(num_tokens,)](
         key,
         value,
-        args.key.view(torch.uint8) if args.is_fp8 else args.key,
-        args.value.view(torch.uint8) if args.is_fp8 else args.value,
-        # Without FP8 the scale pointers are never dereferenced; any tensor will do.
-        args.key_scale if args.is_fp8 else args.key,
-        args.value_scale if args.is_fp8 else args.value,
+        args.key.view(torch.uint8) if is_fp8 else args.key,
+        args.value.view(torch.uint8) if is_fp8 else args.value,
+        *args.scale_pointers(),
         slot_mapping,
         args.block_size,
         args.num_kv_heads,
@@ -179,6 +201,6 @@ def store_kv(
         HEAD_DIM=args.head_dim,
         BLOCK_H=triton.next_power_of_2(args.num_kv_heads),
         BLOCK_D=triton.next_power_of_2(args.head_dim),
-        IS_FP8=args.is_fp8,
+        KV_QUANT=args.kv_quant,
         num_warps=4,
     )

@@ -28,7 +28,7 @@ class NixlAgentInfo:
     agent_name: str
     metadata: bytes  # nixl_agent.get_agent_metadata()
     data_addr: int  # address of page 0 of the pool's data; page i is at + i * page_nbytes
-    scale_addr: int | None  # same for the FP8 scales; None for pools without scales
+    scale_addr: int | None  # same for the pages' scales; None for pools without scales
     mem_type: str  # "DRAM" | "VRAM"
     device_id: int
 
@@ -74,8 +74,8 @@ class FetchReady(Message):
 @message("kv.page_data")
 @dataclass(slots=True)
 class PageData(Message):
-    """ZMQ: header of one message of an answer: ``num_pages`` page frames, then (FP8) as many
-    scale frames, for the request's pages ``first_page`` onwards (in order, in context order)."""
+    """ZMQ: header of one message of an answer: ``num_pages`` page frames, then (quantised pools)
+    as many scale frames, for the request's pages ``first_page`` onwards (in context order)."""
 
     request_id: str
     instance_id: str  # the answering sender, which must be the one that was handshaken

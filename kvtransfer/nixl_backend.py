@@ -200,8 +200,8 @@ class NixlReceiver(SideChannelReceiver):
             return "the sender offered no NIXL agent"
         if info.mem_type not in ("DRAM", "VRAM"):
             return f"unknown memory type {info.mem_type!r}"
-        if (info.scale_addr is None) == self.pool.layout.is_fp8:
-            return "the sender's pool and this one disagree on FP8 scales"
+        if (info.scale_addr is None) != (self.pool.scales is None):
+            return "the sender's pool and this one disagree on page scales"
         try:
             name = self._agent.add_remote_agent(info.metadata)
         except Exception as exc:  # NIXL raises its own exception types

@@ -2,7 +2,7 @@
 
 The answer is a run of multipart messages, each a msgpack ``PageData`` header naming which of
 the request's pages it carries, then one frame per page sent straight from the pool's memory,
-then (FP8 pools) one frame per page of scales. The receiver has ZeroMQ receive each frame
+then (quantised pools) one frame per page of scales. The receiver has ZeroMQ receive each frame
 straight into its destination page (``recv_into``): out of the kernel's socket buffer into
 ZeroMQ's message buffer, then into the pool, with no Python frame or tensor made per page.
 
@@ -76,7 +76,7 @@ class ZmqSender(SideChannelSender):
         return isinstance(trackers, list) and not all(t.done for t in trackers)
 
     def _page_rows(self, block_ids: list[int]) -> list[list]:
-        """Each page's bytes (then, for FP8, each page's scales) as buffers ZMQ can send."""
+        """Each page's bytes (then any scales) as buffers ZMQ can send."""
         if self._host_rows:
             return [[rows[b] for b in block_ids] for rows in self._host_rows]
         # Device pools are staged through host memory: one gather and one copy per tensor.
@@ -119,7 +119,7 @@ class ZmqReceiver(SideChannelReceiver):
             self._complete(fetch)
 
     def _receive_pages(self, incoming: Incoming, dst: list[int]) -> str | None:
-        """Each frame into its destination page (then, FP8, its scales); a problem or None."""
+        """Each frame into its destination page (then any scales); a problem or None."""
         if self._host_rows:
             # ZeroMQ copies each frame from its own buffer into the page: no Python copy at all.
             return incoming.read_frames_into([rows[b] for rows in self._host_rows for b in dst])

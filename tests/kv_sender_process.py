@@ -22,7 +22,7 @@ from common.engine.kv_pool import KVLayout, KVPool
 from kvtransfer.registry import create_sender
 
 NUM_BLOCKS = 16
-DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
 
 
 def make_layout(dtype: str, num_kv_heads: int = 2) -> KVLayout:
@@ -36,8 +36,11 @@ def fill_pool(pool: KVPool, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     raw = pool.data.view(torch.uint8)
     raw.copy_(torch.randint(0, 256, raw.shape, generator=generator, dtype=torch.uint8))
-    if pool.scales is not None:
+    if pool.scales is not None and pool.scales.is_floating_point():
         pool.scales.copy_(torch.rand(pool.scales.shape, generator=generator) + 0.5)
+    elif pool.scales is not None:  # one-byte codes: any byte is a scale
+        codes = torch.randint(0, 256, pool.scales.shape, generator=generator, dtype=torch.uint8)
+        pool.scales.copy_(codes)
 
 
 def seed_of(spec: str) -> int:

@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from test_kernels import FP8_DTYPE, dtype_id, make_batch
+from test_kernels import FP8_DTYPE, Pool, dtype_id, make_batch
 
 from common.model.llama import RMSNorm, RotaryApply, SiluAndMul
 from kernels.cpu_backend import SHORT_QUERY_MAX, CpuAttentionBackend
@@ -28,8 +28,8 @@ from kernels.cpu_linear import (
     choose_gemm_plan,
 )
 from kernels.cpu_ops import CpuRMSNorm, CpuRotaryApply, CpuSiluAndMul
-from kernels.interface import AttentionMetadata
-from kernels.reference import paged_attention_reference, store_kv_reference
+from kernels.interface import INT8_DTYPE, INT8_SCALE_DTYPE, AttentionMetadata
+from kernels.reference import int8_scale, paged_attention_reference, store_kv_reference
 from kernels.registry import get_attention_backend
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path's kernels")
@@ -38,6 +38,10 @@ TOLERANCE = {
     torch.float32: {"atol": 2e-5, "rtol": 1e-4},
     torch.bfloat16: {"atol": 1.6e-2, "rtol": 1.6e-2},
 }
+# Page dtypes besides the model's own; both dequantise exactly, so they add no tolerance.
+KV_DTYPES = pytest.mark.parametrize(
+    "kv_dtype", ["model", FP8_DTYPE, INT8_DTYPE], ids=["kv=model", "kv=fp8", "kv=int8"]
+)
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +57,7 @@ def backend() -> CpuAttentionBackend:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
-@pytest.mark.parametrize("kv_dtype", ["model", FP8_DTYPE], ids=["kv=model", "kv=fp8"])
+@KV_DTYPES
 @pytest.mark.parametrize("num_kv_heads, group, head_dim", [(2, 1, 64), (2, 3, 32), (1, 4, 80)])
 @pytest.mark.parametrize(
     "query_lens, seq_lens",
@@ -78,6 +82,34 @@ def test_attention_matches_reference(
     torch.testing.assert_close(out.float(), expected.float(), **TOLERANCE[dtype])
 
 
+def test_int8_scale_codes_decode_as_in_the_twin(backend) -> None:
+    """All 256 scale codes, one per sequence: over a one-token context the softmax weight is
+    exactly 1, so a float32 output row is its value row dequantised, with no rounding in
+    between. head_dim 20 runs the kernel's vector loads and its scalar tail."""
+    num_codes, block_size, head_dim = 256, 4, 20
+    pool = Pool.create(num_codes + 1, block_size, 1, head_dim, INT8_DTYPE)
+    cache = pool.layer(1)
+    assert cache.key_scale is not None and cache.value_scale is not None
+    codes = torch.arange(num_codes).to(INT8_SCALE_DTYPE)
+    values = torch.randint(-128, 128, (num_codes, head_dim), dtype=INT8_DTYPE)
+    values[:, :2] = torch.tensor([-128, 127], dtype=INT8_DTYPE)
+    blocks = torch.arange(1, num_codes + 1)  # block 0 stays unwritten
+    cache.key[blocks, 0, 0] = 0
+    cache.key_scale[blocks, 0, 0] = 0
+    cache.value[blocks, 0, 0] = values
+    cache.value_scale[blocks, 0, 0] = codes
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(num_codes + 1, dtype=torch.int32),
+        seq_lens=torch.ones(num_codes, dtype=torch.int32),
+        block_tables=blocks.to(torch.int32)[:, None],
+        slot_mapping=blocks * block_size,
+        max_query_len=1,
+        max_seq_len=1,
+    )
+    out = backend.attention(torch.randn(num_codes, 1, head_dim), cache, meta, 1.0)
+    assert torch.equal(out[:, 0], values.float() * int8_scale(codes)[:, None])
+
+
 def test_plan_splits_short_runs_from_long_chunks(backend) -> None:
     batch = make_batch(
         [1, SHORT_QUERY_MAX, SHORT_QUERY_MAX + 1],
@@ -94,7 +126,7 @@ def test_plan_splits_short_runs_from_long_chunks(backend) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
-@pytest.mark.parametrize("kv_dtype", ["model", FP8_DTYPE], ids=["kv=model", "kv=fp8"])
+@KV_DTYPES
 @pytest.mark.parametrize("num_kv_heads, group, head_dim", [(3, 3, 64), (2, 2, 32), (1, 4, 80)])
 def test_deterministic_attention_gives_a_position_the_same_bits_however_it_is_batched(
     backend, dtype, kv_dtype, num_kv_heads, group, head_dim
@@ -240,6 +272,20 @@ def test_probe_returns_a_usable_plan(backend, tmp_path, monkeypatch) -> None:
         assert linear(torch.randn(3, 32).to(torch.bfloat16)).shape == (3, 64)
 
 
+def test_the_probe_feeds_each_layer_its_own_dtype(backend, tmp_path, monkeypatch) -> None:
+    """An int8 pool's turns stay float32 inside a bf16 model (kernels/kv_turn.py); the probe
+    runs every layer, so it must not hand them bf16 rows."""
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    linears = [
+        CpuLinear(torch.randn(64, 32).to(torch.bfloat16), None, BOTH),
+        CpuLinear(torch.randn(32, 32), None, BOTH),
+    ]
+    plan = choose_gemm_plan(linears)
+    for linear in linears:
+        linear.restrict(plan)
+    assert linears[1](torch.randn(3, 32)).dtype == torch.float32
+
+
 def test_the_machine_keeps_the_first_plan_it_chose(backend, tmp_path, monkeypatch) -> None:
     """Timings are noisy: were every process to probe for itself, two workers could sum in
     different orders and round bf16 differently. The first plan written is everyone's."""
@@ -314,3 +360,29 @@ def test_store_kv_writes_exactly_the_reference_slots(backend, dtype) -> None:
     store_kv_reference(key, value, expected.layer(1), batch.meta.slot_mapping)
     backend.store_kv(key, value, batch.cache, batch.meta.slot_mapping)
     batch.pool.assert_matches(expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_int8_store_quantises_exactly_as_the_twin(backend, dtype) -> None:
+    """Byte for byte, codes included: views of a fused projection, outlier channels, an
+    all-zero vector, values beyond the largest scale (clipped), and exact half steps."""
+    batch = make_batch([5, 1], [40, 17], 3, 2, 64, dtype, INT8_DTYPE)
+    num_tokens = batch.meta.slot_mapping.shape[0]
+    fused = torch.randn(num_tokens, 3, 3, 64)
+    fused[:, :, :, [5, 33]] *= 40
+    fused[0, 1] = 0.0
+    fused[1, 1, 0] = 1e7
+    # 127 * 2**-4 sets the scale to 2**-4 exactly: the others fall on half steps.
+    fused[2, 1, 1] = torch.arange(64) * 2.0**-5 - 1.0
+    fused[2, 1, 1, 0] = 127 * 2.0**-4
+    fused = fused.to(dtype)
+    key, value = fused[:, 1], fused[:, 2]
+    expected = batch.pool.clone()
+    store_kv_reference(key, value, expected.layer(1), batch.meta.slot_mapping)
+    backend.store_kv(key, value, batch.cache, batch.meta.slot_mapping)
+    assert torch.equal(batch.pool.pages.view(torch.uint8), expected.pages.view(torch.uint8))
+    assert torch.equal(batch.pool.scales, expected.scales)
+    assert batch.pool.scales.dtype == INT8_SCALE_DTYPE
+    # The test's own vectors reached the kernel: a zero code, a clipped code, half steps.
+    codes = batch.cache.key_scale.flatten()
+    assert (codes == 0).any() and (codes == 255).any()

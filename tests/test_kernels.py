@@ -5,13 +5,14 @@ but chosen to cross every boundary: several query and key tiles, context lengths
 non-multiples of the page size, pages scattered over the pool, GQA groups that are not powers of
 two, and one pool whose offsets overflow int32.
 
-Every pool starts filled with NaN (0x7F bytes for FP8), and block tables are padded with a page
-that is never written: a kernel that reads an unwritten slot returns NaN and fails.
+Every pool starts filled with NaN (0x7F bytes for FP8; int8 has no NaN, so 127 at the largest
+scale), and block tables are padded with a page that is never written: a kernel that reads an
+unwritten slot returns NaN, or something far off, and fails.
 
 Tolerances: float32 runs differ from the reference only in summation order and exp2 vs exp
 (~1e-6); fp16/bf16 runs also round the probabilities to the query dtype before P @ V, as
-FlashAttention does, and round the output (2^-11 relative for fp16, 2^-8 for bf16). FP8 pages
-are dequantised exactly, so FP8 adds no tolerance of its own.
+FlashAttention does, and round the output (2^-11 relative for fp16, 2^-8 for bf16). FP8 and
+int8 pages are dequantised exactly, so quantised pages add no tolerance of their own.
 """
 
 from __future__ import annotations
@@ -22,8 +23,20 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels.interface import FP8_DTYPE, AttentionMetadata, KVCacheView
-from kernels.reference import TorchAttentionBackend, paged_attention_reference, store_kv_reference
+from kernels.interface import (
+    FP8_DTYPE,
+    INT8_DTYPE,
+    INT8_SCALE_DTYPE,
+    AttentionMetadata,
+    KVCacheView,
+)
+from kernels.reference import (
+    TorchAttentionBackend,
+    dequantize_int8,
+    int8_scale,
+    paged_attention_reference,
+    store_kv_reference,
+)
 from kernels.registry import get_attention_backend
 from kernels.triton_backend import TritonAttentionBackend
 from kernels.triton_decode_attention import decode_attention
@@ -57,6 +70,7 @@ def dtype_id(value: object) -> str | None:
 
 
 DTYPES = [torch.float16, torch.float32, on_gpu_only_for_bf16(torch.bfloat16)]
+QUANTIZED_KV_DTYPES = [FP8_DTYPE, INT8_DTYPE]
 # (num_kv_heads, query heads per KV head): GQA ratios 1, 3 and 4.
 GQA = [(2, 1), (2, 3), (1, 4)]
 
@@ -83,6 +97,12 @@ class Pool:
             pages = torch.full(shape, 0x7F, dtype=torch.uint8, device=DEVICE).view(FP8_DTYPE)
             scales = torch.full(shape[:-1], float("nan"), device=DEVICE)
             return cls(pages, scales)
+        if dtype == INT8_DTYPE:
+            # int8 has no NaN: unwritten slots hold the largest values there are (127 at the
+            # largest scale, about 4.9e5), so a kernel that reads one is far off.
+            pages = torch.full(shape, 127, dtype=INT8_DTYPE, device=DEVICE)
+            scales = torch.full(shape[:-1], 255, dtype=INT8_SCALE_DTYPE, device=DEVICE)
+            return cls(pages, scales)
         return cls(torch.full(shape, float("nan"), dtype=dtype, device=DEVICE), None)
 
     def layer(self, layer: int) -> KVCacheView:
@@ -101,9 +121,11 @@ class Pool:
     def assert_matches(self, expected: Pool) -> None:
         """Pages and scales equal ``expected``'s; unwritten (NaN) slots must still be NaN.
 
-        On the CPU FP8 pages must match byte for byte. On CUDA torch divides by a scalar as a
-        multiplication by its reciprocal, so the reference's scales may be a float32 ulp off the
-        kernel's exact division, and a value on a rounding boundary one e4m3 step off.
+        On the CPU quantised pages and their scales must match byte for byte. On CUDA torch
+        divides by a scalar as a multiplication by its reciprocal, so the reference's scales may
+        be a float32 ulp off the kernel's exact division: an FP8 value on a rounding boundary
+        may then be one e4m3 step off, and an int8 amax on a scale boundary may take the next
+        scale code, which rescales its whole vector.
         """
         if self.scales is None or expected.scales is None:
             assert self.scales is None and expected.scales is None
@@ -111,7 +133,18 @@ class Pool:
             return
         if DEVICE.type == "cpu":
             assert torch.equal(self.pages.view(torch.uint8), expected.pages.view(torch.uint8))
-            assert torch.equal(self.scales.view(torch.int32), expected.scales.view(torch.int32))
+            assert torch.equal(self.scales.view(torch.uint8), expected.scales.view(torch.uint8))
+            return
+        if self.pages.dtype == INT8_DTYPE:
+            code_steps = self.scales.int() - expected.scales.int()
+            assert code_steps.abs().max().item() <= 1
+            # With equal codes this is one int8 step; with codes one apart, each side is within
+            # half a step of the true value.
+            step = torch.maximum(int8_scale(self.scales), int8_scale(expected.scales))
+            error = dequantize_int8(self.pages, self.scales) - dequantize_int8(
+                expected.pages, expected.scales
+            )
+            assert (error.abs() <= step.unsqueeze(-1)).all()
             return
         steps = e4m3_index(self.pages) - e4m3_index(expected.pages)
         assert steps.abs().max().item() <= 1
@@ -179,7 +212,7 @@ def make_batch(
     tables = block_tables_for(seq_lens, block_size, torch.randperm(total_pages) + 1, 0)
     cache = pool.layer(1)
     slots = slots_for(tables, block_size, [0] * len(seq_lens), seq_lens)
-    source_dtype = dtype if kv_dtype == FP8_DTYPE else kv_dtype
+    source_dtype = dtype if kv_dtype in (FP8_DTYPE, INT8_DTYPE) else kv_dtype
     shape = (slots.shape[0], num_kv_heads, head_dim)
     key = torch.randn(shape, device=DEVICE).to(source_dtype)
     value = torch.randn(shape, device=DEVICE).to(source_dtype)
@@ -218,9 +251,11 @@ def assert_matches_reference(out: torch.Tensor, batch: Batch, dtype: torch.dtype
         (torch.float16, torch.float16),
         (torch.bfloat16, torch.bfloat16),
         (torch.float32, torch.float32),
-        (torch.float16, FP8_DTYPE),
-        (torch.bfloat16, FP8_DTYPE),
-        (torch.float32, FP8_DTYPE),
+        *(
+            (source_dtype, kv_dtype)
+            for kv_dtype in QUANTIZED_KV_DTYPES
+            for source_dtype in (torch.float16, torch.bfloat16, torch.float32)
+        ),
     ],
     ids=dtype_id,
 )
@@ -231,8 +266,8 @@ def test_store_kv_matches_reference(
     """Pages and scales match the reference, and only the given slots change.
 
     The kernel encodes e4m3 with integer round-to-nearest-even (the interpreter's own float8
-    cast is off by a whole binade when rounding carries), so on the CPU FP8 pages are compared
-    byte for byte: a one-ulp tolerance would let a kernel that truncates pass.
+    cast is off by a whole binade when rounding carries), so on the CPU quantised pages are
+    compared byte for byte: a one-ulp tolerance would let a kernel that truncates pass.
     """
     block_size, num_tokens = 16, 37
     pool = Pool.create(12, block_size, num_kv_heads, head_dim, kv_dtype)
@@ -241,7 +276,7 @@ def test_store_kv_matches_reference(
     # K and V as strided views of one fused projection, the way a model produces them.
     fused = torch.randn(num_tokens, 2 * num_kv_heads + 1, head_dim, device=DEVICE) * 4
     fused[3] = 0.0  # an all-zero vector takes the minimum scale
-    fused[5, :, :8] = 1e-4  # e4m3 subnormals after scaling
+    fused[5, :, :8] = 1e-4  # e4m3 subnormals after scaling, int8 zeros
     fused = fused.to(source_dtype)
     key, value = fused[:, 1 : 1 + num_kv_heads], fused[:, 1 + num_kv_heads :]
 
@@ -250,8 +285,60 @@ def test_store_kv_matches_reference(
     pool.assert_matches(expected)
 
 
-def test_store_kv_rejects_bad_input() -> None:
-    pool = Pool.create(4, 16, 2, 64, FP8_DTYPE)
+def test_store_kv_int8_scale_boundaries() -> None:
+    """int8 scale codes at their edges, byte for byte against the twin.
+
+    An amax of exactly 127 times a representable scale takes that scale's code, one float32 ulp
+    more takes the next code and one ulp less keeps it; values on half steps round up; an
+    all-zero vector and a tiny one take code 0, and an amax past the largest scale clips at
+    code 255 with its values clamped to +-127.
+    """
+    head_dim = 64
+    codes = torch.tensor([0, 1, 7, 8, 100, 159, 254, 255], dtype=INT8_SCALE_DTYPE)
+    scales = int8_scale(codes)
+    on = scales * 127  # exact: 7 bits times a 4-bit mantissa
+    amaxes = torch.cat([on, torch.nextafter(on, on * 2), torch.nextafter(on, on * 0)])
+    expected_codes = torch.cat([codes, (codes.int() + 1).clamp(max=255), codes]).int()
+    step = int8_scale(expected_codes.to(INT8_SCALE_DTYPE))
+
+    vectors = (torch.rand(amaxes.shape[0], head_dim) * 2 - 1) * amaxes[:, None] * 0.9
+    vectors[:, 0] = amaxes
+    vectors[1::2, 0] *= -1  # the amax on either sign
+    vectors[:, 1] = 3.5 * step  # half steps, exact in float32: round up
+    vectors[:, 2] = -60.5 * step
+    zero = torch.zeros(1, head_dim)
+    tiny = torch.randn(1, head_dim) * 1e-9  # amax / 127 far below the smallest scale
+    huge = torch.randn(1, head_dim) * 1e6  # far past 127 * the largest scale
+    vectors = torch.cat([vectors, zero, tiny, huge])
+    expected_codes = torch.cat([expected_codes, torch.tensor([0, 0, 255], dtype=torch.int32)])
+
+    num_tokens, block_size = vectors.shape[0], 16
+    pool = Pool.create(-(-num_tokens // block_size) + 1, block_size, 1, head_dim, INT8_DTYPE)
+    expected = pool.clone()
+    slots = torch.randperm(pool.pages.shape[0] * block_size)[:num_tokens].to(DEVICE)
+    key = vectors.to(DEVICE)[:, None]
+    store_kv(key, -key, pool.layer(0), slots)
+    store_kv_reference(key, -key, expected.layer(0), slots)
+    pool.assert_matches(expected)
+
+    # Half steps round up: 3.5 -> 4 and -60.5 -> -60 in the keys, -3.5 -> -3 and 60.5 -> 61 in
+    # the values.
+    cache = pool.layer(0)
+    for scale_codes, pages, halves in (
+        (cache.key_scale, cache.key, [4, -60]),
+        (cache.value_scale, cache.value, [-3, 61]),
+    ):
+        assert scale_codes is not None
+        assert torch.equal(scale_codes.flatten(0, 1)[slots, 0].int().cpu(), expected_codes)
+        stored = pages.flatten(0, 1)[slots, 0].int().cpu()
+        assert torch.equal(stored[:-3, 1:3], torch.tensor(halves).expand(num_tokens - 3, 2))
+        assert not stored[-3:-1].any()
+        assert stored[-1].abs().max() == 127
+
+
+@pytest.mark.parametrize("kv_dtype", QUANTIZED_KV_DTYPES, ids=dtype_id)
+def test_store_kv_rejects_bad_input(kv_dtype: torch.dtype) -> None:
+    pool = Pool.create(4, 16, 2, 64, kv_dtype)
     key = torch.randn(3, 2, 64, device=DEVICE)
     slots = torch.arange(3, device=DEVICE)
     with pytest.raises(ValueError, match="slot_mapping"):
@@ -263,6 +350,14 @@ def test_store_kv_rejects_bad_input() -> None:
     fp16 = Pool.create(4, 16, 2, 64, torch.float16)
     with pytest.raises(ValueError, match="cache is"):
         store_kv(key, key, fp16.layer(0), slots)
+    # The other quantised dtype's scales: float32 beside int8 pages, codes beside FP8 pages.
+    other = Pool.create(4, 16, 2, 64, FP8_DTYPE if kv_dtype == INT8_DTYPE else INT8_DTYPE)
+    assert pool.scales is not None and other.scales is not None
+    swapped = KVCacheView(
+        pool.pages[:, 0, 0], pool.pages[:, 0, 1], other.scales[:, 0, 0], other.scales[:, 0, 1]
+    )
+    with pytest.raises(ValueError, match=f"scales of a {kv_dtype} cache must be"):
+        store_kv(key, key, swapped, slots)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,11 +396,17 @@ def test_prefill_attention_matches_reference(
     [(64, torch.float32), (128, torch.float16), on_gpu_only_for_bf16(128, torch.bfloat16)],
     ids=dtype_id,
 )
-def test_prefill_attention_fp8(
-    batch_name: str, num_kv_heads: int, group: int, head_dim: int, dtype: torch.dtype
+@pytest.mark.parametrize("kv_dtype", QUANTIZED_KV_DTYPES, ids=dtype_id)
+def test_prefill_attention_quantized(
+    batch_name: str,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
 ) -> None:
     query_lens, seq_lens = PREFILL_BATCHES[batch_name]
-    batch = make_batch(query_lens, seq_lens, num_kv_heads, group, head_dim, dtype, FP8_DTYPE)
+    batch = make_batch(query_lens, seq_lens, num_kv_heads, group, head_dim, dtype, kv_dtype)
     out = prefill_attention(batch.query, batch.cache, batch.meta, head_dim**-0.5)
     assert_matches_reference(out, batch, dtype)
 
@@ -334,23 +435,31 @@ DECODE_SEQ_LENS = {
 @pytest.mark.parametrize("num_kv_heads, group", GQA)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("kv_fp8", [False, True], ids=["kv-native", "kv-fp8"])
+@pytest.mark.parametrize(
+    "kv_dtype", [None, *QUANTIZED_KV_DTYPES], ids=["kv-native", "kv-fp8", "kv-int8"]
+)
 def test_decode_attention_matches_reference(
-    seqs_name: str, num_kv_heads: int, group: int, head_dim: int, dtype: torch.dtype, kv_fp8: bool
+    seqs_name: str,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype | None,
 ) -> None:
+    """``kv_dtype`` None: pages in the query's dtype."""
     seq_lens = DECODE_SEQ_LENS[seqs_name]
-    kv_dtype = FP8_DTYPE if kv_fp8 else dtype
     batch = make_batch(
-        [1] * len(seq_lens), seq_lens, num_kv_heads, group, head_dim, dtype, kv_dtype
+        [1] * len(seq_lens), seq_lens, num_kv_heads, group, head_dim, dtype, kv_dtype or dtype
     )
     out = decode_attention(batch.query, batch.cache, batch.meta, head_dim**-0.5)
     assert_matches_reference(out, batch, dtype)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7])
-def test_decode_attention_split_k(num_splits: int) -> None:
+@pytest.mark.parametrize("kv_dtype", QUANTIZED_KV_DTYPES, ids=dtype_id)
+def test_decode_attention_split_k(num_splits: int, kv_dtype: torch.dtype) -> None:
     """Any number of splits, including more splits than a short sequence has key tiles."""
-    batch = make_batch([1] * 4, [1, 16, 17, 300], 2, 4, 64, torch.float32, FP8_DTYPE)
+    batch = make_batch([1] * 4, [1, 16, 17, 300], 2, 4, 64, torch.float32, kv_dtype)
     out = decode_attention(batch.query, batch.cache, batch.meta, 64**-0.5, num_splits=num_splits)
     assert_matches_reference(out, batch, torch.float32)
 
@@ -382,6 +491,9 @@ def test_decode_attention_rejects_prefill_metadata() -> None:
         (torch.float16, torch.float16, 128),
         (torch.float32, FP8_DTYPE, 64),
         on_gpu_only_for_bf16(torch.bfloat16, FP8_DTYPE, 128),
+        (torch.float16, INT8_DTYPE, 128),
+        (torch.float32, INT8_DTYPE, 64),
+        on_gpu_only_for_bf16(torch.bfloat16, INT8_DTYPE, 128),
     ],
     ids=dtype_id,
 )
@@ -444,7 +556,7 @@ def test_registry_override(monkeypatch: pytest.MonkeyPatch) -> None:
 # A pool past int32 offsets
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float16, FP8_DTYPE], ids=dtype_id)
+@pytest.mark.parametrize("kv_dtype", [torch.float16, *QUANTIZED_KV_DTYPES], ids=dtype_id)
 def test_pool_offsets_beyond_int32(kv_dtype: torch.dtype) -> None:
     """Page id x page stride > 2^31 elements: every kernel must index in int64.
 
@@ -459,11 +571,15 @@ def test_pool_offsets_beyond_int32(kv_dtype: torch.dtype) -> None:
     for name in ("triton", "torch"):
         shape = (num_blocks, 1, 2, block_size, num_kv_heads, head_dim)
         pages = torch.empty(shape, dtype=kv_dtype, device=DEVICE)
-        pages[used].view(torch.uint8).fill_(0x7F if kv_dtype == FP8_DTYPE else 0xFF)  # NaN
+        # NaN; for int8 pages, 127 at the largest scale (as Pool.create fills them).
+        pages[used].view(torch.uint8).fill_(0xFF if kv_dtype == torch.float16 else 0x7F)
         scales = None
         if kv_dtype == FP8_DTYPE:
             scales = torch.empty(shape[:-1], device=DEVICE)
             scales[used] = float("nan")
+        elif kv_dtype == INT8_DTYPE:
+            scales = torch.empty(shape[:-1], dtype=INT8_SCALE_DTYPE, device=DEVICE)
+            scales[used] = 255
         pools[name] = Pool(pages, scales)
     assert (num_blocks - 1) * pools["triton"].pages.stride(0) > 2**31
 

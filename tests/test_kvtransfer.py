@@ -46,7 +46,7 @@ from kvtransfer.nixl_backend import page_runs
 REPO = Path(__file__).resolve().parent.parent
 HELPER = REPO / "tests" / "kv_sender_process.py"
 BACKENDS = ["zmq", "nixl"]
-SPECS = [f"{b}:{d}" for b in BACKENDS for d in ("bf16", "fp8")]
+SPECS = [f"{b}:{d}" for b in BACKENDS for d in ("bf16", "fp8", "int8")]
 
 
 class SenderProcess:
@@ -213,6 +213,18 @@ def test_handshake_refuses_layout_mismatch(senders, receivers, backend):
     assert not result.ok
     assert "KV layout mismatch" in result.error and "num_kv_heads" in result.error
     senders.wait_released(spec, f"mismatch-{backend}", timeout=10)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_handshake_refuses_pages_of_another_scheme(senders, receivers, backend):
+    # FP8 and int8 pages are the same size per element; only the layout's dtype tells them apart.
+    receiver = receivers(f"{backend}:int8")
+    params, _ = senders.publish(f"{backend}:fp8", f"scheme-{backend}", [1, 2], lease=30)
+    receiver.start_fetch(f"scheme-{backend}", params, [0, 1], timeout=10)
+    result = wait_result(receiver, f"scheme-{backend}")
+    assert not result.ok
+    assert "KV layout mismatch" in result.error and "int8_hadamard" in result.error
+    senders.wait_released(f"{backend}:fp8", f"scheme-{backend}", timeout=10)
 
 
 def test_handshake_refuses_protocol_mismatch(senders, receivers, monkeypatch):

@@ -2,24 +2,30 @@
 
 ``data`` has shape ``(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)``; a
 layer's keys are ``data[:, layer, 0]``, a strided view the kernels read through its strides.
-FP8 pools carry a second block-major tensor of float32 scales, ``(num_blocks, num_layers, 2,
-block_size, num_kv_heads)``, that travels with the pages.
+Quantised pools carry a second block-major tensor of scales, ``(num_blocks, num_layers, 2,
+block_size, num_kv_heads)``, that travels with the pages: float32 for FP8 pages, one-byte codes
+for int8 pages (``kernels/interface.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 
 import torch
 
-from kernels.interface import FP8_DTYPE, KVCacheView
+from kernels.interface import FP8_DTYPE, INT8_DTYPE, INT8_SCALE_DTYPE, KVCacheView
 
 _DTYPE_NAMES = {
     torch.bfloat16: "bfloat16",
     torch.float16: "float16",
     torch.float32: "float32",
     FP8_DTYPE: "float8_e4m3fn",
+    # int8 pages hold keys and values turned by a Hadamard transform (``kernels/kv_turn.py``):
+    # the name is the scheme, so two workers agree on the turn when they agree on the dtype.
+    INT8_DTYPE: "int8_hadamard",
 }
+_SCALE_DTYPES = {FP8_DTYPE: torch.float32, INT8_DTYPE: INT8_SCALE_DTYPE}
 _DTYPES_BY_NAME = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
 
 
@@ -72,6 +78,11 @@ class KVLayout:
         return self.torch_dtype == FP8_DTYPE
 
     @property
+    def scale_dtype(self) -> torch.dtype | None:
+        """The dtype of the pages' scales, or None for pools that keep none."""
+        return _SCALE_DTYPES.get(self.torch_dtype)
+
+    @property
     def page_shape(self) -> tuple[int, ...]:
         return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
@@ -89,17 +100,28 @@ class KVLayout:
 
     @property
     def scale_page_nbytes(self) -> int:
-        if not self.is_fp8:
+        if self.scale_dtype is None:
             return 0
         elements = 1
         for size in self.scale_page_shape:
             elements *= size
-        return elements * 4
+        return elements * self.scale_dtype.itemsize
 
     @property
     def bytes_per_block(self) -> int:
         """Bytes one page costs in memory, scales included: what sizes the pool."""
         return self.page_nbytes + self.scale_page_nbytes
+
+    def describe(self, model_dtype: torch.dtype) -> str:
+        """The page scheme in words, with the tokens it holds per byte against ``model_dtype``
+        pages: what start-up logs report."""
+        plain = dataclasses.replace(self, dtype=_DTYPE_NAMES[model_dtype]).bytes_per_block
+        capacity = f"{plain / self.bytes_per_block:.2f}x the tokens of {_DTYPE_NAMES[model_dtype]}"
+        if self.torch_dtype == INT8_DTYPE:
+            return f"int8 after a Hadamard turn, a one-byte scale per token and head, {capacity}"
+        if self.is_fp8:
+            return f"FP8 e4m3, a float32 scale per token and head, {capacity}"
+        return self.dtype
 
     def mismatch(self, other: KVLayout) -> str | None:
         """A human-readable description of how ``other`` differs, or None if compatible."""
@@ -124,8 +146,10 @@ class KVPool:
             (num_blocks, *layout.page_shape), dtype=layout.torch_dtype, device=self.device
         )
         self.scales = (
-            torch.ones((num_blocks, *layout.scale_page_shape), dtype=torch.float32, device=device)
-            if layout.is_fp8
+            torch.ones(
+                (num_blocks, *layout.scale_page_shape), dtype=layout.scale_dtype, device=device
+            )
+            if layout.scale_dtype is not None
             else None
         )
 
@@ -144,7 +168,7 @@ class KVPool:
         return self.data[block_id].view(-1).view(torch.uint8)
 
     def scale_bytes(self, block_id: int) -> torch.Tensor | None:
-        """One page's FP8 scales as a flat uint8 view, or None for pools without scales."""
+        """One page's scales as a flat uint8 view, or None for pools without scales."""
         if self.scales is None:
             return None
         return self.scales[block_id].view(-1).view(torch.uint8)

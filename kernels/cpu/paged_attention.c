@@ -3,8 +3,9 @@
  * One call attends every query row of the listed sequences over their context, read straight
  * from the block-major pool's pages through its strides: nothing is gathered, and only the
  * first seq_len slots of a sequence are ever read, so never-written slots cannot leak in.
- * Keys and values are widened to float32 as they are read (FP8 pages through a table and
- * their per-token scales); scores, softmax and the weighted sum of values are float32.
+ * Keys and values are widened to float32 as they are read (FP8 pages through a table, int8 pages
+ * exactly, both times their per-token scales); scores, softmax and the weighted sum of values are
+ * float32, so every page dtype goes through the same sums in the same order.
  *
  * Every sum runs in an order fixed by absolute positions alone: a query row at position p gets
  * the same bits whether it is a decode step, one row of a prefill chunk of any length, or sits
@@ -21,13 +22,17 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 #include "numerics.h"
 
-enum kv_dtype { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_FP8_E4M3 = 3 };
+enum kv_dtype { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_FP8_E4M3 = 3, KV_INT8 = 4 };
+
+/* An int8 page's scale is a one-byte code whose float32 bits are (code << 20) + this base
+ * (kernels/interface.py): decoded by integer ops alone, it is bit for bit the torch twin's. */
+#define INT8_SCALE_BITS_BASE ((uint32_t)(127 - 20) << 23)
 
 /* Query rows of one sequence attended together: one tile's scores stay small, and tiles of a long
  * prefill chunk spread over the threads. */
@@ -58,7 +63,7 @@ void pdserve_init(void) {
     }
 }
 
-/* Widen one head vector of `dim` elements to float32 (times `scale` for FP8 pages). */
+/* Widen one head vector of `dim` elements to float32 (times `scale` for FP8 and int8 pages). */
 static inline __attribute__((always_inline)) void load_row(const void *restrict src, int dtype,
                                                            float scale, int dim,
                                                            float *restrict dst) {
@@ -78,9 +83,25 @@ static inline __attribute__((always_inline)) void load_row(const void *restrict 
         for (int d = 0; d < dim; d++) dst[d] = (float)halves[d];
         break;
     }
-    default: {
+    case KV_FP8_E4M3: {
         const uint8_t *bytes = (const uint8_t *)src;
         for (int d = 0; d < dim; d++) dst[d] = fp8_e4m3_table[bytes[d]] * scale;
+        break;
+    }
+    case KV_INT8: {
+        /* Exact either way (an 8-bit integer times a 4-bit significand fits in float32), so the
+         * vector body and the scalar tail give the twin's bits. */
+        const int8_t *values = (const int8_t *)src;
+        int d = 0;
+#ifdef __AVX2__
+        const __m256 scale8 = _mm256_set1_ps(scale);
+        for (; d + 8 <= dim; d += 8) {
+            const __m128i bytes = _mm_loadl_epi64((const __m128i *)(values + d));
+            const __m256 widened = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+            _mm256_storeu_ps(dst + d, _mm256_mul_ps(widened, scale8));
+        }
+#endif
+        for (; d < dim; d++) dst[d] = (float)values[d] * scale;
         break;
     }
     }
@@ -97,7 +118,7 @@ static inline void store_row(const float *restrict src, int dtype, int dim, void
 }
 
 static inline size_t element_size(int dtype) {
-    return dtype == KV_F32 ? 4 : dtype == KV_FP8_E4M3 ? 1 : 2;
+    return dtype == KV_F32 ? 4 : dtype == KV_FP8_E4M3 || dtype == KV_INT8 ? 1 : 2;
 }
 
 /* Rows of the widened-page buffer: a page rounded up to whole key groups. */
@@ -108,8 +129,8 @@ static inline int page_rows(int block_size) {
 typedef struct {
     const void *key;            /* [num_blocks, block_size, num_kv_heads, head_dim], strided */
     const void *value;          /* same shape and strides as key */
-    const float *key_scale;     /* [num_blocks, block_size, num_kv_heads] or NULL */
-    const float *value_scale;   /* same strides as key_scale */
+    const void *key_scale;      /* [num_blocks, block_size, num_kv_heads] or NULL: float32, or */
+    const void *value_scale;    /* uint8 codes for KV_INT8; same strides as key_scale */
     int64_t block_stride;       /* elements, for key/value */
     int64_t token_stride;
     int64_t head_stride;
@@ -127,11 +148,16 @@ static inline const void *kv_address(const kv_cache *cache, const void *base, in
                                     (int64_t)element_size(cache->dtype);
 }
 
-static inline float kv_scale(const kv_cache *cache, const float *scales, int64_t block,
+static inline float kv_scale(const kv_cache *cache, const void *scales, int64_t block,
                              int64_t offset, int kv_head) {
     if (!scales) return 1.0f;
-    return scales[block * cache->scale_block_stride + offset * cache->scale_token_stride +
-                  kv_head * cache->scale_head_stride];
+    const int64_t at = block * cache->scale_block_stride + offset * cache->scale_token_stride +
+                       kv_head * cache->scale_head_stride;
+    if (cache->dtype != KV_INT8) return ((const float *)scales)[at];
+    const uint32_t bits = ((uint32_t)((const uint8_t *)scales)[at] << 20) + INT8_SCALE_BITS_BASE;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return scale;
 }
 
 /* Pull a page of one layer's keys or values toward the cache while the previous page computes:
@@ -375,7 +401,7 @@ static inline __attribute__((always_inline)) void weighted_rows_pair(
 /* One page's rows of one KV head, widened to float32: rows[offset][head_dim]. */
 static inline __attribute__((always_inline)) void load_page_rows(const kv_cache *cache,
                                                                  const void *base,
-                                                                 const float *scales,
+                                                                 const void *scales,
                                                                  int64_t block, int count,
                                                                  int kv_head, int head_dim,
                                                                  float *restrict rows) {
@@ -513,7 +539,7 @@ static void attend_sequence_any(const char *query, int64_t query_row_stride, cha
  */
 int pdserve_paged_attention(const void *query, int64_t query_row_stride, void *out,
                             int64_t out_row_stride, const void *key, const void *value,
-                            const float *key_scale, const float *value_scale,
+                            const void *key_scale, const void *value_scale,
                             int64_t block_stride, int64_t token_stride, int64_t head_stride,
                             int64_t scale_block_stride, int64_t scale_token_stride,
                             int64_t scale_head_stride, int dtype, int block_size,
@@ -581,7 +607,8 @@ int pdserve_paged_attention(const void *query, int64_t query_row_stride, void *o
 }
 
 /* Write token n's key and value rows into slot slots[n] of a 16- or 32-bit cache whose dtype
- * is the rows' own (an FP8 cache quantises on the way and goes through the torch reference).
+ * is the rows' own (an FP8 or int8 cache quantises on the way and goes through the torch
+ * reference).
  * key/value: [N, num_kv_heads, head_dim], rows key_stride / value_stride elements apart, unit
  * stride within a row; caches as in kv_cache. */
 void pdserve_store_kv(const void *key, int64_t key_stride, const void *value,
@@ -602,4 +629,64 @@ void pdserve_store_kv(const void *key, int64_t key_stride, const void *value,
                    row_bytes);
         }
     }
+}
+
+/* The code of the smallest one-byte scale s with 127 * s >= amax: positive floats order like
+ * their bits, so it is the ceiling of (bits(amax / 127) - base) over 2^20, as in the twin. */
+static inline uint8_t int8_scale_code(float amax) {
+    const float target = amax / 127.0f;
+    uint32_t bits;
+    memcpy(&bits, &target, sizeof bits);
+    const int64_t above = (int64_t)bits - (int64_t)INT8_SCALE_BITS_BASE + ((1 << 20) - 1);
+    if (above < 0) return 0;
+    return above >> 20 > 255 ? 255 : (uint8_t)(above >> 20);
+}
+
+/* Quantise one head vector (float32) into int8 page bytes and its scale code, exactly as
+ * reference.quantize_int8: x / s (an IEEE division), plus one half, floored, clamped. */
+static void quantize_int8_row(const float *restrict x, int dim, int8_t *restrict out,
+                              uint8_t *restrict code_out) {
+    float amax = 0.0f;
+    for (int d = 0; d < dim; d++) amax = fmaxf(amax, fabsf(x[d]));
+    const uint8_t code = int8_scale_code(amax);
+    const uint32_t scale_bits = ((uint32_t)code << 20) + INT8_SCALE_BITS_BASE;
+    float scale;
+    memcpy(&scale, &scale_bits, sizeof scale);
+    for (int d = 0; d < dim; d++) {
+        const float step = floorf(x[d] / scale + 0.5f);
+        out[d] = (int8_t)(step > 127.0f ? 127.0f : step < -127.0f ? -127.0f : step);
+    }
+    *code_out = code;
+}
+
+/* Write token n's key and value rows, quantised, into slot slots[n] of an int8 cache and their
+ * scale codes beside them. key/value: [N, num_kv_heads, head_dim] of `io_dtype` (float32, bf16
+ * or fp16), rows key_stride / value_stride elements apart; caches and scales as in kv_cache,
+ * strides in elements. Returns 0, or -1 for a head_dim beyond the row buffer. */
+int pdserve_store_kv_int8(const void *key, int64_t key_stride, const void *value,
+                          int64_t value_stride, int io_dtype, int8_t *key_cache,
+                          int8_t *value_cache, int64_t block_stride, int64_t token_stride,
+                          int64_t head_stride, uint8_t *key_codes, uint8_t *value_codes,
+                          int64_t scale_block_stride, int64_t scale_token_stride,
+                          int64_t scale_head_stride, int block_size, const int64_t *slots,
+                          int num_tokens, int num_kv_heads, int head_dim) {
+    enum { MAX_DIM = 1024 };
+    if (head_dim > MAX_DIM) return -1;
+    const size_t io_size = element_size(io_dtype);
+    float row[MAX_DIM];
+    for (int n = 0; n < num_tokens; n++) {
+        const int64_t block = slots[n] / block_size, offset = slots[n] % block_size;
+        for (int h = 0; h < num_kv_heads; h++) {
+            const int64_t at = block * block_stride + offset * token_stride + h * head_stride;
+            const int64_t code_at = block * scale_block_stride + offset * scale_token_stride +
+                                    h * scale_head_stride;
+            load_row((const char *)key + (n * key_stride + h * head_dim) * io_size, io_dtype,
+                     1.0f, head_dim, row);
+            quantize_int8_row(row, head_dim, key_cache + at, key_codes + code_at);
+            load_row((const char *)value + (n * value_stride + h * head_dim) * io_size, io_dtype,
+                     1.0f, head_dim, row);
+            quantize_int8_row(row, head_dim, value_cache + at, value_codes + code_at);
+        }
+    }
+    return 0;
 }
