@@ -125,10 +125,15 @@ def resolve_dtype(name: str, checkpoint_dtype: torch.dtype, device: torch.device
     return DTYPES[name]
 
 
+# auto: the model's dtype; fp8: e4m3 pages, a float32 scale per token and KV head; int8: pages
+# turned by a Hadamard matrix, then int8 with a one-byte scale (kernels/kv_turn.py).
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")
+
+
 @dataclass(slots=True)
 class CacheConfig:
     block_size: int = 16
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 | int8 (see KV_CACHE_DTYPES)
     kv_cache_memory: int | None = None  # bytes for the pool; None: derive from the device
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
@@ -137,8 +142,11 @@ class CacheConfig:
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
-        if self.kv_cache_dtype not in ("auto", "fp8"):
-            raise ValueError(f"--kv-cache-dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("--gpu-memory-utilization must be in (0, 1]")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from common.config import (
+    KV_CACHE_DTYPES,
     SPECULATIVE_METHODS,
     CacheConfig,
     EngineConfig,
@@ -24,7 +25,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV page")
-    group.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    group.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="auto: the model's dtype; fp8: e4m3 pages; int8: Hadamard-turned int8 pages, the "
+        "closest to the model's answers at half the memory (README, How it works)",
+    )
     group.add_argument(
         "--kv-cache-memory",
         type=parse_memory_size,

@@ -54,13 +54,16 @@ def make_engine(
     budget: int = 256,
     prefix_caching: bool = True,
     speculative: SpeculativeConfig | None = None,
+    kv: str = "auto",
 ) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
             model=str(folder),
             dtype=dtype,
             device="cpu",
-            cache=CacheConfig(num_blocks=256, enable_prefix_caching=prefix_caching),
+            cache=CacheConfig(
+                num_blocks=256, enable_prefix_caching=prefix_caching, kv_cache_dtype=kv
+            ),
             scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_model_len=512),
             speculative=speculative or SpeculativeConfig(),
             enable_deterministic_inference=deterministic,
@@ -121,24 +124,31 @@ def tiny_folder(request, tmp_path_factory):
     return build_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_answers_do_not_depend_on_batch_chunks_cache_or_speculation(tiny_folder, dtype) -> None:
+@pytest.mark.parametrize(
+    "dtype, kv",
+    [("bfloat16", "auto"), ("float32", "auto"), ("bfloat16", "int8")],
+    ids=["bfloat16", "float32", "bfloat16-kv=int8"],
+)
+def test_answers_do_not_depend_on_batch_chunks_cache_or_speculation(tiny_folder, dtype, kv):
     prompts = tiny_prompts()
     params = sampling_params(len(prompts))
-    engine = make_engine(tiny_folder, dtype)
+    engine = make_engine(tiny_folder, dtype, kv=kv)
     alone = serve(engine, prompts, params, together=False)
     # The same engine again: every prompt now hits the cache (its full pages), in one batch.
     cached: list[int] = []
     assert serve(engine, prompts, params, together=True, cached_tokens=cached) == alone
     assert all(n >= 16 for n in cached)
     for engine in (
-        make_engine(tiny_folder, dtype, budget=7, prefix_caching=False),
-        make_engine(tiny_folder, dtype, budget=40),
+        make_engine(tiny_folder, dtype, budget=7, prefix_caching=False, kv=kv),
+        make_engine(tiny_folder, dtype, budget=40, kv=kv),
     ):
         assert serve(engine, prompts, params, together=True) == alone
     greedy = [i for i, p in enumerate(params) if p.is_greedy]
     speculating = make_engine(
-        tiny_folder, dtype, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+        tiny_folder,
+        dtype,
+        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3),
+        kv=kv,
     )
     got = serve(speculating, [prompts[i] for i in greedy], [params[i] for i in greedy], True)
     assert got == [alone[i] for i in greedy]

@@ -96,7 +96,8 @@ def test_ngram_lookup_takes_the_longest_suffix_and_its_latest_occurrence():
 
 
 @pytest.mark.parametrize(
-    "dtype, kv", [("float32", "auto"), ("bfloat16", "auto"), ("float32", "fp8")]
+    "dtype, kv",
+    [("float32", "auto"), ("bfloat16", "auto"), ("float32", "fp8"), ("bfloat16", "int8")],
 )
 def test_ngram_speculation_gives_the_same_greedy_tokens(target, dtype, kv):
     prompts = repetitive_prompts()
@@ -116,7 +117,7 @@ def test_a_draft_equal_to_the_target_is_always_accepted(target):
     assert counted.proposed > 0 and counted.accepted == counted.proposed
 
 
-@pytest.mark.parametrize("kv", ["auto", "fp8"])
+@pytest.mark.parametrize("kv", ["auto", "fp8", "int8"])
 def test_another_draft_gives_the_same_greedy_tokens_and_backs_off(target, other_draft, kv):
     prompts = random_prompts(6, seed=6)
     expected = make_engine(target, kv=kv).generate(prompts, GREEDY)

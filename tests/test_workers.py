@@ -71,7 +71,7 @@ def start_pair(router, model, backend, *flags, prefill_flags=(), decode_flags=()
 
 @pytest.mark.parametrize(
     "backend, kv_cache_dtype",
-    [("zmq", "auto"), ("zmq", "fp8"), ("nixl", "auto"), ("nixl", "fp8")],
+    [("zmq", "auto"), ("zmq", "fp8"), ("zmq", "int8"), ("nixl", "auto"), ("nixl", "int8")],
 )
 def test_disaggregated_greedy_equals_one_process(router, model, backend, kv_cache_dtype):
     start_pair(router, model, backend, "--dtype", "bfloat16", "--kv-cache-dtype", kv_cache_dtype)

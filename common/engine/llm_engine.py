@@ -36,7 +36,7 @@ from common.model.default_model import resolve_model_path
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
 from common.sampling_params import SamplingParams
-from kernels.interface import FP8_DTYPE
+from kernels.interface import FP8_DTYPE, INT8_DTYPE
 from kernels.registry import get_attention_backend
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,12 @@ class LLMEngine:
         self.model_config = ModelConfig.from_pretrained(self.model_path)
         self.dtype = resolve_dtype(config.dtype, self.model_config.checkpoint_dtype, self.device)
         torch.manual_seed(config.seed)
+        kv_dtype = {"fp8": FP8_DTYPE, "int8": INT8_DTYPE}.get(
+            config.cache.kv_cache_dtype, self.dtype
+        )
         self.model = load_model(self.model_config, self.dtype, self.device)
+        if kv_dtype == INT8_DTYPE:
+            self.model.turn_kv_heads()
         if self.device.type == "cpu" and not config.enforce_eager:
             gemm_plan = self.model.pack_for_cpu(deterministic)
             logger.info("linear layers: %s", gemm_plan.describe())
@@ -90,7 +95,6 @@ class LLMEngine:
             config.scheduler.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.max_position_embeddings,
         )
-        kv_dtype = FP8_DTYPE if config.cache.kv_cache_dtype == "fp8" else self.dtype
         self.kv_layout = KVLayout.create(
             kv_dtype,
             config.cache.block_size,
@@ -136,7 +140,7 @@ class LLMEngine:
             self.dtype,
             num_blocks,
             config.cache.block_size,
-            self.kv_layout.dtype,
+            self.kv_layout.describe(self.dtype),
             self.backend.name,
             ", eager" if config.enforce_eager else "",
             ", deterministic inference (batch-invariant kernels)" if deterministic else "",
@@ -151,6 +155,8 @@ class LLMEngine:
                 f"({self.model_config.vocab_size}): a draft must share the target's tokenizer"
             )
         draft = load_model(draft_config, self.dtype, self.device)
+        if kv_dtype == INT8_DTYPE:
+            draft.turn_kv_heads()
         if self.device.type == "cpu" and not self.config.enforce_eager:
             draft.pack_for_cpu(self.config.enable_deterministic_inference)
         layout = KVLayout.create(

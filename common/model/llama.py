@@ -28,6 +28,7 @@ from kernels.cpu_linear import (
 )
 from kernels.cpu_ops import CpuRMSNorm, CpuRotaryApply, CpuSiluAndMul, cpu_ops_apply
 from kernels.interface import AttentionBackend, AttentionMetadata, KVCacheView
+from kernels.kv_turn import hadamard_turns
 
 
 class RMSNorm(nn.Module):
@@ -121,6 +122,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.rotary = RotaryApply()
         self.softmax_scale = config.head_dim**-0.5
+        # Set by LlamaForCausalLM.turn_kv_heads for pools of int8 pages (kernels/kv_turn.py).
+        self.query_turn: nn.Module | None = None
+        self.kv_turn: nn.Module | None = None
 
     def forward(
         self,
@@ -136,10 +140,24 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q, k, *rope)
+        if self.kv_turn is not None:
+            q, k, v = (
+                self._turn(self.query_turn, q),
+                self._turn(self.kv_turn, k),
+                self._turn(self.kv_turn, v),
+            )
         cache = kv.layers[self.layer_index]
         kv.backend.store_kv(k, v, cache, meta.slot_mapping)
         out = kv.backend.attention(q, cache, meta, self.softmax_scale)
+        if self.kv_turn is not None:
+            out = self._turn(self.query_turn, out).to(hidden.dtype)
         return self.o_proj(out.reshape(-1, self.q_size))
+
+    def _turn(self, turn: nn.Module, heads: torch.Tensor) -> torch.Tensor:
+        """Every head vector of ``heads [N, num_heads, head_dim]`` through ``turn``, in float32:
+        turned queries, keys and values reach the kernels and the int8 store unrounded, so int8
+        is the only rounding the turn adds (each bf16 rounding on the way costs answers)."""
+        return turn(heads.reshape(-1, self.head_dim).float()).view(heads.shape)
 
 
 class MLP(nn.Module):
@@ -190,6 +208,16 @@ class LlamaForCausalLM(nn.Module):
         attends over it. Binding again (a warm-up pool, then the real one) replaces both."""
         self.kv = BoundKV(pool, backend, [pool.layer_view(i) for i in range(len(self.layers))])
 
+    def turn_kv_heads(self) -> None:
+        """Turn queries, keys and values by a Hadamard matrix around attention, for pools of
+        int8 pages (``kernels/kv_turn.py``); before ``pack_for_cpu``, which packs the turns."""
+        weight = self.embed_tokens.weight
+        for layer in self.layers:
+            attention = layer.self_attn
+            attention.query_turn, attention.kv_turn = hadamard_turns(
+                self.config.head_dim, torch.float32, weight.device
+            )
+
     def pack_for_cpu(self, deterministic: bool = False) -> GemmPlan:
         """Replace every linear layer by a ``CpuLinear`` that holds its weight in the forms the
         fastest GEMMs of this machine want (timed on these very weights), or, ``deterministic``,
@@ -203,10 +231,14 @@ class LlamaForCausalLM(nn.Module):
             for parent, name in (
                 (layer.self_attn, "qkv_proj"),
                 (layer.self_attn, "o_proj"),
+                (layer.self_attn, "query_turn"),
+                (layer.self_attn, "kv_turn"),
                 (layer.mlp, "gate_up_proj"),
                 (layer.mlp, "down_proj"),
             ):
                 linear = getattr(parent, name)
+                if linear is None:
+                    continue
                 setattr(parent, name, CpuLinear(linear.weight, linear.bias, plan, self.step_shape))
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.cpu_head = CpuLinear(head, None, plan, self.step_shape)
