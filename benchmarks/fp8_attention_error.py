@@ -1,9 +1,11 @@
-"""How far FP8 (e4m3) KV pages move the attention output from bf16 pages.
+"""How far 8-bit KV pages move the attention output from bf16 pages, per scheme.
 
-Keys and values go through the backend's own ``store_kv`` (quantised with one scale per token
-and KV head, as in serving) and are read back by its ``attention``. The backend is the one the
-registry picks for the device: Triton on CUDA, the torch reference on CPU
-(``PDSERVE_ATTENTION_BACKEND`` overrides). For scale, the bf16 pages' own error against float32
+Two schemes, as ``--kv-cache-dtype`` names them: ``fp8`` (e4m3, a float32 scale per token and
+KV head) and ``int8`` (queries, keys and values turned by a Hadamard matrix as the model turns
+them, then int8 with a one-byte scale; the output turned back). Keys and values go through the
+backend's own ``store_kv`` (quantised as in serving) and are read back by its ``attention``.
+The backend is the one the registry picks for the device: Triton on CUDA, the C kernels on a
+CPU (``PDSERVE_ATTENTION_BACKEND`` overrides). For scale, the bf16 pages' own error against float32
 pages is printed beside it.
 
 Keys and values are synthetic but shaped like a trained model's: keys carry a few outlier
@@ -22,10 +24,13 @@ import torch
 
 from kernels.interface import (
     FP8_DTYPE,
+    INT8_DTYPE,
+    INT8_SCALE_DTYPE,
     AttentionBackend,
     AttentionMetadata,
     KVCacheView,
 )
+from kernels.kv_turn import hadamard_turns
 from kernels.registry import get_attention_backend
 
 BLOCK_SIZE = 16
@@ -120,19 +125,27 @@ def attend(
     dtype: torch.dtype,
     kv_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """Store the context in a fresh pool of ``kv_dtype`` and attend to it in ``dtype``."""
+    """Store the context in a fresh pool of ``kv_dtype`` and attend to it in ``dtype``; int8
+    pages hold turned keys and values, as the model stores them."""
     device = meta.seq_lens.device
     query, key, value = (x.to(device=device, dtype=dtype) for x in qkv)
     num_blocks = meta.block_tables.numel()
     page_shape = (num_blocks, 1, 2, BLOCK_SIZE, shape.num_kv_heads)
     pages = torch.zeros((*page_shape, shape.head_dim), dtype=kv_dtype, device=device)
-    if kv_dtype == FP8_DTYPE:
-        scales = torch.ones(page_shape, dtype=torch.float32, device=device)
+    scale_dtype = {FP8_DTYPE: torch.float32, INT8_DTYPE: INT8_SCALE_DTYPE}.get(kv_dtype)
+    if scale_dtype is not None:
+        scales = torch.ones(page_shape, dtype=scale_dtype, device=device)
         cache = KVCacheView(pages[:, 0, 0], pages[:, 0, 1], scales[:, 0, 0], scales[:, 0, 1])
     else:
         cache = KVCacheView(pages[:, 0, 0], pages[:, 0, 1])
-    backend.store_kv(key, value, cache, meta.slot_mapping)
-    return backend.attention(query, cache, meta, shape.head_dim**-0.5)
+    if kv_dtype != INT8_DTYPE:
+        backend.store_kv(key, value, cache, meta.slot_mapping)
+        return backend.attention(query, cache, meta, shape.head_dim**-0.5)
+    query_turn, kv_turn = hadamard_turns(shape.head_dim, dtype, device)
+    with torch.no_grad():
+        backend.store_kv(kv_turn(key), kv_turn(value), cache, meta.slot_mapping)
+        out = backend.attention(query_turn(query), cache, meta, shape.head_dim**-0.5)
+        return query_turn(out)
 
 
 def main() -> None:
@@ -155,7 +168,9 @@ def main() -> None:
         exact = attend(backend, shape, meta, qkv, torch.float32, torch.float32)
         bf16 = attend(backend, shape, meta, qkv, torch.bfloat16, torch.bfloat16)
         fp8 = attend(backend, shape, meta, qkv, torch.bfloat16, FP8_DTYPE)
+        int8 = attend(backend, shape, meta, qkv, torch.bfloat16, INT8_DTYPE)
         print(f"{shape.name:28} {'fp8 vs bf16':14} {Errors.between(fp8, bf16)}")
+        print(f"{'':28} {'int8 vs bf16':14} {Errors.between(int8, bf16)}")
         print(f"{'':28} {'bf16 vs fp32':14} {Errors.between(bf16, exact)}")
 
 

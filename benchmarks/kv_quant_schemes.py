@@ -160,7 +160,9 @@ def main() -> None:
         rows.append((scheme.name, tokens, scheme.capacity(*shape)))
     for name, tokens, capacity in rows:
         cap = f"{capacity:>9.3f}x" if capacity is not None else f"{'':>10}"
-        print(f"{name:<40}{agreement(reference, tokens)}{cap}")
+        identical, before_first, positional = agreement(reference, tokens)
+        print(f"{name:<40}{identical:>7}/{len(prompts):<2}{before_first:>17.1%}"
+              f"{positional:>12.1%}{cap}")  # fmt: skip
 
 
 if __name__ == "__main__":

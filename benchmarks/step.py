@@ -9,6 +9,7 @@ the floor).
 
     python -m benchmarks.step [--model PATH] [--dtype bfloat16] [--core 0] [--repeats 5]
         [--baseline]   # also the plain torch path (--enforce-eager, torch attention), same run
+        [--kv-cache-dtypes auto,int8,fp8]   # a column per KV page format, same run
 """
 
 from __future__ import annotations
@@ -59,7 +60,9 @@ def model_weight_bytes(engine: LLMEngine) -> int:
     return params * engine.dtype.itemsize
 
 
-def make_engine(args, max_batched: int, max_model_len: int, eager: bool = False) -> LLMEngine:
+def make_engine(
+    args, max_batched: int, max_model_len: int, eager: bool = False, kv_cache_dtype: str = "auto"
+) -> LLMEngine:
     """The engine as workers run it, or (``eager``) the plain torch path: torch modules and
     the torch reference attention."""
     previous = os.environ.get(ENV_BACKEND)
@@ -70,7 +73,9 @@ def make_engine(args, max_batched: int, max_model_len: int, eager: bool = False)
             EngineConfig(
                 model=args.model,
                 dtype=args.dtype,
-                cache=CacheConfig(kv_cache_memory=args.kv_cache_memory),
+                cache=CacheConfig(
+                    kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=kv_cache_dtype
+                ),
                 scheduler=SchedulerConfig(
                     max_num_batched_tokens=max_batched, max_model_len=max_model_len
                 ),
@@ -136,15 +141,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16, help="decode steps timed per case")
     parser.add_argument("--kv-cache-memory", type=int, default=1 << 30)
     parser.add_argument("--baseline", action="store_true", help="also the plain torch path")
+    parser.add_argument("--kv-cache-dtypes", default="auto", help="comma-separated, a column each")
     args = parser.parse_args()
     os.sched_setaffinity(0, {args.core})
     torch.set_num_threads(1)
     torch.manual_seed(0)
 
-    engines = {"pdserve": make_engine(args, max_batched=2048, max_model_len=2048)}
+    kv_dtypes = args.kv_cache_dtypes.split(",")
+    engines = {
+        "pdserve" if kv == "auto" else f"pdserve kv={kv}": make_engine(
+            args, max_batched=2048, max_model_len=2048, kv_cache_dtype=kv
+        )
+        for kv in kv_dtypes
+    }
     if args.baseline:
         engines["plain torch"] = make_engine(args, 2048, 2048, eager=True)
-    engine = engines["pdserve"]
+    engine = next(iter(engines.values()))
     weight_bytes = model_weight_bytes(engine)
     floor = weight_read_floor(weight_bytes, args.repeats)
     print(f"model {engine.model_path.name}, {engine.dtype}, one core (#{args.core})")
