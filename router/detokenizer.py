@@ -41,10 +41,6 @@ class IncrementalDetokenizer:
         self.stop_reason: str | None = None
         self.tokens_taken = 0  # of the last add()'s tokens
 
-    @property
-    def emitted_text(self) -> str:
-        return self.text[: self._emitted]
-
     def add(self, token_ids: Sequence[int]) -> str:
         """Feed new tokens; returns the text that may now be sent (possibly empty). With stop
         strings the tokens are taken one at a time, and none after the one that completes a

@@ -44,11 +44,3 @@ class APIError(Exception):
 class BadRequest(APIError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(400, message, param, "invalid_request")
-
-
-class RequestAborted(Exception):
-    """A request ended by a worker failure that could not be retried."""
-
-    def __init__(self, message: str, status: int = 503):
-        super().__init__(message)
-        self.status = status

@@ -98,8 +98,7 @@ class WorkerRegistry:
         self.heartbeat_timeout = heartbeat_timeout
         self.block_size = block_size  # fixed by the first worker; every later one must match
         self.workers: dict[str, WorkerState] = {}
-        # Exact prefix index: block hash -> prefill workers holding it.
-        self.index: dict[int, set[str]] = {}
+        # Exact prefix index: prefill worker -> block hashes it holds.
         self._held: dict[str, set[int]] = {}
 
     @property
@@ -160,8 +159,7 @@ class WorkerRegistry:
     def remove(self, worker_id: str) -> WorkerState | None:
         """Take a worker out; returns its state (its ``inflight`` requests need a new home)."""
         state = self.workers.pop(worker_id, None)
-        for block_hash in self._held.pop(worker_id, ()):
-            self._unindex(block_hash, worker_id)
+        self._held.pop(worker_id, None)
         return state
 
     def expired(self, now: float) -> list[str]:
@@ -203,19 +201,9 @@ class WorkerRegistry:
             return  # only prefill workers are chosen by prefix
         held = self._held[msg.worker_id]
         if msg.reset:
-            for block_hash in held:
-                self._unindex(block_hash, msg.worker_id)
             held.clear()
-        for block_hash in msg.stored:
-            held.add(block_hash)
-            self.index.setdefault(block_hash, set()).add(msg.worker_id)
-        for block_hash in msg.removed:
-            if block_hash in held:
-                held.discard(block_hash)
-                self._unindex(block_hash, msg.worker_id)
-
-    def holders(self, block_hash: int) -> set[str]:
-        return self.index.get(block_hash, set())
+        held.update(msg.stored)
+        held.difference_update(msg.removed)
 
     def cached_hashes(self, worker_id: str) -> set[int]:
         return self._held.get(worker_id, set())
@@ -269,10 +257,3 @@ class WorkerRegistry:
 
     def pool(self, role: str) -> list[WorkerState]:
         return [w for w in self.workers.values() if w.role == role]
-
-    def _unindex(self, block_hash: int, worker_id: str) -> None:
-        holders = self.index.get(block_hash)
-        if holders is not None:
-            holders.discard(worker_id)
-            if not holders:
-                del self.index[block_hash]

@@ -78,14 +78,13 @@ def test_prefix_index_follows_stored_removed_and_reset_events():
     r.register(reg("b"), 0)
     r.on_cache_events(CacheEvents("a", [1, 2, 3], []), 0)
     r.on_cache_events(CacheEvents("b", [1, 9], []), 0)
-    assert r.holders(1) == {"a", "b"} and r.holders(2) == {"a"}
+    assert r.cached_hashes("a") == {1, 2, 3} and r.cached_hashes("b") == {1, 9}
     r.on_cache_events(CacheEvents("a", [4], [2]), 0)
-    assert r.holders(2) == set() and r.holders(4) == {"a"}
+    assert r.cached_hashes("a") == {1, 3, 4}
     r.on_cache_events(CacheEvents("a", [5], [], reset=True), 0)
-    assert r.cached_hashes("a") == {5}
-    assert r.holders(1) == {"b"} and r.holders(3) == set()
+    assert r.cached_hashes("a") == {5} and r.cached_hashes("b") == {1, 9}
     r.remove("b")
-    assert r.index == {5: {"a"}}
+    assert r.cached_hashes("b") == set() and r.cached_hashes("a") == {5}
 
 
 def test_load_is_counted_at_dispatch_until_reported():

@@ -85,10 +85,6 @@ class Sequence:
             return 0
         return self.num_prompt_tokens - 1 - len(self.prompt_logprobs)
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
-
 
 def first_output_prompt_logprobs(seq: Sequence, num_new: int) -> list[PromptLogprob] | None:
     """The prompt logprobs to report with ``seq``'s ``num_new`` newest tokens: all of them when
