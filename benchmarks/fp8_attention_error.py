@@ -32,6 +32,7 @@ from kernels.interface import (
 )
 from kernels.kv_turn import hadamard_turns
 from kernels.registry import get_attention_backend
+from kernels.sizes import ceil_div
 
 BLOCK_SIZE = 16
 
@@ -100,7 +101,7 @@ def synthetic_qkv(
 
 def metadata(shape: Shape, device: torch.device, generator: torch.Generator) -> AttentionMetadata:
     """Each sequence on its own pages, spread over the pool in random order."""
-    pages_per_seq = -(-shape.context // BLOCK_SIZE)
+    pages_per_seq = ceil_div(shape.context, BLOCK_SIZE)
     pages = torch.randperm(shape.num_seqs * pages_per_seq, generator=generator)
     tables = pages.view(shape.num_seqs, pages_per_seq).to(torch.int32)
     positions = torch.arange(shape.context)

@@ -28,6 +28,7 @@ import triton.testing
 
 from kernels.interface import FP8_DTYPE, AttentionMetadata, KVCacheView
 from kernels.reference import quantize_fp8
+from kernels.sizes import ceil_div
 from kernels.triton_decode_attention import decode_attention, default_num_splits
 from kernels.triton_prefill_attention import prefill_attention
 
@@ -77,7 +78,7 @@ def paged_inputs(
     query_lens: list[int], seq_lens: list[int], kv_dtype: torch.dtype
 ) -> tuple[torch.Tensor, KVCacheView, AttentionMetadata]:
     """A filled pool with each sequence's pages in random order, and its metadata."""
-    pages_per_seq = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    pages_per_seq = [ceil_div(n, BLOCK_SIZE) for n in seq_lens]
     num_blocks = sum(pages_per_seq)
     shape = (num_blocks, NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     # Only layer 0 is read: fill it alone, one half at a time, to keep the peak memory down.

@@ -36,6 +36,7 @@ from common.engine.sequence import Sequence
 from common.model.default_model import resolve_model_path
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
+from kernels.sizes import ceil_div
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCES = [
@@ -149,7 +150,7 @@ def draft_catch_up_vs_shipping(engine: LLMEngine, prompt_tokens: int, repeats: i
     loopback ZeroMQ socket."""
     proposer = engine.speculator.proposer
     layout = proposer.pool.layout
-    num_pages = -(-prompt_tokens // layout.block_size)
+    num_pages = ceil_div(prompt_tokens, layout.block_size)
     blocks = engine.block_manager.allocate(num_pages)
     prefill = []
     for _ in range(repeats):

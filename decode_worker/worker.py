@@ -39,6 +39,7 @@ from common.protocol import (
     RegisterWorker,
 )
 from common.service.worker_base import WorkerService, run_worker, worker_parser
+from kernels.sizes import ceil_div
 from kvtransfer import TransferError, TransferParams, TransferResult, create_receiver
 
 logger = logging.getLogger(__name__)
@@ -245,7 +246,7 @@ class DecodeWorker(WorkerService):
         seq = Sequence.from_prompt(request_id, handoff.prompt_token_ids, params)
         seq.token_ids.append(handoff.first_token.token_id)
         seq.num_cached_tokens = handoff.num_cached_tokens
-        num_pages = -(-seq.num_prompt_tokens // self.block_manager.block_size)
+        num_pages = ceil_div(seq.num_prompt_tokens, self.block_manager.block_size)
         if handoff.first_page == 0 and pending is not None:
             self._discard(pending)  # every page is offered again: the parts are not needed
             pending = None

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import cpu_library
+from kernels.sizes import ceil_div
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ TILE_DTYPES = (torch.bfloat16, torch.float32)
 def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
     """``[N, K]`` -> ``[ceil(N / TILE), K, TILE]`` contiguous, columns past N zero."""
     out_features, in_features = weight.shape
-    padded = -(-out_features // TILE) * TILE
+    padded = ceil_div(out_features, TILE) * TILE
     transposed = F.pad(weight.detach().t(), (0, padded - out_features))
     return transposed.reshape(in_features, padded // TILE, TILE).permute(1, 0, 2).contiguous()
 

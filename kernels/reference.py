@@ -25,6 +25,7 @@ from kernels.interface import (
     AttentionMetadata,
     KVCacheView,
 )
+from kernels.sizes import ceil_div
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,7 +130,7 @@ def paged_attention_reference(
     if decode:
         rows = torch.tensor([starts[i] for i in decode], device=query.device)
         lens = torch.tensor([seq_lens[i] for i in decode], device=query.device)
-        num_blocks = -(-max(seq_lens[i] for i in decode) // block_size)
+        num_blocks = ceil_div(max(seq_lens[i] for i in decode), block_size)
         tables = meta.block_tables[torch.tensor(decode, device=query.device), :num_blocks]
         key, value = _gather_context(cache, tables.long(), query.dtype)
         positions = torch.arange(key.shape[1], device=query.device)
@@ -174,7 +175,7 @@ def chunk_attention_reference(
 ) -> torch.Tensor:  # [q_len, num_heads, head_dim]
     """One sequence's chunk of queries over its context: SDPA over its gathered pages."""
     q_len = query.shape[0]
-    num_blocks = -(-seq_len // cache.block_size)
+    num_blocks = ceil_div(seq_len, cache.block_size)
     key, value = _gather_context(cache, block_table[None, :num_blocks].long(), query.dtype)
     # Lower-right causal alignment: the chunk's queries are the context's last q_len positions.
     attended = F.scaled_dot_product_attention(

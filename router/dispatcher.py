@@ -32,6 +32,7 @@ from common.protocol import (
     TokenSample,
 )
 from common.sampling_params import SamplingParams
+from kernels.sizes import ceil_div
 from router.metrics import RouterMetrics
 from router.policy import (
     Decision,
@@ -253,7 +254,7 @@ class Dispatcher:
         decode_state = self.registry.workers[decision.decode_worker_id]
         output_ids = [s.token_id for s in gen.samples] if migrate else []
         total = len(gen.prompt_token_ids) + gen.params.max_tokens
-        blocks = -(-total // decode_state.block_size)
+        blocks = ceil_div(total, decode_state.block_size)
         if decision.prefill_worker_id is None:
             msg: Message = DecodeRequest(gen.wire_id, gen.prompt_token_ids, params, output_ids)
             # Counted as queued prefill there until it reports it (the overflow rule reads it).

@@ -43,6 +43,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kernels.sizes import ceil_div
+
 # Decision reasons; each is a label value of pdserve_router_decisions_total.
 REASON_PREFIX = "prefix_hit"
 REASON_LOAD = "least_loaded"
@@ -211,7 +213,7 @@ def choose_decode(
 ) -> str:
     if not candidates:
         raise NoWorkerError("no decode worker is registered")
-    needed = -(-(request.num_prompt_tokens + request.num_new_tokens_max) // request.block_size)
+    needed = ceil_div(request.num_prompt_tokens + request.num_new_tokens_max, request.block_size)
     fitting = [w for w in candidates if w.free_blocks >= needed] or list(candidates)
 
     def key(w: DecodeView) -> tuple[float, int, str]:

@@ -38,6 +38,7 @@ from kernels.reference import (
     store_kv_reference,
 )
 from kernels.registry import get_attention_backend
+from kernels.sizes import ceil_div
 from kernels.triton_backend import TritonAttentionBackend
 from kernels.triton_decode_attention import decode_attention
 from kernels.triton_prefill_attention import prefill_attention
@@ -164,11 +165,11 @@ def block_tables_for(
     seq_lens: list[int], block_size: int, pages: torch.Tensor, padding_page: int
 ) -> torch.Tensor:
     """Give each sequence its pages from ``pages`` in order; pad the rest of each row."""
-    width = max(-(-n // block_size) for n in seq_lens) + 1
+    width = max(ceil_div(n, block_size) for n in seq_lens) + 1
     tables = torch.full((len(seq_lens), width), padding_page, dtype=torch.int32)
     used = 0
     for i, n in enumerate(seq_lens):
-        count = -(-n // block_size)
+        count = ceil_div(n, block_size)
         tables[i, :count] = pages[used : used + count]
         used += count
     return tables.to(DEVICE)
@@ -206,7 +207,7 @@ def make_batch(
     block_size: int = 16,
 ) -> Batch:
     """Scatter each sequence over random pages and store its whole context (reference store)."""
-    total_pages = sum(-(-n // block_size) for n in seq_lens)
+    total_pages = sum(ceil_div(n, block_size) for n in seq_lens)
     pool = Pool.create(total_pages + 2, block_size, num_kv_heads, head_dim, kv_dtype)
     # Page 0 is never written: it pads the block tables.
     tables = block_tables_for(seq_lens, block_size, torch.randperm(total_pages) + 1, 0)
@@ -313,7 +314,7 @@ def test_store_kv_int8_scale_boundaries() -> None:
     expected_codes = torch.cat([expected_codes, torch.tensor([0, 0, 255], dtype=torch.int32)])
 
     num_tokens, block_size = vectors.shape[0], 16
-    pool = Pool.create(-(-num_tokens // block_size) + 1, block_size, 1, head_dim, INT8_DTYPE)
+    pool = Pool.create(ceil_div(num_tokens, block_size) + 1, block_size, 1, head_dim, INT8_DTYPE)
     expected = pool.clone()
     slots = torch.randperm(pool.pages.shape[0] * block_size)[:num_tokens].to(DEVICE)
     key = vectors.to(DEVICE)[:, None]
@@ -514,7 +515,7 @@ def test_backend_mixed_batch(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim
         ([0, 1, 2, 3], [25, 40, 31, 4], [26, 41, 32, 5]),  # pure decode
     ]
     final_lens = steps[-1][2]
-    total_pages = sum(-(-n // block_size) for n in final_lens)
+    total_pages = sum(ceil_div(n, block_size) for n in final_lens)
     pool = Pool.create(total_pages + 1, block_size, num_kv_heads, head_dim, kv_dtype)
     tables = block_tables_for(final_lens, block_size, torch.randperm(total_pages) + 1, 0)
     pools = {"triton": pool, "torch": pool.clone()}

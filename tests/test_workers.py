@@ -18,6 +18,7 @@ from common.engine.llm_engine import LLMEngine
 from common.messages import encode
 from common.protocol import AbortRequest, HandoffPart, Heartbeat
 from common.sampling_params import SamplingParams
+from kernels.sizes import ceil_div
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 ENGINE_FLAGS = ("--kv-cache-memory", "32MiB", "--max-model-len", "256")
@@ -89,7 +90,7 @@ def test_disaggregated_greedy_equals_one_process(router, model, backend, kv_cach
         for d, p in zip(first, prompts, strict=True)
     )
     decode = router.metrics("decode")
-    pages = sum(-(-len(p) // 16) for p in prompts)
+    pages = sum(ceil_div(len(p), 16) for p in prompts)
     assert decode["pdserve_kv_pages_received_total"] == pages
     assert decode["pdserve_prompt_tokens_computed_total"] == 0
     assert router.metrics("prefill")["pdserve_kv_pages_sent_total"] == pages
@@ -201,7 +202,7 @@ def test_parts_withdrawn_by_the_prefill_worker_are_dropped(router, model):
         30,
         "parts not fetched",
     )
-    assert free_blocks(router, "decode") == totals["decode"] - -(-len(prompt) // 16)
+    assert free_blocks(router, "decode") == totals["decode"] - ceil_div(len(prompt), 16)
     push.send(encode(AbortRequest("withdrawn")))
     for role, total in totals.items():
         router.wait_for(lambda r=role, t=total: free_blocks(router, r) == t, 20, f"{role} leaks")

@@ -11,6 +11,7 @@ from common.config import EngineConfig
 from common.engine.kv_pool import KVLayout, KVPool
 from common.model.llama import LlamaForCausalLM
 from kernels.interface import AttentionBackend, AttentionMetadata
+from kernels.sizes import ceil_div
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ def warm_up(
     """One forward of ``num_tokens`` prompt tokens through a scratch pool (the model stays
     bound to it: bind the real pool afterwards)."""
     device = next(model.parameters()).device
-    num_blocks = -(-num_tokens // layout.block_size)
+    num_blocks = ceil_div(num_tokens, layout.block_size)
     pool = KVPool(layout, num_blocks, device)
     model.bind_kv(pool, backend)
     meta = AttentionMetadata(

@@ -32,6 +32,7 @@ from common.engine.block_manager import BlockManager
 from common.engine.sampler import SampledToken
 from common.engine.sequence import FinishReason, Sequence, SequenceStatus, SpeculationState
 from common.hashing import hash_block
+from kernels.sizes import ceil_div
 
 if TYPE_CHECKING:
     from common.engine.speculative.speculator import Speculator
@@ -199,7 +200,7 @@ class Scheduler:
     # -- helpers --------------------------------------------------------------------------------
 
     def _blocks_needed(self, seq: Sequence, num_new: int) -> int:
-        total = -(-(seq.num_computed_tokens + num_new) // self.block_size)
+        total = ceil_div(seq.num_computed_tokens + num_new, self.block_size)
         return max(0, total - len(seq.block_ids))
 
     def _reserve_for_running(self, seq: Sequence, num_new: int, scheduled: set[int]) -> bool:
@@ -228,7 +229,7 @@ class Scheduler:
         hits = self.block_manager.match_prefix(seq.token_ids, max_hit_blocks)
         num_computed = len(hits) * self.block_size
         num_new = min(seq.num_tokens - num_computed, budget)
-        total_blocks = -(-(num_computed + num_new) // self.block_size)
+        total_blocks = ceil_div(num_computed + num_new, self.block_size)
         reclaimed = sum(1 for b in hits if self.block_manager.ref_count(b) == 0)
         if total_blocks - len(hits) > self.block_manager.num_free_blocks - reclaimed:
             return None
@@ -326,7 +327,7 @@ class DecodeScheduler(Scheduler):
 
     def reserve(self, num_prompt_tokens: int) -> list[int] | None:
         """Pages for a prompt of ``num_prompt_tokens`` tokens; None if they are not free."""
-        num_pages = -(-num_prompt_tokens // self.block_size)
+        num_pages = ceil_div(num_prompt_tokens, self.block_size)
         if not 0 < num_pages <= self.block_manager.num_free_blocks:
             return None
         return self.block_manager.allocate(num_pages)
