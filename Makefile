@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 MODEL ?=
 ARGS ?=
 
-.PHONY: install serve test lint format bench compare clean
+.PHONY: install serve test test-fast lint format bench compare clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)
+
+# The inner loop: everything but the tests marked slow (processes, clusters, seconds each).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -36,6 +36,8 @@ from common.protocol import RegisterWorker
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.slow  # each test starts `pdserve up` or its processes
+
 # Longer than --remote-prefill-min-tokens, so these prompts take the prefill worker.
 LONG_PROMPT = " ".join(f"item{i} is followed by item{i + 1}." for i in range(20))
 SHORT_PROMPT = "Hello there"

@@ -16,6 +16,8 @@ from common.cluster_auth import ClusterAuth, ClusterKeys, load_secret
 from common.engine.kv_pool import KVPool
 from kvtransfer import create_receiver, create_sender
 
+pytestmark = pytest.mark.slow  # worker processes over real sockets
+
 SECRET = "correct horse battery staple"
 
 

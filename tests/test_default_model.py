@@ -198,6 +198,7 @@ def test_missing_wheel_says_how_to_install(tmp_path: Path, monkeypatch, capsys) 
     assert not (tmp_path / "models").exists()
 
 
+@pytest.mark.slow
 def test_concurrent_first_starts_convert_once(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     dest = cache / "models" / DEFAULT_MODEL_NAME

@@ -166,6 +166,7 @@ def test_without_the_flag_the_same_matrix_differs(tiny_folder) -> None:
     assert serve(engine, prompts, params, together=True) != alone
 
 
+@pytest.mark.slow
 def test_smollm2_answers_do_not_depend_on_batch_chunks_or_cache() -> None:
     """The default model in bf16, its real shapes: 30 layers, 9 query and 3 KV heads."""
     folder = ensure_default_model(progress=False)

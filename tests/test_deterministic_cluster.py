@@ -19,7 +19,10 @@ from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
 from kernels import cpu_library
 
-pytestmark = pytest.mark.skipif(not cpu_library.available(), reason="needs the C kernels")
+pytestmark = [
+    pytest.mark.skipif(not cpu_library.available(), reason="needs the C kernels"),
+    pytest.mark.slow,  # starts `pdserve up`
+]
 
 MAX_TOKENS = 12
 SHARED = ("--max-model-len", "512", "--kv-cache-memory", "64MiB", "--dtype", "bfloat16",

@@ -28,6 +28,7 @@ def make_engine(folder, kv_cache_dtype: str) -> LLMEngine:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "int8"])
 def test_triton_backend_matches_torch_backend(tmp_path, monkeypatch, kv_cache_dtype):
     folder = build_tiny_model("qwen3-qknorm", tmp_path / "model")

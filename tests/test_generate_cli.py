@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -13,6 +14,8 @@ from common.engine.llm_engine import LLMEngine
 from common.model.default_model import ensure_default_model
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.slow  # runs the `pdserve generate` command on the default model
 
 PROMPT = "The capital of France is"
 

@@ -266,6 +266,7 @@ def test_expired_lease_fails_without_traffic(receivers):
     assert not result.ok and "lease" in result.error
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sender_killed_mid_transfer_fails_by_deadline(backend):
     spec = f"{backend}:bf16"
@@ -296,6 +297,7 @@ def test_sender_killed_mid_transfer_fails_by_deadline(backend):
         process.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_receiver_gone_sender_releases_at_lease_end(senders, backend):
     spec = f"{backend}:fp8"

@@ -265,6 +265,7 @@ plain = st.recursive(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(st.dictionaries(st.sampled_from(["type", *Everything.__slots__, "x"]), plain, max_size=14))
 def test_random_maps_only_ever_raise_protocol_error(raw):

@@ -17,6 +17,8 @@ import pytest
 import yaml
 from cluster_harness import tiny_chat_cluster
 
+pytestmark = pytest.mark.slow  # starts `pdserve up` and drives traffic
+
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 DASHBOARD = ROOT / "deploy/grafana/dashboards/pdserve.json"

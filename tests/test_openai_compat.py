@@ -11,6 +11,8 @@ import openai
 import pytest
 from cluster_harness import greedy_reference, tiny_chat_cluster
 
+pytestmark = pytest.mark.slow  # starts `pdserve up` for the clients
+
 MODEL = "tiny-chat"
 PROMPT = "The capital of France is a city whose name is"
 CONVERSATION = [
@@ -444,7 +446,6 @@ def test_prompt_logprobs_on_chat_and_their_limits(cluster, reference):
 # -- clients built on the OpenAI API --------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_langchain_openai_invoke_stream_n_and_logprobs(cluster):
     from langchain_core.messages import HumanMessage, SystemMessage
     from langchain_openai import ChatOpenAI
@@ -465,7 +466,6 @@ def test_langchain_openai_invoke_stream_n_and_logprobs(cluster):
     assert len(content) == 8 and all(len(entry["top_logprobs"]) == 2 for entry in content)
 
 
-@pytest.mark.slow
 def test_litellm_openai_provider_invoke_stream_n_and_logprobs(cluster, monkeypatch):
     # Offline: litellm would otherwise try to download its model price list at import.
     monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")

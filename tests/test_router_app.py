@@ -169,6 +169,7 @@ def test_errors_are_openai_shaped(cluster):
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
 
 
+@pytest.mark.slow
 def test_out_of_range_parameters_are_refused_and_leave_nothing_in_flight():
     """Numbers the wire cannot carry, or that make no sense, are a 400 naming the parameter at
     the edge; 4,096 of them leave the in-flight table as it was, so the next request is served
@@ -218,6 +219,7 @@ def test_out_of_range_parameters_are_refused_and_leave_nothing_in_flight():
         assert router.metric("pdserve_router_inflight_requests") == 0
 
 
+@pytest.mark.slow
 def test_health_answers_while_a_megabyte_prompt_is_tokenized(cluster, monkeypatch):
     """Tokenizing a 3 MB prompt takes seconds; it happens off the event loop, so /health and
     every stream are served meanwhile. The encode is held open until /health has answered: on
@@ -496,6 +498,7 @@ def test_worker_joining_mid_load_takes_requests():
         assert prefill_requests(p1)
 
 
+@pytest.mark.slow
 def test_silent_decode_worker_is_removed_and_its_streams_migrate():
     with router_server(MODEL, heartbeat_timeout=4.0) as router:
         hub: dict = {}
@@ -531,6 +534,7 @@ def test_silent_decode_worker_is_removed_and_its_streams_migrate():
         assert router.metric("pdserve_router_redispatches_total", kind="migrate") >= 1
 
 
+@pytest.mark.slow
 def test_silent_prefill_worker_requests_go_elsewhere():
     with router_server(MODEL, heartbeat_timeout=4.0) as router:
         hub: dict = {}
@@ -568,6 +572,7 @@ def test_silent_prefill_worker_requests_go_elsewhere():
             time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_a_request_that_stalls_is_sent_again_and_completes():
     """A handoff lost on the way: the client has its first token and the decode worker never
     hears of the request. After --request-stall-timeout without a token the router sends it

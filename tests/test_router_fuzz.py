@@ -47,6 +47,7 @@ def fuzz_operation(op, base_url: str, failures: list, calls: list) -> None:
     run()
 
 
+@pytest.mark.slow
 def test_fuzz_openapi_schema(router):
     schema = schemathesis.openapi.from_url(router.base_url + "/openapi.json")
     failures: list = []

@@ -10,6 +10,8 @@ from cluster_harness import reference_engine, tiny_chat_cluster, worker_metric
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.slow  # starts `pdserve up`
+
 LONG_PROMPT = " ".join(f"item{i} is followed by item{i + 1}." for i in range(20))
 MAX_TOKENS = 40
 

@@ -17,6 +17,8 @@ from kvtransfer.ucx_interface import (
     pin_ucx_to_host,
 )
 
+pytestmark = pytest.mark.slow  # NIXL agents in processes
+
 # A child that pins UCX to 127.0.0.1 (or not), starts a NIXL agent and prints the addresses its
 # TCP sockets listen on, read from /proc (no ss needed).
 LISTENERS = """

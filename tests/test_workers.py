@@ -20,6 +20,8 @@ from common.protocol import AbortRequest, HandoffPart, Heartbeat
 from common.sampling_params import SamplingParams
 from kernels.sizes import ceil_div
 
+pytestmark = pytest.mark.slow  # worker processes over real sockets
+
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 ENGINE_FLAGS = ("--kv-cache-memory", "32MiB", "--max-model-len", "256")
 
