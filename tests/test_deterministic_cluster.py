@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from cluster_harness import tiny_chat_cluster
+from optional_backends import needs_nixl
 
 from common.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.engine.llm_engine import LLMEngine
@@ -113,6 +114,7 @@ def test_zmq_two_by_two_equals_one_process_alone_and_under_load(two_by_two):
     assert_same_answers_alone_and_concurrent(client, one_process_answers(folder))
 
 
+@needs_nixl
 def test_nixl_with_speculation_equals_one_process(tmp_path_factory):
     flags = (*SHARED, "--kv-transfer", "nixl", "--speculative-method", "ngram",
              "--num-speculative-tokens", "3")  # fmt: skip

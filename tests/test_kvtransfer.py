@@ -23,6 +23,7 @@ import pytest
 import torch
 import zmq
 from kv_sender_process import NUM_BLOCKS, fill_pool, make_layout, seed_of
+from optional_backends import NIXL_INSTALLED, backend_params, needs_nixl
 from prometheus_client import REGISTRY
 
 from common.engine.kv_pool import KVPool
@@ -41,12 +42,13 @@ from kvtransfer.messages import (
     PageData,
     ReleasePages,
 )
-from kvtransfer.nixl_backend import page_runs
 
 REPO = Path(__file__).resolve().parent.parent
 HELPER = REPO / "tests" / "kv_sender_process.py"
-BACKENDS = ["zmq", "nixl"]
-SPECS = [f"{b}:{d}" for b in BACKENDS for d in ("bf16", "fp8", "int8")]
+BACKEND_NAMES = ["zmq", "nixl"]
+SPEC_NAMES = [f"{b}:{d}" for b in BACKEND_NAMES for d in ("bf16", "fp8", "int8")]
+BACKENDS = backend_params(*BACKEND_NAMES)
+SPECS = backend_params(*SPEC_NAMES)
 
 
 class SenderProcess:
@@ -138,7 +140,7 @@ def bad_messages(backend: str, side: str) -> float:
 
 @pytest.fixture(scope="module")
 def senders():
-    process = SenderProcess(SPECS)
+    process = SenderProcess([s for s in SPEC_NAMES if NIXL_INSTALLED or not s.startswith("nixl")])
     yield process
     process.stop()
 
@@ -186,7 +188,10 @@ def test_fetch_copies_pages_exactly(senders, receivers, spec):
         senders.wait_released(spec, request_id, timeout=10)
 
 
+@needs_nixl
 def test_page_runs():
+    from kvtransfer.nixl_backend import page_runs
+
     runs = page_runs([4, 5, 6, 12, 13, 0, 1], [9, 10, 11, 3, 5, 6, 7])
     assert runs.tolist() == [[4, 9, 3], [12, 3, 1], [13, 5, 1], [0, 6, 2]]
     assert page_runs([2], [8]).tolist() == [[2, 8, 1]]
@@ -519,6 +524,7 @@ def test_sender_restarted_on_the_same_endpoint_is_handshaken_again(backend):
         receiver.side.close()
 
 
+@needs_nixl
 def test_sender_abort_waits_for_a_nixl_read_that_may_be_in_flight():
     """Once a READ may have started, the pages stay pinned until the receiver is done."""
     layout = make_layout("fp8")

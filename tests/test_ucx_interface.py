@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from optional_backends import needs_nixl
 
 from kvtransfer import ucx_interface
 from kvtransfer.ucx_interface import (
@@ -85,8 +86,8 @@ def listeners(mode: str) -> list[str]:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@needs_nixl
 def test_a_pinned_nixl_agent_listens_on_loopback_only():
-    pytest.importorskip("nixl._api")
     pinned = listeners("pin")
     assert pinned and all(address in ("127.0.0.1", "::1") for address in pinned), pinned
     if not any(name != "lo" for name in ipv4_interfaces()):

@@ -10,6 +10,7 @@ import msgpack
 import pytest
 import torch
 import zmq
+from optional_backends import needs_nixl
 from tiny_models import build_tiny_model, random_prompts
 from worker_harness import FakeRouter, HandoffTap
 
@@ -74,7 +75,13 @@ def start_pair(router, model, backend, *flags, prefill_flags=(), decode_flags=()
 
 @pytest.mark.parametrize(
     "backend, kv_cache_dtype",
-    [("zmq", "auto"), ("zmq", "fp8"), ("zmq", "int8"), ("nixl", "auto"), ("nixl", "int8")],
+    [
+        ("zmq", "auto"),
+        ("zmq", "fp8"),
+        ("zmq", "int8"),
+        pytest.param("nixl", "auto", marks=needs_nixl),
+        pytest.param("nixl", "int8", marks=needs_nixl),
+    ],
 )
 def test_disaggregated_greedy_equals_one_process(router, model, backend, kv_cache_dtype):
     start_pair(router, model, backend, "--dtype", "bfloat16", "--kv-cache-dtype", kv_cache_dtype)
