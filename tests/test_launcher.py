@@ -1,6 +1,9 @@
-"""`pdserve up`'s arguments: flags of one role reach only that role's workers, and parse there."""
+"""`pdserve up`'s arguments: flags of one role reach only that role's workers, and parse there;
+and how it splits the cores between workers."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -32,7 +35,19 @@ def test_no_role_flags_by_default(role):
     assert ROLE_PARSERS[role]().parse_args(BASE).kv_transfer == "zmq"
 
 
-def test_core_shares_are_disjoint_and_cover_the_cores():
-    shares = core_shares(2)
-    assert len(shares) == 2 and all(shares)
-    assert not shares[0] & shares[1] or len(set().union(*shares)) == 1
+@pytest.mark.parametrize("cores", [{0}, {0, 1}, {0, 1, 2}, {1, 3, 4, 6, 9}, set(range(16))])
+@pytest.mark.parametrize("num_workers", [1, 2, 3, 4, 6])
+def test_core_shares_are_disjoint_and_cover_the_cores(monkeypatch, cores, num_workers):
+    """Whatever this machine has: the launcher's view of the cores is replaced by each case."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(cores))
+    shares = core_shares(num_workers)
+    assert len(shares) == num_workers and all(shares)
+    assert set().union(*shares) == cores
+    if num_workers <= len(cores):
+        assert sum(len(share) for share in shares) == len(cores)  # disjoint
+        assert max(map(len, shares)) - min(map(len, shares)) <= 1  # near-equal
+    else:
+        # More workers than cores: one core each, round-robin, so no core carries two more.
+        assert all(len(share) == 1 for share in shares)
+        load = [sum(core in share for share in shares) for core in cores]
+        assert max(load) - min(load) <= 1
