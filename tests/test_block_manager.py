@@ -137,3 +137,36 @@ def test_decode_scheduler_reserves_pages_for_shipped_prompts_and_admits_or_retur
     with pytest.raises(ValueError, match="maximum model length"):
         scheduler.admit_prefilled(too_long, reserved)
     assert blocks.num_free_blocks == free and too_long.block_ids == []
+
+
+def test_admission_hashes_the_prompt_once_and_keeps_the_hits_hashes(monkeypatch):
+    """A prompt whose first pages are cached: ``match_prefix`` hashes each of them once, and the
+    sequence takes those hashes from the pages instead of hashing its prompt a second time."""
+    import common.engine.block_manager as block_manager_module
+    import common.engine.scheduler as scheduler_module
+    from common.engine.scheduler import Scheduler
+
+    blocks = BlockManager(num_blocks=8, block_size=BLOCK, enable_prefix_caching=True)
+    prompt = list(range(100, 114))  # three full pages and two tokens
+    hashes = block_hashes(prompt, BLOCK)
+    cached = blocks.allocate(2)
+    for index, block_id in enumerate(cached):
+        blocks.cache_block(block_id, hashes[index], prompt[index * BLOCK : (index + 1) * BLOCK])
+    blocks.free(cached)
+    calls = []
+
+    def counting(parent, token_ids):
+        calls.append(tuple(token_ids))
+        return hash_block(parent, token_ids)
+
+    monkeypatch.setattr(block_manager_module, "hash_block", counting)
+    monkeypatch.setattr(scheduler_module, "hash_block", counting)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64), blocks, 64, [])
+    seq = Sequence.from_prompt("r", prompt, SamplingParams(max_tokens=4))
+    scheduler.add(seq)
+    [item] = scheduler.schedule()
+    assert seq.block_ids[:2] == cached and seq.num_computed_tokens == 2 * BLOCK
+    assert item.num_new_tokens == len(prompt) - 2 * BLOCK
+    assert seq.block_hashes == hashes[:2]
+    # The third page is looked up and missed; no page is hashed twice.
+    assert calls == [tuple(prompt[i * BLOCK : (i + 1) * BLOCK]) for i in range(3)]

@@ -62,6 +62,10 @@ class BlockManager:
     def ref_count(self, block_id: int) -> int:
         return self._pages[block_id].ref_count
 
+    def block_hash(self, block_id: int) -> int | None:
+        """The hash the page is filed under in the prefix cache; None if it is not filed."""
+        return self._pages[block_id].block_hash
+
     def num_cached_blocks(self) -> int:
         return len(self._by_hash)
 

@@ -235,7 +235,8 @@ class Scheduler:
             return None
         self.block_manager.acquire(hits)
         seq.block_ids = hits + self.block_manager.allocate(total_blocks - len(hits))
-        seq.block_hashes = self._chain_hashes(seq, len(hits))
+        # The hits are filed pages: their hashes are the prompt's, computed once by match_prefix.
+        seq.block_hashes = [self.block_manager.block_hash(b) for b in hits]
         seq.num_computed_tokens = num_computed
         if seq.num_output_tokens == 0:
             seq.num_cached_tokens = num_computed
@@ -251,15 +252,6 @@ class Scheduler:
         seq.block_ids.extend(self.block_manager.allocate(needed))
         self._cache_full_blocks(seq)
         return num_new
-
-    def _chain_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
-        hashes: list[int] = []
-        parent = None
-        for index in range(num_blocks):
-            start = index * self.block_size
-            parent = hash_block(parent, seq.token_ids[start : start + self.block_size])
-            hashes.append(parent)
-        return hashes
 
     def _cache_full_blocks(self, seq: Sequence) -> None:
         """File every newly completed page of ``seq`` in the prefix cache."""
