@@ -234,12 +234,13 @@ class Dispatcher:
         return decision
 
     def _hashes(self, token_ids: list[int], block_size: int) -> list[int]:
-        # The n choices of one prompt are routed once, but a retry re-hashes; keep the last.
+        # The n choices of one prompt are routed one after another, and a retry routes again:
+        # keep the last prompt's hashes, keyed by its tokens' values (an id can be reused).
         cached = self._hash_cache
-        if cached is not None and cached[0] is token_ids and cached[1] == block_size:
+        if cached is not None and cached[1] == block_size and cached[0] == token_ids:
             return cached[2]
         hashes = block_hashes(token_ids, block_size)
-        self._hash_cache = (token_ids, block_size, hashes)
+        self._hash_cache = (list(token_ids), block_size, hashes)
         return hashes
 
     def _dispatch(self, gen: Generation, decision: Decision, migrate: bool = False) -> None:

@@ -21,7 +21,7 @@ import uvicorn
 import zmq
 
 from common.engine.block_manager import BlockManager
-from common.hashing import hash_block
+from common.hashing import block_hashes
 from common.messages import PROTOCOL_VERSION, Message, decode, encode
 from common.protocol import (
     ROLE_DECODE,
@@ -202,12 +202,10 @@ class FakeWorker(threading.Thread):
         self.blocks.acquire(hit)
         full = len(prompt) // self.block_size
         new = self.blocks.allocate(full - len(hit)) if full > len(hit) else []
-        parent = None
-        for i in range(full):
+        hashes = block_hashes(prompt, self.block_size)
+        for i in range(len(hit), full):
             chunk = prompt[i * self.block_size : (i + 1) * self.block_size]
-            parent = hash_block(parent, chunk)
-            if i >= len(hit):
-                self.blocks.cache_block(new[i - len(hit)], parent, chunk)
+            self.blocks.cache_block(new[i - len(hit)], hashes[i], chunk)
         self.blocks.free(hit + new)
         return len(hit) * self.block_size
 

@@ -142,8 +142,7 @@ def test_decode_scheduler_reserves_pages_for_shipped_prompts_and_admits_or_retur
 def test_admission_hashes_the_prompt_once_and_keeps_the_hits_hashes(monkeypatch):
     """A prompt whose first pages are cached: ``match_prefix`` hashes each of them once, and the
     sequence takes those hashes from the pages instead of hashing its prompt a second time."""
-    import common.engine.block_manager as block_manager_module
-    import common.engine.scheduler as scheduler_module
+    import common.hashing as hashing_module
     from common.engine.scheduler import Scheduler
 
     blocks = BlockManager(num_blocks=8, block_size=BLOCK, enable_prefix_caching=True)
@@ -155,12 +154,12 @@ def test_admission_hashes_the_prompt_once_and_keeps_the_hits_hashes(monkeypatch)
     blocks.free(cached)
     calls = []
 
-    def counting(parent, token_ids):
+    def counting(parent, token_ids, namespace=""):
         calls.append(tuple(token_ids))
-        return hash_block(parent, token_ids)
+        return hash_block(parent, token_ids, namespace)
 
-    monkeypatch.setattr(block_manager_module, "hash_block", counting)
-    monkeypatch.setattr(scheduler_module, "hash_block", counting)
+    # Every hash in pdserve goes through common/hashing.py's hash_block.
+    monkeypatch.setattr(hashing_module, "hash_block", counting)
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64), blocks, 64, [])
     seq = Sequence.from_prompt("r", prompt, SamplingParams(max_tokens=4))
     scheduler.add(seq)
@@ -170,3 +169,40 @@ def test_admission_hashes_the_prompt_once_and_keeps_the_hits_hashes(monkeypatch)
     assert seq.block_hashes == hashes[:2]
     # The third page is looked up and missed; no page is hashed twice.
     assert calls == [tuple(prompt[i * BLOCK : (i + 1) * BLOCK]) for i in range(3)]
+
+
+def test_namespaces_start_separate_chains_and_the_base_namespace_is_unchanged():
+    tokens = list(range(12))
+    base = block_hashes(tokens, BLOCK)
+    assert block_hashes(tokens, BLOCK, namespace="") == base
+    adapter = block_hashes(tokens, BLOCK, namespace="lora:sql")
+    other = block_hashes(tokens, BLOCK, namespace="lora:chat")
+    assert len({*base, *adapter, *other}) == 9  # no block of one chain equals any of another
+    # A later block inherits its namespace from its parent.
+    assert adapter[1] == hash_block(adapter[0], tokens[4:8])
+    # Continuing a chain from a parent equals hashing the whole prefix at once.
+    assert block_hashes(tokens[4:], BLOCK, adapter[0], "lora:sql") == adapter[1:]
+
+
+def test_sequences_of_different_namespaces_never_share_pages():
+    from common.engine.scheduler import Scheduler
+
+    blocks = BlockManager(num_blocks=16, block_size=BLOCK, enable_prefix_caching=True)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64), blocks, 64, [])
+    prompt = list(range(100, 113))  # three full pages and a token
+
+    def admit(request_id, namespace):
+        seq = Sequence.from_prompt(request_id, prompt, SamplingParams(max_tokens=4))
+        seq.cache_namespace = namespace
+        scheduler.add(seq)
+        scheduler.schedule()
+        seq.num_computed_tokens = len(prompt)  # as if the step ran
+        scheduler._cache_full_blocks(seq)
+        return seq
+
+    first = admit("a", "lora:sql")
+    assert first.block_hashes == block_hashes(prompt, BLOCK, namespace="lora:sql")
+    other = admit("b", "")
+    assert other.num_cached_tokens == 0 and not set(other.block_ids) & set(first.block_ids)
+    same = admit("c", "lora:sql")
+    assert same.num_cached_tokens == 3 * BLOCK and same.block_ids[:3] == first.block_ids[:3]

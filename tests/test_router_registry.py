@@ -135,4 +135,6 @@ def test_dispatcher_never_reuses_another_prompts_block_hashes():
         tokens = [i, *range(63)]  # a new list each time, often where the last one was
         assert dispatcher._hashes(tokens, 16) == block_hashes(tokens, 16)
         assert dispatcher._hashes(tokens, 16) == block_hashes(tokens, 16)  # the kept copy
+        tokens[5] = -1  # the same list, changed in place: hashed afresh
+        assert dispatcher._hashes(tokens, 16) == block_hashes(tokens, 16)
         del tokens

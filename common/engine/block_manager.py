@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from common.hashing import hash_block
+from common import hashing
 
 
 @dataclass(slots=True)
@@ -73,8 +73,11 @@ class BlockManager:
         """Every block hash filed now: a full report for a router that lost track."""
         return list(self._by_hash)
 
-    def match_prefix(self, token_ids: Sequence[int], max_blocks: int | None = None) -> list[int]:
-        """Pages holding the longest cached prefix of ``token_ids``, in order (full pages only).
+    def match_prefix(
+        self, token_ids: Sequence[int], max_blocks: int | None = None, namespace: str = ""
+    ) -> list[int]:
+        """Pages holding the longest cached prefix of ``token_ids`` hashed in ``namespace``, in
+        order (full pages only).
 
         A hash hit counts only if the page's token ids equal the request's, so a hash collision
         can never serve another prompt's KV. Does not take references: call ``acquire``.
@@ -88,7 +91,7 @@ class BlockManager:
         parent: int | None = None
         for index in range(limit):
             chunk = tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
-            parent = hash_block(parent, chunk)
+            parent = hashing.hash_block(parent, chunk, namespace)
             block_id = self._by_hash.get(parent)
             if block_id is None or self._pages[block_id].token_ids != chunk:
                 break

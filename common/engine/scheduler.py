@@ -31,7 +31,7 @@ from common.config import SchedulerConfig
 from common.engine.block_manager import BlockManager
 from common.engine.sampler import SampledToken
 from common.engine.sequence import FinishReason, Sequence, SequenceStatus, SpeculationState
-from common.hashing import hash_block
+from common.hashing import block_hashes
 from kernels.sizes import ceil_div
 
 if TYPE_CHECKING:
@@ -226,7 +226,7 @@ class Scheduler:
         max_hit_blocks = (seq.num_tokens - 1) // self.block_size
         if seq.num_prompt_logprobs_due:
             max_hit_blocks = 0
-        hits = self.block_manager.match_prefix(seq.token_ids, max_hit_blocks)
+        hits = self.block_manager.match_prefix(seq.token_ids, max_hit_blocks, seq.cache_namespace)
         num_computed = len(hits) * self.block_size
         num_new = min(seq.num_tokens - num_computed, budget)
         total_blocks = ceil_div(num_computed + num_new, self.block_size)
@@ -255,14 +255,17 @@ class Scheduler:
 
     def _cache_full_blocks(self, seq: Sequence) -> None:
         """File every newly completed page of ``seq`` in the prefix cache."""
-        num_full = seq.num_computed_tokens // self.block_size
-        while len(seq.block_hashes) < num_full:
+        start = len(seq.block_hashes) * self.block_size
+        end = seq.num_computed_tokens // self.block_size * self.block_size
+        if end <= start:
+            return
+        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        tokens = seq.token_ids[start:end]
+        new_hashes = block_hashes(tokens, self.block_size, parent, seq.cache_namespace)
+        for offset, block_hash in enumerate(new_hashes):
             index = len(seq.block_hashes)
-            start = index * self.block_size
-            tokens = seq.token_ids[start : start + self.block_size]
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
-            block_hash = hash_block(parent, tokens)
-            self.block_manager.cache_block(seq.block_ids[index], block_hash, tokens)
+            page_tokens = tokens[offset * self.block_size : (offset + 1) * self.block_size]
+            self.block_manager.cache_block(seq.block_ids[index], block_hash, page_tokens)
             seq.block_hashes.append(block_hash)
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:

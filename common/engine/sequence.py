@@ -40,6 +40,9 @@ class Sequence:
     samples: list[SampledToken] = field(default_factory=list)  # one per generated token
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full pages, in order
+    # The prefix-cache namespace its pages are hashed under (common/hashing.py): "" for the base
+    # model; sequences of different namespaces never share pages.
+    cache_namespace: str = ""
     num_computed_tokens: int = 0  # leading tokens whose KV is in the pool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     status: SequenceStatus = SequenceStatus.WAITING
