@@ -35,11 +35,12 @@ from pathlib import Path
 import torch
 import zmq
 
-from common.engine.kv_pool import KVLayout, KVPool
+from common.engine.kv_pool import KVPool, kv_layout
+from common.messages import from_wire, to_wire
 from kvtransfer import TransferParams, create_receiver, create_sender
 
 # SmolLM2-135M: 30 layers, 3 KV heads of 64, pages of 16 tokens in bf16: 368,640 bytes a page.
-LAYOUT = KVLayout.create(torch.bfloat16, block_size=16, num_layers=30, num_kv_heads=3, head_dim=64)
+LAYOUT = kv_layout(torch.bfloat16, block_size=16, num_layers=30, num_kv_heads=3, head_dim=64)
 PROMPT_PAGES = 4096 // LAYOUT.block_size
 SEED = 1234
 # How long an idle worker loop waits on its sockets before polling again.
@@ -74,7 +75,7 @@ def sender_process(backend: str, num_blocks: int, control_endpoint: str) -> None
         if command["cmd"] == "stop":
             break
         params = sender.publish(command["request_id"], command["block_ids"], command["lease"])
-        control.send_json(params.to_dict())
+        control.send_json(to_wire(params))
     sender.close()
     control.close()
 
@@ -99,7 +100,7 @@ class SenderHandle:
         )
         if not self.control.poll(30_000):
             raise RuntimeError("the sender process stopped answering")
-        return TransferParams.from_dict(self.control.recv_json())
+        return from_wire(TransferParams, self.control.recv_json())
 
     def stop(self) -> None:
         self.control.send_json({"cmd": "stop"})

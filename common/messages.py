@@ -12,8 +12,10 @@ anything that is not exactly such a map into a ``ProtocolError``: oversized fram
 msgpack extension types (nothing on the wire is ever unpickled or otherwise constructed from
 code-bearing data), unknown types, missing or extra fields, and fields whose value does not match
 the dataclass annotation. Supported annotations: ``int`` (never ``bool``), ``float`` (an ``int``
-is accepted), ``str``, ``bool``, ``bytes``, ``dict`` / ``dict[str, X]``, ``list[X]``,
-``X | None``, and nested dataclasses (carried as maps of their fields, without a ``type``).
+is accepted), ``str``, ``bool``, ``bytes``, ``dict`` / ``dict[str, X]``, ``dict[int, X]``
+(carried as ``[key, value]`` pairs: msgpack peers refuse integer map keys), ``list[X]``,
+``X | None``, and nested dataclasses (carried as maps of their fields, without a ``type``). A
+dataclass whose constructor (``__post_init__``) refuses the values raises ``ProtocolError`` too.
 
 A field with a default may be left out of a frame; the default applies.
 """
@@ -29,8 +31,10 @@ from typing import Any, TypeVar
 import msgpack
 
 # 2: workers batch a step's token deltas into one TokenDeltas frame. 3: logit bias and prompt
-# logprobs. 4: token deltas carry the worker's stage times.
-PROTOCOL_VERSION = 4
+# logprobs. 4: token deltas carry the worker's stage times. 5: typed sampling params, KV layouts
+# and transfer params (maps of checked fields instead of free-form maps); kvtransfer messages
+# name their transfer id ``transfer_id``; an unknown prefill_done_at is None.
+PROTOCOL_VERSION = 5
 
 # Control messages are small; a frame above this is refused before it is parsed. Sockets that
 # carry larger control frames (e.g. a NIXL agent's metadata) pass their own limit.
@@ -54,6 +58,7 @@ _TYPES: dict[str, type[Message]] = {}
 # One converter per dataclass, built on first use (annotations may name classes defined later).
 _Converter = Callable[[Any, str], Any]
 _FIELD_CONVERTERS: dict[type, dict[str, _Converter]] = {}
+_INT_KEYED_FIELDS: dict[type, frozenset[str]] = {}
 
 
 def message(type_name: str) -> Callable[[M], M]:
@@ -117,7 +122,12 @@ def decode(frame: bytes | bytearray | memoryview, max_size: int = MAX_FRAME_BYTE
 
 def to_wire(obj: Any) -> dict[str, Any]:
     """A dataclass as the plain map that travels on the wire (nested dataclasses included)."""
-    return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    int_keyed = _int_keyed_fields(type(obj))
+    wire = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        wire[f.name] = _pairs(value) if f.name in int_keyed else _plain(value)
+    return wire
 
 
 def from_wire(cls: type[Any], raw: Any, where: str | None = None) -> Any:
@@ -135,7 +145,10 @@ def from_wire(cls: type[Any], raw: Any, where: str | None = None) -> Any:
             values[name] = convert(raw[name], f"{where}.{name}")
         elif not _has_default(cls, name):
             raise ProtocolError(f"{where}: missing field {name!r}")
-    return cls(**values)
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as exc:  # the dataclass's own checks (__post_init__)
+        raise ProtocolError(f"{where}: {exc}") from None
 
 
 def _refuse_ext(code: int, data: bytes) -> Any:
@@ -148,6 +161,26 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return value
+
+
+def _pairs(mapping: dict[int, Any]) -> list[list[Any]]:
+    return [[key, _plain(value)] for key, value in mapping.items()]
+
+
+def _int_keyed_fields(cls: type) -> frozenset[str]:
+    """The fields of ``cls`` annotated ``dict[int, X]``, which travel as pairs."""
+    names = _INT_KEYED_FIELDS.get(cls)
+    if names is None:
+        hints = typing.get_type_hints(cls)
+        names = frozenset(
+            f.name for f in dataclasses.fields(cls) if _is_int_keyed_dict(hints[f.name])
+        )
+        _INT_KEYED_FIELDS[cls] = names
+    return names
+
+
+def _is_int_keyed_dict(hint: Any) -> bool:
+    return typing.get_origin(hint) is dict and typing.get_args(hint)[:1] == (int,)
 
 
 def _has_default(cls: type, name: str) -> bool:
@@ -178,6 +211,8 @@ def _converter_for(hint: Any) -> _Converter:
         return _check_float
     if hint in (str, bool, bytes):
         return _check_exact(hint)
+    if _is_int_keyed_dict(hint):
+        return _check_pairs(_converter_for(args[1]))
     if hint is dict or (origin is dict and args[0] is str):
         value_converter = _converter_for(args[1]) if args else None
         return _check_dict(value_converter)
@@ -205,7 +240,12 @@ def _check_int(value: Any, where: str) -> int:
 def _check_float(value: Any, where: str) -> float:
     if type(value) not in (int, float):
         raise _expected(where, "float", value)
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond float's range (not from msgpack, whose ints are 64-bit)
+        raise ProtocolError(
+            f"{where}: an int of {value.bit_length()} bits is beyond a float"
+        ) from None
 
 
 def _check_exact(kind: type) -> _Converter:
@@ -238,6 +278,23 @@ def _check_dict(item: _Converter | None) -> _Converter:
             if type(key) is not str:
                 raise _expected(f"{where} key", "str", key)
             out[key] = item(v, f"{where}[{key[:32]!r}]")
+        return out
+
+    return check
+
+
+def _check_pairs(value_converter: _Converter) -> _Converter:
+    def check(value: Any, where: str) -> dict:
+        if type(value) is not list:
+            raise _expected(where, "list of [key, value] pairs", value)
+        out = {}
+        for i, pair in enumerate(value):
+            if type(pair) is not list or len(pair) != 2:
+                raise _expected(f"{where}[{i}]", "[key, value] pair", pair)
+            key = _check_int(pair[0], f"{where}[{i}] key")
+            if key in out:
+                raise ProtocolError(f"{where}: key {key} appears twice")
+            out[key] = value_converter(pair[1], f"{where}[{key}]")
         return out
 
     return check

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.kv_layout import KVLayout
 from common.messages import Message, message
+from common.sampling_params import SamplingParams
 
 ROLE_PREFILL = "prefill"
 ROLE_DECODE = "decode"
@@ -53,6 +55,18 @@ class PromptTokenLogprob:
     top_logprobs: list[float]  # parallel to top_token_ids
 
 
+@dataclass(slots=True, frozen=True)
+class TransferParams:
+    """How a decode worker fetches one transfer's pages (``kvtransfer/base.py``): the sender's
+    part of a handoff, read by the decode worker's receiver."""
+
+    backend: str  # "zmq" | "nixl"
+    endpoint: str  # the sender's side channel, tcp://HOST:PORT
+    engine_id: str  # the sender's identity; receivers cache handshakes under it
+    block_ids: list[int]  # source pages, in context order
+    lease_deadline: float  # time.time() until which the sender keeps the pages
+
+
 @dataclass(slots=True)
 class StageTimes:
     """Where a request's time went on one worker, in seconds (the router turns them into its
@@ -75,7 +89,7 @@ class RegisterWorker(Message):
     worker_id: str
     role: str  # ROLE_PREFILL | ROLE_DECODE
     model: str  # the served model's name (its folder name)
-    kv_layout: dict  # KVLayout.to_dict()
+    kv_layout: KVLayout
     kv_transfer: str  # "zmq" | "nixl"
     num_blocks: int
     max_model_len: int
@@ -166,7 +180,7 @@ class PrefillRequest(Message):
 
     request_id: str
     prompt_token_ids: list[int]
-    params: dict  # SamplingParams.to_dict()
+    params: SamplingParams
     decode_worker_id: str
     handoff_endpoint: str
 
@@ -180,7 +194,7 @@ class DecodeRequest(Message):
 
     request_id: str
     prompt_token_ids: list[int]
-    params: dict  # SamplingParams.to_dict()
+    params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)
 
 
@@ -197,14 +211,15 @@ class AbortRequest(Message):
 @dataclass(slots=True)
 class HandoffPart(Message):
     """Leading pages of a prompt still being prefilled: prompt pages ``first_page`` onwards, as
-    many as ``transfer`` offers, fetched under the lease id ``transfer_id``."""
+    many as ``transfer`` offers, fetched under the transfer id ``transfer_id``
+    (``<request id>/part<part_index>``). A ``Handoff``'s own pages go under the request id."""
 
     request_id: str
     part_index: int  # 0, 1, ... in the order parts are sent
     first_page: int  # index in the prompt's pages of the first page shipped
     num_prompt_tokens: int  # the decode worker reserves the whole prompt's pages at part 0
     transfer_id: str
-    transfer: dict  # kvtransfer.TransferParams.to_dict()
+    transfer: TransferParams
 
 
 @message("prefill.handoff")
@@ -214,13 +229,13 @@ class Handoff(Message):
 
     request_id: str
     prompt_token_ids: list[int]
-    params: dict  # SamplingParams.to_dict()
+    params: SamplingParams
     first_token: TokenSample
-    transfer: dict  # kvtransfer.TransferParams.to_dict()
+    transfer: TransferParams
     num_cached_tokens: int = 0
-    # Wall-clock time (time.time()) the prefill worker finished the prompt's last chunk; 0 when
-    # unknown. The decode worker measures the handoff from it.
-    prefill_done_at: float = 0.0
+    # Wall-clock time (time.time()) the prefill worker finished the prompt's last chunk; None
+    # when unknown. The decode worker measures the handoff from it.
+    prefill_done_at: float | None = None
     # Pages before ``first_page`` came in ``num_parts`` HandoffParts; ``transfer`` offers the
     # rest. 0 and 0: it offers every page of the prompt.
     first_page: int = 0

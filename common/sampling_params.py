@@ -1,15 +1,16 @@
 """How one request wants its tokens chosen: the OpenAI/vLLM sampling knobs, checked and wire-ready.
 
 The router builds a ``SamplingParams`` from the OpenAI request and calls ``validate``; it travels
-to the workers as ``to_dict()`` inside a msgpack message and is rebuilt there with
-``from_dict``, which checks every key, type and range again because it comes off a socket.
+to the workers as a field of their request messages (``common/protocol.py``), whose codec checks
+every key and type, and the worker calls ``validate`` again for the ranges, because it comes off
+a socket.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 # OpenAI's limit on `top_logprobs`; vLLM enforces the same by default.
@@ -19,17 +20,6 @@ SEED_MIN = -(1 << 63)
 SEED_MAX = (1 << 64) - 1
 # Any top_k at or beyond the vocabulary keeps every token; beyond this one it is a client bug.
 TOP_K_MAX = (1 << 31) - 1
-
-_FLOAT_FIELDS = frozenset(
-    {
-        "temperature",
-        "top_p",
-        "min_p",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-    }
-)
 
 
 @dataclass(slots=True)
@@ -118,62 +108,6 @@ class SamplingParams:
                     f"logit_bias must have integer token ids >= 0{upper} as keys, got {token_id!r}"
                 )
             _check_float("logit_bias", bias, "in [-100, 100]", lambda v: -100 <= v <= 100)
-
-    def to_dict(self) -> dict[str, Any]:
-        """A plain dict of every field (ints, floats, bools, None, lists) for msgpack.
-
-        ``logit_bias`` travels as ``[token_id, bias]`` pairs: msgpack peers refuse integer map
-        keys by default.
-        """
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d["stop_token_ids"] = list(self.stop_token_ids)
-        d["logit_bias"] = [[token_id, bias] for token_id, bias in self.logit_bias.items()]
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> SamplingParams:
-        """Rebuild and validate params from ``to_dict()``'s output; missing keys take defaults.
-
-        Unknown keys, wrong types and out-of-range values raise ``ValueError``. Integers are
-        accepted for float fields (JSON and msgpack peers may send ``1`` for ``1.0``), and a tuple
-        for ``stop_token_ids`` (msgpack decodes arrays to tuples with ``use_list=False``).
-        """
-        if not isinstance(d, Mapping):
-            raise ValueError(f"sampling params must be a mapping, got {type(d).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = [key for key in d if key not in known]
-        if unknown:
-            raise ValueError(
-                f"unknown sampling params {sorted(map(repr, unknown))}; known: {sorted(known)}"
-            )
-        kwargs = dict(d)
-        for name in _FLOAT_FIELDS & kwargs.keys():
-            as_float = _finite_float(kwargs[name])
-            if as_float is not None:
-                kwargs[name] = as_float
-        if isinstance(kwargs.get("stop_token_ids"), tuple):
-            kwargs["stop_token_ids"] = list(kwargs["stop_token_ids"])
-        if "logit_bias" in kwargs:
-            kwargs["logit_bias"] = _bias_from_pairs(kwargs["logit_bias"])
-        params = cls(**kwargs)
-        params.validate()
-        return params
-
-
-def _bias_from_pairs(pairs: Any) -> dict[Any, Any]:
-    """``logit_bias`` off the wire: ``[token_id, bias]`` pairs (or a map, from a peer whose
-    decoder keeps integer keys), biases as floats where they are numbers."""
-    if isinstance(pairs, Mapping):
-        pairs = list(pairs.items())
-    if not isinstance(pairs, list | tuple) or not all(
-        isinstance(p, list | tuple) and len(p) == 2 for p in pairs
-    ):
-        raise ValueError(f"logit_bias must be a list of [token_id, bias] pairs, got {pairs!r:.80}")
-    as_floats = {token_id: _finite_float(bias) for token_id, bias in pairs}
-    return {
-        token_id: bias if as_floats[token_id] is None else as_floats[token_id]
-        for token_id, bias in pairs
-    }
 
 
 def _is_token_id(value: object, vocab_size: int | None) -> bool:

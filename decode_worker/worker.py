@@ -95,7 +95,7 @@ class DecodeWorker(WorkerService):
 
     def handle(self, msg: Message) -> None:
         if isinstance(msg, DecodeRequest):
-            params = self.parse_params(msg.request_id, msg.params)
+            params = self.checked_params(msg.request_id, msg.params)
             if params is None:
                 return
             # The router's latest word wins: a request it re-dispatches here (its prefill worker
@@ -213,7 +213,7 @@ class DecodeWorker(WorkerService):
             return  # a part after the handoff, or after one went wrong: nothing to gain
         pending.updated = time.monotonic()
         try:
-            transfer = TransferParams.from_dict(part.transfer)
+            transfer = part.transfer
             end = part.first_page + len(transfer.block_ids)
             if part.part_index != pending.num_parts or part.first_page != pending.next_page:
                 raise TransferError(
@@ -238,7 +238,7 @@ class DecodeWorker(WorkerService):
             return
         if pending is None and self._known(request_id):
             return
-        params = self.parse_params(request_id, handoff.params)
+        params = self.checked_params(request_id, handoff.params)
         if params is None:
             if pending is not None:
                 self._discard(pending)
@@ -260,7 +260,7 @@ class DecodeWorker(WorkerService):
                 self._prefill_locally(seq)
                 return
         try:
-            transfer = TransferParams.from_dict(handoff.transfer)
+            transfer = handoff.transfer
             if len(transfer.block_ids) != num_pages - handoff.first_page:
                 raise TransferError(
                     f"{len(transfer.block_ids)} pages offered after page {handoff.first_page} "
@@ -321,10 +321,10 @@ class DecodeWorker(WorkerService):
         return True
 
     def _on_fetched(self, result: TransferResult) -> None:
-        pending = self._fetching.pop(result.request_id, None)
+        pending = self._fetching.pop(result.transfer_id, None)
         if pending is None:
             return
-        pending.fetches.discard(result.request_id)
+        pending.fetches.discard(result.transfer_id)
         pending.updated = time.monotonic()
         if not result.ok:
             pending.error = pending.error or f"fetching pages failed ({result.error})"
@@ -349,7 +349,7 @@ class DecodeWorker(WorkerService):
             self.scheduler.drop_reservation(pending.dst_block_ids)
             self._prefill_locally(seq)
             return
-        if pending.handoff.prefill_done_at > 0:
+        if pending.handoff.prefill_done_at is not None:
             seq.handoff_wait_s = max(0.0, time.time() - pending.handoff.prefill_done_at)
             KV_HANDOFF_SECONDS.observe(seq.handoff_wait_s)
         try:

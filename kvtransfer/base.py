@@ -1,12 +1,15 @@
 """The KV-transfer contract: a sender on the prefill side and a receiver on the decode side.
 
-One request's pages move like this::
+Pages move as transfers, each named by a transfer id (``tid``) that the prefill worker picks:
+the request id for a prompt's pages handed off at once, ``<request id>/part<N>`` for the pages
+of a prompt shipped while it is still being prefilled (``common/protocol.py``'s HandoffPart).
+One transfer's pages move like this::
 
     prefill worker                                  decode worker
-    params = sender.publish(rid, pages, lease)
-    ... params travel in the handoff ...  ───────▶  receiver.start_fetch(rid, params, dst, timeout)
-    sender.poll()  (serves handshakes, fetches)     receiver.poll() -> [TransferResult(rid, ok)]
-    sender.poll() -> [rid]: free the pages   ◀────  (the receiver acknowledged, or gave up)
+    params = sender.publish(tid, pages, lease)
+    ... params travel in the handoff ...  ───────▶  receiver.start_fetch(tid, params, dst, timeout)
+    sender.poll()  (serves handshakes, fetches)     receiver.poll() -> [TransferResult(tid, ok)]
+    sender.poll() -> [tid]: free the pages    ◀────  (the receiver acknowledged, or gave up)
 
 Both sides are driven by their worker's main loop: neither ever blocks, and neither starts a
 thread (ZeroMQ's I/O thread and UCX's event thread sleep while there is no traffic). Every
@@ -15,8 +18,8 @@ later than the sender's lease), and the sender's lease has a deadline after whic
 released even if no receiver ever came. Either side may abort.
 
 Neither side allocates or frees pages: the sender's caller keeps its pages allocated until
-``KVSender.poll`` returns the request id, and the receiver's caller keeps the destination pages
-reserved until ``KVReceiver.poll`` returns the request's result.
+``KVSender.poll`` returns the transfer id, and the receiver's caller keeps the destination pages
+reserved until ``KVReceiver.poll`` returns the transfer's result.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from common.messages import ProtocolError, from_wire, to_wire
+from common.protocol import TransferParams
+
+__all__ = ["KVReceiver", "KVSender", "TransferError", "TransferParams", "TransferResult"]
 
 # A receiver treats a lease as over this long before its deadline, so that a page read just as
 # the sender frees it is never reported good (covers polling granularity and clock skew).
@@ -50,31 +55,10 @@ def check_block_ids(block_ids: list[int], num_blocks: int | None, what: str) -> 
 
 
 @dataclass(slots=True, frozen=True)
-class TransferParams:
-    """How a decode worker fetches one request's pages: the sender's part of the handoff."""
-
-    backend: str  # "zmq" | "nixl"
-    endpoint: str  # the sender's side channel, tcp://HOST:PORT
-    engine_id: str  # the sender's identity; receivers cache handshakes under it
-    block_ids: list[int]  # source pages, in context order
-    lease_deadline: float  # time.time() until which the sender keeps the pages
-
-    def to_dict(self) -> dict:
-        return to_wire(self)
-
-    @classmethod
-    def from_dict(cls, raw: dict) -> TransferParams:
-        try:
-            return from_wire(cls, raw)
-        except ProtocolError as exc:
-            raise TransferError(f"malformed transfer params: {exc}") from None
-
-
-@dataclass(slots=True, frozen=True)
 class TransferResult:
     """How one fetch ended; ``error`` says why when ``ok`` is false."""
 
-    request_id: str
+    transfer_id: str
     ok: bool
     error: str | None
     num_pages: int
@@ -102,13 +86,13 @@ class KVSender(ABC):
 
     @abstractmethod
     def publish(
-        self, request_id: str, block_ids: list[int], lease_seconds: float
+        self, transfer_id: str, block_ids: list[int], lease_seconds: float
     ) -> TransferParams:
         """Offer ``block_ids`` (context order) under a lease; return what the receiver needs.
 
         Called by the worker once a request's pages are final. Pins nothing: the caller keeps the
-        pages allocated and unmodified until ``poll`` returns ``request_id``. Raises ValueError
-        for a page outside the pool, a repeated page, a non-positive lease or a request id that
+        pages allocated and unmodified until ``poll`` returns ``transfer_id``. Raises ValueError
+        for a page outside the pool, a repeated page, a non-positive lease or a transfer id that
         is already published.
         """
 
@@ -140,7 +124,7 @@ class KVSender(ABC):
         """
 
     @abstractmethod
-    def abort(self, request_id: str) -> None:
+    def abort(self, transfer_id: str) -> None:
         """Withdraw a publication (client gone, request cancelled).
 
         A receiver that has not started reading is refused; one that is reading is told to fail.
@@ -166,7 +150,7 @@ class KVReceiver(ABC):
     @abstractmethod
     def start_fetch(
         self,
-        request_id: str,
+        transfer_id: str,
         params: TransferParams,
         dst_block_ids: list[int],
         timeout: float,
@@ -205,7 +189,7 @@ class KVReceiver(ABC):
         return False
 
     @abstractmethod
-    def abort(self, request_id: str) -> None:
+    def abort(self, transfer_id: str) -> None:
         """Stop fetching; the sender is told to release. Unknown ids are ignored.
 
         ``poll`` then reports the fetch as failed (error "aborted") once nothing writes to its

@@ -3,21 +3,22 @@
     receiver                                  sender
     HandshakeRequest            ─────────▶    (once per sender, cached)
                                 ◀─────────    HandshakeReply: version, layout, NIXL agent
-    FetchRequest(rid)           ─────────▶
+    FetchRequest(tid)           ─────────▶
       zmq:                      ◀─────────    PageData header + one frame per page (+ scales),
                                               in messages of a few MB
       nixl:                     ◀─────────    FetchReady, then the receiver READs the pages
-                                ◀─────────    TransferFailed(rid, reason) if it cannot serve
-    ReleasePages(rid, ok)       ─────────▶    the sender may free the pages
+                                ◀─────────    TransferFailed(tid, reason) if it cannot serve
+    ReleasePages(tid, ok)       ─────────▶    the sender may free the pages
 
-The handshake messages must keep their shape across protocol versions: they are what tells two
-workers of different versions apart with a clear error.
+The handshake messages must keep their shape across protocol versions, their ``KVLayout``
+included: they are what tells two workers of different versions apart with a clear error.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.kv_layout import KVLayout
 from common.messages import Message, message
 
 
@@ -39,7 +40,7 @@ class HandshakeRequest(Message):
     protocol_version: int
     engine_id: str
     backend: str
-    layout: dict  # KVLayout.to_dict()
+    layout: KVLayout
 
 
 @message("kv.handshake_reply")
@@ -49,7 +50,7 @@ class HandshakeReply(Message):
     engine_id: str
     instance_id: str  # new for every sender object: tells a restarted sender apart
     backend: str
-    layout: dict  # KVLayout.to_dict()
+    layout: KVLayout
     num_blocks: int
     nixl: NixlAgentInfo | None = None
 
@@ -57,9 +58,9 @@ class HandshakeReply(Message):
 @message("kv.fetch_request")
 @dataclass(slots=True)
 class FetchRequest(Message):
-    """Asks for every page published under ``request_id``."""
+    """Asks for every page published under ``transfer_id``."""
 
-    request_id: str
+    transfer_id: str
 
 
 @message("kv.fetch_ready")
@@ -67,7 +68,7 @@ class FetchRequest(Message):
 class FetchReady(Message):
     """NIXL: the pages stay pinned until ReleasePages; READ them now."""
 
-    request_id: str
+    transfer_id: str
     instance_id: str  # the answering sender, which must be the one that was handshaken
 
 
@@ -75,9 +76,9 @@ class FetchReady(Message):
 @dataclass(slots=True)
 class PageData(Message):
     """ZMQ: header of one message of an answer: ``num_pages`` page frames, then (quantised pools)
-    as many scale frames, for the request's pages ``first_page`` onwards (in context order)."""
+    as many scale frames, for the transfer's pages ``first_page`` onwards (in context order)."""
 
-    request_id: str
+    transfer_id: str
     instance_id: str  # the answering sender, which must be the one that was handshaken
     first_page: int
     num_pages: int
@@ -90,14 +91,14 @@ class PageData(Message):
 class ReleasePages(Message):
     """The receiver is done with the pages: it holds a copy (``ok``) or has given up."""
 
-    request_id: str
+    transfer_id: str
     ok: bool
 
 
 @message("kv.transfer_failed")
 @dataclass(slots=True)
 class TransferFailed(Message):
-    """The sender cannot serve (unknown or expired request, aborted, bad request)."""
+    """The sender cannot serve (unknown or expired transfer, aborted, bad request)."""
 
-    request_id: str
+    transfer_id: str
     reason: str

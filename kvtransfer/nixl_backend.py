@@ -31,7 +31,8 @@ import uuid
 import numpy as np
 from nixl._api import nixl_agent, nixl_agent_config
 
-from common.engine.kv_pool import KVLayout, KVPool
+from common.engine.kv_pool import KVPool
+from common.kv_layout import KVLayout
 from kvtransfer.messages import FetchReady, HandshakeReply, NixlAgentInfo
 from kvtransfer.metrics import Failure
 from kvtransfer.receiver import DRAINING, READING, REQUESTED, Fetch, Peer, SideChannelReceiver
@@ -164,7 +165,7 @@ class NixlSender(SideChannelSender):
         return self._info
 
     def _serve(self, identity: bytes, lease: Lease) -> None:
-        if self._channel.send(FetchReady(lease.request_id, self.instance_id), identity):
+        if self._channel.send(FetchReady(lease.transfer_id, self.instance_id), identity):
             lease.in_flight = True
 
     def _still_reading(self, lease: Lease) -> bool:
@@ -280,7 +281,7 @@ class NixlReceiver(SideChannelReceiver):
                     logger.error(
                         "NIXL READ for %s did not stop %.0fs after its deadline; reporting it "
                         "failed anyway",
-                        fetch.request_id,
+                        fetch.transfer_id,
                         DRAIN_GRACE_S,
                     )
                     self._abandoned.append(fetch.handle)
@@ -302,7 +303,7 @@ class NixlReceiver(SideChannelReceiver):
         try:
             return self._agent.check_xfer_state(fetch.handle)
         except Exception as exc:
-            logger.warning("NIXL transfer state of %s: %s", fetch.request_id, exc)
+            logger.warning("NIXL transfer state of %s: %s", fetch.transfer_id, exc)
             return "ERR"
 
     def _release_handle(self, fetch: Fetch) -> bool:
@@ -311,7 +312,7 @@ class NixlReceiver(SideChannelReceiver):
         try:
             self._agent.release_xfer_handle(fetch.handle)
         except Exception as exc:
-            logger.info("NIXL could not release the READ of %s yet: %s", fetch.request_id, exc)
+            logger.info("NIXL could not release the READ of %s yet: %s", fetch.transfer_id, exc)
             return False
         fetch.handle = None
         return True

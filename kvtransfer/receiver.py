@@ -14,7 +14,7 @@ import time
 from abc import abstractmethod
 from dataclasses import dataclass, field
 
-from common.engine.kv_pool import KVLayout, KVPool
+from common.engine.kv_pool import KVPool
 from common.messages import PROTOCOL_VERSION
 from kvtransfer.base import (
     LEASE_SAFETY_MARGIN_S,
@@ -70,7 +70,7 @@ class Peer:
 
 @dataclass(slots=True, eq=False)
 class Fetch:
-    request_id: str
+    transfer_id: str
     params: TransferParams
     dst_block_ids: list[int]
     peer: Peer
@@ -94,15 +94,15 @@ class SideChannelReceiver(KVReceiver):
 
     def start_fetch(
         self,
-        request_id: str,
+        transfer_id: str,
         params: TransferParams,
         dst_block_ids: list[int],
         timeout: float,
     ) -> None:
-        if not request_id:
-            raise TransferError("request_id must be non-empty")
-        if request_id in self._fetches:
-            raise TransferError(f"request {request_id!r} is already being fetched")
+        if not transfer_id:
+            raise TransferError("transfer_id must be non-empty")
+        if transfer_id in self._fetches:
+            raise TransferError(f"transfer {transfer_id!r} is already being fetched")
         if params.backend != self.backend:
             raise TransferError(
                 f"params are for the {params.backend!r} backend; this receiver is {self.backend!r}"
@@ -119,15 +119,15 @@ class SideChannelReceiver(KVReceiver):
         lease_left = params.lease_deadline - LEASE_SAFETY_MARGIN_S - time.time()
         peer = self._peer_for(params)
         fetch = Fetch(
-            request_id,
+            transfer_id,
             params,
             list(dst_block_ids),
             peer,
             started=now,
             deadline=now + min(timeout, lease_left),
         )
-        self._fetches[request_id] = fetch
-        peer.fetches.add(request_id)
+        self._fetches[transfer_id] = fetch
+        peer.fetches.add(transfer_id)
         if lease_left <= 0:
             self._fail(fetch, "the sender's lease was already over", Failure.LEASE_EXPIRED)
         elif peer.reply is not None:
@@ -150,15 +150,15 @@ class SideChannelReceiver(KVReceiver):
     def poll_sockets(self) -> list:
         return [peer.channel.socket for peer in self._peers.values()]
 
-    def abort(self, request_id: str) -> None:
-        fetch = self._fetches.get(request_id)
+    def abort(self, transfer_id: str) -> None:
+        fetch = self._fetches.get(transfer_id)
         if fetch is not None and fetch.state != DRAINING:
             self._fail(fetch, "aborted", Failure.ABORTED)
 
     def close(self) -> None:
         for fetch in list(self._fetches.values()):
             if fetch.state != DRAINING:
-                fetch.peer.channel.send(ReleasePages(fetch.request_id, ok=False))
+                fetch.peer.channel.send(ReleasePages(fetch.transfer_id, ok=False))
             self._stop_writes(fetch)
         self._fetches.clear()
         self._results.clear()
@@ -219,8 +219,8 @@ class SideChannelReceiver(KVReceiver):
         self._disconnect(peer)
         peer.reply = None
         peer.remote = None
-        for request_id in peer.fetches:
-            fetch = self._fetches[request_id]
+        for transfer_id in peer.fetches:
+            fetch = self._fetches[transfer_id]
             if fetch.state == REQUESTED:
                 fetch.state = HANDSHAKE
                 fetch.pages_done = 0
@@ -257,7 +257,7 @@ class SideChannelReceiver(KVReceiver):
                 protocol_version=PROTOCOL_VERSION,
                 engine_id=self.engine_id,
                 backend=self.backend,
-                layout=self.pool.layout.to_dict(),
+                layout=self.pool.layout,
             )
         )
 
@@ -272,10 +272,10 @@ class SideChannelReceiver(KVReceiver):
         if not isinstance(msg, (TransferFailed, PageData, FetchReady)):
             self._reject(peer, f"a receiver does not take {type(msg).__name__}")
             return
-        fetch = self._fetches.get(msg.request_id)
+        fetch = self._fetches.get(msg.transfer_id)
         if fetch is None or fetch.peer is not peer or fetch.state not in (REQUESTED, READING):
             # A late answer to a fetch that has ended (timed out, aborted): nothing to do.
-            logger.debug("dropped %s for inactive fetch %s", type(msg).__name__, msg.request_id)
+            logger.debug("dropped %s for inactive fetch %s", type(msg).__name__, msg.transfer_id)
             return
         if isinstance(msg, TransferFailed):
             self._fail(fetch, f"sender refused: {msg.reason}", Failure.SENDER_REFUSED)
@@ -293,13 +293,13 @@ class SideChannelReceiver(KVReceiver):
         if problem is not None:
             error = f"handshake with {peer.engine_id} at {peer.endpoint} refused: {problem}"
             logger.warning(error)
-            for request_id in list(peer.fetches):
-                self._fail(self._fetches[request_id], error, Failure.HANDSHAKE)
+            for transfer_id in list(peer.fetches):
+                self._fail(self._fetches[transfer_id], error, Failure.HANDSHAKE)
             self._drop_peer(peer)
             return
         peer.reply = reply
-        for request_id in list(peer.fetches):
-            fetch = self._fetches[request_id]
+        for transfer_id in list(peer.fetches):
+            fetch = self._fetches[transfer_id]
             if fetch.state == HANDSHAKE:
                 self._request(fetch)
 
@@ -313,11 +313,7 @@ class SideChannelReceiver(KVReceiver):
             return f"backend mismatch: {self.backend!r} here vs {reply.backend!r} there"
         if reply.engine_id != peer.engine_id:
             return f"the endpoint serves engine {reply.engine_id!r}, not {peer.engine_id!r}"
-        try:
-            layout = KVLayout.from_dict(reply.layout)
-        except ValueError as exc:
-            return f"malformed KV layout: {exc}"
-        mismatch = self.pool.layout.mismatch(layout)
+        mismatch = self.pool.layout.mismatch(reply.layout)
         if mismatch is not None:
             return f"KV layout mismatch: {mismatch}"
         return None
@@ -332,17 +328,17 @@ class SideChannelReceiver(KVReceiver):
                 f"source pages {beyond[:8]} outside the sender's pool of {reply.num_blocks}",
                 Failure.HANDSHAKE,
             )
-        elif fetch.peer.channel.send(FetchRequest(fetch.request_id)):
+        elif fetch.peer.channel.send(FetchRequest(fetch.transfer_id)):
             fetch.state = REQUESTED
         else:
             self._fail(fetch, "could not send the fetch request", Failure.TRANSPORT)
 
     def _end(self, fetch: Fetch, ok: bool, error: str | None, reason: str | None) -> None:
-        del self._fetches[fetch.request_id]
+        del self._fetches[fetch.transfer_id]
         peer = fetch.peer
-        peer.fetches.discard(fetch.request_id)
+        peer.fetches.discard(fetch.transfer_id)
         # Acknowledges a success; after a failure, lets the sender free its pages early.
-        peer.channel.send(ReleasePages(fetch.request_id, ok=ok))
+        peer.channel.send(ReleasePages(fetch.transfer_id, ok=ok))
         elapsed = time.monotonic() - fetch.started
         nbytes = len(fetch.dst_block_ids) * self.pool.layout.bytes_per_block if ok else 0
         if ok:
@@ -355,7 +351,7 @@ class SideChannelReceiver(KVReceiver):
             if reason in (Failure.TIMEOUT, Failure.TRANSPORT):
                 peer.suspect = True
         self._results.append(
-            TransferResult(fetch.request_id, ok, error, len(fetch.dst_block_ids), nbytes, elapsed)
+            TransferResult(fetch.transfer_id, ok, error, len(fetch.dst_block_ids), nbytes, elapsed)
         )
 
     def _drop_idle_peers(self) -> None:

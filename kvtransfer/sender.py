@@ -38,9 +38,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class Lease:
-    """One published request: its pages stay untouched by the worker until it is released."""
+    """One published transfer: its pages stay untouched by the worker until it is released."""
 
-    request_id: str
+    transfer_id: str
     block_ids: list[int]
     expires: float  # time.monotonic()
     fetcher: bytes | None = None  # routing id of the receiver served last
@@ -66,17 +66,17 @@ class SideChannelSender(KVSender):
         return self._endpoint
 
     def publish(
-        self, request_id: str, block_ids: list[int], lease_seconds: float
+        self, transfer_id: str, block_ids: list[int], lease_seconds: float
     ) -> TransferParams:
-        if not request_id:
-            raise ValueError("request_id must be non-empty")
-        if request_id in self._leases:
-            raise ValueError(f"request {request_id!r} is already published")
+        if not transfer_id:
+            raise ValueError("transfer_id must be non-empty")
+        if transfer_id in self._leases:
+            raise ValueError(f"transfer {transfer_id!r} is already published")
         if not lease_seconds > 0:
             raise ValueError(f"lease_seconds must be positive, got {lease_seconds}")
         check_block_ids(block_ids, self.pool.num_blocks, "block_ids")
         block_ids = list(block_ids)
-        self._leases[request_id] = Lease(request_id, block_ids, time.monotonic() + lease_seconds)
+        self._leases[transfer_id] = Lease(transfer_id, block_ids, time.monotonic() + lease_seconds)
         return TransferParams(
             backend=self.backend,
             endpoint=self._endpoint,
@@ -99,14 +99,14 @@ class SideChannelSender(KVSender):
     def poll_sockets(self) -> list:
         return [self._channel.socket]
 
-    def abort(self, request_id: str) -> None:
-        lease = self._leases.get(request_id)
+    def abort(self, transfer_id: str) -> None:
+        lease = self._leases.get(transfer_id)
         if lease is None or lease.aborted:
             return
         lease.aborted = True
         TRANSFER_FAILURES.labels(self.backend, SENDER, Failure.ABORTED).inc()
         if lease.fetcher is not None:
-            self._channel.send(TransferFailed(request_id, "aborted by the sender"), lease.fetcher)
+            self._channel.send(TransferFailed(transfer_id, "aborted by the sender"), lease.fetcher)
 
     def close(self) -> None:
         self._leases.clear()
@@ -140,7 +140,7 @@ class SideChannelSender(KVSender):
         if isinstance(msg, HandshakeRequest):
             self._handshake(identity, msg)
         elif isinstance(msg, FetchRequest):
-            self._fetch(identity, msg.request_id)
+            self._fetch(identity, msg.transfer_id)
         elif isinstance(msg, ReleasePages):
             self._release_by_receiver(msg)
         else:
@@ -162,16 +162,16 @@ class SideChannelSender(KVSender):
             engine_id=self.engine_id,
             instance_id=self.instance_id,
             backend=self.backend,
-            layout=self.pool.layout.to_dict(),
+            layout=self.pool.layout,
             num_blocks=self.pool.num_blocks,
             nixl=self._nixl_info(),
         )
         self._channel.send(reply, identity)
 
-    def _fetch(self, identity: bytes, request_id: str) -> None:
-        lease = self._leases.get(request_id)
+    def _fetch(self, identity: bytes, transfer_id: str) -> None:
+        lease = self._leases.get(transfer_id)
         if lease is None:
-            reason = "unknown request (never published, expired or released)"
+            reason = "unknown transfer (never published, expired or released)"
         elif lease.aborted:
             reason = "aborted by the sender"
         elif time.monotonic() >= lease.expires:
@@ -182,10 +182,10 @@ class SideChannelSender(KVSender):
                 lease.fetch_started = time.monotonic()
             self._serve(identity, lease)
             return
-        self._channel.send(TransferFailed(request_id, reason), identity)
+        self._channel.send(TransferFailed(transfer_id, reason), identity)
 
     def _release_by_receiver(self, msg: ReleasePages) -> None:
-        lease = self._leases.pop(msg.request_id, None)
+        lease = self._leases.pop(msg.transfer_id, None)
         if lease is None:
             return  # already released (lease over, or a repeated acknowledgement)
         if msg.ok and not lease.aborted:
@@ -197,7 +197,7 @@ class SideChannelSender(KVSender):
                 TRANSFER_SECONDS.labels(self.backend, SENDER).observe(elapsed)
         elif not lease.aborted:
             TRANSFER_FAILURES.labels(self.backend, SENDER, Failure.RECEIVER_GAVE_UP).inc()
-        self._released.append(lease.request_id)
+        self._released.append(lease.transfer_id)
 
     def _sweep(self) -> None:
         """Release leases that are over, and aborted ones that nothing reads any more."""
@@ -207,5 +207,5 @@ class SideChannelSender(KVSender):
             if expired or (lease.aborted and not self._still_reading(lease)):
                 if expired and not lease.aborted:
                     TRANSFER_FAILURES.labels(self.backend, SENDER, Failure.LEASE_EXPIRED).inc()
-                del self._leases[lease.request_id]
-                self._released.append(lease.request_id)
+                del self._leases[lease.transfer_id]
+                self._released.append(lease.transfer_id)

@@ -56,7 +56,7 @@ class ZmqSender(SideChannelSender):
             # order they were queued, so once it is released no page is read any more.
             frames.append(zmq.Frame(buffers[-1], copy=False, track=first + step >= num_pages))
             header = PageData(
-                request_id=lease.request_id,
+                transfer_id=lease.transfer_id,
                 instance_id=self.instance_id,
                 first_page=first,
                 num_pages=len(chunk),

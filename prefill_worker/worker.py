@@ -63,7 +63,7 @@ class PrefillWorker(WorkerService):
 
     def handle(self, msg: Message) -> None:
         if isinstance(msg, PrefillRequest):
-            params = self.parse_params(msg.request_id, msg.params)
+            params = self.checked_params(msg.request_id, msg.params)
             if params is None:
                 return
             seq = Sequence.from_prompt(msg.request_id, msg.prompt_token_ids, params)
@@ -141,7 +141,7 @@ class PrefillWorker(WorkerService):
             first_page=parts.num_pages,
             num_prompt_tokens=seq.num_prompt_tokens,
             transfer_id=transfer_id,
-            transfer=transfer.to_dict(),
+            transfer=transfer,
         )
         if not self._push_to(target, part):
             self.sender.abort(transfer_id)  # its pages come back through sender.poll()
@@ -178,7 +178,7 @@ class PrefillWorker(WorkerService):
             prompt_token_ids=seq.prompt_token_ids,
             params=target.params,
             first_token=sample_to_wire(seq.samples[0]),
-            transfer=transfer.to_dict(),
+            transfer=transfer,
             num_cached_tokens=seq.num_cached_tokens,
             prefill_done_at=done_at,
             first_page=first_page,

@@ -251,7 +251,7 @@ class Dispatcher:
         gen.dispatched_at = now
         gen.prefill_worker = decision.prefill_worker_id
         gen.decode_worker = decision.decode_worker_id
-        params = gen.params.to_dict()
+        params = gen.params
         decode_state = self.registry.workers[decision.decode_worker_id]
         output_ids = [s.token_id for s in gen.samples] if migrate else []
         total = len(gen.prompt_token_ids) + gen.params.max_tokens

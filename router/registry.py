@@ -119,9 +119,10 @@ class WorkerRegistry:
             return f"model {msg.model!r} does not match the router's {self.model!r}"
         if msg.role not in (ROLE_PREFILL, ROLE_DECODE):
             return f"unknown role {msg.role!r}; expected {ROLE_PREFILL!r} or {ROLE_DECODE!r}"
-        block_size = msg.kv_layout.get("block_size")
-        if type(block_size) is not int or block_size < 1:
-            return f"kv_layout.block_size must be a positive int, got {block_size!r}"
+        layout_problem = msg.kv_layout.problem()
+        if layout_problem is not None:
+            return layout_problem
+        block_size = msg.kv_layout.block_size
         if self.block_size is not None and block_size != self.block_size:
             return f"block_size {block_size} does not match the pool's {self.block_size}"
         # One worker without batch-invariant kernels among workers with them would make a

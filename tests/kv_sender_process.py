@@ -18,7 +18,9 @@ import time
 import torch
 from prometheus_client import REGISTRY
 
-from common.engine.kv_pool import KVLayout, KVPool
+from common.engine.kv_pool import KVPool, kv_layout
+from common.kv_layout import KVLayout
+from common.messages import to_wire
 from kvtransfer.registry import create_sender
 
 NUM_BLOCKS = 16
@@ -26,7 +28,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8
 
 
 def make_layout(dtype: str, num_kv_heads: int = 2) -> KVLayout:
-    return KVLayout.create(
+    return kv_layout(
         DTYPES[dtype], block_size=8, num_layers=3, num_kv_heads=num_kv_heads, head_dim=16
     )
 
@@ -71,8 +73,8 @@ def main(specs: list[str]) -> None:
                     _emit({"event": "frozen", "key": spec})
                     time.sleep(3600)
                 continue
-            for request_id in sender.poll():
-                _emit({"event": "released", "key": spec, "request_id": request_id})
+            for transfer_id in sender.poll():
+                _emit({"event": "released", "key": spec, "transfer_id": transfer_id})
         readable, _, _ = select.select([sys.stdin], [], [], 0.002)
         if not readable:
             continue
@@ -83,10 +85,10 @@ def main(specs: list[str]) -> None:
         sender = senders[command["key"]]
         reply: dict = {"id": command["id"]}
         if command["cmd"] == "publish":
-            params = sender.publish(command["request_id"], command["block_ids"], command["lease"])
-            reply["params"] = params.to_dict()
+            params = sender.publish(command["transfer_id"], command["block_ids"], command["lease"])
+            reply["params"] = to_wire(params)
         elif command["cmd"] == "abort":
-            sender.abort(command["request_id"])
+            sender.abort(command["transfer_id"])
         elif command["cmd"] == "freeze_on_fetch":
             frozen_on_fetch.add(command["key"])
         elif command["cmd"] == "bad_messages":

@@ -22,6 +22,7 @@ import zmq
 
 from common.engine.block_manager import BlockManager
 from common.hashing import block_hashes
+from common.kv_layout import KVLayout
 from common.messages import PROTOCOL_VERSION, Message, decode, encode
 from common.protocol import (
     ROLE_DECODE,
@@ -71,7 +72,7 @@ def _register(sock: _Socket, worker_id: str, role: str, model: str, block_size: 
             worker_id=worker_id,
             role=role,
             model=model,
-            kv_layout={"block_size": block_size},
+            kv_layout=KVLayout("bfloat16", block_size, 2, 2, 64),
             kv_transfer="zmq",
             num_blocks=4096,
             max_model_len=8192,
@@ -168,7 +169,7 @@ class FakeWorker(threading.Thread):
         if isinstance(msg, AbortRequest):
             self.jobs.pop(msg.request_id, None)
         elif isinstance(msg, PrefillRequest):
-            params = SamplingParams.from_dict(msg.params)
+            params = msg.params
             cached = self._prefill(msg.prompt_token_ids)
             sock.send(CacheEvents(self.worker_id, *self._drain()))
             finish = "length" if params.max_tokens == 1 else None
@@ -190,7 +191,7 @@ class FakeWorker(threading.Thread):
                     _Job(msg.request_id, msg.prompt_token_ids, params, 1)
                 )
         elif isinstance(msg, DecodeRequest):
-            params = SamplingParams.from_dict(msg.params)
+            params = msg.params
             job = _Job(
                 msg.request_id, msg.prompt_token_ids, params, len(msg.output_token_ids), sock
             )
@@ -303,11 +304,11 @@ class EnginePair(threading.Thread):
             self.engine.abort(msg.request_id)
             self._routes.pop(msg.request_id, None)
         elif isinstance(msg, PrefillRequest):
-            params = SamplingParams.from_dict(msg.params)
+            params = msg.params
             self.engine.add_request(msg.prompt_token_ids, params, msg.request_id)
             self._routes[msg.request_id] = [0, p]
         elif isinstance(msg, DecodeRequest):
-            params = SamplingParams.from_dict(msg.params)
+            params = msg.params
             done = len(msg.output_token_ids)
             params.max_tokens -= done
             prompt = msg.prompt_token_ids + msg.output_token_ids

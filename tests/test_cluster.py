@@ -30,6 +30,7 @@ from tiny_models import build_tiny_chat_model
 
 from common.config import EngineConfig, SchedulerConfig
 from common.engine.llm_engine import LLMEngine
+from common.kv_layout import KVLayout
 from common.messages import PROTOCOL_VERSION, encode
 from common.metrics import parse_exposition
 from common.protocol import RegisterWorker
@@ -181,7 +182,7 @@ def test_strangers_cannot_register_or_hand_off(cluster):
         rogue.connect(f"tcp://127.0.0.1:{port + 1}")
         rogue.send(encode(RegisterWorker(
             protocol_version=PROTOCOL_VERSION, worker_id="rogue-decode", role="decode",
-            model="tiny-chat", kv_layout=before["decode"][0].get("kv_layout", {}),
+            model="tiny-chat", kv_layout=KVLayout("bfloat16", 16, 2, 2, 64),
             kv_transfer="zmq", num_blocks=4096, max_model_len=512,
             metrics_url="http://127.0.0.1:1/metrics", handoff_endpoint="tcp://127.0.0.1:1",
         )))  # fmt: skip

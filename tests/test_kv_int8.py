@@ -12,8 +12,10 @@ import torch
 from tiny_models import build_tiny_model, random_prompts
 
 from common.config import CacheConfig, EngineConfig, SchedulerConfig
-from common.engine.kv_pool import KVLayout
+from common.engine.kv_pool import kv_layout
 from common.engine.llm_engine import LLMEngine
+from common.kv_layout import KVLayout
+from common.messages import from_wire, to_wire
 from common.sampling_params import SamplingParams
 from kernels.interface import FP8_DTYPE, INT8_DTYPE
 from kernels.kv_turn import hadamard_turns, sylvester_hadamard, turn_scales
@@ -98,15 +100,15 @@ def test_int8_rounding_is_within_half_a_step_after_the_turn():
 def test_int8_layout_holds_at_least_1_95_times_the_tokens_of_bf16():
     # The default model's shape: 30 layers, 3 KV heads of 64.
     shape = dict(block_size=16, num_layers=30, num_kv_heads=3, head_dim=64)
-    bf16 = KVLayout.create(torch.bfloat16, **shape).bytes_per_block
-    int8 = KVLayout.create(INT8_DTYPE, **shape)
-    fp8 = KVLayout.create(FP8_DTYPE, **shape)
+    bf16 = kv_layout(torch.bfloat16, **shape).bytes_per_block
+    int8 = kv_layout(INT8_DTYPE, **shape)
+    fp8 = kv_layout(FP8_DTYPE, **shape)
     assert int8.scale_page_nbytes == 30 * 2 * 16 * 3  # one byte per token, head, K and V
     assert bf16 / int8.bytes_per_block >= 1.95
     assert int8.mismatch(fp8) == "dtype: 'int8_hadamard' here vs 'float8_e4m3fn' there"
-    assert KVLayout.from_dict(int8.to_dict()) == int8
-    assert "int8 after a Hadamard turn" in int8.describe(torch.bfloat16)
-    assert "1.97x the tokens of bfloat16" in int8.describe(torch.bfloat16)
+    assert from_wire(KVLayout, to_wire(int8)) == int8
+    assert "int8 after a Hadamard turn" in int8.describe("bfloat16")
+    assert "1.97x the tokens of bfloat16" in int8.describe("bfloat16")
 
 
 def test_the_engine_reports_the_scheme_at_start_up(tmp_path, caplog):

@@ -27,7 +27,7 @@ from optional_backends import NIXL_INSTALLED, backend_params, needs_nixl
 from prometheus_client import REGISTRY
 
 from common.engine.kv_pool import KVPool
-from common.messages import PROTOCOL_VERSION, decode, encode
+from common.messages import PROTOCOL_VERSION, ProtocolError, decode, encode, from_wire, to_wire
 from kvtransfer import (
     TransferError,
     TransferParams,
@@ -90,11 +90,11 @@ class SenderProcess:
         assert reply["id"] == self._next_id
         return reply
 
-    def publish(self, key: str, request_id: str, block_ids: list[int], lease: float):
+    def publish(self, key: str, transfer_id: str, block_ids: list[int], lease: float):
         reply = self.command(
-            key, "publish", request_id=request_id, block_ids=block_ids, lease=lease
+            key, "publish", transfer_id=transfer_id, block_ids=block_ids, lease=lease
         )
-        return TransferParams.from_dict(reply["params"]), time.monotonic()
+        return from_wire(TransferParams, reply["params"]), time.monotonic()
 
     def wait_event(self, event: str, timeout: float, **match) -> dict:
         deadline = time.monotonic() + timeout
@@ -103,8 +103,8 @@ class SenderProcess:
             if record["event"] == event and all(record.get(k) == v for k, v in match.items()):
                 return record
 
-    def wait_released(self, key: str, request_id: str, timeout: float) -> float:
-        return self.wait_event("released", timeout, key=key, request_id=request_id)["t"]
+    def wait_released(self, key: str, transfer_id: str, timeout: float) -> float:
+        return self.wait_event("released", timeout, key=key, transfer_id=transfer_id)["t"]
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -123,14 +123,14 @@ def expected_pool(spec: str) -> KVPool:
     return pool
 
 
-def wait_result(receiver, request_id: str, timeout: float = 20.0):
+def wait_result(receiver, transfer_id: str, timeout: float = 20.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for result in receiver.poll():
-            assert result.request_id == request_id, result
+            assert result.transfer_id == transfer_id, result
             return result
         time.sleep(0.001)
-    raise AssertionError(f"no result for {request_id} within {timeout}s")
+    raise AssertionError(f"no result for {transfer_id} within {timeout}s")
 
 
 def bad_messages(backend: str, side: str) -> float:
@@ -170,11 +170,11 @@ def test_fetch_copies_pages_exactly(senders, receivers, spec):
     # the second fetch reuses the cached handshake.
     cases = [([5, 2, 11, 3, 15], [0, 17, 1, 4, 23]), ([4, 5, 6, 12, 13, 0], [9, 10, 11, 3, 4, 5])]
     for attempt, (src, dst) in enumerate(cases):
-        request_id = f"copy-{spec}-{attempt}"
-        params, _ = senders.publish(spec, request_id, src, lease=30)
+        transfer_id = f"copy-{spec}-{attempt}"
+        params, _ = senders.publish(spec, transfer_id, src, lease=30)
         receiver.pool.data.zero_()
-        receiver.start_fetch(request_id, params, dst, timeout=20)
-        result = wait_result(receiver, request_id)
+        receiver.start_fetch(transfer_id, params, dst, timeout=20)
+        result = wait_result(receiver, transfer_id)
         assert result.ok, result.error
         assert result.num_pages == len(src)
         assert result.nbytes == len(src) * expected.layout.bytes_per_block
@@ -185,7 +185,7 @@ def test_fetch_copies_pages_exactly(senders, receivers, spec):
         untouched = [b for b in range(receiver.pool.num_blocks) if b not in dst]
         assert not receiver.pool.data[untouched].view(torch.uint8).any()
         # The acknowledgement frees the sender's pages long before the lease would.
-        senders.wait_released(spec, request_id, timeout=10)
+        senders.wait_released(spec, transfer_id, timeout=10)
 
 
 @needs_nixl
@@ -322,7 +322,7 @@ def test_receiver_gone_sender_releases_at_lease_end(senders, backend):
 def test_sender_abort(senders, receivers, backend):
     spec = f"{backend}:bf16"
     params, published = senders.publish(spec, f"withdrawn-{backend}", [7, 8], lease=30)
-    senders.command(spec, "abort", request_id=f"withdrawn-{backend}")
+    senders.command(spec, "abort", transfer_id=f"withdrawn-{backend}")
     assert senders.wait_released(spec, f"withdrawn-{backend}", timeout=5) - published < 5
     receiver = receivers(spec)
     receiver.start_fetch(f"withdrawn-{backend}", params, [2, 3], timeout=10)
@@ -347,10 +347,10 @@ GARBAGE = [
     [b"\xc1"],
     [msgpack.packb([1, 2, 3])],
     [msgpack.packb({"type": "kv.no_such_message"})],
-    [msgpack.packb({"type": "kv.fetch_request", "request_id": 5})],
+    [msgpack.packb({"type": "kv.fetch_request", "transfer_id": 5})],
     [msgpack.packb({"type": "kv.fetch_request"})],
-    [msgpack.packb({"type": "kv.fetch_request", "request_id": "x", "evil": 1})],
-    [msgpack.packb({"type": "kv.fetch_request", "request_id": msgpack.ExtType(1, b"x")})],
+    [msgpack.packb({"type": "kv.fetch_request", "transfer_id": "x", "evil": 1})],
+    [msgpack.packb({"type": "kv.fetch_request", "transfer_id": msgpack.ExtType(1, b"x")})],
     [b"\x80" * (2 << 20)],
     [encode(FetchRequest("x")), b"stray frame"],
     [encode(PageData("x", "i", 0, 1, 1, 0))],
@@ -408,9 +408,7 @@ def test_garbage_on_receiver_socket_is_counted_and_dropped():
         for frames in GARBAGE[:-2]:
             router.send_multipart([identity, *frames])
         router.send_multipart([identity, encode(ReleasePages("r", True))])  # wrong direction
-        reply = HandshakeReply(
-            PROTOCOL_VERSION, "fake", "i1", "zmq", layout.to_dict(), num_blocks=4
-        )
+        reply = HandshakeReply(PROTOCOL_VERSION, "fake", "i1", "zmq", layout, num_blocks=4)
         router.send_multipart([identity, encode(reply)])
         router.send_multipart([identity, encode(reply)])  # a second reply is unexpected
         identity = expect(FetchRequest)
@@ -427,13 +425,13 @@ def test_garbage_on_receiver_socket_is_counted_and_dropped():
 
 def test_transfer_params_round_trip_and_validation():
     params = TransferParams("nixl", "tcp://127.0.0.1:5", "prefill-0", [3, 1], 123.5)
-    assert TransferParams.from_dict(params.to_dict()) == params
-    raw = params.to_dict()
+    assert from_wire(TransferParams, to_wire(params)) == params
+    raw = to_wire(params)
     raw["block_ids"] = ["3"]
-    with pytest.raises(TransferError, match="block_ids"):
-        TransferParams.from_dict(raw)
-    with pytest.raises(TransferError, match="missing"):
-        TransferParams.from_dict({"backend": "zmq"})
+    with pytest.raises(ProtocolError, match="block_ids"):
+        from_wire(TransferParams, raw)
+    with pytest.raises(ProtocolError, match="missing"):
+        from_wire(TransferParams, {"backend": "zmq"})
 
 
 def test_registry():

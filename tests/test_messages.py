@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.kv_layout import KVLayout
 from common.messages import (
     PROTOCOL_VERSION,
     Message,
@@ -38,6 +39,10 @@ class Span:
     start: int
     length: int
 
+    def __post_init__(self) -> None:
+        if self.length < 0:
+            raise ValueError(f"length must be >= 0, got {self.length}")
+
 
 @message("test.everything")
 @dataclass(slots=True)
@@ -56,6 +61,7 @@ class Everything(Message):
     spans: list[Span]
     note: str = "default"
     tags: list[str] = field(default_factory=list)
+    biases: dict[int, float] = field(default_factory=dict)
 
 
 def everything(**changes) -> Everything:
@@ -84,7 +90,7 @@ def frame(**fields) -> bytes:
 
 
 def test_protocol_version():
-    assert PROTOCOL_VERSION == 4
+    assert PROTOCOL_VERSION == 5
 
 
 def test_round_trip_of_a_step_of_token_deltas():
@@ -107,13 +113,15 @@ def test_round_trip_of_a_step_of_token_deltas():
 
 
 def test_round_trip_of_every_field_kind():
-    msg = everything(maybe=7, note="n", tags=["t"])
+    msg = everything(maybe=7, note="n", tags=["t"], biases={3: 0.5, -1: 2.0})
     assert decode(encode(msg)) == msg
+    # msgpack peers refuse integer map keys: an int-keyed map travels as [key, value] pairs.
+    assert msgpack.unpackb(encode(msg))["biases"] == [[3, 0.5], [-1, 2.0]]
 
 
 def test_round_trip_of_kvtransfer_messages():
     info = NixlAgentInfo("agent", b"\x01" * 64, 1 << 40, None, "DRAM", 0)
-    layout = {"dtype": "bfloat16", "block_size": 16, "num_layers": 2, "num_kv_heads": 1}
+    layout = KVLayout("bfloat16", block_size=16, num_layers=2, num_kv_heads=1, head_dim=64)
     for msg in [
         HandshakeReply(PROTOCOL_VERSION, "prefill-0", "i1", "nixl", layout, 128, info),
         HandshakeReply(PROTOCOL_VERSION, "prefill-0", "i1", "zmq", layout, 128),
@@ -150,6 +158,12 @@ def test_float_accepts_int_and_fields_with_defaults_may_be_left_out():
         ({"span": [0, 16]}, "Everything.span: expected a map"),
         ({"spans": [{"start": 0, "length": 1, "end": 2}]}, "unexpected fields"),
         ({"request_id": None}, "expected str, got NoneType"),
+        ({"span": {"start": 0, "length": -1}}, "Everything.span: length must be >= 0"),
+        ({"biases": {"3": 0.5}}, "Everything.biases: expected list of"),
+        ({"biases": [[3, 0.5, 1]]}, r"Everything.biases\[0\]: expected \[key, value\] pair"),
+        ({"biases": [["3", 0.5]]}, r"Everything.biases\[0\] key: expected int"),
+        ({"biases": [[3, 0.5], [3, 1.0]]}, "key 3 appears twice"),
+        ({"biases": [[3, "high"]]}, r"Everything.biases\[3\]: expected float"),
         ({"bogus": 1}, r"unexpected fields \['bogus'\]"),
     ],
 )
@@ -173,7 +187,7 @@ def test_missing_field():
     [
         (b"", "bad msgpack"),
         (b"\xc1", "bad msgpack"),
-        (msgpack.packb({"type": "kv.fetch_request", "request_id": "r"}) + b"\x00", "bad msgpack"),
+        (msgpack.packb({"type": "kv.fetch_request", "transfer_id": "r"}) + b"\x00", "bad msgpack"),
         (msgpack.packb([1, 2]), "must be a map"),
         (msgpack.packb({"request_id": "r"}), "no string 'type'"),
         (msgpack.packb({"type": 5}), "no string 'type'"),
@@ -196,7 +210,9 @@ def test_oversized_frame_is_refused_before_parsing():
 
 def test_extension_types_are_refused():
     """Nothing on the wire is turned into an object by anything but the field checks."""
-    ext = msgpack.packb({"type": "kv.fetch_request", "request_id": msgpack.ExtType(42, b"payload")})
+    ext = msgpack.packb(
+        {"type": "kv.fetch_request", "transfer_id": msgpack.ExtType(42, b"payload")}
+    )
     with pytest.raises(ProtocolError, match="extension type 42"):
         decode(ext)
     timestamp = frame(extra={"when": msgpack.Timestamp(1, 0)})

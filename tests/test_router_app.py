@@ -68,7 +68,7 @@ def test_completions_n_logprobs_usage_and_request_id(cluster):
     # Both choices went to the same prefill worker, with seed + i.
     sent = prefill_requests(cluster.hub["p0"]) + prefill_requests(cluster.hub["p1"])
     assert len({m.request_id.rsplit("-", 1)[0] for m in sent}) == 1
-    assert sorted(m.params["seed"] for m in sent) == [5, 6]
+    assert sorted(m.params.seed for m in sent) == [5, 6]
     holders = [w for w in ("p0", "p1") if prefill_requests(cluster.hub[w])]
     assert len(holders) == 1
 
@@ -470,7 +470,7 @@ def test_a_hot_session_worker_overflows_elsewhere(cluster):
         t.join(30)
     assert results == ["length"] * 6
     other = cluster.hub["p1" if home == "p0" else "p0"]
-    assert any(m.params["seed"] is None for m in prefill_requests(other))
+    assert any(m.params.seed is None for m in prefill_requests(other))
 
 
 def test_worker_joining_mid_load_takes_requests():

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from common.kv_layout import KVLayout
 from common.messages import PROTOCOL_VERSION
 from common.protocol import CacheEvents, Heartbeat, RegisterWorker
 from router.registry import WorkerRegistry
+
+
+def layout(block_size: int) -> KVLayout:
+    return KVLayout("bfloat16", block_size, 2, 2, 64)
 
 
 def reg(wid: str, role: str = "prefill", **kw) -> RegisterWorker:
@@ -13,7 +18,7 @@ def reg(wid: str, role: str = "prefill", **kw) -> RegisterWorker:
         worker_id=wid,
         role=role,
         model="m",
-        kv_layout={"block_size": 16},
+        kv_layout=layout(16),
         kv_transfer="zmq",
         num_blocks=100,
         max_model_len=2048,
@@ -39,7 +44,12 @@ def test_register_checks_version_model_role_and_layout():
     assert "role" in r.register(reg("a", role="both"), 0)
     assert "handoff_endpoint" in r.register(reg("a", role="decode", handoff_endpoint=None), 0)
     assert r.register(reg("a"), 0) is None
-    assert "block_size" in r.register(reg("b", kv_layout={"block_size": 32}), 0)
+    assert "block_size" in r.register(reg("b", kv_layout=layout(32)), 0)
+    # A layout this version cannot serve is refused, saying why (it decodes: its shape is kept).
+    unknown = KVLayout("float4", 16, 2, 2, 64)
+    assert "unsupported KV cache dtype 'float4'" in r.register(reg("b", kv_layout=unknown), 0)
+    empty = KVLayout("bfloat16", 0, 2, 2, 64)
+    assert "block_size must be a positive int" in r.register(reg("b", kv_layout=empty), 0)
     assert list(r.workers) == ["a"]
 
 

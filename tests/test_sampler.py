@@ -6,7 +6,6 @@ import math
 import random
 from collections import Counter
 
-import msgpack
 import pytest
 import torch
 from hypothesis import given, settings
@@ -19,6 +18,8 @@ from common.engine.sampler import (
     _filter_threshold,
     apply_penalties,
 )
+from common.messages import decode, encode, from_wire, to_wire
+from common.protocol import PrefillRequest
 from common.sampling_params import SamplingParams
 
 EOS = 3
@@ -105,7 +106,7 @@ def test_bad_values_are_rejected_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         params.validate()
     with pytest.raises(ValueError, match=field):
-        SamplingParams.from_dict({**SamplingParams().to_dict(), field: value})
+        off_the_wire({**to_wire(SamplingParams()), field: value})
 
 
 @pytest.mark.parametrize(
@@ -121,7 +122,7 @@ def test_bad_values_are_rejected_naming_the_field(field, value):
 )
 def test_boundary_values_are_accepted(changes):
     SamplingParams(**changes).validate(vocab_size=100)
-    SamplingParams.from_dict(changes)
+    assert off_the_wire(to_wire(SamplingParams(**changes))) == SamplingParams(**changes)
 
 
 def test_stop_token_ids_are_bounded_by_the_vocabulary():
@@ -132,27 +133,36 @@ def test_stop_token_ids_are_bounded_by_the_vocabulary():
         SamplingParams(logit_bias={100: 1.0}).validate(vocab_size=100)
 
 
+def off_the_wire(raw) -> SamplingParams:
+    """What a worker does with the params of a request off its socket: the codec checks the
+    fields and their types, ``validate`` the ranges."""
+    params = from_wire(SamplingParams, raw)
+    params.validate()
+    return params
+
+
 @pytest.mark.parametrize(
     "payload,match",
     [
-        ({"temprature": 0.5}, "unknown"),
-        ({1: 0.5}, "unknown"),
-        ({"n": 2, "best_of": 3}, "unknown"),
-        ([("temperature", 0.5)], "mapping"),
-        ("temperature=0.5", "mapping"),
+        ({"temprature": 0.5}, "unexpected fields"),
+        ({1: 0.5}, "unexpected fields"),
+        ({"n": 2, "best_of": 3}, "unexpected fields"),
+        ([("temperature", 0.5)], "expected a map"),
+        ("temperature=0.5", "expected a map"),
         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
         ({"logit_bias": "5:1"}, "pairs"),
-        ({"logit_bias": [[5, 1.0, 2]]}, "pairs"),
+        ({"logit_bias": [[5, 1.0, 2]]}, "pair"),
         ({"logit_bias": [["5", 1.0]]}, "logit_bias"),
+        ({"logit_bias": [[5, 1.0], [5, 2.0]]}, "twice"),
+        ({"logit_bias": {"5": 1.0}}, "pairs"),
     ],
 )
-def test_from_dict_rejects_malformed_payloads(payload, match):
+def test_malformed_params_off_the_wire_are_refused(payload, match):
     with pytest.raises(ValueError, match=match):
-        SamplingParams.from_dict(payload)
+        off_the_wire(payload)
 
 
-@pytest.mark.parametrize("use_list", [True, False])
-def test_wire_round_trip_through_msgpack(use_list):
+def test_wire_round_trip_through_a_message():
     params = SamplingParams(
         max_tokens=100,
         temperature=0.7,
@@ -170,13 +180,14 @@ def test_wire_round_trip_through_msgpack(use_list):
         prompt_logprobs=2,
         logit_bias={7: -100.0, 300: 2.5},
     )
-    wire = msgpack.unpackb(msgpack.packb(params.to_dict()), use_list=use_list)
-    assert SamplingParams.from_dict(wire) == params
-    assert SamplingParams.from_dict(SamplingParams().to_dict()) == SamplingParams()
+    request = PrefillRequest("r", [1, 2], params, "d0", "tcp://127.0.0.1:1")
+    assert decode(encode(request)).params == params  # logit_bias's int keys travel as pairs
+    assert to_wire(params)["logit_bias"] == [[7, -100.0], [300, 2.5]]
+    assert off_the_wire(to_wire(SamplingParams())) == SamplingParams()
 
 
-def test_from_dict_fills_defaults_and_takes_ints_for_floats():
-    params = SamplingParams.from_dict({"temperature": 0, "top_p": 1})
+def test_params_off_the_wire_fill_defaults_and_take_ints_for_floats():
+    params = off_the_wire({"temperature": 0, "top_p": 1})
     assert params == SamplingParams(temperature=0.0)
     assert isinstance(params.temperature, float) and isinstance(params.top_p, float)
 

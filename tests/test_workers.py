@@ -205,7 +205,7 @@ def test_parts_withdrawn_by_the_prefill_worker_are_dropped(router, model):
     push.connect(decode.handoff_endpoint)
     for part in parts:
         push.send(encode(part))
-    pages = sum(len(p.transfer["block_ids"]) for p in parts)
+    pages = sum(len(p.transfer.block_ids) for p in parts)
     router.wait_for(
         lambda: router.metrics("decode")["pdserve_kv_pages_received_total"] == pages,
         30,
@@ -303,7 +303,7 @@ def test_garbage_on_every_socket_is_dropped_and_counted(router, model):
     prompt = random_prompts(1, seed=12)[0]
     router.prefill("probe", prompt, GREEDY, handoff_endpoint=tap.endpoint)
     handoff = tap.receive(timeout=60)
-    side_channel = handoff.transfer["endpoint"]
+    side_channel = handoff.transfer.endpoint
     for role in ("prefill", "decode"):
         worker_id = router.worker(role).worker_id
         for frame in GARBAGE:

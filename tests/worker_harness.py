@@ -148,7 +148,7 @@ class FakeRouter:
             PrefillRequest(
                 request_id,
                 prompt,
-                params.to_dict(),
+                params,
                 decode_worker.worker_id,
                 handoff_endpoint or decode_worker.handoff_endpoint,
             ),
@@ -157,7 +157,7 @@ class FakeRouter:
     def decode_locally(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         self.send(
             self.worker("decode").worker_id,
-            DecodeRequest(request_id, prompt, params.to_dict()),
+            DecodeRequest(request_id, prompt, params),
         )
 
     def wait_finished(self, request_ids: list[str], timeout: float = 120.0) -> None:

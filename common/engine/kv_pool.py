@@ -9,128 +9,47 @@ for int8 pages (``kernels/interface.py``).
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import asdict, dataclass
-
 import torch
 
+from common.kv_layout import FP8_E4M3, INT8_HADAMARD, KVLayout
 from kernels.interface import FP8_DTYPE, INT8_DTYPE, INT8_SCALE_DTYPE, KVCacheView
 
 _DTYPE_NAMES = {
     torch.bfloat16: "bfloat16",
     torch.float16: "float16",
     torch.float32: "float32",
-    FP8_DTYPE: "float8_e4m3fn",
-    # int8 pages hold keys and values turned by a Hadamard transform (``kernels/kv_turn.py``):
-    # the name is the scheme, so two workers agree on the turn when they agree on the dtype.
-    INT8_DTYPE: "int8_hadamard",
+    FP8_DTYPE: FP8_E4M3,
+    INT8_DTYPE: INT8_HADAMARD,
 }
-_SCALE_DTYPES = {FP8_DTYPE: torch.float32, INT8_DTYPE: INT8_SCALE_DTYPE}
 _DTYPES_BY_NAME = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
+_SCALE_DTYPES = {FP8_E4M3: torch.float32, INT8_HADAMARD: INT8_SCALE_DTYPE}
 
 
-@dataclass(frozen=True, slots=True)
-class KVLayout:
-    """Everything two workers must agree on before pages can move between their pools."""
+def kv_layout(
+    dtype: torch.dtype, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int
+) -> KVLayout:
+    """The layout of pages of torch ``dtype``."""
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"unsupported KV cache dtype {dtype}")
+    layout = KVLayout(_DTYPE_NAMES[dtype], block_size, num_layers, num_kv_heads, head_dim)
+    problem = layout.problem()
+    if problem is not None:
+        raise ValueError(problem)
+    return layout
 
-    dtype: str  # a key of _DTYPES_BY_NAME
-    block_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
 
-    @classmethod
-    def create(
-        cls,
-        dtype: torch.dtype,
-        block_size: int,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-    ) -> KVLayout:
-        if dtype not in _DTYPE_NAMES:
-            raise ValueError(f"unsupported KV cache dtype {dtype}")
-        return cls(_DTYPE_NAMES[dtype], block_size, num_layers, num_kv_heads, head_dim)
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name a layout gives pages of torch ``dtype``."""
+    return _DTYPE_NAMES[dtype]
 
-    @classmethod
-    def from_dict(cls, raw: dict) -> KVLayout:
-        try:
-            layout = cls(**raw)
-        except TypeError as exc:
-            raise ValueError(f"malformed KV layout {raw!r}: {exc}") from exc
-        if layout.dtype not in _DTYPES_BY_NAME:
-            raise ValueError(f"unsupported KV cache dtype {layout.dtype!r}")
-        for name in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
-            value = getattr(layout, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"KV layout field {name} must be a positive int, got {value!r}")
-        return layout
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+def page_dtype(layout: KVLayout) -> torch.dtype:
+    return _DTYPES_BY_NAME[layout.dtype]
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES_BY_NAME[self.dtype]
 
-    @property
-    def is_fp8(self) -> bool:
-        return self.torch_dtype == FP8_DTYPE
-
-    @property
-    def scale_dtype(self) -> torch.dtype | None:
-        """The dtype of the pages' scales, or None for pools that keep none."""
-        return _SCALE_DTYPES.get(self.torch_dtype)
-
-    @property
-    def page_shape(self) -> tuple[int, ...]:
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
-
-    @property
-    def scale_page_shape(self) -> tuple[int, ...]:
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads)
-
-    @property
-    def page_nbytes(self) -> int:
-        """Bytes of one page of KV data (scales excluded)."""
-        elements = 1
-        for size in self.page_shape:
-            elements *= size
-        return elements * self.torch_dtype.itemsize
-
-    @property
-    def scale_page_nbytes(self) -> int:
-        if self.scale_dtype is None:
-            return 0
-        elements = 1
-        for size in self.scale_page_shape:
-            elements *= size
-        return elements * self.scale_dtype.itemsize
-
-    @property
-    def bytes_per_block(self) -> int:
-        """Bytes one page costs in memory, scales included: what sizes the pool."""
-        return self.page_nbytes + self.scale_page_nbytes
-
-    def describe(self, model_dtype: torch.dtype) -> str:
-        """The page scheme in words, with the tokens it holds per byte against ``model_dtype``
-        pages: what start-up logs report."""
-        plain = dataclasses.replace(self, dtype=_DTYPE_NAMES[model_dtype]).bytes_per_block
-        capacity = f"{plain / self.bytes_per_block:.2f}x the tokens of {_DTYPE_NAMES[model_dtype]}"
-        if self.torch_dtype == INT8_DTYPE:
-            return f"int8 after a Hadamard turn, a one-byte scale per token and head, {capacity}"
-        if self.is_fp8:
-            return f"FP8 e4m3, a float32 scale per token and head, {capacity}"
-        return self.dtype
-
-    def mismatch(self, other: KVLayout) -> str | None:
-        """A human-readable description of how ``other`` differs, or None if compatible."""
-        diffs = [
-            f"{name}: {getattr(self, name)!r} here vs {getattr(other, name)!r} there"
-            for name in ("dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
-            if getattr(self, name) != getattr(other, name)
-        ]
-        return "; ".join(diffs) or None
+def scale_dtype(layout: KVLayout) -> torch.dtype | None:
+    """The dtype of the pages' scales, or None for pools that keep none."""
+    return _SCALE_DTYPES.get(layout.dtype)
 
 
 class KVPool:
@@ -143,13 +62,12 @@ class KVPool:
         self.num_blocks = num_blocks
         self.device = torch.device(device)
         self.data = torch.zeros(
-            (num_blocks, *layout.page_shape), dtype=layout.torch_dtype, device=self.device
+            (num_blocks, *layout.page_shape), dtype=page_dtype(layout), device=self.device
         )
+        scales = scale_dtype(layout)
         self.scales = (
-            torch.ones(
-                (num_blocks, *layout.scale_page_shape), dtype=layout.scale_dtype, device=device
-            )
-            if layout.scale_dtype is not None
+            torch.ones((num_blocks, *layout.scale_page_shape), dtype=scales, device=device)
+            if scales is not None
             else None
         )
 

@@ -23,7 +23,7 @@ from common.config import (
     resolve_dtype,
 )
 from common.engine.block_manager import BlockManager
-from common.engine.kv_pool import KVLayout, KVPool
+from common.engine.kv_pool import KVPool, dtype_name, kv_layout
 from common.engine.memory import plan_num_blocks
 from common.engine.model_runner import ModelRunner
 from common.engine.sampler import PromptLogprob, SampledToken, Sampler
@@ -32,6 +32,7 @@ from common.engine.sequence import FinishReason, Sequence, first_output_prompt_l
 from common.engine.speculative.draft import DraftModelProposer
 from common.engine.speculative.ngram import NgramProposer
 from common.engine.speculative.speculator import Speculator
+from common.kv_layout import KVLayout
 from common.model.default_model import resolve_model_path
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
@@ -95,7 +96,7 @@ class LLMEngine:
             config.scheduler.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.max_position_embeddings,
         )
-        self.kv_layout = KVLayout.create(
+        self.kv_layout = kv_layout(
             kv_dtype,
             config.cache.block_size,
             self.model_config.num_layers,
@@ -140,7 +141,7 @@ class LLMEngine:
             self.dtype,
             num_blocks,
             config.cache.block_size,
-            self.kv_layout.describe(self.dtype),
+            self.kv_layout.describe(dtype_name(self.dtype)),
             self.backend.name,
             ", eager" if config.enforce_eager else "",
             ", deterministic inference (batch-invariant kernels)" if deterministic else "",
@@ -159,7 +160,7 @@ class LLMEngine:
             draft.turn_kv_heads()
         if self.device.type == "cpu" and not self.config.enforce_eager:
             draft.pack_for_cpu(self.config.enable_deterministic_inference)
-        layout = KVLayout.create(
+        layout = kv_layout(
             kv_dtype,
             self.config.cache.block_size,
             draft_config.num_layers,

@@ -8,7 +8,8 @@ import os
 import torch
 
 from common.config import EngineConfig
-from common.engine.kv_pool import KVLayout, KVPool
+from common.engine.kv_pool import KVPool
+from common.kv_layout import KVLayout
 from common.model.llama import LlamaForCausalLM
 from kernels.interface import AttentionBackend, AttentionMetadata
 from kernels.sizes import ceil_div

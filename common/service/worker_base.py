@@ -308,10 +308,10 @@ class WorkerService(ABC):
 
     # -- shared helpers -------------------------------------------------------------------------
 
-    def parse_params(self, request_id: str, raw: dict) -> SamplingParams | None:
-        """The request's sampling params, or None after telling the router they are bad."""
+    def checked_params(self, request_id: str, params: SamplingParams) -> SamplingParams | None:
+        """The request's sampling params (their types checked by the codec), or None after
+        telling the router their values are out of range."""
         try:
-            params = SamplingParams.from_dict(raw)
             params.validate(self.engine.model_config.vocab_size)
         except ValueError as exc:
             self.fail(request_id, f"bad sampling params: {exc}", retryable=False)
@@ -360,7 +360,7 @@ class WorkerService(ABC):
             worker_id=self.worker_id,
             role=self.role,
             model=self.engine.model_path.name,
-            kv_layout=self.engine.kv_layout.to_dict(),
+            kv_layout=self.engine.kv_layout,
             kv_transfer=self.args.kv_transfer,
             num_blocks=self.block_manager.num_blocks,
             max_model_len=self.engine.max_model_len,

@@ -1,0 +1,111 @@
+"""What two workers must agree on before KV pages can move between their pools.
+
+A ``KVLayout`` travels in registrations and transfer handshakes, so it names its page dtype by a
+string and knows its sizes without torch (the router imports it too). The torch side of a
+layout (the tensors' dtypes) lives with the pool, in ``common/engine/kv_pool.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+FP8_E4M3 = "float8_e4m3fn"
+# int8 pages hold keys and values turned by a Hadamard transform (``kernels/kv_turn.py``): the
+# name is the scheme, so two workers agree on the turn when they agree on the dtype.
+INT8_HADAMARD = "int8_hadamard"
+# Bytes per element of each page dtype, and of the scales quantised pages carry per token and
+# head: float32 for FP8 (vLLM's format), a one-byte code for int8.
+PAGE_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, FP8_E4M3: 1, INT8_HADAMARD: 1}
+SCALE_ITEMSIZE = {FP8_E4M3: 4, INT8_HADAMARD: 1}
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """The page format and shape; a pool's pages are ``(num_layers, 2, block_size, num_kv_heads,
+    head_dim)`` elements of ``dtype``, plus ``(num_layers, 2, block_size, num_kv_heads)`` scales
+    for quantised dtypes."""
+
+    dtype: str  # a key of PAGE_ITEMSIZE
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def problem(self) -> str | None:
+        """Why this layout cannot be served, or None. Not checked on construction: a layout off
+        the wire with a dtype this version does not know must still reach the handshake or the
+        registration that refuses it, and say why."""
+        if self.dtype not in PAGE_ITEMSIZE:
+            return f"unsupported KV cache dtype {self.dtype!r}; known: {', '.join(PAGE_ITEMSIZE)}"
+        for name in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if value < 1:
+                return f"KV layout field {name} must be a positive int, got {value!r}"
+        return None
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype == FP8_E4M3
+
+    @property
+    def is_int8(self) -> bool:
+        return self.dtype == INT8_HADAMARD
+
+    @property
+    def has_scales(self) -> bool:
+        return self.dtype in SCALE_ITEMSIZE
+
+    @property
+    def page_shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def scale_page_shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads)
+
+    @property
+    def page_nbytes(self) -> int:
+        """Bytes of one page of KV data (scales excluded)."""
+        return _product(self.page_shape) * PAGE_ITEMSIZE[self.dtype]
+
+    @property
+    def scale_page_nbytes(self) -> int:
+        """Bytes of one page's scales; 0 for dtypes without scales."""
+        return _product(self.scale_page_shape) * SCALE_ITEMSIZE.get(self.dtype, 0)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one page costs in memory, scales included: what sizes the pool."""
+        return self.page_nbytes + self.scale_page_nbytes
+
+    def capacity_against(self, dtype: str) -> float:
+        """How many times the tokens of ``dtype`` pages this layout holds in the same bytes."""
+        plain = dataclasses.replace(self, dtype=dtype)
+        return plain.bytes_per_block / self.bytes_per_block
+
+    def describe(self, model_dtype: str) -> str:
+        """The page scheme in words, with its capacity against ``model_dtype`` pages: what
+        start-up logs report."""
+        capacity = f"{self.capacity_against(model_dtype):.2f}x the tokens of {model_dtype}"
+        if self.is_int8:
+            return f"int8 after a Hadamard turn, a one-byte scale per token and head, {capacity}"
+        if self.is_fp8:
+            return f"FP8 e4m3, a float32 scale per token and head, {capacity}"
+        return self.dtype
+
+    def mismatch(self, other: KVLayout) -> str | None:
+        """A human-readable description of how ``other`` differs, or None if compatible."""
+        diffs = [
+            f"{name}: {getattr(self, name)!r} here vs {getattr(other, name)!r} there"
+            for name in ("dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
+            if getattr(self, name) != getattr(other, name)
+        ]
+        return "; ".join(diffs) or None
+
+
+def _product(sizes: tuple[int, ...]) -> int:
+    total = 1
+    for size in sizes:
+        total *= size
+    return total
