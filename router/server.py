@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from common.cluster_auth import load_secret
-from router.app import RouterConfig, create_app
+from router.app import create_app
+from router.config import RouterConfig
 from router.http_protocol import with_read_deadline
 from router.openai_api import TextCodec
 from router.policy import RoutingConfig
@@ -33,11 +34,6 @@ class ModelText(TextCodec):
         self._tokenizer = Tokenizer(model_path)
         config = _read_config(Path(model_path))
         self.vocab_size = int(config.get("vocab_size") or len(self._tokenizer))
-        eos = config.get("eos_token_id")
-        eos_ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
-        if self._tokenizer.eos_token_id is not None:
-            eos_ids.append(self._tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos_ids)
         self.max_position_embeddings = int(config.get("max_position_embeddings") or 4096)
         # Every prompt is encoded and every token decoded here, on the event loop: call the
         # Rust tokenizer directly where that gives transformers' own result.
@@ -47,7 +43,7 @@ class ModelText(TextCodec):
         if self.backend is not None:
             if len(text) > LONG_TEXT_CHARS:
                 # The batch call lets go of the GIL while it works: a long prompt encoded off
-                # the event loop (see router.app) then leaves the loop serving meanwhile.
+                # the event loop (see router.edge) then leaves the loop serving meanwhile.
                 [encoding] = self.backend.encode_batch(
                     [text], add_special_tokens=add_special_tokens
                 )
@@ -270,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, ImportError) as exc:
         print(f"pdserve router: {exc}", file=sys.stderr)
         return 2
-    app = create_app(config, text, text.eos_token_ids)
+    app = create_app(config, text)
     # The tokenizer's imports leave a few hundred thousand long-lived objects; a full collection
     # walks them all (some 0.2 s, a stall for every request in flight). They live as long as the
     # process, so they are moved out of the collector's reach.

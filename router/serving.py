@@ -32,9 +32,8 @@ _INTERRUPT = -1
 class TokenText:
     """Token-level text for logprobs, memoised per token id."""
 
-    def __init__(self, decode: Callable[[list[int], bool], str], eos_token_ids: frozenset[int]):
+    def __init__(self, decode: Callable[[list[int], bool], str]):
         self._decode = decode
-        self.eos_token_ids = eos_token_ids
         self.token = lru_cache(maxsize=65536)(self._token)
 
     def _token(self, token_id: int) -> str:

@@ -39,7 +39,8 @@ from common.protocol import (
     TokenSample,
 )
 from common.sampling_params import SamplingParams
-from router.app import RouterConfig, create_app
+from router.app import create_app
+from router.config import RouterConfig
 from router.http_protocol import with_read_deadline
 from router.server import ModelText
 
@@ -410,7 +411,7 @@ def router_server(model_path, read_timeout: float = 30.0, **overrides) -> Iterat
         heartbeat_timeout=overrides.pop("heartbeat_timeout", 10.0),
         **overrides,
     )
-    app = create_app(config, text, text.eos_token_ids)
+    app = create_app(config, text)
     server = uvicorn.Server(
         uvicorn.Config(
             app,

@@ -1,0 +1,34 @@
+"""The router's settings: ``RouterConfig``, built from the command line by router/server.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from router.policy import RoutingConfig
+from router.request_metrics import ServiceLevel
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    served_model_name: str  # the name responses report, and the first in /v1/models
+    max_model_len: int
+    # Other names requests may use: --served-model-name's others (listed in /v1/models), and
+    # the model's path (accepted, not listed), as vLLM serves a model under the path it was given.
+    model_aliases: tuple[str, ...] = ()
+    model_path_names: tuple[str, ...] = ()
+    # The model name workers register with (their model folder's name); None: the served name.
+    worker_model: str | None = None
+    control: str = "tcp://127.0.0.1:8001"
+    api_key: str | None = None
+    heartbeat_timeout: float = 3.0
+    # Seconds a request may go without a token before it is sent again (a new attempt).
+    request_stall_timeout: float = 120.0
+    # The most tokens a chat request without max_tokens gets; None: the rest of the context.
+    default_max_tokens: int | None = None
+    max_retries: int = 3
+    max_body_bytes: int = 4 << 20
+    max_inflight: int = 4096  # sequences in flight; more -> 429
+    # Workers must prove it on the control socket (common/cluster_auth); None: in the clear.
+    cluster_secret: str | None = None
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    slo: ServiceLevel = field(default_factory=ServiceLevel)  # what counts as goodput
