@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from engines import build_engine
 from tiny_models import VOCAB_SIZE, build_tiny_model, random_prompts
 
-from common.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from common.config import SpeculativeConfig
 from common.engine.llm_engine import LLMEngine
 from common.model.default_model import ensure_default_model
 from common.sampling_params import SamplingParams
@@ -45,30 +46,6 @@ def sampling_params(count: int) -> list[SamplingParams]:
         )
         for i in range(count)
     ]
-
-
-def make_engine(
-    folder,
-    dtype: str,
-    deterministic: bool = True,
-    budget: int = 256,
-    prefix_caching: bool = True,
-    speculative: SpeculativeConfig | None = None,
-    kv: str = "auto",
-) -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(
-            model=str(folder),
-            dtype=dtype,
-            device="cpu",
-            cache=CacheConfig(
-                num_blocks=256, enable_prefix_caching=prefix_caching, kv_cache_dtype=kv
-            ),
-            scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_model_len=512),
-            speculative=speculative or SpeculativeConfig(),
-            enable_deterministic_inference=deterministic,
-        )
-    )
 
 
 def serve(
@@ -132,24 +109,21 @@ def tiny_folder(request, tmp_path_factory):
 def test_answers_do_not_depend_on_batch_chunks_cache_or_speculation(tiny_folder, dtype, kv):
     prompts = tiny_prompts()
     params = sampling_params(len(prompts))
-    engine = make_engine(tiny_folder, dtype, kv=kv)
+    knobs = {"dtype": dtype, "kv_cache_dtype": kv, "deterministic": True}
+    engine = build_engine(tiny_folder, **knobs)
     alone = serve(engine, prompts, params, together=False)
     # The same engine again: every prompt now hits the cache (its full pages), in one batch.
     cached: list[int] = []
     assert serve(engine, prompts, params, together=True, cached_tokens=cached) == alone
     assert all(n >= 16 for n in cached)
     for engine in (
-        make_engine(tiny_folder, dtype, budget=7, prefix_caching=False, kv=kv),
-        make_engine(tiny_folder, dtype, budget=40, kv=kv),
+        build_engine(tiny_folder, **knobs, max_num_batched_tokens=7, prefix_caching=False),
+        build_engine(tiny_folder, **knobs, max_num_batched_tokens=40),
     ):
         assert serve(engine, prompts, params, together=True) == alone
     greedy = [i for i, p in enumerate(params) if p.is_greedy]
-    speculating = make_engine(
-        tiny_folder,
-        dtype,
-        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3),
-        kv=kv,
-    )
+    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    speculating = build_engine(tiny_folder, **knobs, speculative=ngram)
     got = serve(speculating, [prompts[i] for i in greedy], [params[i] for i in greedy], True)
     assert got == [alone[i] for i in greedy]
 
@@ -161,8 +135,8 @@ def test_without_the_flag_the_same_matrix_differs(tiny_folder) -> None:
     below has the bf16 control.)"""
     prompts = tiny_prompts()
     params = sampling_params(len(prompts))
-    alone = serve(make_engine(tiny_folder, "float32", deterministic=False), prompts, params, False)
-    engine = make_engine(tiny_folder, "float32", deterministic=False, budget=24)
+    alone = serve(build_engine(tiny_folder, deterministic=False), prompts, params, together=False)
+    engine = build_engine(tiny_folder, deterministic=False, max_num_batched_tokens=24)
     assert serve(engine, prompts, params, together=True) != alone
 
 
@@ -174,15 +148,16 @@ def test_smollm2_answers_do_not_depend_on_batch_chunks_or_cache() -> None:
     prompts = [torch.randint(100, 40000, (n,), generator=generator).tolist() for n in (40, 75)]
     prompts.append([*prompts[1][:64], 17, 18])  # a four-page cache hit once prompt 1 ran
     params = sampling_params(len(prompts))
-    engine = make_engine(folder, "bfloat16")
+    engine = build_engine(folder, dtype="bfloat16", deterministic=True)
     cached: list[int] = []
     alone = serve(engine, prompts, params, together=False, cached_tokens=cached)
     assert cached[2] == 64
     assert serve(engine, prompts, params, together=True) == alone
-    chunked = make_engine(folder, "bfloat16", budget=24, prefix_caching=False)
+    small_steps = {"max_num_batched_tokens": 24, "prefix_caching": False}
+    chunked = build_engine(folder, dtype="bfloat16", deterministic=True, **small_steps)
     assert serve(chunked, prompts, params, together=True) == alone
     # The control, without the flag.
-    default = make_engine(folder, "bfloat16", deterministic=False)
+    default = build_engine(folder, dtype="bfloat16", deterministic=False)
     alone = serve(default, prompts, params, together=False)
-    chunked = make_engine(folder, "bfloat16", deterministic=False, budget=24, prefix_caching=False)
+    chunked = build_engine(folder, dtype="bfloat16", deterministic=False, **small_steps)
     assert serve(chunked, prompts, params, together=True) != alone

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from engines import build_engine
 from tiny_models import (
     FAMILIES,
     assert_greedy_equal_up_to_near_ties,
@@ -11,13 +12,13 @@ from tiny_models import (
     random_prompts,
 )
 
-from common.config import CacheConfig, EngineConfig, SchedulerConfig
-from common.engine.llm_engine import LLMEngine
 from common.sampling_params import SamplingParams
 
 NUM_PROMPTS = 8
 NEW_TOKENS = 32
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+# Every prompt in one step unless a test chunks them.
+ONE_STEP = 2048
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -27,29 +28,14 @@ def family_case(request, tmp_path_factory):
     return folder, prompts, hf_greedy(folder, prompts, NEW_TOKENS)
 
 
-def make_engine(
-    folder, chunk: int = 2048, block_size: int = 16, dtype: str = "float32", eager: bool = False
-) -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(
-            model=str(folder),
-            dtype=dtype,
-            device="cpu",
-            cache=CacheConfig(block_size=block_size, num_blocks=256),
-            scheduler=SchedulerConfig(max_num_batched_tokens=chunk, max_model_len=512),
-            enforce_eager=eager,
-        )
-    )
-
-
 def test_eager_engine_equals_transformers_and_the_packed_engine(family_case):
     """--enforce-eager (plain torch modules) and the default CPU path (prepacked GEMMs, C
     kernels) give the same greedy tokens, and both give transformers' (fp32)."""
     folder, prompts, expected = family_case
-    eager = make_engine(folder, eager=True)
+    eager = build_engine(folder, max_num_batched_tokens=ONE_STEP, enforce_eager=True)
     assert eager.model.cpu_head is None
     assert eager.generate(prompts, GREEDY) == expected
-    packed = make_engine(folder)
+    packed = build_engine(folder, max_num_batched_tokens=ONE_STEP)
     assert packed.model.cpu_head is not None
     assert packed.generate(prompts, GREEDY) == expected
 
@@ -58,20 +44,21 @@ def test_bf16_packed_engine_equals_eager(family_case):
     """In bf16 the two paths round at the same points and differ only in summation order: their
     tokens may part only where two logits nearly tie."""
     folder, prompts, _ = family_case
-    eager = make_engine(folder, dtype="bfloat16", eager=True).generate(prompts, GREEDY)
-    packed = make_engine(folder, dtype="bfloat16").generate(prompts, GREEDY)
+    knobs = {"dtype": "bfloat16", "max_num_batched_tokens": ONE_STEP}
+    eager = build_engine(folder, **knobs, enforce_eager=True).generate(prompts, GREEDY)
+    packed = build_engine(folder, **knobs).generate(prompts, GREEDY)
     assert_greedy_equal_up_to_near_ties(folder, prompts, packed, eager)
 
 
 def test_prompts_alone(family_case):
     folder, prompts, expected = family_case
-    engine = make_engine(folder)
+    engine = build_engine(folder, max_num_batched_tokens=ONE_STEP)
     got = [engine.generate([prompt], GREEDY)[0] for prompt in prompts]
     assert got == expected
 
 
-@pytest.mark.parametrize("chunk", [2048, 1, 7, 16, 64])
+@pytest.mark.parametrize("chunk", [ONE_STEP, 1, 7, 16, 64])
 def test_batched_and_chunked(family_case, chunk):
     folder, prompts, expected = family_case
-    engine = make_engine(folder, chunk=chunk)
+    engine = build_engine(folder, max_num_batched_tokens=chunk)
     assert engine.generate(prompts, GREEDY) == expected

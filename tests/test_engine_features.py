@@ -6,13 +6,15 @@ import json
 import shutil
 
 import pytest
+from engines import build_engine
 from tiny_models import build_tiny_model, random_prompts
 
-from common.config import CacheConfig, EngineConfig, SchedulerConfig
-from common.engine.llm_engine import LLMEngine
 from common.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
+# The engines here, unless a test says otherwise: a batch of prompts in one step, prompts of up
+# to 256 tokens.
+KNOBS = {"max_num_batched_tokens": 2048, "max_model_len": 256}
 
 
 @pytest.fixture(scope="module")
@@ -20,27 +22,11 @@ def model_folder(tmp_path_factory):
     return build_tiny_model("qwen2-bias", tmp_path_factory.mktemp("qwen2"))
 
 
-def make_engine(folder, num_blocks=256, block_size=16, prefix_caching=True, chunk=2048, **kw):
-    return LLMEngine(
-        EngineConfig(
-            model=str(folder),
-            dtype="float32",
-            device="cpu",
-            cache=CacheConfig(
-                block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching
-            ),
-            scheduler=SchedulerConfig(
-                max_num_batched_tokens=chunk, max_model_len=kw.get("max_model_len", 256)
-            ),
-        )
-    )
-
-
 def test_shared_prefix_reuses_pages_and_computes_only_the_suffix(model_folder):
     shared = random_prompts(1, seed=1, min_len=48, max_len=48)[0]
     first = [*shared, 5, 6, 7]
     second = [*shared, 9, 10, 11, 12, 13]
-    engine = make_engine(model_folder)
+    engine = build_engine(model_folder, **KNOBS)
     engine.generate([first], GREEDY)
     computed_before = engine.scheduler.num_prompt_tokens_computed
     request_id = engine.add_request(second, GREEDY)
@@ -52,13 +38,13 @@ def test_shared_prefix_reuses_pages_and_computes_only_the_suffix(model_folder):
             cached = out.num_cached_tokens
     assert cached == 48  # three full pages of 16
     assert engine.scheduler.num_prompt_tokens_computed - computed_before == len(second) - 48
-    fresh = make_engine(model_folder, prefix_caching=False)
+    fresh = build_engine(model_folder, **KNOBS, prefix_caching=False)
     assert tokens == fresh.generate([second], GREEDY)[0]
 
 
 def test_identical_prompt_recomputes_only_its_last_token(model_folder):
     prompt = random_prompts(1, seed=2, min_len=32, max_len=32)[0]
-    engine = make_engine(model_folder)
+    engine = build_engine(model_folder, **KNOBS)
     expected = engine.generate([prompt], GREEDY)[0]
     before = engine.scheduler.num_prompt_tokens_computed
     assert engine.generate([prompt], GREEDY)[0] == expected
@@ -69,16 +55,18 @@ def test_identical_prompt_recomputes_only_its_last_token(model_folder):
 def test_memory_pressure_evicts_and_preempts_without_changing_tokens(model_folder):
     prompts = random_prompts(12, seed=3, min_len=20, max_len=40)
     params = SamplingParams(max_tokens=24, temperature=0.0)
-    roomy = make_engine(model_folder).generate(prompts, params)
+    roomy = build_engine(model_folder, **KNOBS).generate(prompts, params)
     # 20 pages of 4 tokens: two sequences at most fit at once.
-    tight = make_engine(model_folder, num_blocks=20, block_size=4, max_model_len=80)
+    tight = build_engine(
+        model_folder, num_blocks=20, block_size=4, max_num_batched_tokens=2048, max_model_len=80
+    )
     assert tight.generate(prompts, params) == roomy
     assert tight.scheduler.num_preemptions > 0
     assert tight.block_manager.num_free_blocks == 20
 
 
 def test_prompt_over_max_model_len_names_the_limit(model_folder):
-    engine = make_engine(model_folder, max_model_len=64)
+    engine = build_engine(model_folder, max_num_batched_tokens=2048, max_model_len=64)
     with pytest.raises(ValueError, match="maximum model length is 64"):
         engine.add_request(list(range(1, 65)), GREEDY)
 
@@ -90,7 +78,7 @@ def test_unsupported_architecture_names_the_supported_ones(model_folder, tmp_pat
     config["architectures"] = ["GPT2LMHeadModel"]
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"LlamaForCausalLM.*Qwen3ForCausalLM"):
-        make_engine(folder)
+        build_engine(folder, **KNOBS)
 
 
 def test_missing_weights_are_a_clear_error(model_folder, tmp_path):
@@ -98,7 +86,7 @@ def test_missing_weights_are_a_clear_error(model_folder, tmp_path):
     shutil.copytree(model_folder, folder)
     (folder / "model.safetensors").unlink()
     with pytest.raises(ValueError, match=r"no \*\.safetensors"):
-        make_engine(folder)
+        build_engine(folder, **KNOBS)
 
 
 def test_corrupt_weights_are_a_clear_error(model_folder, tmp_path):
@@ -107,12 +95,12 @@ def test_corrupt_weights_are_a_clear_error(model_folder, tmp_path):
     weights = folder / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     with pytest.raises(ValueError, match="corrupt weight file"):
-        make_engine(folder)
+        build_engine(folder, **KNOBS)
 
 
 def test_missing_folder_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
-        make_engine(tmp_path / "nothing-here")
+        build_engine(tmp_path / "nothing-here", **KNOBS)
 
 
 def prompt_logprobs_of(engine, prompt, params):
@@ -147,7 +135,7 @@ def test_prompt_logprobs_equal_transformers_and_skip_the_prefix_cache(
         logits = reference(torch.tensor([prompt])).logits[0].float()
     expected = torch.log_softmax(logits, dim=-1)  # row p scores token p + 1
 
-    engine = make_engine(model_folder, chunk=chunk)
+    engine = build_engine(model_folder, max_num_batched_tokens=chunk, max_model_len=256)
     plain = engine.generate([prompt], GREEDY)[0]  # warms the prefix cache with the prompt
     params = SamplingParams(max_tokens=16, temperature=0.0, prompt_logprobs=3)
     tokens, scored, cached = prompt_logprobs_of(engine, prompt, params)
@@ -187,8 +175,10 @@ def test_prompt_logprobs_survive_preemption_once(model_folder):
                     scored[out.request_id] = [(p.token_id, p.rank) for p in out.prompt_logprobs]
         return [scored[i] for i in ids]
 
-    roomy = run(make_engine(model_folder))
-    tight = make_engine(model_folder, num_blocks=24, block_size=4, chunk=16, max_model_len=80)
+    roomy = run(build_engine(model_folder, **KNOBS))
+    tight = build_engine(
+        model_folder, num_blocks=24, block_size=4, max_num_batched_tokens=16, max_model_len=80
+    )
     assert run(tight) == roomy
     assert tight.scheduler.num_preemptions > 0
     assert [[t for t, _ in s] for s in roomy] == [p[1:] for p in prompts]

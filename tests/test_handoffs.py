@@ -8,11 +8,11 @@ import time
 from dataclasses import dataclass, field, replace
 
 import pytest
+from engines import build_engine
 from fake_transfer import BACKEND, FakeReceiver
 from prometheus_client import REGISTRY
 from tiny_models import build_tiny_model, random_prompts
 
-from common.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.engine.llm_engine import LLMEngine
 from common.engine.sequence import Sequence
 from common.protocol import Handoff, HandoffPart, RequestFailed, TokenSample
@@ -80,16 +80,7 @@ class Decode:
 
 @pytest.fixture
 def decode(model) -> Decode:
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(model),
-            dtype="float32",
-            device="cpu",
-            cache=CacheConfig(num_blocks=NUM_BLOCKS),
-            scheduler=SchedulerConfig(max_model_len=256),
-        ),
-        role="decode",
-    )
+    engine = build_engine(model, num_blocks=NUM_BLOCKS, max_model_len=256, role="decode")
     receiver, worker, clock = FakeReceiver(engine.pool), WorkerSide(engine), Clock()
     handoffs = Handoffs(
         receiver,

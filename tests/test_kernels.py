@@ -55,14 +55,17 @@ TOLERANCE = {
 
 
 def on_gpu_only_for_bf16(*values: object) -> object:
-    """A parameter set that uses bf16 attention: skipped in the interpreter.
+    """A parameter set that uses bf16 attention: marked ``gpu``, and skipped in the interpreter.
 
     Triton 3.9's interpreter computes tl.dot wrongly on bf16 operands, so bf16 attention is
     checked only where the kernels are compiled.
     """
     return pytest.param(
         *values,
-        marks=pytest.mark.skipif(INTERPRETED, reason="interpreter tl.dot is wrong on bf16"),
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(INTERPRETED, reason="interpreter tl.dot is wrong on bf16"),
+        ],
     )
 
 

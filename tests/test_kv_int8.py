@@ -9,9 +9,9 @@ import logging
 
 import pytest
 import torch
+from engines import build_engine
 from tiny_models import build_tiny_model, random_prompts
 
-from common.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.engine.kv_pool import kv_layout
 from common.engine.llm_engine import LLMEngine
 from common.kv_layout import KVLayout
@@ -22,18 +22,8 @@ from kernels.kv_turn import hadamard_turns, sylvester_hadamard, turn_scales
 from kernels.reference import dequantize_int8, quantize_int8
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
-
-
-def make_engine(folder, kv: str = "auto", dtype: str = "float32") -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(
-            model=str(folder),
-            dtype=dtype,
-            device="cpu",
-            cache=CacheConfig(num_blocks=128, kv_cache_dtype=kv),
-            scheduler=SchedulerConfig(max_num_batched_tokens=64, max_model_len=512),
-        )
-    )
+# The engines here: 128 pages, 64-token steps.
+KNOBS = {"num_blocks": 128, "max_num_batched_tokens": 64}
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
@@ -67,8 +57,8 @@ def test_a_turned_model_over_float32_pages_answers_as_the_model(tmp_path):
     turned back change nothing but float32 rounding. Measured through the engine, turns on."""
     folder = build_tiny_model("qwen2-bias", tmp_path / "qwen2")
     prompts = random_prompts(3, seed=21, min_len=20, max_len=70)
-    plain = greedy_samples(make_engine(folder), prompts)
-    turned_engine = make_engine(folder)
+    plain = greedy_samples(build_engine(folder, **KNOBS), prompts)
+    turned_engine = build_engine(folder, **KNOBS)
     turned_engine.model.turn_kv_heads()
     turned = greedy_samples(turned_engine, prompts)
     for a, b in zip(plain, turned, strict=True):
@@ -114,7 +104,7 @@ def test_int8_layout_holds_at_least_1_95_times_the_tokens_of_bf16():
 def test_the_engine_reports_the_scheme_at_start_up(tmp_path, caplog):
     folder = build_tiny_model("llama3-rope", tmp_path / "llama")
     with caplog.at_level(logging.INFO, logger="common.engine.llm_engine"):
-        engine = make_engine(folder, kv="int8", dtype="bfloat16")
+        engine = build_engine(folder, **KNOBS, kv_cache_dtype="int8", dtype="bfloat16")
     assert engine.pool.scales is not None and engine.pool.scales.dtype == torch.uint8
     assert engine.pool.data.dtype == INT8_DTYPE
     assert "int8 after a Hadamard turn, a one-byte scale per token and head" in caplog.text
@@ -126,4 +116,4 @@ def test_the_engine_reports_the_scheme_at_start_up(tmp_path, caplog):
 def test_a_head_dim_that_is_not_a_power_of_two_is_refused(tmp_path):
     folder = build_tiny_model("mistral", tmp_path / "mistral")  # head_dim 80
     with pytest.raises(ValueError, match="power-of-two head_dim, got 80"):
-        make_engine(folder, kv="int8")
+        build_engine(folder, **KNOBS, kv_cache_dtype="int8")

@@ -11,11 +11,11 @@ from functools import partial
 from types import SimpleNamespace
 
 import pytest
+from engines import build_engine
 from fake_transfer import FakeReceiver, FakeSender
 from prometheus_client import REGISTRY
 from tiny_models import build_tiny_model, random_prompts
 
-from common.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.engine.llm_engine import LLMEngine
 from common.engine.sequence import Sequence
 from common.messages import Message
@@ -38,15 +38,8 @@ def model(tmp_path_factory):
 
 
 def make_engine(model, role: str | None) -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(
-            model=str(model),
-            dtype="float32",
-            device="cpu",
-            cache=CacheConfig(num_blocks=NUM_BLOCKS),
-            scheduler=SchedulerConfig(max_num_batched_tokens=CHUNK, max_model_len=256),
-        ),
-        role=role,
+    return build_engine(
+        model, num_blocks=NUM_BLOCKS, max_num_batched_tokens=CHUNK, max_model_len=256, role=role
     )
 
 

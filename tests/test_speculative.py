@@ -8,12 +8,12 @@ import math
 
 import pytest
 import torch
+from engines import build_engine
 from tiny_models import FAMILIES, build_tiny_model, random_prompts
 from transformers import AutoModelForCausalLM
 
 from common import metrics
-from common.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
-from common.engine.llm_engine import LLMEngine
+from common.config import SpeculativeConfig
 from common.engine.sequence import Sequence
 from common.engine.speculative.ngram import NgramProposer
 from common.engine.speculative.speculator import Speculator, StepCosts
@@ -31,23 +31,6 @@ def target(tmp_path_factory):
 def other_draft(tmp_path_factory):
     """A draft of another shape and other weights: it proposes, the target mostly disagrees."""
     return build_tiny_model("qwen3-qknorm", tmp_path_factory.mktemp("draft"), seed=1)
-
-
-def make_engine(folder, spec=None, dtype="float32", kv="auto", num_blocks=256, **scheduler):
-    return LLMEngine(
-        EngineConfig(
-            model=str(folder),
-            dtype=dtype,
-            device="cpu",
-            cache=CacheConfig(num_blocks=num_blocks, kv_cache_dtype=kv),
-            scheduler=SchedulerConfig(
-                max_num_batched_tokens=scheduler.get("budget", 256),
-                max_num_seqs=scheduler.get("max_num_seqs", 256),
-                max_model_len=512,
-            ),
-            speculative=spec or SpeculativeConfig(),
-        )
-    )
 
 
 def repetitive_prompts(count: int = 8, seed: int = 3) -> list[list[int]]:
@@ -101,28 +84,28 @@ def test_ngram_lookup_takes_the_longest_suffix_and_its_latest_occurrence():
 )
 def test_ngram_speculation_gives_the_same_greedy_tokens(target, dtype, kv):
     prompts = repetitive_prompts()
-    expected = make_engine(target, dtype=dtype, kv=kv).generate(prompts, GREEDY)
+    expected = build_engine(target, dtype=dtype, kv_cache_dtype=kv).generate(prompts, GREEDY)
+    speculating = build_engine(target, speculative=ngram(), dtype=dtype, kv_cache_dtype=kv)
     with Counted() as counted:
-        assert (
-            make_engine(target, ngram(), dtype=dtype, kv=kv).generate(prompts, GREEDY) == expected
-        )
+        assert speculating.generate(prompts, GREEDY) == expected
     assert 0 < counted.accepted < counted.proposed
 
 
 def test_a_draft_equal_to_the_target_is_always_accepted(target):
     prompts = random_prompts(6, seed=5)
-    expected = make_engine(target).generate(prompts, GREEDY)
+    expected = build_engine(target).generate(prompts, GREEDY)
     with Counted() as counted:
-        assert make_engine(target, draft(target)).generate(prompts, GREEDY) == expected
+        assert build_engine(target, speculative=draft(target)).generate(prompts, GREEDY) == expected
     assert counted.proposed > 0 and counted.accepted == counted.proposed
 
 
 @pytest.mark.parametrize("kv", ["auto", "fp8", "int8"])
 def test_another_draft_gives_the_same_greedy_tokens_and_backs_off(target, other_draft, kv):
     prompts = random_prompts(6, seed=6)
-    expected = make_engine(target, kv=kv).generate(prompts, GREEDY)
+    expected = build_engine(target, kv_cache_dtype=kv).generate(prompts, GREEDY)
+    speculating = build_engine(target, speculative=draft(other_draft), kv_cache_dtype=kv)
     with Counted() as counted:
-        assert make_engine(target, draft(other_draft), kv=kv).generate(prompts, GREEDY) == expected
+        assert speculating.generate(prompts, GREEDY) == expected
     # Random weights agree on almost nothing: acceptance collapses and proposals pause, so far
     # fewer tokens are proposed than 4 per sequence per step.
     assert 0 < counted.proposed < len(prompts) * GREEDY.max_tokens
@@ -134,8 +117,9 @@ def test_prompts_arriving_together_keep_their_tokens(target, dtype):
     verify nothing, so every chunk is cut and computed as without speculation and even bf16
     rounding is unchanged. Once all are decoding, the steps mix speculating and plain rows."""
     prompts = repetitive_prompts(4) + random_prompts(4, seed=9, min_len=60, max_len=120)
-    expected = make_engine(target, dtype=dtype, budget=48).generate(prompts, GREEDY)
-    engine = make_engine(target, draft(target), dtype=dtype, budget=48)
+    knobs = {"dtype": dtype, "max_num_batched_tokens": 48}
+    expected = build_engine(target, **knobs).generate(prompts, GREEDY)
+    engine = build_engine(target, **knobs, speculative=draft(target))
     with Counted() as counted:
         assert engine.generate(prompts, GREEDY) == expected
     assert counted.accepted > 0
@@ -146,8 +130,8 @@ def test_preemption_under_page_pressure_keeps_the_tokens(target):
     a draft model's KV with them."""
     prompts = random_prompts(8, seed=12, min_len=30, max_len=60)
     params = SamplingParams(max_tokens=48, temperature=0.0)
-    expected = make_engine(target).generate(prompts, params)
-    engine = make_engine(target, draft(target), num_blocks=32)
+    expected = build_engine(target).generate(prompts, params)
+    engine = build_engine(target, speculative=draft(target), num_blocks=32)
     assert engine.generate(prompts, params) == expected
     assert engine.scheduler.num_preemptions > 0
 
@@ -159,7 +143,7 @@ def test_stops_that_land_inside_an_accepted_run(target):
     """With the target as its own draft every proposal is accepted, so each step yields five
     tokens, and every stop must cut the run at its own token."""
     prompt = random_prompts(1, seed=21)[0]
-    plain = make_engine(target)
+    plain = build_engine(target)
     free = plain.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0))[0]
     stop_token = free[7]
     cases = [
@@ -167,7 +151,7 @@ def test_stops_that_land_inside_an_accepted_run(target):
         SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[stop_token]),
         SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[stop_token], min_tokens=9),
     ]
-    speculating = make_engine(target, draft(target))
+    speculating = build_engine(target, speculative=draft(target))
     for params in cases:
         expected = plain.generate([prompt], params)[0]
         assert speculating.generate([prompt], params)[0] == expected
@@ -178,12 +162,12 @@ def test_eos_inside_an_accepted_run(tmp_path):
     """The model's EOS stops the run on the token itself; ignore_eos runs through it."""
     folder = build_tiny_model("llama3-rope", tmp_path / "eos")
     prompt = random_prompts(1, seed=22)[0]
-    free = make_engine(folder).generate([prompt], GREEDY)[0]
+    free = build_engine(folder).generate([prompt], GREEDY)[0]
     # Make the model's EOS a token greedy decoding reaches a few steps in.
     config_file = folder / "config.json"
     config = json.loads(config_file.read_text())
     config_file.write_text(json.dumps(config | {"eos_token_id": free[6]}))
-    plain, speculating = make_engine(folder), make_engine(folder, draft(folder))
+    plain, speculating = build_engine(folder), build_engine(folder, speculative=draft(folder))
     for params in (GREEDY, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)):
         expected = plain.generate([prompt], params)[0]
         assert speculating.generate([prompt], params)[0] == expected
@@ -194,7 +178,7 @@ def test_only_accepted_tokens_reach_the_prefix_cache(target, other_draft):
     """Rejected proposals wrote KV into pages that later tokens overwrite; none of it may be
     filed in the prefix cache. A prompt that continues a finished sequence hits its pages and
     must continue exactly as the sequence did."""
-    engine = make_engine(target, draft(other_draft))
+    engine = build_engine(target, speculative=draft(other_draft))
     prompt = random_prompts(1, seed=23, min_len=20, max_len=20)[0]
     first = engine.generate([prompt], SamplingParams(max_tokens=60, temperature=0.0))[0]
     follow = prompt + first[:40]
@@ -225,16 +209,16 @@ def test_seeded_sampling_gives_the_same_tokens_with_speculation(target):
         )
         for i in range(len(prompts))
     ]
-    expected = make_engine(target).generate(prompts, params)
+    expected = build_engine(target).generate(prompts, params)
     with Counted() as counted:
-        assert make_engine(target, draft(target)).generate(prompts, params) == expected
+        assert build_engine(target, speculative=draft(target)).generate(prompts, params) == expected
     assert 0 < counted.accepted < counted.proposed
 
 
 def test_logprobs_are_reported_for_every_token_of_a_run(target):
     prompt = random_prompts(1, seed=24)[0]
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2)
-    engine = make_engine(target, draft(target))
+    engine = build_engine(target, speculative=draft(target))
     engine.add_request(prompt, params, "r")
     samples = []
     while engine.has_unfinished:
@@ -306,7 +290,9 @@ def test_sampled_distribution_is_the_targets(tmp_path, proposer):
     spec = ngram(k=2) if proposer == "ngram" else draft(draft_folder, k=2)
     # Waves of 64: each wave's prompts are prefilled in one step and then decode by themselves,
     # since proposals wait for steps of decodes alone.
-    engine = make_engine(folder, spec, num_blocks=2048, budget=2048, max_num_seqs=64)
+    engine = build_engine(
+        folder, speculative=spec, num_blocks=2048, max_num_batched_tokens=2048, max_num_seqs=64
+    )
     params = [SamplingParams(max_tokens=3, temperature=1.0, seed=i) for i in range(NUM_DRAWS)]
     with Counted() as counted:
         samples = engine.generate([prompt] * NUM_DRAWS, params)
@@ -378,7 +364,7 @@ def test_slots_stop_at_max_tokens_and_the_model_length():
 def test_no_proposals_above_the_batch_size_limit(target):
     prompts = repetitive_prompts(6)
     with Counted() as counted:
-        make_engine(target, ngram(disable_by_batch_size=4)).generate(
+        build_engine(target, speculative=ngram(disable_by_batch_size=4)).generate(
             prompts, SamplingParams(max_tokens=3, temperature=0.0)
         )
     # Six sequences decode together for their few steps: nobody proposes.

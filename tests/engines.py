@@ -1,0 +1,55 @@
+"""One builder for the one-process engines the tests run: every knob a test turns, by name.
+
+The defaults are a small CPU engine: float32, a fixed pool of 256 pages of 16 tokens (no memory
+planning), prefix caching on, 256-token steps (the CPU engine's own default), prompts up to 512
+tokens, no speculation, the default kernels, a one-process engine (``role`` None; "prefill"
+or "decode" for a worker's). A test passes only what it changes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from common.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from common.engine.llm_engine import LLMEngine
+
+
+def build_engine(
+    folder: str | Path,
+    *,
+    dtype: str = "float32",
+    device: str = "cpu",
+    kv_cache_dtype: str = "auto",
+    num_blocks: int = 256,
+    block_size: int = 16,
+    prefix_caching: bool = True,
+    max_num_batched_tokens: int = 256,
+    max_num_seqs: int = 256,
+    max_model_len: int = 512,
+    speculative: SpeculativeConfig | None = None,
+    deterministic: bool = False,
+    enforce_eager: bool = False,
+    role: str | None = None,
+) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=str(folder),
+            dtype=dtype,
+            device=device,
+            cache=CacheConfig(
+                block_size=block_size,
+                kv_cache_dtype=kv_cache_dtype,
+                enable_prefix_caching=prefix_caching,
+                num_blocks=num_blocks,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len,
+            ),
+            speculative=speculative or SpeculativeConfig(),
+            enforce_eager=enforce_eager,
+            enable_deterministic_inference=deterministic,
+        ),
+        role=role,
+    )

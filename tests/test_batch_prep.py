@@ -1,0 +1,127 @@
+"""The batch preparation: ``ModelRunner.prepare`` turns scheduled sequences into the forward's
+token ids, positions and attention metadata (``kernels/interface.py``). No model runs: the
+sequences are set up by hand, and every expected value is worked out by hand below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from common.engine.kv_pool import KVPool, kv_layout
+from common.engine.model_runner import ForwardInputs, ModelRunner
+from common.engine.scheduler import ScheduledSequence
+from common.engine.sequence import Sequence
+from common.sampling_params import SamplingParams
+
+BLOCK = 4
+
+
+def runner() -> ModelRunner:
+    """A runner over a 16-page pool of 4-token pages; ``prepare`` needs nothing else."""
+    layout = kv_layout(torch.float32, block_size=BLOCK, num_layers=1, num_kv_heads=1, head_dim=8)
+    return ModelRunner(model=None, pool=KVPool(layout, 16, "cpu"), sampler=None)
+
+
+def sequence(
+    request_id: str,
+    prompt: list[int],
+    *,
+    generated: Iterable[int] = (),
+    computed: int,
+    pages: list[int],
+    **params,
+) -> Sequence:
+    seq = Sequence.from_prompt(request_id, prompt, SamplingParams(**params))
+    seq.token_ids += generated
+    seq.num_computed_tokens = computed
+    seq.block_ids = list(pages)
+    return seq
+
+
+def check_metadata(inputs: ForwardInputs) -> None:
+    """The dtypes ``kernels/interface.py`` promises the backends."""
+    meta = inputs.meta
+    assert inputs.input_ids.dtype == inputs.positions.dtype == torch.long
+    assert meta.query_start_loc.dtype == meta.seq_lens.dtype == torch.int32
+    assert meta.block_tables.dtype == torch.int32
+    assert meta.slot_mapping.dtype == torch.int64
+
+
+def test_a_chunked_prefill_a_cached_prefix_and_decodes_in_one_step():
+    # a: the middle chunk of a 10-token prompt, positions 4-8, on pages 7, 2, 9; it does not
+    #    reach the prompt's end, so it samples nothing.
+    a = sequence("a", list(range(10, 20)), computed=4, pages=[7, 2, 9])
+    # b: a 6-token prompt whose first page (7, shared with a: the same 4 tokens) came from the
+    #    prefix cache; positions 4-5 on page 5, then it samples.
+    b = sequence("b", [10, 11, 12, 13, 40, 41], computed=4, pages=[7, 5])
+    # c: decoding its third token: 5 prompt + 2 generated, the newest at position 6.
+    c = sequence("c", [50, 51, 52, 53, 54], generated=[55, 56], computed=6, pages=[11, 3])
+    # d: decoding into a fresh page: position 8 is the first slot of its third page, page 0.
+    d = sequence("d", list(range(60, 68)), generated=[68], computed=8, pages=[14, 1, 0])
+    batch = [
+        ScheduledSequence.of(a, 5),
+        ScheduledSequence.of(b, 2),
+        ScheduledSequence.of(c, 1),
+        ScheduledSequence.of(d, 1),
+    ]
+    assert [item.samples for item in batch] == [False, True, True, True]
+
+    inputs = runner().prepare(batch, [[], [], [], []])
+    check_metadata(inputs)
+    meta = inputs.meta
+    assert inputs.input_ids.tolist() == [14, 15, 16, 17, 18, 40, 41, 56, 68]
+    assert inputs.positions.tolist() == [4, 5, 6, 7, 8, 4, 5, 6, 8]
+    # page id * 4 + position % 4, the page being the sequence's (position // 4)-th:
+    # a: 4-7 on page 2 (8-11), 8 on page 9 (36); b: 4-5 on page 5 (20, 21); c: 6 on page 3
+    # (14); d: 8 on page 0 (0).
+    assert meta.slot_mapping.tolist() == [8, 9, 10, 11, 36, 20, 21, 14, 0]
+    assert meta.query_start_loc.tolist() == [0, 5, 7, 8, 9]
+    assert meta.seq_lens.tolist() == [9, 6, 7, 9]  # context after the step: start + new tokens
+    assert (meta.max_query_len, meta.max_seq_len) == (5, 9)
+    # One row per sequence, its pages in order; shorter rows are padded to the widest.
+    tables = meta.block_tables.tolist()
+    assert [row[:n] for row, n in zip(tables, (3, 2, 2, 3), strict=True)] == [
+        [7, 2, 9],
+        [7, 5],
+        [11, 3],
+        [14, 1, 0],
+    ]
+    # Logits only where a sequence samples: the last row of b, c and d.
+    assert inputs.logits_indices.tolist() == [6, 7, 8]
+
+
+def test_proposed_tokens_follow_the_last_token_and_all_want_logits():
+    # A step of decodes: e verifies 3 proposed tokens after its last one, at position 5, the
+    # run crossing from its second page (6) into its third (12); f proposes none.
+    e = sequence("e", [1, 2, 3, 4, 5], generated=[6], computed=5, pages=[4, 6, 12])
+    f = sequence("f", [7, 8, 9], generated=[10], computed=3, pages=[8])
+    batch = [ScheduledSequence.of(e, 1, num_draft_slots=3), ScheduledSequence.of(f, 1)]
+    inputs = runner().prepare(batch, [[70, 71, 72], []])
+    check_metadata(inputs)
+    assert inputs.input_ids.tolist() == [6, 70, 71, 72, 10]
+    assert inputs.positions.tolist() == [5, 6, 7, 8, 3]
+    # e: 5-7 on page 6 (25-27), 8 on page 12 (48); f: 3 on page 8 (35).
+    assert inputs.meta.slot_mapping.tolist() == [25, 26, 27, 48, 35]
+    assert inputs.meta.query_start_loc.tolist() == [0, 4, 5]
+    assert inputs.meta.seq_lens.tolist() == [9, 4]
+    # Every row of e's run samples (the target's choice after 0, 1, 2 and 3 accepted), and f's.
+    assert inputs.logits_indices.tolist() == [0, 1, 2, 3, 4]
+
+
+def test_a_scored_prompt_wants_logits_for_each_of_its_positions():
+    """With prompt logprobs, position p's logits score prompt token p + 1: every position of a
+    chunk wants them, but the prompt's last, whose logits sample the first token instead."""
+    prompt = list(range(20, 30))
+    seq = sequence("s", prompt, computed=0, pages=[3, 4, 5], prompt_logprobs=0)
+    first = runner().prepare([ScheduledSequence.of(seq, 6)], [[]])
+    assert first.positions.tolist() == [0, 1, 2, 3, 4, 5]
+    assert first.logits_indices.tolist() == [0, 1, 2, 3, 4, 5]  # scoring tokens 1-6
+    # Next chunk, once positions 0-5 are scored: 6-8 score tokens 7-9, 9 samples.
+    seq.num_computed_tokens = 6
+    seq.prompt_logprobs = [None] * 6  # only their count matters here
+    second = runner().prepare([ScheduledSequence.of(seq, 4)], [[]])
+    assert second.positions.tolist() == [6, 7, 8, 9]
+    assert second.meta.slot_mapping.tolist() == [18, 19, 20, 21]
+    assert second.logits_indices.tolist() == [0, 1, 2, 3]
