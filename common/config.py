@@ -171,6 +171,13 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # sequences in the running batch
     max_model_len: int | None = None  # None: the model's max_position_embeddings
 
+    @property
+    def token_budget(self) -> int:
+        """``max_num_batched_tokens`` once resolved: ``LLMEngine`` fills in the device's default
+        before it builds anything that reads it."""
+        assert self.max_num_batched_tokens is not None, "the default token budget is unresolved"
+        return self.max_num_batched_tokens
+
     def validate(self) -> None:
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError("--max-num-batched-tokens must be >= 1")

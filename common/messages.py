@@ -183,7 +183,7 @@ def _is_int_keyed_dict(hint: Any) -> bool:
     return typing.get_origin(hint) is dict and typing.get_args(hint)[:1] == (int,)
 
 
-def _has_default(cls: type, name: str) -> bool:
+def _has_default(cls: type[Any], name: str) -> bool:
     field = cls.__dataclass_fields__[name]
     return (
         field.default is not dataclasses.MISSING or field.default_factory is not dataclasses.MISSING
@@ -222,7 +222,7 @@ def _converter_for(hint: Any) -> _Converter:
         options = [a for a in args if a is not type(None)]
         if len(args) == 2 and len(options) == 1:
             return _check_optional(_converter_for(options[0]))
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return lambda value, where: from_wire(hint, value, where)
     raise TypeError(f"unsupported message field annotation {hint!r}")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 # OpenAI's limit on `top_logprobs`; vLLM enforces the same by default.
 MAX_LOGPROBS = 20
@@ -114,7 +114,7 @@ def _is_token_id(value: object, vocab_size: int | None) -> bool:
     return _is_int(value) and value >= 0 and (vocab_size is None or value < vocab_size)
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     # bool is a subclass of int, but `max_tokens=True` is a client bug, not a count.
     return isinstance(value, int) and not isinstance(value, bool)
 

@@ -33,8 +33,12 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
+    # transformers annotates decode, apply_chat_template and convert_ids_to_tokens with what any
+    # input gives, without overloads; the ignores below are for the inputs that give one type.
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        text = self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return text  # type: ignore[return-value]  # one id list: a str
 
     def apply_chat_template(
         self,
@@ -46,7 +50,8 @@ class Tokenizer:
         ``continue_final_message`` the last message is left open for the model to go on."""
         if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template")
-        return self._tokenizer.apply_chat_template(
+        # tokenize=False: a str.
+        return self._tokenizer.apply_chat_template(  # type: ignore[return-value]
             messages,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
@@ -65,4 +70,5 @@ class Tokenizer:
 
     def token_strings(self, token_ids: list[int]) -> list[str]:
         """Each token as the vocabulary spells it."""
-        return self._tokenizer.convert_ids_to_tokens(token_ids)
+        # A list of ids: a list of str.
+        return self._tokenizer.convert_ids_to_tokens(token_ids)  # type: ignore[return-value]

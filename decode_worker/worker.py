@@ -21,7 +21,7 @@ import logging
 
 import zmq
 
-from common.engine.scheduler import ScheduledSequence, SequenceOutput
+from common.engine.scheduler import DecodeScheduler, ScheduledSequence, SequenceOutput
 from common.engine.sequence import Sequence
 from common.messages import Message, ProtocolError, decode
 from common.metrics import BAD_MESSAGES, REQUESTS
@@ -79,9 +79,11 @@ class DecodeWorker(WorkerService):
         self.handoff_socket.setsockopt(zmq.MAXMSGSIZE, _MAX_HANDOFF_BYTES)
         port = self.handoff_socket.bind_to_random_port(f"tcp://{args.host}")
         self.handoff_endpoint = f"tcp://{args.host}:{port}"
+        scheduler = self.engine.scheduler
+        assert isinstance(scheduler, DecodeScheduler)  # what LLMEngine(role="decode") builds
         self.handoffs = Handoffs(
             self.receiver,
-            self.scheduler,
+            scheduler,
             checked_params=self.checked_params,
             admit=self.admit,
             fail=self.fail,
@@ -145,8 +147,9 @@ class DecodeWorker(WorkerService):
     ) -> None:
         self.send_deltas([self.delta(out.seq, len(out.new_samples)) for out in outputs])
         for out in outputs:
-            if out.left_batch:
-                REQUESTS.labels(outcome=out.seq.finish_reason.value).inc()
+            reason = out.seq.finish_reason
+            if out.left_batch and reason is not None:  # a decode leaves its batch only finished
+                REQUESTS.labels(outcome=reason.value).inc()
 
     def num_pending(self) -> int:
         return self.handoffs.num_pending()

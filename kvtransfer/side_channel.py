@@ -86,7 +86,7 @@ class SideChannel:
 
     @classmethod
     def bind(cls, host: str, port: int, backend: str, side: str, **kwargs) -> SideChannel:
-        socket = zmq.Context.instance().socket(zmq.ROUTER)
+        socket: zmq.Socket = zmq.Context.instance().socket(zmq.ROUTER)
         cluster_auth.installed().server(socket, "kv")
         socket.setsockopt(zmq.LINGER, 0)
         # Report an unroutable reply (receiver gone) instead of dropping it silently.
@@ -102,7 +102,7 @@ class SideChannel:
     def connect(
         cls, endpoint: str, backend: str, side: str, max_inbound_bytes: int, **kwargs
     ) -> SideChannel:
-        socket = zmq.Context.instance().socket(zmq.DEALER)
+        socket: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
         cluster_auth.installed().client(socket)
         # A closed DEALER still flushes its last messages (a ReleasePages) in the background.
         socket.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)

@@ -24,7 +24,7 @@ import time
 
 import zmq
 
-from common.engine.scheduler import ScheduledSequence, SequenceOutput
+from common.engine.scheduler import PrefillScheduler, ScheduledSequence, SequenceOutput
 from common.engine.sequence import Sequence
 from common.messages import Message, encode
 from common.metrics import REQUESTS
@@ -45,10 +45,12 @@ class PrefillWorker(WorkerService):
         super().__init__(args)
         self.sender = create_sender(args.kv_transfer, self.engine.pool, self.worker_id, args.host)
         self.ship_chunks = args.ship_chunks
+        scheduler = self.engine.scheduler
+        assert isinstance(scheduler, PrefillScheduler)  # what LLMEngine(role="prefill") builds
         self.shipments = Shipments(
             self.sender,
             self.block_manager,
-            release=self.scheduler.release,
+            release=scheduler.release,
             push=self._push_to,
             fail=self.fail,
             lease_seconds=args.kv_lease_seconds,

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from typing import cast
 
 import zmq
 
@@ -25,6 +26,11 @@ logger = logging.getLogger(__name__)
 _LOG_EVERY = 100
 # Frames handled per wake-up of the receive loop before HTTP handlers get the loop back.
 _DRAIN_MAX = 256
+
+
+def _has_input(sock: zmq.Socket) -> bool:
+    # zmq.EVENTS is an int option; pyzmq types every option's value as int | bytes.
+    return bool(cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN)
 
 
 class ControlServer:
@@ -82,7 +88,7 @@ class ControlServer:
             logger.warning("could not send %s to %s: %s", type(msg).__name__, worker_id, exc)
         # The socket's FD is edge-triggered and a send may consume the edge that frames
         # arriving meanwhile raised: look for them now rather than at the next frame.
-        if self._sock.get(zmq.EVENTS) & zmq.POLLIN:
+        if _has_input(self._sock):
             self._schedule_drain()
 
     def _schedule_drain(self) -> None:
@@ -129,7 +135,7 @@ class ControlServer:
             # Frames can sit unread with no edge left to announce them (an edge consumed by a
             # ZMQ call between two checks): then every worker's heartbeats would wait unread
             # until all of them expire. Look before judging anyone silent.
-            if self._sock is not None and self._sock.get(zmq.EVENTS) & zmq.POLLIN:
+            if self._sock is not None and _has_input(self._sock):
                 self._drain()
             try:
                 self.dispatcher.expire(time.monotonic())

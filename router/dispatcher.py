@@ -87,6 +87,10 @@ class Generation:
     def done(self) -> bool:
         return self.finish_reason is not None or self.error is not None
 
+    def workers(self) -> set[str]:
+        """The workers it is assigned to (one when both roles are the same worker)."""
+        return {w for w in (self.prefill_worker, self.decode_worker) if w is not None}
+
 
 class Dispatcher:
     def __init__(
@@ -133,7 +137,7 @@ class Dispatcher:
         # Counted before the workers hear of it: whoever sees the abort also sees the count.
         self.metrics.abort_count(cause).inc()
         self._record_end(gen, "stop" if cause == "stop_string" else "abort", time.monotonic())
-        for worker_id in {gen.prefill_worker, gen.decode_worker} - {None}:
+        for worker_id in gen.workers():
             state = self.registry.workers.get(worker_id)
             if state is not None and gen.wire_id in state.inflight:
                 self.send(worker_id, AbortRequest(gen.wire_id))
@@ -367,7 +371,7 @@ class Dispatcher:
         if gen.retries >= self.max_retries:
             self._fail(gen, f"{why}; gave up after {self.max_retries} retries", 503)
             return
-        for worker_id in {gen.prefill_worker, gen.decode_worker} - {None}:
+        for worker_id in gen.workers():
             state = self.registry.workers.get(worker_id)
             # The failed worker is told too: one removed as silent may only be slow, and it
             # should not go on computing a request that now runs elsewhere.

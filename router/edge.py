@@ -12,7 +12,7 @@ import hmac
 import logging
 import random
 import re
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -104,7 +104,7 @@ class Edge:
         try:
             return model.model_validate_json(raw)
         except ValidationError as exc:
-            first = exc.errors()[0] if exc.errors() else {}
+            first: Mapping[str, Any] = exc.errors()[0] if exc.errors() else {}
             loc = [str(part) for part in first.get("loc", ())]
             if first.get("type") == "json_invalid":
                 raise BadRequest(f"the body is not valid JSON: {first.get('msg')}") from None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import lru_cache
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
@@ -89,5 +90,8 @@ class RouterMetrics:
         self.overhead_stage = _children(self.overhead)
 
 
-def _children(metric: MetricWrapperBase) -> Callable[..., MetricWrapperBase]:
+_Metric = TypeVar("_Metric", bound=MetricWrapperBase)
+
+
+def _children(metric: _Metric) -> Callable[..., _Metric]:
     return lru_cache(maxsize=256)(metric.labels)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeGuard, TypeVar
 
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field
@@ -249,8 +249,9 @@ def to_generation(
     refuse_unsupported(body)
     if not 1 <= body.n <= MAX_N:
         raise BadRequest(f"n must be in [1, {MAX_N}], got {body.n}", "n")
-    messages = chat_messages(body) if chat else []
-    if chat:
+    messages: list[dict] = []
+    if isinstance(body, ChatBody):
+        messages = chat_messages(body)
         prompts = [Prompt(encode_conversation(body, codec, messages), None)]
         logprobs = _chat_logprobs(body)
         max_tokens = body.max_completion_tokens or body.max_tokens
@@ -340,7 +341,7 @@ def to_generation(
         ),
         return_token_ids=bool(body.return_token_ids),
         tokens_as_ids=bool(body.return_tokens_as_token_ids),
-        **(_chat_answer(body, messages) if chat else {}),
+        **(_chat_answer(body, messages) if isinstance(body, ChatBody) else {}),
     )
 
 
@@ -453,13 +454,20 @@ def _completion_prompts(
         return [Prompt(codec.encode(prompt), prompt)]
     if not prompt:
         raise BadRequest("the prompt is empty", "prompt")
-    if all(isinstance(p, int) for p in prompt):
+    if _all_of(prompt, int):
         return [Prompt(list(prompt), None)]
-    if all(isinstance(p, str) for p in prompt):
+    if _all_of(prompt, str):
         return [Prompt(codec.encode(p), p) for p in prompt]
-    if all(isinstance(p, list) for p in prompt):
+    if _all_of(prompt, list):
         return [Prompt(list(p), None) for p in prompt]
     raise BadRequest("prompt must be a string, a list of strings or token id lists", "prompt")
+
+
+_T = TypeVar("_T")
+
+
+def _all_of(values: list[Any], kind: type[_T]) -> TypeGuard[list[_T]]:
+    return all(isinstance(v, kind) for v in values)
 
 
 def _default(value: float | None, default: float) -> float:

@@ -13,9 +13,10 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any
 
 from common.protocol import TokenSample
 from router.detokenizer import IncrementalDetokenizer
@@ -180,12 +181,12 @@ class Run:
         async for update in self.updates():
             update.choice.samples.extend(update.samples)
         request = self.request
-        choices = []
+        choices: list[dict[str, Any]] = []
         for i, c in enumerate(self.choices):
             token_ids = [s.token_id for s in c.samples] if request.return_token_ids else None
             if request.chat:
                 message = {"role": request.role, "content": request.echo_text + c.text}
-                choice = {
+                choice: dict[str, Any] = {
                     "index": i,
                     "message": message,
                     "logprobs": self._chat_logprobs(c.samples),
@@ -198,7 +199,8 @@ class Run:
                 if request.echo and request.logprobs is not None:
                     echoed, offset = self._echo_logprobs(c)
                     generated = self._completion_logprobs(c.samples, offset)
-                    logprobs = {key: echoed[key] + generated[key] for key in echoed}
+                    assert generated is not None  # the request has logprobs
+                    logprobs: dict | None = {key: echoed[key] + generated[key] for key in echoed}
                 else:
                     logprobs = self._completion_logprobs(c.samples, len(prefix))
                 choice = {
@@ -212,7 +214,7 @@ class Run:
                     "token_ids": token_ids,
                 }
             choices.append(choice)
-        body = {
+        body: dict[str, Any] = {
             "id": self.id,
             "object": "chat.completion" if request.chat else "text_completion",
             "created": self.created,
@@ -269,7 +271,12 @@ class Run:
         request = self.request
         index = self.choices.index(c)
         key = "delta" if request.chat else "text"
-        choice = {"index": index, key: payload, "logprobs": logprobs, "finish_reason": finish}
+        choice: dict[str, Any] = {
+            "index": index,
+            key: payload,
+            "logprobs": logprobs,
+            "finish_reason": finish,
+        }
         extra: dict = {}
         if request.return_token_ids:
             # The prompt's ids ride on a choice's first chunk (on the envelope for chat), the
@@ -339,7 +346,10 @@ class Run:
     def _completion_logprobs(self, samples: list[TokenSample], offset: int) -> dict | None:
         if self.request.logprobs is None:
             return None
-        tokens, lps, tops, offsets = [], [], [], []
+        tokens: list[str] = []
+        lps: list[float | None] = []
+        tops: list[dict[str, float | None] | None] = []
+        offsets: list[int] = []
         for s in samples:
             token = self._token_name(s.token_id)
             tokens.append(token)
@@ -396,7 +406,7 @@ class Run:
     def _alternatives(self, s: TokenSample) -> list[tuple[str, float | None]]:
         if not s.top_token_ids:
             return []
-        lps = s.top_logprobs or [None] * len(s.top_token_ids)
+        lps: Sequence[float | None] = s.top_logprobs or [None] * len(s.top_token_ids)
         return [(self._token_name(t), lp) for t, lp in zip(s.top_token_ids, lps, strict=False)]
 
 

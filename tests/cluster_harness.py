@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import re
 import signal
 import socket
@@ -27,16 +28,20 @@ STARTUP_TIMEOUT_S = 240
 
 
 def free_port_pair() -> int:
-    """A port P with P and P + 1 both free (the router's HTTP and control ports)."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
+    """A port P with P and P + 1 both free (the router's HTTP and control ports).
+
+    Drawn below the kernel's ephemeral range: a port the kernel handed out would be free at
+    the probe and could be taken by any outgoing connection (a worker's, a client's) before
+    the router binds it."""
+    low, _ = (int(n) for n in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12000), low - 1)
+        try:
+            for candidate in (port, port + 1):
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", candidate))
+        except OSError:
+            continue
         return port
     raise RuntimeError("no free port pair")
 

@@ -264,10 +264,10 @@ def launched(*flags: str) -> Iterator[tuple[subprocess.Popen, str]]:
         text=True,
     )  # fmt: skip
     try:
-        line = ""
-        while "pdserve is up" not in line:
-            line = process.stdout.readline()
-            assert line or process.poll() is None, "pdserve up exited"
+        said: list[str] = []  # what it printed before it was up, to show why if it never is
+        while not said or "pdserve is up" not in said[-1]:
+            said.append(process.stdout.readline())
+            assert said[-1] or process.poll() is None, "pdserve up exited:\n" + "".join(said)
         yield process, f"http://127.0.0.1:{port}"
     finally:
         process.send_signal(signal.SIGTERM)

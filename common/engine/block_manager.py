@@ -62,9 +62,11 @@ class BlockManager:
     def ref_count(self, block_id: int) -> int:
         return self._pages[block_id].ref_count
 
-    def block_hash(self, block_id: int) -> int | None:
-        """The hash the page is filed under in the prefix cache; None if it is not filed."""
-        return self._pages[block_id].block_hash
+    def block_hash(self, block_id: int) -> int:
+        """The hash a filed page (one ``match_prefix`` found) is filed under in the prefix cache."""
+        block_hash = self._pages[block_id].block_hash
+        assert block_hash is not None, f"page {block_id} is not filed in the prefix cache"
+        return block_hash
 
     def num_cached_blocks(self) -> int:
         return len(self._by_hash)

@@ -31,7 +31,7 @@ from common.engine.scheduler import DecodeScheduler, PrefillScheduler, Scheduler
 from common.engine.sequence import FinishReason, Sequence, first_output_prompt_logprobs
 from common.engine.speculative.draft import DraftModelProposer
 from common.engine.speculative.ngram import NgramProposer
-from common.engine.speculative.speculator import Speculator
+from common.engine.speculative.speculator import Proposer, Speculator
 from common.kv_layout import KVLayout
 from common.model.default_model import resolve_model_path
 from common.model.llama import LlamaForCausalLM
@@ -125,6 +125,7 @@ class LLMEngine:
         self.speculator = self._build_speculator(speculative, draft, num_blocks)
         scheduling = (config.scheduler, self.block_manager, self.max_model_len)
         eos = self.model_config.eos_token_ids
+        self.scheduler: Scheduler
         if role == "prefill":
             self.scheduler = PrefillScheduler(*scheduling, eos)
         else:
@@ -178,6 +179,7 @@ class LLMEngine:
     ) -> Speculator | None:
         if not config.enabled:
             return None
+        proposer: Proposer
         if draft is None:
             proposer = NgramProposer(config.ngram_min, config.ngram_max)
         else:
@@ -189,7 +191,7 @@ class LLMEngine:
                 model,
                 pool,
                 self.model_config.vocab_size,
-                self.config.scheduler.max_num_batched_tokens,
+                self.config.scheduler.token_budget,
             )
         logger.info(
             "speculative decoding: %s, up to %d tokens per step",

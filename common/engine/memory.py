@@ -87,7 +87,7 @@ def plan_num_blocks(
     if cache.num_blocks is not None:
         num_blocks = cache.num_blocks
     else:
-        warm_tokens = min(config.scheduler.max_num_batched_tokens, max_model_len)
+        warm_tokens = min(config.scheduler.token_budget, max_model_len)
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)

@@ -366,8 +366,8 @@ def _fill_logprobs(
 ) -> None:
     chosen = raw_logprobs.gather(1, token_ids[rows][:, None]).squeeze(1).tolist()
     most = min(max(params[i].logprobs or 0 for i in rows), raw_logprobs.shape[1])
-    top_values, top_ids = raw_logprobs.topk(most, dim=-1)  # sorted, best first
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    top = raw_logprobs.topk(most, dim=-1)  # sorted, best first
+    top_values, top_ids = top.values.tolist(), top.indices.tolist()
     for j, i in enumerate(rows):
         k = params[i].logprobs or 0
         results[i].logprob = chosen[j]

@@ -69,7 +69,7 @@ class Scheduler:
         eos_token_ids: Seq[int],
         speculator: Speculator | None = None,
     ) -> None:
-        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_batched_tokens = config.token_budget
         self.max_num_seqs = config.max_num_seqs
         self.max_model_len = max_model_len
         self.block_manager = block_manager
@@ -144,16 +144,16 @@ class Scheduler:
             budget -= num_new + num_slots
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            num_new = self._admit(seq, budget)
-            if num_new is None:
+            num_admitted = self._admit(seq, budget)
+            if num_admitted is None:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
-            batch.append(ScheduledSequence.of(seq, num_new))
-            budget -= num_new
+            batch.append(ScheduledSequence.of(seq, num_admitted))
+            budget -= num_admitted
         return batch
 
     def postprocess(

@@ -286,7 +286,10 @@ def _llama_config(reader: GGUFReader) -> LlamaConfig:
         head_dim=_field(reader, "llama.rope.dimension_count"),
         max_position_embeddings=_field(reader, "llama.context_length"),
         rms_norm_eps=_shortest_float(_field(reader, "llama.attention.layer_norm_rms_epsilon")),
-        rope_theta=_shortest_float(_field(reader, "llama.rope.freq_base")),
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": _shortest_float(_field(reader, "llama.rope.freq_base")),
+        },
         hidden_act="silu",
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
@@ -310,6 +313,8 @@ def _save_weights(reader: GGUFReader, config: LlamaConfig, path: Path, progress:
     from safetensors.torch import save_file
     from tqdm import tqdm
 
+    num_kv_heads = config.num_key_value_heads
+    assert num_kv_heads is not None  # _llama_config sets it from the GGUF
     tensors: dict[str, torch.Tensor] = {}
     bar = tqdm(
         reader.tensors, desc=f"Converting {DEFAULT_MODEL_NAME}", unit="tensor", disable=not progress
@@ -321,7 +326,7 @@ def _save_weights(reader: GGUFReader, config: LlamaConfig, path: Path, progress:
         if name.endswith("self_attn.q_proj.weight"):
             weight = _unpermute_rope_rows(weight, config.num_attention_heads)
         elif name.endswith("self_attn.k_proj.weight"):
-            weight = _unpermute_rope_rows(weight, config.num_key_value_heads)
+            weight = _unpermute_rope_rows(weight, num_kv_heads)
         tensors[name] = torch.tensor(weight, dtype=torch.float32).to(torch.bfloat16)
     _check_tensor_names(tensors, config)
     save_file(tensors, str(path), metadata={"format": "pt"})
@@ -394,9 +399,9 @@ def _build_tokenizer(reader: GGUFReader, config: LlamaConfig) -> PreTrainedToken
     )
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
-        bos_token=tokens[config.bos_token_id],
-        eos_token=tokens[config.eos_token_id],
-        pad_token=tokens[config.pad_token_id],
+        bos_token=tokens[_field(reader, "tokenizer.ggml.bos_token_id")],
+        eos_token=tokens[_field(reader, "tokenizer.ggml.eos_token_id")],
+        pad_token=tokens[_field(reader, "tokenizer.ggml.padding_token_id")],
         unk_token=tokens[_field(reader, "tokenizer.ggml.unknown_token_id")],
         chat_template=_field(reader, "tokenizer.chat_template"),
         model_max_length=config.max_position_embeddings,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +69,8 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    inv_freq: torch.Tensor  # [head_dim / 2], a buffer
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
@@ -120,7 +123,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.rotary = RotaryApply()
+        # pack_for_cpu swaps in the C twins of these modules.
+        self.rotary: RotaryApply | CpuRotaryApply = RotaryApply()
         self.softmax_scale = config.head_dim**-0.5
         # Set by LlamaForCausalLM.turn_kv_heads for pools of int8 pages (kernels/kv_turn.py).
         self.query_turn: nn.Module | None = None
@@ -137,20 +141,21 @@ class Attention(nn.Module):
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # both or neither (qk_norm)
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q, k, *rope)
-        if self.kv_turn is not None:
+        query_turn, kv_turn = self.query_turn, self.kv_turn  # both or neither (turn_kv_heads)
+        if query_turn is not None and kv_turn is not None:
             q, k, v = (
-                self._turn(self.query_turn, q),
-                self._turn(self.kv_turn, k),
-                self._turn(self.kv_turn, v),
+                self._turn(query_turn, q),
+                self._turn(kv_turn, k),
+                self._turn(kv_turn, v),
             )
         cache = kv.layers[self.layer_index]
         kv.backend.store_kv(k, v, cache, meta.slot_mapping)
         out = kv.backend.attention(q, cache, meta, self.softmax_scale)
-        if self.kv_turn is not None:
-            out = self._turn(self.query_turn, out).to(hidden.dtype)
+        if query_turn is not None:
+            out = self._turn(query_turn, out).to(hidden.dtype)
         return self.o_proj(out.reshape(-1, self.q_size))
 
     def _turn(self, turn: nn.Module, heads: torch.Tensor) -> torch.Tensor:
@@ -166,7 +171,7 @@ class MLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.act = SiluAndMul()
+        self.act: SiluAndMul | CpuSiluAndMul = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -175,9 +180,14 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # pack_for_cpu swaps in the C twins of the norms.
+        self.input_layernorm: RMSNorm | CpuRMSNorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps
+        )
         self.self_attn = Attention(config, layer_index)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm: RMSNorm | CpuRMSNorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps
+        )
         self.mlp = MLP(config)
 
     def forward(self, hidden, rope, kv: BoundKV, meta: AttentionMetadata) -> torch.Tensor:
@@ -191,7 +201,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm: RMSNorm | CpuRMSNorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
         self.lm_head = (
             None
@@ -203,6 +213,10 @@ class LlamaForCausalLM(nn.Module):
         self.step_shape: StepShape | None = None  # shared by the CpuLinear layers
         self.kv: BoundKV | None = None
 
+    def decoder_layers(self) -> list[DecoderLayer]:
+        # nn.ModuleList is not generic: its items type as nn.Module.
+        return cast("list[DecoderLayer]", list(self.layers))
+
     def bind_kv(self, pool: KVPool, backend: AttentionBackend) -> None:
         """Attach the KV pool every later forward reads and writes, and the backend that
         attends over it. Binding again (a warm-up pool, then the real one) replaces both."""
@@ -212,7 +226,7 @@ class LlamaForCausalLM(nn.Module):
         """Turn queries, keys and values by a Hadamard matrix around attention, for pools of
         int8 pages (``kernels/kv_turn.py``); before ``pack_for_cpu``, which packs the turns."""
         weight = self.embed_tokens.weight
-        for layer in self.layers:
+        for layer in self.decoder_layers():
             attention = layer.self_attn
             attention.query_turn, attention.kv_turn = hadamard_turns(
                 self.config.head_dim, torch.float32, weight.device
@@ -255,7 +269,7 @@ class LlamaForCausalLM(nn.Module):
     def _swap_in_cpu_ops(self) -> None:
         """bf16 RMSNorm, SiLU-and-multiply and RoPE as single C passes (``kernels/cpu_ops``)."""
         self.norm = CpuRMSNorm(self.norm.weight, self.norm.eps)
-        for layer in self.layers:
+        for layer in self.decoder_layers():
             norm = layer.input_layernorm
             layer.input_layernorm = CpuRMSNorm(norm.weight, norm.eps)
             norm = layer.post_attention_layernorm

@@ -65,7 +65,7 @@ class RouterLink:
 
     def receive(self) -> list[Message]:
         """Every message waiting on the socket; malformed frames are logged, counted, dropped."""
-        messages = []
+        messages: list[Message] = []
         while True:
             try:
                 frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=True)

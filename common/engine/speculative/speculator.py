@@ -88,10 +88,10 @@ class StepCosts:
             return self._seconds[rows]
         below = max((r for r in self._seconds if r < rows), default=None)
         above = min((r for r in self._seconds if r > rows), default=None)
-        if below is None and above is None:
-            return None
-        if below is None or above is None:
-            return self._seconds[below if above is None else above]
+        if below is None:
+            return None if above is None else self._seconds[above]
+        if above is None:
+            return self._seconds[below]
         low, high = self._seconds[below], self._seconds[above]
         return low + (high - low) * (rows - below) / (above - below)
 
@@ -125,7 +125,9 @@ class Speculator:
             take, best_rate = 0, rows / base_seconds
             for n, (chance, _, _) in enumerate(candidates, start=1):
                 expected += chance
-                rate = expected / self.costs.estimate(rows + n)
+                seconds = self.costs.estimate(rows + n)
+                assert seconds is not None  # some step is measured: base_seconds is not None
+                rate = expected / seconds
                 if rate > best_rate:
                     take, best_rate = n, rate
         slots = [0] * len(decoding)
