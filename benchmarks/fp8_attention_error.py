@@ -34,7 +34,7 @@ from kernels.kv_turn import hadamard_turns
 from kernels.registry import get_attention_backend
 from kernels.sizes import ceil_div
 
-BLOCK_SIZE = 16
+PAGE_SIZE = 16
 
 
 @dataclass(frozen=True)
@@ -101,16 +101,16 @@ def synthetic_qkv(
 
 def metadata(shape: Shape, device: torch.device, generator: torch.Generator) -> AttentionMetadata:
     """Each sequence on its own pages, spread over the pool in random order."""
-    pages_per_seq = ceil_div(shape.context, BLOCK_SIZE)
+    pages_per_seq = ceil_div(shape.context, PAGE_SIZE)
     pages = torch.randperm(shape.num_seqs * pages_per_seq, generator=generator)
     tables = pages.view(shape.num_seqs, pages_per_seq).to(torch.int32)
     positions = torch.arange(shape.context)
-    slots = tables.long()[:, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+    slots = tables.long()[:, positions // PAGE_SIZE] * PAGE_SIZE + positions % PAGE_SIZE
     query_start_loc = torch.arange(shape.num_seqs + 1, dtype=torch.int32) * shape.query_len
     return AttentionMetadata(
         query_start_loc=query_start_loc.to(device),
         seq_lens=torch.full((shape.num_seqs,), shape.context, dtype=torch.int32, device=device),
-        block_tables=tables.to(device),
+        page_tables=tables.to(device),
         # Every context slot: the whole context is stored in one call.
         slot_mapping=slots.reshape(-1).to(device),
         max_query_len=shape.query_len,
@@ -130,8 +130,8 @@ def attend(
     pages hold turned keys and values, as the model stores them."""
     device = meta.seq_lens.device
     query, key, value = (x.to(device=device, dtype=dtype) for x in qkv)
-    num_blocks = meta.block_tables.numel()
-    page_shape = (num_blocks, 1, 2, BLOCK_SIZE, shape.num_kv_heads)
+    num_pages = meta.page_tables.numel()
+    page_shape = (num_pages, 1, 2, PAGE_SIZE, shape.num_kv_heads)
     pages = torch.zeros((*page_shape, shape.head_dim), dtype=kv_dtype, device=device)
     scale_dtype = {FP8_DTYPE: torch.float32, INT8_DTYPE: INT8_SCALE_DTYPE}.get(kv_dtype)
     if scale_dtype is not None:
@@ -157,7 +157,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     backend = get_attention_backend(device)
-    print(f"attention backend: {backend.name} on {device}; KV page size {BLOCK_SIZE}")
+    print(f"attention backend: {backend.name} on {device}; KV page size {PAGE_SIZE}")
     print("errors of the attention output (bf16 queries):")
     header = f"{'shape':28} {'KV':14} {'max abs':>9} {'mean abs':>9} {'rel':>9} {'worst row':>9}"
     print(header)

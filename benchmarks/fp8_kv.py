@@ -123,7 +123,7 @@ def run(
     if nudge:
         engine.model.bind_kv(engine.pool, NudgingBackend(engine.backend, nudge))
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    capacity = engine.pool.num_blocks * engine.kv_layout.block_size
+    capacity = engine.pool.num_pages * engine.kv_layout.page_size
     return engine.generate(prompts, params), capacity
 
 

@@ -32,7 +32,7 @@ from kernels.sizes import ceil_div
 from kernels.triton_decode_attention import decode_attention, default_num_splits
 from kernels.triton_prefill_attention import prefill_attention
 
-BLOCK_SIZE = 16
+PAGE_SIZE = 16
 # Llama-3-8B's attention: 32 query heads over 8 KV heads of 128. A pool laid out for two layers
 # gives pages the stride of a real multi-layer pool.
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS = 32, 8, 128, 2
@@ -78,9 +78,9 @@ def paged_inputs(
     query_lens: list[int], seq_lens: list[int], kv_dtype: torch.dtype
 ) -> tuple[torch.Tensor, KVCacheView, AttentionMetadata]:
     """A filled pool with each sequence's pages in random order, and its metadata."""
-    pages_per_seq = [ceil_div(n, BLOCK_SIZE) for n in seq_lens]
-    num_blocks = sum(pages_per_seq)
-    shape = (num_blocks, NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    pages_per_seq = [ceil_div(n, PAGE_SIZE) for n in seq_lens]
+    num_pages = sum(pages_per_seq)
+    shape = (num_pages, NUM_LAYERS, 2, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM)
     # Only layer 0 is read: fill it alone, one half at a time, to keep the peak memory down.
     data = torch.empty(shape, dtype=kv_dtype, device="cuda")
     scales = None
@@ -101,7 +101,7 @@ def paged_inputs(
         None if scales is None else scales[:, 0, 0],
         None if scales is None else scales[:, 0, 1],
     )
-    order = torch.randperm(num_blocks, device="cuda").to(torch.int32)
+    order = torch.randperm(num_pages, device="cuda").to(torch.int32)
     tables = torch.zeros((len(seq_lens), max(pages_per_seq)), dtype=torch.int32, device="cuda")
     used = 0
     for i, count in enumerate(pages_per_seq):
@@ -111,7 +111,7 @@ def paged_inputs(
     meta = AttentionMetadata(
         query_start_loc=starts,
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
-        block_tables=tables,
+        page_tables=tables,
         slot_mapping=torch.zeros(0, dtype=torch.int64, device="cuda"),  # attention reads none
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
@@ -183,7 +183,7 @@ def baselines(case: PrefillCase) -> dict[str, Callable[[], object]]:
 def bench_prefill(kv_dtypes: list[str]) -> None:
     print(
         f"\nprefill attention, TFLOP/s (bf16 queries; {NUM_HEADS}/{NUM_KV_HEADS} heads of "
-        f"{HEAD_DIM}; paged KV, page {BLOCK_SIZE}; baselines read contiguous bf16 K/V)"
+        f"{HEAD_DIM}; paged KV, page {PAGE_SIZE}; baselines read contiguous bf16 K/V)"
     )
     for case in PREFILL_CASES:
         results = []
@@ -230,7 +230,7 @@ def bench_decode(kv_dtypes: list[str]) -> None:
     reference = peak or copy
     print(
         f"\ndecode attention, GB/s (bf16 queries; {NUM_HEADS}/{NUM_KV_HEADS} heads of {HEAD_DIM}; "
-        f"page {BLOCK_SIZE})"
+        f"page {PAGE_SIZE})"
     )
     print(
         f"  memory bandwidth: specification "

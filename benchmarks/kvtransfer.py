@@ -40,8 +40,8 @@ from common.messages import from_wire, to_wire
 from kvtransfer import TransferParams, create_receiver, create_sender
 
 # SmolLM2-135M: 30 layers, 3 KV heads of 64, pages of 16 tokens in bf16: 368,640 bytes a page.
-LAYOUT = kv_layout(torch.bfloat16, block_size=16, num_layers=30, num_kv_heads=3, head_dim=64)
-PROMPT_PAGES = 4096 // LAYOUT.block_size
+LAYOUT = kv_layout(torch.bfloat16, page_size=16, num_layers=30, num_kv_heads=3, head_dim=64)
+PROMPT_PAGES = 4096 // LAYOUT.page_size
 SEED = 1234
 # How long an idle worker loop waits on its sockets before polling again.
 IDLE_WAIT_MS = 10
@@ -54,10 +54,10 @@ def fill(pool: KVPool) -> None:
     raw.copy_(torch.randint(0, 256, raw.shape, generator=generator, dtype=torch.uint8))
 
 
-def sender_process(backend: str, num_blocks: int, control_endpoint: str) -> None:
+def sender_process(backend: str, pool_pages: int, control_endpoint: str) -> None:
     """A prefill worker's loop, reduced to serving KV pages."""
     torch.set_num_threads(1)
-    pool = KVPool(LAYOUT, num_blocks, "cpu")
+    pool = KVPool(LAYOUT, pool_pages, "cpu")
     fill(pool)
     sender = create_sender(backend, pool, engine_id=f"bench-prefill-{backend}")
     control = zmq.Context.instance().socket(zmq.PAIR)
@@ -74,19 +74,19 @@ def sender_process(backend: str, num_blocks: int, control_endpoint: str) -> None
         command = control.recv_json()
         if command["cmd"] == "stop":
             break
-        params = sender.publish(command["request_id"], command["block_ids"], command["lease"])
+        params = sender.publish(command["request_id"], command["page_ids"], command["lease"])
         control.send_json(to_wire(params))
     sender.close()
     control.close()
 
 
 class SenderHandle:
-    def __init__(self, backend: str, num_blocks: int) -> None:
+    def __init__(self, backend: str, pool_pages: int) -> None:
         self.control = zmq.Context.instance().socket(zmq.PAIR)
         port = self.control.bind_to_random_port("tcp://127.0.0.1")
         context = multiprocessing.get_context("spawn")
         self.process = context.Process(
-            target=sender_process, args=(backend, num_blocks, f"tcp://127.0.0.1:{port}")
+            target=sender_process, args=(backend, pool_pages, f"tcp://127.0.0.1:{port}")
         )
         self.process.start()
         if not self.control.poll(120_000):
@@ -94,9 +94,9 @@ class SenderHandle:
         hello = self.control.recv_json()
         self.pid = hello["pid"]
 
-    def publish(self, request_id: str, block_ids: list[int]) -> TransferParams:
+    def publish(self, request_id: str, page_ids: list[int]) -> TransferParams:
         self.control.send_json(
-            {"cmd": "publish", "request_id": request_id, "block_ids": block_ids, "lease": 120}
+            {"cmd": "publish", "request_id": request_id, "page_ids": page_ids, "lease": 120}
         )
         if not self.control.poll(30_000):
             raise RuntimeError("the sender process stopped answering")
@@ -280,12 +280,12 @@ def transports(backend: str, params: TransferParams) -> str:
     return f"side channel and page frames over {side_channel}"
 
 
-def run_backend(backend: str, sizes_mb: list[float], repeats: int, num_blocks: int) -> dict:
+def run_backend(backend: str, sizes_mb: list[float], repeats: int, pool_pages: int) -> dict:
     rng = random.Random(SEED)
-    sender = SenderHandle(backend, num_blocks)
-    expected = KVPool(LAYOUT, num_blocks, "cpu")
+    sender = SenderHandle(backend, pool_pages)
+    expected = KVPool(LAYOUT, pool_pages, "cpu")
     fill(expected)
-    pool = KVPool(LAYOUT, num_blocks, "cpu")
+    pool = KVPool(LAYOUT, pool_pages, "cpu")
     pool.data.view(torch.uint8).fill_(1)  # touch the destination pool once, as a live one is
     receiver = create_receiver(backend, pool, engine_id=f"bench-decode-{backend}")
     out: dict = {"throughput": {}, "cpu_per_gb": {}}
@@ -295,12 +295,12 @@ def run_backend(backend: str, sizes_mb: list[float], repeats: int, num_blocks: i
         nonlocal counter
         counter += 1
         if in_a_row:
-            src_first, dst_first = (rng.randrange(num_blocks - num_pages + 1) for _ in range(2))
+            src_first, dst_first = (rng.randrange(pool_pages - num_pages + 1) for _ in range(2))
             src = list(range(src_first, src_first + num_pages))
             dst = list(range(dst_first, dst_first + num_pages))
         else:
-            src = rng.sample(range(num_blocks), num_pages)
-            dst = rng.sample(range(num_blocks), num_pages)
+            src = rng.sample(range(pool_pages), num_pages)
+            dst = rng.sample(range(pool_pages), num_pages)
         params = sender.publish(f"r{counter}", src)
         out["transports"] = transports(backend, params)
         seconds = fetch(receiver, f"r{counter}", params, dst)
@@ -351,14 +351,14 @@ def main() -> None:
     parser.add_argument("--backends", nargs="+", default=["zmq", "nixl"])
     parser.add_argument("--sizes-mb", nargs="+", type=float, default=[1, 16, 256])
     args = parser.parse_args()
-    num_blocks = max(pages_for(max(args.sizes_mb)), PROMPT_PAGES) + 64
+    pool_pages = max(pages_for(max(args.sizes_mb)), PROMPT_PAGES) + 64
 
     print(
         f"page = {LAYOUT.page_nbytes:,} bytes (SmolLM2-135M, bf16, 16 tokens); pool = "
-        f"{num_blocks} pages; median of {args.repeats}; torch threads = {torch.get_num_threads()}"
+        f"{pool_pages} pages; median of {args.repeats}; torch threads = {torch.get_num_threads()}"
     )
     results = {
-        backend: run_backend(backend, args.sizes_mb, args.repeats, num_blocks)
+        backend: run_backend(backend, args.sizes_mb, args.repeats, pool_pages)
         for backend in args.backends
     }
     print("\ntransports:")

@@ -108,7 +108,7 @@ class InstantWorker(threading.Thread):
                     "bench-d0",
                     "decode",
                     self.model,
-                    {"block_size": 16},
+                    {"page_size": 16},
                     "zmq",
                     1 << 20,
                     1 << 16,

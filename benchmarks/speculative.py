@@ -41,7 +41,7 @@ from kernels.sizes import ceil_div
 REPO = Path(__file__).resolve().parent.parent
 SOURCES = [
     "common/engine/speculative/ngram.py",
-    "common/engine/block_manager.py",
+    "common/engine/page_manager.py",
     "router/detokenizer.py",
     "common/hashing.py",
     "kvtransfer/messages.py",
@@ -150,18 +150,18 @@ def draft_catch_up_vs_shipping(engine: LLMEngine, prompt_tokens: int, repeats: i
     loopback ZeroMQ socket."""
     proposer = engine.speculator.proposer
     layout = proposer.pool.layout
-    num_pages = ceil_div(prompt_tokens, layout.block_size)
-    blocks = engine.block_manager.allocate(num_pages)
+    num_pages = ceil_div(prompt_tokens, layout.page_size)
+    pages = engine.page_manager.allocate(num_pages)
     prefill = []
     for _ in range(repeats):
         seq = Sequence.from_prompt("probe", list(range(100, 100 + prompt_tokens)), SamplingParams())
-        seq.block_ids = blocks
+        seq.page_ids = pages
         seq.num_computed_tokens = prompt_tokens - 1
         start = time.perf_counter()
         proposer.propose([seq], [1])
         prefill.append(time.perf_counter() - start)
-    engine.block_manager.free(blocks)
-    payload = bytes(num_pages * layout.bytes_per_block)
+    engine.page_manager.free(pages)
+    payload = bytes(num_pages * layout.bytes_per_page)
     context = zmq.Context()
     push, pull = context.socket(zmq.PUSH), context.socket(zmq.PULL)
     port = pull.bind_to_random_port("tcp://127.0.0.1")

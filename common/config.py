@@ -132,16 +132,16 @@ KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 
 @dataclass(slots=True)
 class CacheConfig:
-    block_size: int = 16
+    page_size: int = 16
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 | int8 (see KV_CACHE_DTYPES)
     kv_cache_memory: int | None = None  # bytes for the pool; None: derive from the device
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
-    num_blocks: int | None = None  # fixes the pool size outright (tests, benchmarks)
+    num_pages: int | None = None  # fixes the pool size outright (tests, benchmarks)
 
     def validate(self) -> None:
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"--block-size must be a power of two, got {self.page_size}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
@@ -151,8 +151,8 @@ class CacheConfig:
             raise ValueError("--gpu-memory-utilization must be in (0, 1]")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("--kv-cache-memory must be positive")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError("num_blocks must be >= 1")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ValueError("num_pages must be >= 1")
 
 
 def default_token_budget(device: torch.device) -> int:

@@ -24,7 +24,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"]
     )
     group.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    group.add_argument("--block-size", type=int, default=16, help="tokens per KV page")
+    # vLLM's flag name; pdserve calls the unit a page throughout.
+    group.add_argument(
+        "--block-size", dest="page_size", type=int, default=16, help="tokens per KV page"
+    )
     group.add_argument(
         "--kv-cache-dtype",
         default="auto",
@@ -92,7 +95,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         device=args.device,
         cache=CacheConfig(
-            block_size=args.block_size,
+            page_size=args.page_size,
             kv_cache_dtype=args.kv_cache_dtype,
             kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization,

@@ -22,12 +22,12 @@ SCALE_ITEMSIZE = {FP8_E4M3: 4, INT8_HADAMARD: 1}
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
-    """The page format and shape; a pool's pages are ``(num_layers, 2, block_size, num_kv_heads,
-    head_dim)`` elements of ``dtype``, plus ``(num_layers, 2, block_size, num_kv_heads)`` scales
+    """The page format and shape; a pool's pages are ``(num_layers, 2, page_size, num_kv_heads,
+    head_dim)`` elements of ``dtype``, plus ``(num_layers, 2, page_size, num_kv_heads)`` scales
     for quantised dtypes."""
 
     dtype: str  # a key of PAGE_ITEMSIZE
-    block_size: int
+    page_size: int
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -38,7 +38,7 @@ class KVLayout:
         registration that refuses it, and say why."""
         if self.dtype not in PAGE_ITEMSIZE:
             return f"unsupported KV cache dtype {self.dtype!r}; known: {', '.join(PAGE_ITEMSIZE)}"
-        for name in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
+        for name in ("page_size", "num_layers", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
             if value < 1:
                 return f"KV layout field {name} must be a positive int, got {value!r}"
@@ -58,11 +58,11 @@ class KVLayout:
 
     @property
     def page_shape(self) -> tuple[int, ...]:
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        return (self.num_layers, 2, self.page_size, self.num_kv_heads, self.head_dim)
 
     @property
     def scale_page_shape(self) -> tuple[int, ...]:
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads)
+        return (self.num_layers, 2, self.page_size, self.num_kv_heads)
 
     @property
     def page_nbytes(self) -> int:
@@ -75,14 +75,14 @@ class KVLayout:
         return _product(self.scale_page_shape) * SCALE_ITEMSIZE.get(self.dtype, 0)
 
     @property
-    def bytes_per_block(self) -> int:
+    def bytes_per_page(self) -> int:
         """Bytes one page costs in memory, scales included: what sizes the pool."""
         return self.page_nbytes + self.scale_page_nbytes
 
     def capacity_against(self, dtype: str) -> float:
         """How many times the tokens of ``dtype`` pages this layout holds in the same bytes."""
         plain = dataclasses.replace(self, dtype=dtype)
-        return plain.bytes_per_block / self.bytes_per_block
+        return plain.bytes_per_page / self.bytes_per_page
 
     def describe(self, model_dtype: str) -> str:
         """The page scheme in words, with its capacity against ``model_dtype`` pages: what
@@ -98,7 +98,7 @@ class KVLayout:
         """A human-readable description of how ``other`` differs, or None if compatible."""
         diffs = [
             f"{name}: {getattr(self, name)!r} here vs {getattr(other, name)!r} there"
-            for name in ("dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
+            for name in ("dtype", "page_size", "num_layers", "num_kv_heads", "head_dim")
             if getattr(self, name) != getattr(other, name)
         ]
         return "; ".join(diffs) or None

@@ -63,7 +63,7 @@ class TransferParams:
     backend: str  # "zmq" | "nixl"
     endpoint: str  # the sender's side channel, tcp://HOST:PORT
     engine_id: str  # the sender's identity; receivers cache handshakes under it
-    block_ids: list[int]  # source pages, in context order
+    page_ids: list[int]  # source pages, in context order
     lease_deadline: float  # time.time() until which the sender keeps the pages
 
 
@@ -91,7 +91,7 @@ class RegisterWorker(Message):
     model: str  # the served model's name (its folder name)
     kv_layout: KVLayout
     kv_transfer: str  # "zmq" | "nixl"
-    num_blocks: int
+    num_pages: int
     max_model_len: int
     metrics_url: str
     handoff_endpoint: str | None = None  # decode workers: where prefill workers PUSH handoffs
@@ -106,14 +106,14 @@ class Heartbeat(Message):
     num_running: int
     num_waiting: int
     queued_prefill_tokens: int  # prompt tokens admitted but not yet computed
-    num_free_blocks: int
+    num_free_pages: int
     kv_usage: float  # fraction of pages in use, 0..1
 
 
 @message("worker.cache_events")
 @dataclass(slots=True)
 class CacheEvents(Message):
-    """Prefix-cache block hashes filed and evicted, in order, since the last report."""
+    """Prefix-cache page hashes filed and evicted, in order, since the last report."""
 
     worker_id: str
     stored: list[int]

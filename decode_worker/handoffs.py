@@ -57,11 +57,11 @@ PARTS_TIMEOUT_S = 300.0
 class Reservations(Protocol):
     """What handoffs need of the decode scheduler (``DecodeScheduler`` is one)."""
 
-    block_size: int
+    page_size: int
 
     def reserve(self, num_prompt_tokens: int) -> list[int] | None: ...
-    def drop_reservation(self, block_ids: list[int]) -> None: ...
-    def admit_prefilled(self, seq: Sequence, block_ids: list[int]) -> None: ...
+    def drop_reservation(self, page_ids: list[int]) -> None: ...
+    def admit_prefilled(self, seq: Sequence, page_ids: list[int]) -> None: ...
     def holds(self, request_id: str) -> bool: ...
 
 
@@ -70,7 +70,7 @@ class PendingHandoff:
     """A prompt whose pages are on their way; it joins the batch once every fetch has ended."""
 
     request_id: str
-    dst_block_ids: list[int]  # the whole prompt's pages, reserved when the first news came
+    dst_page_ids: list[int]  # the whole prompt's pages, reserved when the first news came
     updated: float  # the clock's time of the last news (a part, a fetch's end)
     fetches: set[str] = field(default_factory=set)  # transfer ids still being fetched
     num_parts: int = 0  # parts whose fetch was started
@@ -146,18 +146,18 @@ class Handoffs:
         pending.updated = self._clock()
         try:
             transfer = part.transfer
-            end = part.first_page + len(transfer.block_ids)
+            end = part.first_page + len(transfer.page_ids)
             if part.part_index != pending.num_parts or part.first_page != pending.next_page:
                 raise TransferError(
                     f"part {part.part_index} from page {part.first_page} arrived after "
                     f"{pending.num_parts} parts and {pending.next_page} pages"
                 )
-            if not transfer.block_ids or end > len(pending.dst_block_ids):
-                raise TransferError(f"part ends at page {end} of {len(pending.dst_block_ids)}")
+            if not transfer.page_ids or end > len(pending.dst_page_ids):
+                raise TransferError(f"part ends at page {end} of {len(pending.dst_page_ids)}")
         except TransferError as exc:
             pending.error = f"bad handoff part: {exc}"
             return
-        dst = pending.dst_block_ids[part.first_page : end]
+        dst = pending.dst_page_ids[part.first_page : end]
         if self._start_fetch(pending, part.transfer_id, transfer, dst):
             pending.num_parts += 1
             pending.next_page = end
@@ -180,7 +180,7 @@ class Handoffs:
         seq = Sequence.from_prompt(request_id, handoff.prompt_token_ids, params)
         seq.token_ids.append(handoff.first_token.token_id)
         seq.num_cached_tokens = handoff.num_cached_tokens
-        num_pages = ceil_div(seq.num_prompt_tokens, self.scheduler.block_size)
+        num_pages = ceil_div(seq.num_prompt_tokens, self.scheduler.page_size)
         if handoff.first_page == 0 and pending is not None:
             self._discard(pending)  # every page is offered again: the parts are not needed
             pending = None
@@ -195,9 +195,9 @@ class Handoffs:
                 return
         try:
             transfer = handoff.transfer
-            if len(transfer.block_ids) != num_pages - handoff.first_page:
+            if len(transfer.page_ids) != num_pages - handoff.first_page:
                 raise TransferError(
-                    f"{len(transfer.block_ids)} pages offered after page {handoff.first_page} "
+                    f"{len(transfer.page_ids)} pages offered after page {handoff.first_page} "
                     f"for a prompt that needs {num_pages}"
                 )
         except TransferError as exc:
@@ -215,9 +215,7 @@ class Handoffs:
             pending = PendingHandoff(request_id, pages, self._clock())
             self._pending[request_id] = pending
         pending.handoff, pending.seq = handoff, seq
-        self._start_fetch(
-            pending, request_id, transfer, pending.dst_block_ids[handoff.first_page :]
-        )
+        self._start_fetch(pending, request_id, transfer, pending.dst_page_ids[handoff.first_page :])
         self._settle(pending)
 
     def withdraw_parts(self, request_id: str) -> None:
@@ -294,7 +292,7 @@ class Handoffs:
         if pending.fetches:
             return
         if pending.aborted:
-            self.scheduler.drop_reservation(pending.dst_block_ids)
+            self.scheduler.drop_reservation(pending.dst_page_ids)
             return
         if pending.handoff is None or pending.seq is None:
             return  # the parts are in; the handoff has not come yet
@@ -302,14 +300,14 @@ class Handoffs:
         seq = pending.seq
         if pending.error is not None:
             logger.warning("%s: %s; prefilling it here", seq.request_id, pending.error)
-            self.scheduler.drop_reservation(pending.dst_block_ids)
+            self.scheduler.drop_reservation(pending.dst_page_ids)
             self._prefill_locally(seq)
             return
         if pending.handoff.prefill_done_at is not None:
             seq.handoff_wait_s = max(0.0, time.time() - pending.handoff.prefill_done_at)
             KV_HANDOFF_SECONDS.observe(seq.handoff_wait_s)
         try:
-            self.scheduler.admit_prefilled(seq, pending.dst_block_ids)
+            self.scheduler.admit_prefilled(seq, pending.dst_page_ids)
         except ValueError as exc:
             self._fail(seq.request_id, str(exc), False)  # not retryable
 
@@ -334,7 +332,7 @@ class Handoffs:
 
     def _prefill_locally(self, seq: Sequence) -> None:
         KV_TRANSFER_FALLBACKS.inc()
-        seq.block_ids = []
+        seq.page_ids = []
         seq.num_computed_tokens = 0
         self._admit(seq)
 
@@ -350,6 +348,6 @@ def _parts_problem(pending: PendingHandoff | None, handoff: Handoff, num_pages: 
             f"{pending.num_parts} parts up to page {pending.next_page} here, the handoff "
             f"counts {handoff.num_parts} up to page {handoff.first_page}"
         )
-    if len(pending.dst_block_ids) != num_pages:
-        return f"{len(pending.dst_block_ids)} pages reserved for a prompt of {num_pages}"
+    if len(pending.dst_page_ids) != num_pages:
+        return f"{len(pending.dst_page_ids)} pages reserved for a prompt of {num_pages}"
     return None

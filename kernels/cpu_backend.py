@@ -78,7 +78,7 @@ class CpuAttentionBackend(AttentionBackend):
             else:
                 long_chunks.append((seq, start, end, seq_lens[seq]))
         tables, query_start_loc, lens = (
-            _int32(meta.block_tables),
+            _int32(meta.page_tables),
             _int32(meta.query_start_loc),
             _int32(meta.seq_lens),
         )
@@ -119,7 +119,7 @@ class CpuAttentionBackend(AttentionBackend):
             pages.stride(1),
             pages.stride(2),
             pages.element_size(),
-            cache.block_size,
+            cache.page_size,
             slot_mapping.data_ptr(),
             key.shape[0],
             key.shape[1],
@@ -143,7 +143,7 @@ class CpuAttentionBackend(AttentionBackend):
             codes.data_ptr(),
             cache.value_scale.data_ptr(),
             *codes.stride(),
-            cache.block_size,
+            cache.page_size,
             slot_mapping.data_ptr(),
             slot_mapping.shape[0],
             key.shape[1],
@@ -169,7 +169,7 @@ class CpuAttentionBackend(AttentionBackend):
             if self._widen_long_chunks and chunk.dtype == torch.bfloat16:
                 chunk = chunk.float()  # the context is then gathered in float32 as well
             out[start:end] = chunk_attention_reference(
-                chunk, cache, plan.block_tables[seq], seq_len, softmax_scale
+                chunk, cache, plan.page_tables[seq], seq_len, softmax_scale
             )
         return out.to(query.dtype)
 
@@ -216,7 +216,7 @@ class CpuAttentionBackend(AttentionBackend):
             key.stride(2),
             *scale_strides,
             _KV_DTYPE_CODES[key.dtype],
-            cache.block_size,
+            cache.page_size,
             *plan.step_args,
             num_heads,
             key.shape[2],

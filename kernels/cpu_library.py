@@ -132,10 +132,10 @@ def _declare(library: ctypes.CDLL) -> None:
     library.pdserve_paged_attention.argtypes = [
         ptr, i64, ptr, i64,  # query, its row stride, out, its row stride
         ptr, ptr, ptr, ptr,  # key, value, key_scale, value_scale
-        i64, i64, i64,  # block, token, head strides of key/value
-        i64, i64, i64,  # block, token, head strides of the scales
-        i32, i32,  # kv dtype, block size
-        ptr, i64,  # block tables, their row stride
+        i64, i64, i64,  # page, token, head strides of key/value
+        i64, i64, i64,  # page, token, head strides of the scales
+        i32, i32,  # kv dtype, page size
+        ptr, i64,  # page tables, their row stride
         ptr, ptr, ptr, i32,  # query_start_loc, seq_lens, seq_ids, how many ids
         i32, i32, i32,  # num_heads, num_kv_heads, head_dim
         f32, i32, i32,  # softmax scale, query/output dtype, threads
@@ -150,15 +150,15 @@ def _declare(library: ctypes.CDLL) -> None:
     library.pdserve_linear_f32.restype = ctypes.c_int
     library.pdserve_store_kv.argtypes = [
         ptr, i64, ptr, i64, ptr, ptr,  # key, its row stride, value, its row stride, caches
-        i64, i64, i64, i32, i32,  # block, token, head strides; element bytes; block size
+        i64, i64, i64, i32, i32,  # page, token, head strides; element bytes; page size
         ptr, i32, i32, i32,  # slots, tokens, kv heads, head_dim
     ]  # fmt: skip
     library.pdserve_store_kv.restype = None
     library.pdserve_store_kv_int8.argtypes = [
         ptr, i64, ptr, i64, i32,  # key, its row stride, value, its row stride, their dtype
-        ptr, ptr, i64, i64, i64,  # int8 caches; block, token, head strides
-        ptr, ptr, i64, i64, i64,  # scale codes; their block, token, head strides
-        i32, ptr, i32, i32, i32,  # block size, slots, tokens, kv heads, head_dim
+        ptr, ptr, i64, i64, i64,  # int8 caches; page, token, head strides
+        ptr, ptr, i64, i64, i64,  # scale codes; their page, token, head strides
+        i32, ptr, i32, i32, i32,  # page size, slots, tokens, kv heads, head_dim
     ]  # fmt: skip
     library.pdserve_store_kv_int8.restype = ctypes.c_int
     library.pdserve_rms_norm_bf16.argtypes = [ptr, i64, ptr, f32, ptr, i64, i32, i32]

@@ -43,8 +43,8 @@ class AttentionMetadata:
 
     query_start_loc: torch.Tensor  # [S + 1] int32, cumulative query lengths
     seq_lens: torch.Tensor  # [S] int32, context length of each sequence after this step
-    block_tables: torch.Tensor  # [S, max_blocks_per_seq] int32, page ids in context order
-    slot_mapping: torch.Tensor  # [N] int64, block_id * block_size + offset of each new token
+    page_tables: torch.Tensor  # [S, max_pages_per_seq] int32, page ids in context order
+    slot_mapping: torch.Tensor  # [N] int64, page_id * page_size + offset of each new token
     max_query_len: int
     max_seq_len: int
 
@@ -55,20 +55,20 @@ class AttentionMetadata:
 
 @dataclass(frozen=True)
 class KVCacheView:
-    """One layer's view of the block-major pool; every tensor is a strided view, never a copy.
+    """One layer's view of the page-major pool; every tensor is a strided view, never a copy.
 
     ``key_scale``/``value_scale`` are set only for quantised pools, one scale per token and KV
     head, so ``dequant(x) = x.float() * scale[..., None]``: float32 for FP8 pools, the one-byte
     code of ``INT8_SCALE_BITS_BASE`` for int8 pools.
     """
 
-    key: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
-    key_scale: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads]
-    value_scale: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads]
+    key: torch.Tensor  # [num_pages, page_size, num_kv_heads, head_dim]
+    value: torch.Tensor  # [num_pages, page_size, num_kv_heads, head_dim]
+    key_scale: torch.Tensor | None = None  # [num_pages, page_size, num_kv_heads]
+    value_scale: torch.Tensor | None = None  # [num_pages, page_size, num_kv_heads]
 
     @property
-    def block_size(self) -> int:
+    def page_size(self) -> int:
         return self.key.shape[1]
 
     @property
@@ -85,7 +85,7 @@ class KVCacheView:
 
 
 class AttentionBackend(ABC):
-    """Paged attention over the block-major KV pool. Implementations hold no per-step state:
+    """Paged attention over the page-major KV pool. Implementations hold no per-step state:
     what a backend derives from a step's metadata lives in the plan it returns."""
 
     name: str

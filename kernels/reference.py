@@ -72,9 +72,9 @@ def store_kv_reference(
     cache: KVCacheView,
     slot_mapping: torch.Tensor,  # [N] int64
 ) -> None:
-    block_size = cache.block_size
-    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
-    offsets = slot_mapping - blocks * block_size
+    page_size = cache.page_size
+    page_ids = torch.div(slot_mapping, page_size, rounding_mode="floor")
+    offsets = slot_mapping - page_ids * page_size
     for new, pages, scales in (
         (key, cache.key, cache.key_scale),
         (value, cache.value, cache.value_scale),
@@ -83,21 +83,21 @@ def store_kv_reference(
             assert scales is not None
             quantized, scale = quantize_fp8(new) if cache.is_fp8 else quantize_int8(new)
             # index_put is not implemented for float8 on every device; bytes are bytes.
-            pages.view(torch.uint8)[blocks, offsets] = quantized.view(torch.uint8)
-            scales[blocks, offsets] = scale
+            pages.view(torch.uint8)[page_ids, offsets] = quantized.view(torch.uint8)
+            scales[page_ids, offsets] = scale
         else:
-            pages[blocks, offsets] = new.to(pages.dtype)
+            pages[page_ids, offsets] = new.to(pages.dtype)
 
 
 def _gather_context(
     cache: KVCacheView,
-    block_tables: torch.Tensor,  # [S, num_blocks_needed] int
+    page_tables: torch.Tensor,  # [S, num_pages_needed] int
     dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [S, num_blocks_needed * block_size, Hkv, D]
-    num_seqs, num_blocks = block_tables.shape
+) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [S, num_pages_needed * page_size, Hkv, D]
+    num_seqs, num_pages = page_tables.shape
     # index_select copies whole pages (each contiguous within the strided view); advanced
     # indexing with a 2-D index walks element by element and is several times slower.
-    flat_ids = block_tables.reshape(-1)
+    flat_ids = page_tables.reshape(-1)
 
     def gather(pages: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
         gathered = torch.index_select(pages, 0, flat_ids)
@@ -106,8 +106,8 @@ def _gather_context(
             dequantize = dequantize_fp8 if cache.is_fp8 else dequantize_int8
             gathered = dequantize(gathered, torch.index_select(scales, 0, flat_ids))
         gathered = gathered.to(dtype)
-        _, block_size, heads, dim = gathered.shape
-        return gathered.view(num_seqs, num_blocks * block_size, heads, dim)
+        _, page_size, heads, dim = gathered.shape
+        return gathered.view(num_seqs, num_pages * page_size, heads, dim)
 
     return gather(cache.key, cache.key_scale), gather(cache.value, cache.value_scale)
 
@@ -118,7 +118,7 @@ def paged_attention_reference(
     meta: AttentionMetadata,
     softmax_scale: float,
 ) -> torch.Tensor:  # [N, num_heads, head_dim]
-    block_size = cache.block_size
+    page_size = cache.page_size
     out = torch.empty_like(query)
     starts = meta.query_start_loc.tolist()
     seq_lens = meta.seq_lens.tolist()
@@ -130,8 +130,8 @@ def paged_attention_reference(
     if decode:
         rows = torch.tensor([starts[i] for i in decode], device=query.device)
         lens = torch.tensor([seq_lens[i] for i in decode], device=query.device)
-        num_blocks = ceil_div(max(seq_lens[i] for i in decode), block_size)
-        tables = meta.block_tables[torch.tensor(decode, device=query.device), :num_blocks]
+        num_pages = ceil_div(max(seq_lens[i] for i in decode), page_size)
+        tables = meta.page_tables[torch.tensor(decode, device=query.device), :num_pages]
         key, value = _gather_context(cache, tables.long(), query.dtype)
         positions = torch.arange(key.shape[1], device=query.device)
         valid = positions[None, :] < lens[:, None]
@@ -161,7 +161,7 @@ def paged_attention_reference(
             continue
         rows = slice(starts[i], starts[i + 1])
         out[rows] = chunk_attention_reference(
-            query[rows], cache, meta.block_tables[i], seq_lens[i], softmax_scale
+            query[rows], cache, meta.page_tables[i], seq_lens[i], softmax_scale
         )
     return out
 
@@ -169,14 +169,14 @@ def paged_attention_reference(
 def chunk_attention_reference(
     query: torch.Tensor,  # [q_len, num_heads, head_dim], the last q_len positions of the context
     cache: KVCacheView,
-    block_table: torch.Tensor,  # [max_blocks_per_seq] int32
+    page_table: torch.Tensor,  # [max_pages_per_seq] int32
     seq_len: int,
     softmax_scale: float,
 ) -> torch.Tensor:  # [q_len, num_heads, head_dim]
     """One sequence's chunk of queries over its context: SDPA over its gathered pages."""
     q_len = query.shape[0]
-    num_blocks = ceil_div(seq_len, cache.block_size)
-    key, value = _gather_context(cache, block_table[None, :num_blocks].long(), query.dtype)
+    num_pages = ceil_div(seq_len, cache.page_size)
+    key, value = _gather_context(cache, page_table[None, :num_pages].long(), query.dtype)
     # Lower-right causal alignment: the chunk's queries are the context's last q_len positions.
     attended = F.scaled_dot_product_attention(
         query.transpose(0, 1)[None],

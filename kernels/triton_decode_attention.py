@@ -35,26 +35,26 @@ _MAX_SPLITS = 64
 @triton.jit
 def _decode_kernel(
     q_ptr,  # [S, num_heads, head_dim]
-    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], strided
-    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], strided
-    k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32 (FP8) / uint8 (int8), strided
-    v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32 (FP8) / uint8 (int8), strided
-    block_tables_ptr,  # [S, max_blocks_per_seq] int32
+    k_cache_ptr,  # [num_pages, page_size, num_kv_heads, head_dim], strided
+    v_cache_ptr,  # [num_pages, page_size, num_kv_heads, head_dim], strided
+    k_scale_ptr,  # [num_pages, page_size, num_kv_heads] float32 (FP8) / uint8 (int8), strided
+    v_scale_ptr,  # [num_pages, page_size, num_kv_heads] float32 (FP8) / uint8 (int8), strided
+    page_tables_ptr,  # [S, max_pages_per_seq] int32
     seq_lens_ptr,  # [S] int32
     out_ptr,  # [S, num_heads, num_splits, head_dim], or the output itself when num_splits == 1
     lse_ptr,  # [S, num_heads, num_splits] float32, log2-domain log-sum-exp of each split
     num_splits,
-    block_size,
+    page_size,
     qk_scale,
     stride_q_seq,
     stride_q_head,
     stride_out_seq,
     stride_out_head,
     stride_out_split,
-    stride_kv_block,
+    stride_kv_page,
     stride_kv_slot,
     stride_kv_head,
-    stride_scale_block,
+    stride_scale_page,
     stride_scale_slot,
     stride_scale_head,
     stride_table_seq,
@@ -91,7 +91,7 @@ def _decode_kernel(
     v_cache_ptr += kv_head * stride_kv_head
     k_scale_ptr += kv_head * stride_scale_head
     v_scale_ptr += kv_head * stride_scale_head
-    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
+    page_table_ptr = page_tables_ptr + seq.to(tl.int64) * stride_table_seq
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -99,7 +99,7 @@ def _decode_kernel(
     for tile_start in range(start, end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         kv_mask = pos < end
-        block, slot = page_slots(block_table_ptr, pos, kv_mask, block_size)
+        page, slot = page_slots(page_table_ptr, pos, kv_mask, page_size)
         acc, m_i, l_i = attend_tile(
             q,
             acc,
@@ -109,15 +109,15 @@ def _decode_kernel(
             v_cache_ptr,
             k_scale_ptr,
             v_scale_ptr,
-            block,
+            page,
             slot,
             kv_mask,
             kv_mask[None, :],
             offs_d,
             d_mask,
-            stride_kv_block,
+            stride_kv_page,
             stride_kv_slot,
-            stride_scale_block,
+            stride_scale_page,
             stride_scale_slot,
             qk_scale,
             KV_QUANT,
@@ -237,12 +237,12 @@ def decode_attention(
         args.key,
         args.value,
         *args.scale_pointers(),
-        meta.block_tables,
+        meta.page_tables,
         meta.seq_lens,
         partial,
         lse,
         num_splits,
-        args.block_size,
+        args.page_size,
         softmax_scale * LOG2E,
         query.stride(0),
         query.stride(1),
@@ -251,7 +251,7 @@ def decode_attention(
         partial.stride(2),
         *args.kv_strides,
         *args.scale_strides,
-        meta.block_tables.stride(0),
+        meta.page_tables.stride(0),
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_G=max(16, triton.next_power_of_2(group)),

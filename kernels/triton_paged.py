@@ -44,11 +44,11 @@ class CacheArgs:
     key_scale: torch.Tensor | None
     value_scale: torch.Tensor | None
     kv_quant: str  # "none", "fp8" or "int8": the kernels' KV_QUANT flag
-    block_size: int
+    page_size: int
     num_kv_heads: int
     head_dim: int
-    kv_strides: tuple[int, int, int]  # block, slot, head (the dim stride is 1)
-    scale_strides: tuple[int, int, int]  # block, slot, head; zeros when not quantised
+    kv_strides: tuple[int, int, int]  # page, slot, head (the dim stride is 1)
+    scale_strides: tuple[int, int, int]  # page, slot, head; zeros when not quantised
 
     @property
     def is_quantized(self) -> bool:
@@ -71,7 +71,7 @@ def check_cache(cache: KVCacheView, device: torch.device) -> CacheArgs:
     key, value = cache.key, cache.value
     if key.dim() != 4 or key.shape != value.shape:
         raise ValueError(
-            f"cache key/value must both be [num_blocks, block_size, num_kv_heads, head_dim], "
+            f"cache key/value must both be [num_pages, page_size, num_kv_heads, head_dim], "
             f"got {tuple(key.shape)} and {tuple(value.shape)}"
         )
     if key.dtype != value.dtype or key.dtype not in CACHE_DTYPES:
@@ -110,7 +110,7 @@ def check_cache(cache: KVCacheView, device: torch.device) -> CacheArgs:
         key_scale=cache.key_scale,
         value_scale=cache.value_scale,
         kv_quant=kv_quant,
-        block_size=key.shape[1],
+        page_size=key.shape[1],
         num_kv_heads=key.shape[2],
         head_dim=key.shape[3],
         kv_strides=(key.stride(0), key.stride(1), key.stride(2)),
@@ -158,7 +158,7 @@ def check_metadata(meta: AttentionMetadata, device: torch.device) -> None:
     expected = {
         "query_start_loc": (meta.query_start_loc, 1),
         "seq_lens": (meta.seq_lens, 1),
-        "block_tables": (meta.block_tables, 2),
+        "page_tables": (meta.page_tables, 2),
     }
     for name, (tensor, ndim) in expected.items():
         if tensor.dtype != torch.int32 or tensor.dim() != ndim or tensor.device != device:
@@ -166,13 +166,13 @@ def check_metadata(meta: AttentionMetadata, device: torch.device) -> None:
                 f"{name} must be a {ndim}-d int32 tensor on {device}, "
                 f"got {tensor.dtype} {tuple(tensor.shape)} on {tensor.device}"
             )
-    if meta.query_start_loc.shape[0] != num_seqs + 1 or meta.block_tables.shape[0] != num_seqs:
+    if meta.query_start_loc.shape[0] != num_seqs + 1 or meta.page_tables.shape[0] != num_seqs:
         raise ValueError(
-            f"query_start_loc needs {num_seqs + 1} entries and block_tables {num_seqs} rows, "
-            f"got {tuple(meta.query_start_loc.shape)} and {tuple(meta.block_tables.shape)}"
+            f"query_start_loc needs {num_seqs + 1} entries and page_tables {num_seqs} rows, "
+            f"got {tuple(meta.query_start_loc.shape)} and {tuple(meta.page_tables.shape)}"
         )
-    if meta.block_tables.stride(1) != 1 or meta.query_start_loc.stride(0) != 1:
-        raise ValueError("block_tables rows and query_start_loc must be contiguous")
+    if meta.page_tables.stride(1) != 1 or meta.query_start_loc.stride(0) != 1:
+        raise ValueError("page_tables rows and query_start_loc must be contiguous")
     if meta.seq_lens.stride(0) != 1:
         raise ValueError("seq_lens must be contiguous")
 
@@ -183,14 +183,14 @@ def head_block(head_dim: int) -> int:
 
 
 @triton.jit
-def page_slots(block_table_ptr, positions, mask, block_size):
+def page_slots(page_table_ptr, positions, mask, page_size):
     """Page id (int64) and in-page slot of each context position of one sequence.
 
     The page id is widened before any multiplication: page id x page stride overflows int32 in a
     pool of a few GiB.
     """
-    block = tl.load(block_table_ptr + positions // block_size, mask=mask, other=0)
-    return block.to(tl.int64), positions % block_size
+    page = tl.load(page_table_ptr + positions // page_size, mask=mask, other=0)
+    return page.to(tl.int64), positions % page_size
 
 
 @triton.jit
@@ -214,25 +214,25 @@ def attend_tile(
     acc,  # [M, BLOCK_D] float32, unnormalised output so far
     m_i,  # [M] float32, running max of the log2-scaled scores
     l_i,  # [M] float32, running softmax denominator
-    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], at this KV head
-    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], at this KV head
-    k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32 or uint8 code, at this KV head
-    v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32 or uint8 code, at this KV head
-    block,  # [BLOCK_N] int64 page id of each key
+    k_cache_ptr,  # [num_pages, page_size, num_kv_heads, head_dim], at this KV head
+    v_cache_ptr,  # [num_pages, page_size, num_kv_heads, head_dim], at this KV head
+    k_scale_ptr,  # [num_pages, page_size, num_kv_heads] float32 or uint8 code, at this KV head
+    v_scale_ptr,  # [num_pages, page_size, num_kv_heads] float32 or uint8 code, at this KV head
+    page,  # [BLOCK_N] int64 page id of each key
     slot,  # [BLOCK_N] slot of each key within its page
     kv_mask,  # [BLOCK_N] key exists (masked keys are never read: unwritten slots may hold NaN)
     allowed,  # [M, BLOCK_N] query row may attend to key
     offs_d,  # [BLOCK_D]
     d_mask,  # [BLOCK_D]
-    stride_kv_block,
+    stride_kv_page,
     stride_kv_slot,
-    stride_scale_block,
+    stride_scale_page,
     stride_scale_slot,
     qk_scale,  # softmax scale * log2(e)
     KV_QUANT: tl.constexpr,  # "none", "fp8" or "int8"
 ):
     """One FlashAttention-2 step: fold a tile of keys/values into the running softmax state."""
-    kv_offsets = block * stride_kv_block + slot * stride_kv_slot
+    kv_offsets = page * stride_kv_page + slot * stride_kv_slot
     tile_mask = kv_mask[:, None] & d_mask[None, :]
     k = tl.load(k_cache_ptr + kv_offsets[:, None] + offs_d[None, :], mask=tile_mask, other=0.0)
     # "ieee" only matters for float32 operands, where TF32 would be less exact than the reference.
@@ -240,7 +240,7 @@ def attend_tile(
     if KV_QUANT != "none":
         # The scale is constant along head_dim, so it factors out of q.k: e4m3 and int8 values
         # convert exactly to fp16/bf16, and the scale is applied to the float32 score.
-        scale_offsets = block * stride_scale_block + slot * stride_scale_slot
+        scale_offsets = page * stride_scale_page + slot * stride_scale_slot
         k_scale = _load_scale(k_scale_ptr + scale_offsets, kv_mask, KV_QUANT)
         scores = scores * k_scale[None, :]
     scores = tl.where(allowed, scores * qk_scale, float("-inf"))

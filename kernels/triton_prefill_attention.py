@@ -54,25 +54,25 @@ def _find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
 @triton.jit
 def _prefill_kernel(
     q_ptr,  # [N, num_heads, head_dim]
-    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], strided
-    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], strided
-    k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32 (FP8) / uint8 (int8), strided
-    v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32 (FP8) / uint8 (int8), strided
-    block_tables_ptr,  # [S, max_blocks_per_seq] int32
+    k_cache_ptr,  # [num_pages, page_size, num_kv_heads, head_dim], strided
+    v_cache_ptr,  # [num_pages, page_size, num_kv_heads, head_dim], strided
+    k_scale_ptr,  # [num_pages, page_size, num_kv_heads] float32 (FP8) / uint8 (int8), strided
+    v_scale_ptr,  # [num_pages, page_size, num_kv_heads] float32 (FP8) / uint8 (int8), strided
+    page_tables_ptr,  # [S, max_pages_per_seq] int32
     query_start_loc_ptr,  # [S + 1] int32
     seq_lens_ptr,  # [S] int32
     out_ptr,  # [N, num_heads, head_dim]
     num_seqs,
-    block_size,
+    page_size,
     qk_scale,
     stride_q_token,
     stride_q_head,
     stride_out_token,
     stride_out_head,
-    stride_kv_block,
+    stride_kv_page,
     stride_kv_slot,
     stride_kv_head,
-    stride_scale_block,
+    stride_scale_page,
     stride_scale_slot,
     stride_scale_head,
     stride_table_seq,
@@ -114,7 +114,7 @@ def _prefill_kernel(
     v_cache_ptr += kv_head * stride_kv_head
     k_scale_ptr += kv_head * stride_scale_head
     v_scale_ptr += kv_head * stride_scale_head
-    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
+    page_table_ptr = page_tables_ptr + seq.to(tl.int64) * stride_table_seq
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -124,7 +124,7 @@ def _prefill_kernel(
     for start in range(0, kv_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         kv_mask = pos < kv_end
-        block, slot = page_slots(block_table_ptr, pos, kv_mask, block_size)
+        page, slot = page_slots(page_table_ptr, pos, kv_mask, page_size)
         allowed = (pos[None, :] <= query_pos[:, None]) & kv_mask[None, :]
         acc, m_i, l_i = attend_tile(
             q,
@@ -135,15 +135,15 @@ def _prefill_kernel(
             v_cache_ptr,
             k_scale_ptr,
             v_scale_ptr,
-            block,
+            page,
             slot,
             kv_mask,
             allowed,
             offs_d,
             d_mask,
-            stride_kv_block,
+            stride_kv_page,
             stride_kv_slot,
-            stride_scale_block,
+            stride_scale_page,
             stride_scale_slot,
             qk_scale,
             KV_QUANT,
@@ -192,12 +192,12 @@ def prefill_attention(
         args.key,
         args.value,
         *args.scale_pointers(),
-        meta.block_tables,
+        meta.page_tables,
         meta.query_start_loc,
         meta.seq_lens,
         out,
         meta.num_seqs,
-        args.block_size,
+        args.page_size,
         softmax_scale * LOG2E,
         query.stride(0),
         query.stride(1),
@@ -205,7 +205,7 @@ def prefill_attention(
         out.stride(1),
         *args.kv_strides,
         *args.scale_strides,
-        meta.block_tables.stride(0),
+        meta.page_tables.stride(0),
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,

@@ -56,8 +56,8 @@ def _int8_scale_code(amax):
 @triton.jit
 def _store_one(
     src_ptr,  # [N, num_kv_heads, head_dim], at this token
-    cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] at this slot; uint8 if FP8
-    scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32 or uint8 code, at this slot
+    cache_ptr,  # [num_pages, page_size, num_kv_heads, head_dim] at this slot; uint8 if FP8
+    scale_ptr,  # [num_pages, page_size, num_kv_heads] float32 or uint8 code, at this slot
     stride_src_head,
     stride_kv_head,
     stride_scale_head,
@@ -94,21 +94,21 @@ def _store_one(
 def _store_kv_kernel(
     key_ptr,  # [N, num_kv_heads, head_dim]
     value_ptr,  # [N, num_kv_heads, head_dim]
-    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], strided; uint8 if FP8
-    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], strided; uint8 if FP8
-    k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32 (FP8) / uint8 (int8), strided
-    v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32 (FP8) / uint8 (int8), strided
+    k_cache_ptr,  # [num_pages, page_size, num_kv_heads, head_dim], strided; uint8 if FP8
+    v_cache_ptr,  # [num_pages, page_size, num_kv_heads, head_dim], strided; uint8 if FP8
+    k_scale_ptr,  # [num_pages, page_size, num_kv_heads] float32 (FP8) / uint8 (int8), strided
+    v_scale_ptr,  # [num_pages, page_size, num_kv_heads] float32 (FP8) / uint8 (int8), strided
     slot_mapping_ptr,  # [N] int64
-    block_size,
+    page_size,
     num_kv_heads,
     stride_key_token,
     stride_key_head,
     stride_value_token,
     stride_value_head,
-    stride_kv_block,
+    stride_kv_page,
     stride_kv_slot,
     stride_kv_head,
-    stride_scale_block,
+    stride_scale_page,
     stride_scale_slot,
     stride_scale_head,
     HEAD_DIM: tl.constexpr,
@@ -118,10 +118,10 @@ def _store_kv_kernel(
 ):
     token = tl.program_id(0)
     slot_id = tl.load(slot_mapping_ptr + token)  # int64, so the page offsets below are too
-    block = slot_id // block_size
-    slot = slot_id % block_size
-    kv_offset = block * stride_kv_block + slot * stride_kv_slot
-    scale_offset = block * stride_scale_block + slot * stride_scale_slot
+    page = slot_id // page_size
+    slot = slot_id % page_size
+    kv_offset = page * stride_kv_page + slot * stride_kv_slot
+    scale_offset = page * stride_scale_page + slot * stride_scale_slot
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -190,7 +190,7 @@ def store_kv(
         args.value.view(torch.uint8) if is_fp8 else args.value,
         *args.scale_pointers(),
         slot_mapping,
-        args.block_size,
+        args.page_size,
         args.num_kv_heads,
         key.stride(0),
         key.stride(1),

@@ -11,7 +11,7 @@ One transfer's pages move like this::
     sender.poll()  (serves handshakes, fetches)     receiver.poll() -> [TransferResult(tid, ok)]
     sender.poll() -> [tid]: free the pages    ◀────  (the receiver acknowledged, or gave up)
 
-Both sides are driven by their worker's main loop: neither ever blocks, and neither starts a
+Both sides are driven by their worker's main loop: neither ever pages, and neither starts a
 thread (ZeroMQ's I/O thread and UCX's event thread sleep while there is no traffic). Every
 transfer ends, whatever happens: the receiver's fetch has a deadline (its timeout, and never
 later than the sender's lease), and the sender's lease has a deadline after which its pages are
@@ -40,17 +40,17 @@ class TransferError(ValueError):
     """A transfer request that can never succeed (bad page ids, wrong backend, ...)."""
 
 
-def check_block_ids(block_ids: list[int], num_blocks: int | None, what: str) -> None:
-    """Raise TransferError unless ``block_ids`` are distinct pages of a pool of ``num_blocks``
+def check_page_ids(page_ids: list[int], num_pages: int | None, what: str) -> None:
+    """Raise TransferError unless ``page_ids`` are distinct pages of a pool of ``num_pages``
     (None: of a pool whose size is not known here)."""
-    if not block_ids:
+    if not page_ids:
         raise TransferError(f"{what} must not be empty")
-    for block_id in block_ids:
-        if not isinstance(block_id, int) or isinstance(block_id, bool):
-            raise TransferError(f"{what} must be ints, got {block_id!r}")
-        if block_id < 0 or (num_blocks is not None and block_id >= num_blocks):
-            raise TransferError(f"{what} holds page {block_id} outside a pool of {num_blocks}")
-    if len(set(block_ids)) != len(block_ids):
+    for page_id in page_ids:
+        if not isinstance(page_id, int) or isinstance(page_id, bool):
+            raise TransferError(f"{what} must be ints, got {page_id!r}")
+        if page_id < 0 or (num_pages is not None and page_id >= num_pages):
+            raise TransferError(f"{what} holds page {page_id} outside a pool of {num_pages}")
+    if len(set(page_ids)) != len(page_ids):
         raise TransferError(f"{what} repeats a page")
 
 
@@ -86,9 +86,9 @@ class KVSender(ABC):
 
     @abstractmethod
     def publish(
-        self, transfer_id: str, block_ids: list[int], lease_seconds: float
+        self, transfer_id: str, page_ids: list[int], lease_seconds: float
     ) -> TransferParams:
-        """Offer ``block_ids`` (context order) under a lease; return what the receiver needs.
+        """Offer ``page_ids`` (context order) under a lease; return what the receiver needs.
 
         Called by the worker once a request's pages are final. Pins nothing: the caller keeps the
         pages allocated and unmodified until ``poll`` returns ``transfer_id``. Raises ValueError
@@ -152,10 +152,10 @@ class KVReceiver(ABC):
         self,
         transfer_id: str,
         params: TransferParams,
-        dst_block_ids: list[int],
+        dst_page_ids: list[int],
         timeout: float,
     ) -> None:
-        """Begin fetching ``params.block_ids`` into ``dst_block_ids`` (same order, same length).
+        """Begin fetching ``params.page_ids`` into ``dst_page_ids`` (same order, same length).
 
         Called when a handoff arrives, with the destination pages already reserved. Raises
         TransferError at once for input that can never work (length mismatch, other backend,

@@ -51,7 +51,7 @@ class HandshakeReply(Message):
     instance_id: str  # new for every sender object: tells a restarted sender apart
     backend: str
     layout: KVLayout
-    num_blocks: int
+    num_pages: int
     nixl: NixlAgentInfo | None = None
 
 

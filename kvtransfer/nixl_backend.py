@@ -132,11 +132,11 @@ def run_descs(
         spans.append((scale_addr, layout.scale_page_nbytes))
     rows = []
     for base, nbytes in spans:
-        block = np.empty((len(first_pages), 3), dtype=np.uint64)
-        block[:, 0] = np.uint64(base) + first_pages.astype(np.uint64) * np.uint64(nbytes)
-        block[:, 1] = lengths.astype(np.uint64) * np.uint64(nbytes)
-        block[:, 2] = device_id
-        rows.append(block)
+        table = np.empty((len(first_pages), 3), dtype=np.uint64)
+        table[:, 0] = np.uint64(base) + first_pages.astype(np.uint64) * np.uint64(nbytes)
+        table[:, 1] = lengths.astype(np.uint64) * np.uint64(nbytes)
+        table[:, 2] = device_id
+        rows.append(table)
     return np.concatenate(rows)
 
 
@@ -234,7 +234,7 @@ class NixlReceiver(SideChannelReceiver):
         reply = fetch.peer.reply
         assert reply is not None and reply.nixl is not None
         info = reply.nixl
-        runs = page_runs(fetch.params.block_ids, fetch.dst_block_ids)
+        runs = page_runs(fetch.params.page_ids, fetch.dst_page_ids)
         layout, lengths = self.pool.layout, runs[:, 2]
         registered = self._registered
         local = run_descs(

@@ -22,7 +22,7 @@ from kvtransfer.base import (
     TransferError,
     TransferParams,
     TransferResult,
-    check_block_ids,
+    check_page_ids,
 )
 from kvtransfer.messages import (
     FetchReady,
@@ -72,7 +72,7 @@ class Peer:
 class Fetch:
     transfer_id: str
     params: TransferParams
-    dst_block_ids: list[int]
+    dst_page_ids: list[int]
     peer: Peer
     started: float  # time.monotonic()
     deadline: float  # time.monotonic()
@@ -96,7 +96,7 @@ class SideChannelReceiver(KVReceiver):
         self,
         transfer_id: str,
         params: TransferParams,
-        dst_block_ids: list[int],
+        dst_page_ids: list[int],
         timeout: float,
     ) -> None:
         if not transfer_id:
@@ -107,21 +107,21 @@ class SideChannelReceiver(KVReceiver):
             raise TransferError(
                 f"params are for the {params.backend!r} backend; this receiver is {self.backend!r}"
             )
-        if len(dst_block_ids) != len(params.block_ids):
+        if len(dst_page_ids) != len(params.page_ids):
             raise TransferError(
-                f"{len(params.block_ids)} source pages but {len(dst_block_ids)} destination pages"
+                f"{len(params.page_ids)} source pages but {len(dst_page_ids)} destination pages"
             )
         if not timeout > 0:
             raise TransferError(f"timeout must be positive, got {timeout}")
-        check_block_ids(dst_block_ids, self.pool.num_blocks, "dst_block_ids")
-        check_block_ids(params.block_ids, None, "params.block_ids")  # checked at handshake
+        check_page_ids(dst_page_ids, self.pool.num_pages, "dst_page_ids")
+        check_page_ids(params.page_ids, None, "params.page_ids")  # checked at handshake
         now = time.monotonic()
         lease_left = params.lease_deadline - LEASE_SAFETY_MARGIN_S - time.time()
         peer = self._peer_for(params)
         fetch = Fetch(
             transfer_id,
             params,
-            list(dst_block_ids),
+            list(dst_page_ids),
             peer,
             started=now,
             deadline=now + min(timeout, lease_left),
@@ -321,11 +321,11 @@ class SideChannelReceiver(KVReceiver):
     def _request(self, fetch: Fetch) -> None:
         reply = fetch.peer.reply
         assert reply is not None
-        beyond = [b for b in fetch.params.block_ids if b >= reply.num_blocks]
+        beyond = [b for b in fetch.params.page_ids if b >= reply.num_pages]
         if beyond:
             self._fail(
                 fetch,
-                f"source pages {beyond[:8]} outside the sender's pool of {reply.num_blocks}",
+                f"source pages {beyond[:8]} outside the sender's pool of {reply.num_pages}",
                 Failure.HANDSHAKE,
             )
         elif fetch.peer.channel.send(FetchRequest(fetch.transfer_id)):
@@ -340,10 +340,10 @@ class SideChannelReceiver(KVReceiver):
         # Acknowledges a success; after a failure, lets the sender free its pages early.
         peer.channel.send(ReleasePages(fetch.transfer_id, ok=ok))
         elapsed = time.monotonic() - fetch.started
-        nbytes = len(fetch.dst_block_ids) * self.pool.layout.bytes_per_block if ok else 0
+        nbytes = len(fetch.dst_page_ids) * self.pool.layout.bytes_per_page if ok else 0
         if ok:
             TRANSFER_BYTES.labels(self.backend, RECEIVER).inc(nbytes)
-            TRANSFER_PAGES.labels(self.backend, RECEIVER).inc(len(fetch.dst_block_ids))
+            TRANSFER_PAGES.labels(self.backend, RECEIVER).inc(len(fetch.dst_page_ids))
             TRANSFER_SECONDS.labels(self.backend, RECEIVER).observe(elapsed)
         else:
             assert reason is not None
@@ -351,7 +351,7 @@ class SideChannelReceiver(KVReceiver):
             if reason in (Failure.TIMEOUT, Failure.TRANSPORT):
                 peer.suspect = True
         self._results.append(
-            TransferResult(fetch.transfer_id, ok, error, len(fetch.dst_block_ids), nbytes, elapsed)
+            TransferResult(fetch.transfer_id, ok, error, len(fetch.dst_page_ids), nbytes, elapsed)
         )
 
     def _drop_idle_peers(self) -> None:

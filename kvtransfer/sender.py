@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from common.engine.kv_pool import KVPool
 from common.messages import PROTOCOL_VERSION
-from kvtransfer.base import KVSender, TransferParams, check_block_ids
+from kvtransfer.base import KVSender, TransferParams, check_page_ids
 from kvtransfer.messages import (
     FetchRequest,
     HandshakeReply,
@@ -41,7 +41,7 @@ class Lease:
     """One published transfer: its pages stay untouched by the worker until it is released."""
 
     transfer_id: str
-    block_ids: list[int]
+    page_ids: list[int]
     expires: float  # time.monotonic()
     fetcher: bytes | None = None  # routing id of the receiver served last
     fetch_started: float | None = None  # time.monotonic() of the first fetch served
@@ -66,7 +66,7 @@ class SideChannelSender(KVSender):
         return self._endpoint
 
     def publish(
-        self, transfer_id: str, block_ids: list[int], lease_seconds: float
+        self, transfer_id: str, page_ids: list[int], lease_seconds: float
     ) -> TransferParams:
         if not transfer_id:
             raise ValueError("transfer_id must be non-empty")
@@ -74,14 +74,14 @@ class SideChannelSender(KVSender):
             raise ValueError(f"transfer {transfer_id!r} is already published")
         if not lease_seconds > 0:
             raise ValueError(f"lease_seconds must be positive, got {lease_seconds}")
-        check_block_ids(block_ids, self.pool.num_blocks, "block_ids")
-        block_ids = list(block_ids)
-        self._leases[transfer_id] = Lease(transfer_id, block_ids, time.monotonic() + lease_seconds)
+        check_page_ids(page_ids, self.pool.num_pages, "page_ids")
+        page_ids = list(page_ids)
+        self._leases[transfer_id] = Lease(transfer_id, page_ids, time.monotonic() + lease_seconds)
         return TransferParams(
             backend=self.backend,
             endpoint=self._endpoint,
             engine_id=self.engine_id,
-            block_ids=block_ids,
+            page_ids=page_ids,
             lease_deadline=time.time() + lease_seconds,
         )
 
@@ -163,7 +163,7 @@ class SideChannelSender(KVSender):
             instance_id=self.instance_id,
             backend=self.backend,
             layout=self.pool.layout,
-            num_blocks=self.pool.num_blocks,
+            num_pages=self.pool.num_pages,
             nixl=self._nixl_info(),
         )
         self._channel.send(reply, identity)
@@ -189,9 +189,9 @@ class SideChannelSender(KVSender):
         if lease is None:
             return  # already released (lease over, or a repeated acknowledgement)
         if msg.ok and not lease.aborted:
-            nbytes = len(lease.block_ids) * self.pool.layout.bytes_per_block
+            nbytes = len(lease.page_ids) * self.pool.layout.bytes_per_page
             TRANSFER_BYTES.labels(self.backend, SENDER).inc(nbytes)
-            TRANSFER_PAGES.labels(self.backend, SENDER).inc(len(lease.block_ids))
+            TRANSFER_PAGES.labels(self.backend, SENDER).inc(len(lease.page_ids))
             if lease.fetch_started is not None:
                 elapsed = time.monotonic() - lease.fetch_started
                 TRANSFER_SECONDS.labels(self.backend, SENDER).observe(elapsed)

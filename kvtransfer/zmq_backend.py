@@ -38,7 +38,7 @@ class ZmqSender(SideChannelSender):
 
     def __init__(self, pool: KVPool, engine_id: str, host: str = "127.0.0.1", port: int = 0):
         super().__init__(pool, engine_id, host, port)
-        self._pages_per_message = max(1, MESSAGE_BYTES // pool.layout.bytes_per_block)
+        self._pages_per_message = max(1, MESSAGE_BYTES // pool.layout.bytes_per_page)
         # Row i is page i's bytes: frames of a host pool are cut straight from these rows.
         self._host_rows = [
             _rows(t) for t in (pool.data, pool.scales) if t is not None and t.device.type == "cpu"
@@ -47,9 +47,9 @@ class ZmqSender(SideChannelSender):
     def _serve(self, identity: bytes, lease: Lease) -> None:
         layout = self.pool.layout
         step = self._pages_per_message
-        num_pages = len(lease.block_ids)
+        num_pages = len(lease.page_ids)
         for first in range(0, num_pages, step):
-            chunk = lease.block_ids[first : first + step]
+            chunk = lease.page_ids[first : first + step]
             buffers = [row for rows in self._page_rows(chunk) for row in rows]
             frames = [zmq.Frame(b, copy=False) for b in buffers[:-1]]
             # Only the very last frame of the answer is tracked: ZMQ releases frames in the
@@ -75,12 +75,12 @@ class ZmqSender(SideChannelSender):
         trackers = lease.in_flight
         return isinstance(trackers, list) and not all(t.done for t in trackers)
 
-    def _page_rows(self, block_ids: list[int]) -> list[list]:
+    def _page_rows(self, page_ids: list[int]) -> list[list]:
         """Each page's bytes (then any scales) as buffers ZMQ can send."""
         if self._host_rows:
-            return [[rows[b] for b in block_ids] for rows in self._host_rows]
+            return [[rows[b] for b in page_ids] for rows in self._host_rows]
         # Device pools are staged through host memory: one gather and one copy per tensor.
-        index = torch.tensor(block_ids, device=self.pool.device)
+        index = torch.tensor(page_ids, device=self.pool.device)
         tensors = [self.pool.data] + ([self.pool.scales] if self.pool.scales is not None else [])
         return [list(_rows(t.index_select(0, index).cpu())) for t in tensors]
 
@@ -107,7 +107,7 @@ class ZmqReceiver(SideChannelReceiver):
             return
         problem = self._page_data_problem(fetch, msg)
         if problem is None:
-            dst = fetch.dst_block_ids[msg.first_page : msg.first_page + msg.num_pages]
+            dst = fetch.dst_page_ids[msg.first_page : msg.first_page + msg.num_pages]
             problem = self._receive_pages(incoming, dst)
         if problem is not None:
             self._reject(fetch.peer, f"dropped malformed page data: {problem}")
@@ -115,7 +115,7 @@ class ZmqReceiver(SideChannelReceiver):
             self._fail(fetch, f"malformed page data: {problem}", Failure.TRANSPORT)
             return
         fetch.pages_done += msg.num_pages
-        if fetch.pages_done == len(fetch.dst_block_ids):
+        if fetch.pages_done == len(fetch.dst_page_ids):
             self._complete(fetch)
 
     def _receive_pages(self, incoming: Incoming, dst: list[int]) -> str | None:
@@ -135,7 +135,7 @@ class ZmqReceiver(SideChannelReceiver):
 
     def _page_data_problem(self, fetch: Fetch, msg: PageData) -> str | None:
         layout = self.pool.layout
-        total = len(fetch.dst_block_ids)
+        total = len(fetch.dst_page_ids)
         if msg.first_page != fetch.pages_done or not 0 < msg.num_pages <= total - msg.first_page:
             return (
                 f"pages {msg.first_page}..{msg.first_page + msg.num_pages} arrived after "
@@ -149,5 +149,5 @@ class ZmqReceiver(SideChannelReceiver):
 
 
 def _rows(tensor: torch.Tensor) -> np.ndarray:
-    """A block-major host tensor as a (num_blocks, bytes per block) uint8 array, no copy."""
+    """A page-major host tensor as a (num_pages, bytes per page) uint8 array, no copy."""
     return tensor.view(torch.uint8).reshape(tensor.shape[0], -1).numpy()

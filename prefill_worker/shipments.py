@@ -23,7 +23,7 @@ A request admitted here is *expected* by the decode worker the router chose for 
   sequence's pages. ``abort_handoff`` ends a handoff's lease early (the client went away).
 
 Owned and called by the prefill worker's main loop, one thread. It publishes through a
-``KVSender``, takes and frees lease references through ``LeasedPages`` (the ``BlockManager``), and
+``KVSender``, takes and frees lease references through ``LeasedPages`` (the ``PageManager``), and
 reaches the decode workers and the router only through the callables it is given.
 """
 
@@ -45,13 +45,13 @@ logger = logging.getLogger(__name__)
 
 
 class LeasedPages(Protocol):
-    """What shipping needs of the page books (``BlockManager`` is one)."""
+    """What shipping needs of the page books (``PageManager`` is one)."""
 
-    block_size: int
+    page_size: int
 
-    def acquire(self, block_ids: list[int]) -> None: ...
+    def acquire(self, page_ids: list[int]) -> None: ...
 
-    def free(self, block_ids: list[int]) -> None: ...
+    def free(self, page_ids: list[int]) -> None: ...
 
 
 @dataclass(slots=True)
@@ -149,10 +149,10 @@ class Shipments:
     def _ship_part(self, seq: Sequence, target: PrefillRequest) -> None:
         """Publish the prompt pages ``seq`` completed since its last part, if any."""
         parts = self._parts.setdefault(seq.request_id, ShippedParts())
-        num_full = seq.num_computed_tokens // self.pages.block_size
+        num_full = seq.num_computed_tokens // self.pages.page_size
         if parts.broken or num_full <= parts.num_pages:
             return
-        pages = seq.block_ids[parts.num_pages : num_full]
+        pages = seq.page_ids[parts.num_pages : num_full]
         transfer_id = f"{seq.request_id}/part{len(parts.transfer_ids)}"
         try:
             transfer = self.sender.publish(transfer_id, pages, self.lease_seconds)
@@ -199,7 +199,7 @@ class Shipments:
             first_page, num_parts = 0, 0  # the decode worker drops any parts it holds
         else:
             first_page, num_parts = parts.num_pages, len(parts.transfer_ids)
-        pages = list(seq.block_ids[first_page:])
+        pages = list(seq.page_ids[first_page:])
         transfer = self.sender.publish(seq.request_id, pages, self.lease_seconds)
         self._shipped[seq.request_id] = seq
         handoff = Handoff(

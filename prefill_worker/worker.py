@@ -49,7 +49,7 @@ class PrefillWorker(WorkerService):
         assert isinstance(scheduler, PrefillScheduler)  # what LLMEngine(role="prefill") builds
         self.shipments = Shipments(
             self.sender,
-            self.block_manager,
+            self.page_manager,
             release=scheduler.release,
             push=self._push_to,
             fail=self.fail,

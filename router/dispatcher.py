@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from common.hashing import block_hashes
+from common.hashing import page_hashes
 from common.messages import Message
 from common.protocol import (
     REREGISTER,
@@ -45,8 +45,8 @@ from router.registry import WorkerRegistry
 
 logger = logging.getLogger(__name__)
 
-# Block size used for prompt hashing before any worker has registered (no routing happens then).
-_FALLBACK_BLOCK_SIZE = 16
+# Page size used for prompt hashing before any worker has registered (no routing happens then).
+_FALLBACK_PAGE_SIZE = 16
 
 
 @dataclass(eq=False, slots=True)
@@ -111,7 +111,7 @@ class Dispatcher:
         self.heartbeat_interval = heartbeat_interval
         self.stall_timeout = stall_timeout
         self.generations: dict[str, Generation] = {}
-        # (token ids, block size, their block hashes) of the last prompt hashed. The list itself
+        # (token ids, page size, their page hashes) of the last prompt hashed. The list itself
         # is kept, and compared by identity: an id() alone is reused once a list is freed, and
         # a new prompt would then get an old prompt's hashes (and be routed as if cached).
         self._hash_cache: tuple[list[int], int, list[int]] | None = None
@@ -223,12 +223,12 @@ class Dispatcher:
 
     def _route(self, gen: Generation, exclude: frozenset[str], migrate: bool = False) -> Decision:
         view = self.registry.view(exclude)
-        block_size = self.registry.block_size or _FALLBACK_BLOCK_SIZE
+        page_size = self.registry.page_size or _FALLBACK_PAGE_SIZE
         tokens = gen.prompt_token_ids + [s.token_id for s in gen.samples] if migrate else None
         request = RequestView(
             num_prompt_tokens=len(tokens if tokens is not None else gen.prompt_token_ids),
-            block_hashes=[] if migrate else self._hashes(gen.prompt_token_ids, block_size),
-            block_size=block_size,
+            page_hashes=[] if migrate else self._hashes(gen.prompt_token_ids, page_size),
+            page_size=page_size,
             num_new_tokens_max=gen.params.max_tokens,
             session_id=gen.session_id,
             decode_only=migrate,
@@ -237,14 +237,14 @@ class Dispatcher:
         self.metrics.decision_count(decision.reason).inc()
         return decision
 
-    def _hashes(self, token_ids: list[int], block_size: int) -> list[int]:
+    def _hashes(self, token_ids: list[int], page_size: int) -> list[int]:
         # The n choices of one prompt are routed one after another, and a retry routes again:
         # keep the last prompt's hashes, keyed by its tokens' values (an id can be reused).
         cached = self._hash_cache
-        if cached is not None and cached[1] == block_size and cached[0] == token_ids:
+        if cached is not None and cached[1] == page_size and cached[0] == token_ids:
             return cached[2]
-        hashes = block_hashes(token_ids, block_size)
-        self._hash_cache = (list(token_ids), block_size, hashes)
+        hashes = page_hashes(token_ids, page_size)
+        self._hash_cache = (list(token_ids), page_size, hashes)
         return hashes
 
     def _dispatch(self, gen: Generation, decision: Decision, migrate: bool = False) -> None:
@@ -259,19 +259,19 @@ class Dispatcher:
         decode_state = self.registry.workers[decision.decode_worker_id]
         output_ids = [s.token_id for s in gen.samples] if migrate else []
         total = len(gen.prompt_token_ids) + gen.params.max_tokens
-        blocks = ceil_div(total, decode_state.block_size)
+        pages = ceil_div(total, decode_state.page_size)
         if decision.prefill_worker_id is None:
             msg: Message = DecodeRequest(gen.wire_id, gen.prompt_token_ids, params, output_ids)
             # Counted as queued prefill there until it reports it (the overflow rule reads it).
             local_tokens = len(gen.prompt_token_ids) + len(output_ids)
             self.registry.on_dispatch(
-                decision.decode_worker_id, gen.wire_id, local_tokens, blocks, now
+                decision.decode_worker_id, gen.wire_id, local_tokens, pages, now
             )
             self.send(decision.decode_worker_id, msg)
             return
         uncached = len(gen.prompt_token_ids) - decision.num_cached_tokens
         self.registry.on_dispatch(decision.prefill_worker_id, gen.wire_id, uncached, 0, now)
-        self.registry.on_dispatch(decision.decode_worker_id, gen.wire_id, 0, blocks, now)
+        self.registry.on_dispatch(decision.decode_worker_id, gen.wire_id, 0, pages, now)
         assert decode_state.handoff_endpoint is not None  # checked at registration
         self.send(
             decision.prefill_worker_id,

@@ -6,7 +6,7 @@ Prefill worker (remote prefill)::
 
     cost(w) = uncached_tokens(w) + load_weight * load_tokens(w)
 
-``uncached_tokens`` is the prompt minus the leading blocks ``w`` already holds (exact, from its
+``uncached_tokens`` is the prompt minus the leading pages ``w`` already holds (exact, from its
 cache events); ``load_tokens`` is its queued prefill tokens, counting tokens dispatched but not
 yet reported by a heartbeat. The lowest cost wins; ties break by load, then by worker id.
 
@@ -29,7 +29,7 @@ prefill at a time. Requests with a session id stay with their prefix.
 
 Decode worker::
 
-    score(d) = free_blocks(d) - running_weight_blocks * running(d)
+    score(d) = free_pages(d) - running_weight_pages * running(d)
 
 over the workers with room for the request (all of them if none has room); the highest score
 wins, ties by fewer running, then by worker id.
@@ -80,15 +80,15 @@ class RoutingConfig:
     imbalance_slack_tokens: int = 2048
     session_load_epsilon: float = 0.25
     session_vnodes: int = 64
-    running_weight_blocks: float = 4.0
+    running_weight_pages: float = 4.0
     local_prefill_overflow_tokens: int | None = None  # None: never overflow to a decode worker
 
 
 @dataclass(frozen=True, slots=True)
 class RequestView:
     num_prompt_tokens: int
-    block_hashes: Sequence[int]  # the prompt's chained block hashes (block_size of the pool)
-    block_size: int
+    page_hashes: Sequence[int]  # the prompt's chained page hashes (page_size of the pool)
+    page_size: int
     num_new_tokens_max: int = 0  # max_tokens: the decode worker's room check
     session_id: str | None = None
     decode_only: bool = False  # a migration: the tokens so far are prefilled on a decode worker
@@ -105,7 +105,7 @@ class PrefillView:
 @dataclass(frozen=True, slots=True)
 class DecodeView:
     worker_id: str
-    free_blocks: int  # heartbeat's free pages minus pages reserved by later dispatches
+    free_pages: int  # heartbeat's free pages minus pages reserved by later dispatches
     num_running: int  # running + waiting + dispatched-but-unreported
     load_tokens: int = 0  # its own queued prefill tokens (local prefills), as for PrefillView
 
@@ -155,14 +155,14 @@ def overflows(prefill_id: str, decode_id: str, workers: WorkersView, config: Rou
 
 
 def overlap_tokens(request: RequestView, worker: PrefillView) -> int:
-    """Tokens of the prompt's leading blocks that ``worker`` holds (a chain stops at a miss)."""
+    """Tokens of the prompt's leading pages that ``worker`` holds (a chain stops at a miss)."""
     held = 0
-    for block_hash in request.block_hashes:
-        if block_hash not in worker.cached_hashes:
+    for page_hash in request.page_hashes:
+        if page_hash not in worker.cached_hashes:
             break
         held += 1
     # The last prompt token is always recomputed to sample the first token.
-    return min(held * request.block_size, max(request.num_prompt_tokens - 1, 0))
+    return min(held * request.page_size, max(request.num_prompt_tokens - 1, 0))
 
 
 def choose_prefill(
@@ -213,11 +213,11 @@ def choose_decode(
 ) -> str:
     if not candidates:
         raise NoWorkerError("no decode worker is registered")
-    needed = ceil_div(request.num_prompt_tokens + request.num_new_tokens_max, request.block_size)
-    fitting = [w for w in candidates if w.free_blocks >= needed] or list(candidates)
+    needed = ceil_div(request.num_prompt_tokens + request.num_new_tokens_max, request.page_size)
+    fitting = [w for w in candidates if w.free_pages >= needed] or list(candidates)
 
     def key(w: DecodeView) -> tuple[float, int, str]:
-        score = w.free_blocks - config.running_weight_blocks * w.num_running
+        score = w.free_pages - config.running_weight_pages * w.num_running
         return (-score, w.num_running, w.worker_id)
 
     return min(fitting, key=key).worker_id

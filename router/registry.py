@@ -1,4 +1,4 @@
-"""The router's book of workers: who is registered, how loaded, and which prefix blocks each holds.
+"""The router's book of workers: who is registered, how loaded, and which prefix pages each holds.
 
 No sockets and no clock of its own: the control loop passes ``now`` in, so tests drive time.
 
@@ -21,7 +21,7 @@ from router.policy import DecodeView, PrefillView, WorkersView
 @dataclass(slots=True)
 class _Dispatch:
     prefill_tokens: int
-    blocks: int
+    pages: int
     at: float
 
 
@@ -30,8 +30,8 @@ class WorkerState:
     worker_id: str
     role: str
     model: str
-    block_size: int
-    num_blocks: int
+    page_size: int
+    num_pages: int
     max_model_len: int
     metrics_url: str
     kv_transfer: str
@@ -42,7 +42,7 @@ class WorkerState:
     num_running: int = 0
     num_waiting: int = 0
     queued_prefill_tokens: int = 0
-    num_free_blocks: int = 0
+    num_free_pages: int = 0
     kv_usage: float = 0.0
     last_heartbeat_at: float | None = None
     # request id -> what its dispatch added before a heartbeat could report it
@@ -54,8 +54,8 @@ class WorkerState:
         return self.queued_prefill_tokens + sum(d.prefill_tokens for d in self.unreported.values())
 
     @property
-    def free_blocks_estimate(self) -> int:
-        return self.num_free_blocks - sum(d.blocks for d in self.unreported.values())
+    def free_pages_estimate(self) -> int:
+        return self.num_free_pages - sum(d.pages for d in self.unreported.values())
 
     @property
     def running_estimate(self) -> int:
@@ -70,8 +70,8 @@ class WorkerState:
             "endpoint": self.handoff_endpoint,
             "kv_transfer": self.kv_transfer,
             "metrics_url": self.metrics_url,
-            "num_blocks": self.num_blocks,
-            "block_size": self.block_size,
+            "num_pages": self.num_pages,
+            "page_size": self.page_size,
             "max_model_len": self.max_model_len,
             "deterministic_inference": self.deterministic,
             "load": {
@@ -82,23 +82,23 @@ class WorkerState:
                 "inflight": len(self.inflight),
             },
             "kv_usage": self.kv_usage,
-            "num_free_blocks": self.num_free_blocks,
+            "num_free_pages": self.num_free_pages,
         }
 
 
 class WorkerRegistry:
     """Registration, heartbeats, the exact prefix index and load accounting.
 
-    Called only from the router's event loop; no method blocks. ``register`` returns the refusal
+    Called only from the router's event loop; no method pages. ``register`` returns the refusal
     reason (None when accepted); the other ``on_*`` methods ignore messages from unknown workers.
     """
 
-    def __init__(self, model: str, heartbeat_timeout: float, block_size: int | None = None):
+    def __init__(self, model: str, heartbeat_timeout: float, page_size: int | None = None):
         self.model = model
         self.heartbeat_timeout = heartbeat_timeout
-        self.block_size = block_size  # fixed by the first worker; every later one must match
+        self.page_size = page_size  # fixed by the first worker; every later one must match
         self.workers: dict[str, WorkerState] = {}
-        # Exact prefix index: prefill worker -> block hashes it holds.
+        # Exact prefix index: prefill worker -> page hashes it holds.
         self._held: dict[str, set[int]] = {}
 
     @property
@@ -122,9 +122,9 @@ class WorkerRegistry:
         layout_problem = msg.kv_layout.problem()
         if layout_problem is not None:
             return layout_problem
-        block_size = msg.kv_layout.block_size
-        if self.block_size is not None and block_size != self.block_size:
-            return f"block_size {block_size} does not match the pool's {self.block_size}"
+        page_size = msg.kv_layout.page_size
+        if self.page_size is not None and page_size != self.page_size:
+            return f"page_size {page_size} does not match the pool's {self.page_size}"
         # One worker without batch-invariant kernels among workers with them would make a
         # request's answer depend on where it went.
         others = {w.deterministic for w in self.workers.values() if w.worker_id != msg.worker_id}
@@ -138,13 +138,13 @@ class WorkerRegistry:
         if msg.worker_id in self.workers:
             # A restarted worker re-registers under its id: its old cache and load are gone.
             self.remove(msg.worker_id)
-        self.block_size = block_size
+        self.page_size = page_size
         self.workers[msg.worker_id] = WorkerState(
             worker_id=msg.worker_id,
             role=msg.role,
             model=msg.model,
-            block_size=block_size,
-            num_blocks=msg.num_blocks,
+            page_size=page_size,
+            num_pages=msg.num_pages,
             max_model_len=msg.max_model_len,
             metrics_url=msg.metrics_url,
             kv_transfer=msg.kv_transfer,
@@ -152,7 +152,7 @@ class WorkerRegistry:
             deterministic=msg.deterministic,
             registered_at=now,
             last_seen=now,
-            num_free_blocks=msg.num_blocks,
+            num_free_pages=msg.num_pages,
         )
         self._held[msg.worker_id] = set()
         return None
@@ -185,7 +185,7 @@ class WorkerRegistry:
         state.num_running = msg.num_running
         state.num_waiting = msg.num_waiting
         state.queued_prefill_tokens = msg.queued_prefill_tokens
-        state.num_free_blocks = msg.num_free_blocks
+        state.num_free_pages = msg.num_free_pages
         state.kv_usage = msg.kv_usage
         if previous is not None:
             # Dispatched before the previous heartbeat arrived: this one has surely counted it.
@@ -212,13 +212,13 @@ class WorkerRegistry:
     # -- load accounting -----------------------------------------------------------------------
 
     def on_dispatch(
-        self, worker_id: str, request_id: str, prefill_tokens: int, blocks: int, now: float
+        self, worker_id: str, request_id: str, prefill_tokens: int, pages: int, now: float
     ) -> None:
         state = self.workers.get(worker_id)
         if state is None:
             return
         state.inflight.add(request_id)
-        state.unreported[request_id] = _Dispatch(prefill_tokens, blocks, now)
+        state.unreported[request_id] = _Dispatch(prefill_tokens, pages, now)
 
     def on_prefilled(self, worker_id: str, request_id: str) -> None:
         """The request's prompt has been computed there (its first token arrived)."""
@@ -251,7 +251,7 @@ class WorkerRegistry:
             else:
                 decode.append(
                     DecodeView(
-                        w.worker_id, w.free_blocks_estimate, w.running_estimate, w.load_tokens
+                        w.worker_id, w.free_pages_estimate, w.running_estimate, w.load_tokens
                     )
                 )
         return WorkersView(prefill, decode)

@@ -381,10 +381,10 @@ class Run:
             for i, p in enumerate(c.gen.prompt_logprobs or [])
         }
         samples = [scored.get(i, TokenSample(t)) for i, t in enumerate(self._prompt_ids(c))]
-        block = self._completion_logprobs(samples, 0)
-        assert block is not None  # the request has logprobs
-        end = block["text_offset"][-1] + len(block["tokens"][-1])
-        return block, end
+        page = self._completion_logprobs(samples, 0)
+        assert page is not None  # the request has logprobs
+        end = page["text_offset"][-1] + len(page["tokens"][-1])
+        return page, end
 
     def _prompt_logprobs(self, c: _Choice) -> list[dict | None] | None:
         """vLLM's ``prompt_logprobs``: per prompt token (none for the first), the token and its

@@ -20,8 +20,8 @@ def build_engine(
     dtype: str = "float32",
     device: str = "cpu",
     kv_cache_dtype: str = "auto",
-    num_blocks: int = 256,
-    block_size: int = 16,
+    num_pages: int = 256,
+    page_size: int = 16,
     prefix_caching: bool = True,
     max_num_batched_tokens: int = 256,
     max_num_seqs: int = 256,
@@ -37,10 +37,10 @@ def build_engine(
             dtype=dtype,
             device=device,
             cache=CacheConfig(
-                block_size=block_size,
+                page_size=page_size,
                 kv_cache_dtype=kv_cache_dtype,
                 enable_prefix_caching=prefix_caching,
-                num_blocks=num_blocks,
+                num_pages=num_pages,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,

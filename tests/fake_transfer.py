@@ -20,7 +20,7 @@ from kvtransfer.base import (
     TransferError,
     TransferParams,
     TransferResult,
-    check_block_ids,
+    check_page_ids,
 )
 
 BACKEND = "fake"
@@ -41,15 +41,15 @@ class FakeSender(KVSender):
         return f"inproc://{self.engine_id}"
 
     def publish(
-        self, transfer_id: str, block_ids: list[int], lease_seconds: float
+        self, transfer_id: str, page_ids: list[int], lease_seconds: float
     ) -> TransferParams:
         if transfer_id in self.published:
             raise ValueError(f"{transfer_id!r} is already published")
         if lease_seconds <= 0:
             raise ValueError(f"a lease must be positive, got {lease_seconds}")
-        check_block_ids(block_ids, self.pool.num_blocks if self.pool else None, "block_ids")
+        check_page_ids(page_ids, self.pool.num_pages if self.pool else None, "page_ids")
         params = TransferParams(
-            BACKEND, self.endpoint, self.engine_id, list(block_ids), time.time() + lease_seconds
+            BACKEND, self.endpoint, self.engine_id, list(page_ids), time.time() + lease_seconds
         )
         self.published[transfer_id] = params
         return params
@@ -80,7 +80,7 @@ class FakeSender(KVSender):
 @dataclass(slots=True)
 class Fetch:
     params: TransferParams
-    dst_block_ids: list[int]
+    dst_page_ids: list[int]
     started: float
 
 
@@ -99,27 +99,27 @@ class FakeReceiver(KVReceiver):
         self,
         transfer_id: str,
         params: TransferParams,
-        dst_block_ids: list[int],
+        dst_page_ids: list[int],
         timeout: float,
     ) -> None:
         if params.backend != self.backend:
             raise TransferError(f"params of the {params.backend!r} backend")
-        if len(params.block_ids) != len(dst_block_ids):
+        if len(params.page_ids) != len(dst_page_ids):
             raise TransferError(
-                f"{len(params.block_ids)} pages offered for {len(dst_block_ids)} destinations"
+                f"{len(params.page_ids)} pages offered for {len(dst_page_ids)} destinations"
             )
-        check_block_ids(dst_block_ids, self.pool.num_blocks, "dst_block_ids")
+        check_page_ids(dst_page_ids, self.pool.num_pages, "dst_page_ids")
         if transfer_id in self.in_flight:
             raise TransferError(f"{transfer_id!r} is already being fetched")
-        self.in_flight[transfer_id] = Fetch(params, list(dst_block_ids), time.monotonic())
-        self.started.append((transfer_id, list(dst_block_ids)))
+        self.in_flight[transfer_id] = Fetch(params, list(dst_page_ids), time.monotonic())
+        self.started.append((transfer_id, list(dst_page_ids)))
 
     def complete(self, transfer_id: str) -> None:
         """The fetch succeeds: its pages are copied in (from the sender's pool, if there is one)."""
         fetch = self.in_flight[transfer_id]
         source = self.sender.pool if self.sender is not None else None
         if source is not None:
-            for src, dst in zip(fetch.params.block_ids, fetch.dst_block_ids, strict=True):
+            for src, dst in zip(fetch.params.page_ids, fetch.dst_page_ids, strict=True):
                 self.pool.data[dst].copy_(source.data[src])
                 if self.pool.scales is not None:
                     self.pool.scales[dst].copy_(source.scales[src])
@@ -146,8 +146,8 @@ class FakeReceiver(KVReceiver):
 
     def _end(self, transfer_id: str, error: str | None) -> None:
         fetch = self.in_flight.pop(transfer_id)
-        num_pages = len(fetch.dst_block_ids)
-        nbytes = num_pages * self.pool.layout.bytes_per_block if error is None else 0
+        num_pages = len(fetch.dst_page_ids)
+        nbytes = num_pages * self.pool.layout.bytes_per_page if error is None else 0
         seconds = time.monotonic() - fetch.started
         result = TransferResult(transfer_id, error is None, error, num_pages, nbytes, seconds)
         self._ended.append(result)

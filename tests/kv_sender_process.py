@@ -23,13 +23,13 @@ from common.kv_layout import KVLayout
 from common.messages import to_wire
 from kvtransfer.registry import create_sender
 
-NUM_BLOCKS = 16
+NUM_PAGES = 16
 DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
 
 
 def make_layout(dtype: str, num_kv_heads: int = 2) -> KVLayout:
     return kv_layout(
-        DTYPES[dtype], block_size=8, num_layers=3, num_kv_heads=num_kv_heads, head_dim=16
+        DTYPES[dtype], page_size=8, num_layers=3, num_kv_heads=num_kv_heads, head_dim=16
     )
 
 
@@ -57,7 +57,7 @@ def main(specs: list[str]) -> None:
     senders = {}
     for spec in specs:
         backend, dtype = spec.split(":")
-        pool = KVPool(make_layout(dtype), NUM_BLOCKS, "cpu")
+        pool = KVPool(make_layout(dtype), NUM_PAGES, "cpu")
         fill_pool(pool, seed_of(spec))
         senders[spec] = create_sender(backend, pool, engine_id=f"prefill-{backend}-{dtype}")
     frozen_on_fetch: set[str] = set()
@@ -85,7 +85,7 @@ def main(specs: list[str]) -> None:
         sender = senders[command["key"]]
         reply: dict = {"id": command["id"]}
         if command["cmd"] == "publish":
-            params = sender.publish(command["transfer_id"], command["block_ids"], command["lease"])
+            params = sender.publish(command["transfer_id"], command["page_ids"], command["lease"])
             reply["params"] = to_wire(params)
         elif command["cmd"] == "abort":
             sender.abort(command["transfer_id"])

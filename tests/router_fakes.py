@@ -2,7 +2,7 @@
 protocol over real ZeroMQ sockets.
 
 ``FakeWorker`` answers at once with made-up tokens (one delta per tick, so a stream is in flight
-long enough to be interrupted), keeps a real ``BlockManager`` so its cache events are the ones a
+long enough to be interrupted), keeps a real ``PageManager`` so its cache events are the ones a
 worker would publish, and hands prompts to a decode ``FakeWorker`` in-process. ``EnginePair``
 wraps one real ``LLMEngine`` behind a prefill and a decode identity.
 """
@@ -20,8 +20,8 @@ import httpx
 import uvicorn
 import zmq
 
-from common.engine.block_manager import BlockManager
-from common.hashing import block_hashes
+from common.engine.page_manager import PageManager
+from common.hashing import page_hashes
 from common.kv_layout import KVLayout
 from common.messages import PROTOCOL_VERSION, Message, decode, encode
 from common.protocol import (
@@ -66,16 +66,16 @@ class _Socket:
             return None
 
 
-def _register(sock: _Socket, worker_id: str, role: str, model: str, block_size: int) -> RegisterAck:
+def _register(sock: _Socket, worker_id: str, role: str, model: str, page_size: int) -> RegisterAck:
     sock.send(
         RegisterWorker(
             protocol_version=PROTOCOL_VERSION,
             worker_id=worker_id,
             role=role,
             model=model,
-            kv_layout=KVLayout("bfloat16", block_size, 2, 2, 64),
+            kv_layout=KVLayout("bfloat16", page_size, 2, 2, 64),
             kv_transfer="zmq",
-            num_blocks=4096,
+            num_pages=4096,
             max_model_len=8192,
             metrics_url=f"http://127.0.0.1:0/{worker_id}/metrics",
             handoff_endpoint=f"inproc://{worker_id}" if role == ROLE_DECODE else None,
@@ -109,7 +109,7 @@ class FakeWorker(threading.Thread):
         role: str,
         model: str,
         hub: dict[str, FakeWorker],
-        block_size: int = 16,
+        page_size: int = 16,
         tokens_per_tick: int = 1,
         tick: float = 0.005,
     ):
@@ -119,10 +119,10 @@ class FakeWorker(threading.Thread):
         self.role = role
         self.model = model
         self.hub = hub
-        self.block_size = block_size
+        self.page_size = page_size
         self.tokens_per_tick = tokens_per_tick
         self.tick = tick
-        self.blocks = BlockManager(4096, block_size)
+        self.pages = PageManager(4096, page_size)
         self.received: list[Message] = []
         self.inbox: queue.Queue[_Job] = queue.Queue()  # handoffs from prefill fakes
         self.jobs: dict[str, _Job] = {}
@@ -137,7 +137,7 @@ class FakeWorker(threading.Thread):
         ctx = zmq.Context()
         sock = _Socket(ctx, self.endpoint, self.worker_id)
         try:
-            self.ack = _register(sock, self.worker_id, self.role, self.model, self.block_size)
+            self.ack = _register(sock, self.worker_id, self.role, self.model, self.page_size)
             sock.send(CacheEvents(self.worker_id, [], [], reset=True))
             self.ready.set()
             last_beat = 0.0
@@ -164,7 +164,7 @@ class FakeWorker(threading.Thread):
             ctx.term()
 
     def _heartbeat(self) -> Heartbeat:
-        return Heartbeat(self.worker_id, len(self.jobs), 0, 0, self.blocks.num_free_blocks, 0.0)
+        return Heartbeat(self.worker_id, len(self.jobs), 0, 0, self.pages.num_free_pages, 0.0)
 
     def _handle(self, sock: _Socket, msg: Message) -> None:
         if isinstance(msg, AbortRequest):
@@ -199,20 +199,20 @@ class FakeWorker(threading.Thread):
             self.jobs[msg.request_id] = job
 
     def _prefill(self, prompt: list[int]) -> int:
-        """File the prompt's full blocks like a worker's prefix cache; returns cached tokens."""
-        hit = self.blocks.match_prefix(prompt)
-        self.blocks.acquire(hit)
-        full = len(prompt) // self.block_size
-        new = self.blocks.allocate(full - len(hit)) if full > len(hit) else []
-        hashes = block_hashes(prompt, self.block_size)
+        """File the prompt's full pages like a worker's prefix cache; returns cached tokens."""
+        hit = self.pages.match_prefix(prompt)
+        self.pages.acquire(hit)
+        full = len(prompt) // self.page_size
+        new = self.pages.allocate(full - len(hit)) if full > len(hit) else []
+        hashes = page_hashes(prompt, self.page_size)
         for i in range(len(hit), full):
-            chunk = prompt[i * self.block_size : (i + 1) * self.block_size]
-            self.blocks.cache_block(new[i - len(hit)], hashes[i], chunk)
-        self.blocks.free(hit + new)
-        return len(hit) * self.block_size
+            chunk = prompt[i * self.page_size : (i + 1) * self.page_size]
+            self.pages.cache_page(new[i - len(hit)], hashes[i], chunk)
+        self.pages.free(hit + new)
+        return len(hit) * self.page_size
 
     def _drain(self) -> tuple[list[int], list[int]]:
-        events = self.blocks.drain_events()
+        events = self.pages.drain_events()
         return list(events.stored), list(events.removed)
 
     def _sample(self, index: int, params: SamplingParams) -> TokenSample:
@@ -271,12 +271,12 @@ class EnginePair(threading.Thread):
 
     def run(self) -> None:
         ctx = zmq.Context()
-        block_size = self.engine.config.cache.block_size
+        page_size = self.engine.config.cache.page_size
         p = _Socket(ctx, self.endpoint, self.prefill_id)
         d = _Socket(ctx, self.endpoint, self.decode_id)
         try:
-            _register(p, self.prefill_id, ROLE_PREFILL, self.model, block_size)
-            _register(d, self.decode_id, ROLE_DECODE, self.model, block_size)
+            _register(p, self.prefill_id, ROLE_PREFILL, self.model, page_size)
+            _register(d, self.decode_id, ROLE_DECODE, self.model, page_size)
             p.send(CacheEvents(self.prefill_id, [], [], reset=True))
             self.ready.set()
             last_beat = 0.0
@@ -284,7 +284,7 @@ class EnginePair(threading.Thread):
                 now = time.monotonic()
                 if now - last_beat >= HEARTBEAT:
                     last_beat = now
-                    free = self.engine.block_manager.num_free_blocks
+                    free = self.engine.page_manager.num_free_pages
                     p.send(Heartbeat(self.prefill_id, 0, 0, 0, free, 0.0))
                     d.send(Heartbeat(self.decode_id, 0, 0, 0, free, 0.0))
                 for sock in (p, d):
@@ -318,7 +318,7 @@ class EnginePair(threading.Thread):
 
     def _step(self, p: _Socket, d: _Socket) -> None:
         outputs = self.engine.step()
-        events = self.engine.block_manager.drain_events()
+        events = self.engine.page_manager.drain_events()
         if events:
             p.send(CacheEvents(self.prefill_id, list(events.stored), list(events.removed)))
         for out in outputs:

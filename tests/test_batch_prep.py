@@ -15,12 +15,12 @@ from common.engine.scheduler import ScheduledSequence
 from common.engine.sequence import Sequence
 from common.sampling_params import SamplingParams
 
-BLOCK = 4
+PAGE = 4
 
 
 def runner() -> ModelRunner:
     """A runner over a 16-page pool of 4-token pages; ``prepare`` needs nothing else."""
-    layout = kv_layout(torch.float32, block_size=BLOCK, num_layers=1, num_kv_heads=1, head_dim=8)
+    layout = kv_layout(torch.float32, page_size=PAGE, num_layers=1, num_kv_heads=1, head_dim=8)
     return ModelRunner(model=None, pool=KVPool(layout, 16, "cpu"), sampler=None)
 
 
@@ -36,7 +36,7 @@ def sequence(
     seq = Sequence.from_prompt(request_id, prompt, SamplingParams(**params))
     seq.token_ids += generated
     seq.num_computed_tokens = computed
-    seq.block_ids = list(pages)
+    seq.page_ids = list(pages)
     return seq
 
 
@@ -45,7 +45,7 @@ def check_metadata(inputs: ForwardInputs) -> None:
     meta = inputs.meta
     assert inputs.input_ids.dtype == inputs.positions.dtype == torch.long
     assert meta.query_start_loc.dtype == meta.seq_lens.dtype == torch.int32
-    assert meta.block_tables.dtype == torch.int32
+    assert meta.page_tables.dtype == torch.int32
     assert meta.slot_mapping.dtype == torch.int64
 
 
@@ -81,7 +81,7 @@ def test_a_chunked_prefill_a_cached_prefix_and_decodes_in_one_step():
     assert meta.seq_lens.tolist() == [9, 6, 7, 9]  # context after the step: start + new tokens
     assert (meta.max_query_len, meta.max_seq_len) == (5, 9)
     # One row per sequence, its pages in order; shorter rows are padded to the widest.
-    tables = meta.block_tables.tolist()
+    tables = meta.page_tables.tolist()
     assert [row[:n] for row, n in zip(tables, (3, 2, 2, 3), strict=True)] == [
         [7, 2, 9],
         [7, 5],

@@ -183,7 +183,7 @@ def test_strangers_cannot_register_or_hand_off(cluster):
         rogue.send(encode(RegisterWorker(
             protocol_version=PROTOCOL_VERSION, worker_id="rogue-decode", role="decode",
             model="tiny-chat", kv_layout=KVLayout("bfloat16", 16, 2, 2, 64),
-            kv_transfer="zmq", num_blocks=4096, max_model_len=512,
+            kv_transfer="zmq", num_pages=4096, max_model_len=512,
             metrics_url="http://127.0.0.1:1/metrics", handoff_endpoint="tcp://127.0.0.1:1",
         )))  # fmt: skip
         pusher = context.socket(zmq.PUSH)

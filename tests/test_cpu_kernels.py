@@ -1,7 +1,7 @@
 """The C kernels of the CPU path (``kernels/cpu/``) against their torch references.
 
 The attention batches come from ``test_kernels.make_batch``: pools filled with NaN, pages
-scattered, block tables padded with a page never written, so a kernel that reads a slot past a
+scattered, page tables padded with a page never written, so a kernel that reads a slot past a
 sequence's end returns NaN and fails. Tolerances: float32 runs differ from the reference only in
 summation order and in exp's last bits; bf16 runs also round the output once.
 """
@@ -86,23 +86,23 @@ def test_int8_scale_codes_decode_as_in_the_twin(backend) -> None:
     """All 256 scale codes, one per sequence: over a one-token context the softmax weight is
     exactly 1, so a float32 output row is its value row dequantised, with no rounding in
     between. head_dim 20 runs the kernel's vector loads and its scalar tail."""
-    num_codes, block_size, head_dim = 256, 4, 20
-    pool = Pool.create(num_codes + 1, block_size, 1, head_dim, INT8_DTYPE)
+    num_codes, page_size, head_dim = 256, 4, 20
+    pool = Pool.create(num_codes + 1, page_size, 1, head_dim, INT8_DTYPE)
     cache = pool.layer(1)
     assert cache.key_scale is not None and cache.value_scale is not None
     codes = torch.arange(num_codes).to(INT8_SCALE_DTYPE)
     values = torch.randint(-128, 128, (num_codes, head_dim), dtype=INT8_DTYPE)
     values[:, :2] = torch.tensor([-128, 127], dtype=INT8_DTYPE)
-    blocks = torch.arange(1, num_codes + 1)  # block 0 stays unwritten
-    cache.key[blocks, 0, 0] = 0
-    cache.key_scale[blocks, 0, 0] = 0
-    cache.value[blocks, 0, 0] = values
-    cache.value_scale[blocks, 0, 0] = codes
+    pages = torch.arange(1, num_codes + 1)  # page 0 stays unwritten
+    cache.key[pages, 0, 0] = 0
+    cache.key_scale[pages, 0, 0] = 0
+    cache.value[pages, 0, 0] = values
+    cache.value_scale[pages, 0, 0] = codes
     meta = AttentionMetadata(
         query_start_loc=torch.arange(num_codes + 1, dtype=torch.int32),
         seq_lens=torch.ones(num_codes, dtype=torch.int32),
-        block_tables=blocks.to(torch.int32)[:, None],
-        slot_mapping=blocks * block_size,
+        page_tables=pages.to(torch.int32)[:, None],
+        slot_mapping=pages * page_size,
         max_query_len=1,
         max_seq_len=1,
     )
@@ -144,7 +144,7 @@ def test_deterministic_attention_gives_a_position_the_same_bits_however_it_is_ba
         meta = AttentionMetadata(
             query_start_loc=torch.tensor(cuts, dtype=torch.int32),
             seq_lens=torch.tensor(cuts[1:], dtype=torch.int32),
-            block_tables=batch.meta.block_tables.expand(len(lens), -1),
+            page_tables=batch.meta.page_tables.expand(len(lens), -1),
             slot_mapping=batch.meta.slot_mapping,
             max_query_len=max(lens),
             max_seq_len=75,

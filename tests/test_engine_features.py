@@ -58,11 +58,11 @@ def test_memory_pressure_evicts_and_preempts_without_changing_tokens(model_folde
     roomy = build_engine(model_folder, **KNOBS).generate(prompts, params)
     # 20 pages of 4 tokens: two sequences at most fit at once.
     tight = build_engine(
-        model_folder, num_blocks=20, block_size=4, max_num_batched_tokens=2048, max_model_len=80
+        model_folder, num_pages=20, page_size=4, max_num_batched_tokens=2048, max_model_len=80
     )
     assert tight.generate(prompts, params) == roomy
     assert tight.scheduler.num_preemptions > 0
-    assert tight.block_manager.num_free_blocks == 20
+    assert tight.page_manager.num_free_pages == 20
 
 
 def test_prompt_over_max_model_len_names_the_limit(model_folder):
@@ -177,7 +177,7 @@ def test_prompt_logprobs_survive_preemption_once(model_folder):
 
     roomy = run(build_engine(model_folder, **KNOBS))
     tight = build_engine(
-        model_folder, num_blocks=24, block_size=4, max_num_batched_tokens=16, max_model_len=80
+        model_folder, num_pages=24, page_size=4, max_num_batched_tokens=16, max_model_len=80
     )
     assert run(tight) == roomy
     assert tight.scheduler.num_preemptions > 0

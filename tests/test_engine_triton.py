@@ -25,7 +25,7 @@ def greedy_on_both_backends(folder, monkeypatch, **knobs):
         monkeypatch.setenv(ENV_VAR, backend)
         engine = build_engine(
             folder,
-            num_blocks=64,
+            num_pages=64,
             # Small chunks make steps that mix prefill chunks over cached prefixes with decodes.
             max_num_batched_tokens=24,
             max_model_len=256,

@@ -23,7 +23,7 @@ from decode_worker.worker import size_problem
 from kernels.sizes import ceil_div
 from kvtransfer import TransferParams
 
-NUM_BLOCKS = 16
+NUM_PAGES = 16
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 PROMPT = random_prompts(1, seed=1, min_len=70, max_len=70)[0]  # five pages of 16
 FIRST = TokenSample(7, -0.5)
@@ -71,7 +71,7 @@ class Decode:
 
     @property
     def num_free(self) -> int:
-        return self.engine.block_manager.num_free_blocks
+        return self.engine.page_manager.num_free_pages
 
     def waiting(self, request_id: str):
         [seq] = [s for s in self.engine.scheduler.waiting if s.request_id == request_id]
@@ -80,7 +80,7 @@ class Decode:
 
 @pytest.fixture
 def decode(model) -> Decode:
-    engine = build_engine(model, num_blocks=NUM_BLOCKS, max_model_len=256, role="decode")
+    engine = build_engine(model, num_pages=NUM_PAGES, max_model_len=256, role="decode")
     receiver, worker, clock = FakeReceiver(engine.pool), WorkerSide(engine), Clock()
     handoffs = Handoffs(
         receiver,
@@ -129,7 +129,7 @@ def test_a_handoff_without_parts_fetches_every_page_then_admits_the_prompt_compu
     decode.handoffs.accept_handoff(handoff("r"))
     [(transfer_id, dst)] = decode.receiver.started
     assert transfer_id == "r" and len(dst) == 5
-    assert decode.num_free == NUM_BLOCKS - 5  # reserved before the fetch
+    assert decode.num_free == NUM_PAGES - 5  # reserved before the fetch
     assert decode.handoffs.num_pending() == 1 and not decode.engine.scheduler.holds("r")
     decode.handoffs.poll()  # nothing has arrived yet
     assert not decode.engine.scheduler.holds("r")
@@ -137,7 +137,7 @@ def test_a_handoff_without_parts_fetches_every_page_then_admits_the_prompt_compu
     decode.receiver.complete("r")
     decode.handoffs.poll()
     seq = decode.waiting("r")
-    assert seq.block_ids == dst and seq.num_computed_tokens == len(PROMPT)
+    assert seq.page_ids == dst and seq.num_computed_tokens == len(PROMPT)
     assert seq.token_ids == [*PROMPT, FIRST.token_id] and seq.handoff_wait_s is not None
     assert decode.handoffs.num_pending() == 0 and not decode.worker.failures
     assert sample(RECEIVED) == received + 5 and sample(HANDOFF_COUNT) == timed + 1
@@ -150,14 +150,14 @@ def test_a_handoff_without_parts_fetches_every_page_then_admits_the_prompt_compu
 def test_parts_reserve_at_part_0_fetch_one_by_one_and_settle_when_every_page_is_in(decode):
     received = sample(RECEIVED)
     decode.handoffs.accept_part(part("r", 0, 0, 2))
-    assert decode.num_free == NUM_BLOCKS - 5  # the whole prompt's pages, at the first part
+    assert decode.num_free == NUM_PAGES - 5  # the whole prompt's pages, at the first part
     [(_, first_dst)] = decode.receiver.started
     decode.handoffs.accept_part(part("r", 1, 2, 1))
     decode.handoffs.accept_handoff(handoff("r", first_page=3, num_parts=2))
     ids = [transfer_id for transfer_id, _ in decode.receiver.started]
     assert ids == ["r/part0", "r/part1", "r"]
     reserved = [page for _, dst in decode.receiver.started for page in dst]
-    assert len(set(reserved)) == 5 and decode.num_free == NUM_BLOCKS - 5  # nothing more
+    assert len(set(reserved)) == 5 and decode.num_free == NUM_PAGES - 5  # nothing more
 
     for transfer_id in ("r/part0", "r"):
         decode.receiver.complete(transfer_id)
@@ -166,8 +166,8 @@ def test_parts_reserve_at_part_0_fetch_one_by_one_and_settle_when_every_page_is_
     decode.receiver.complete("r/part1")
     decode.handoffs.poll()
     seq = decode.waiting("r")
-    assert seq.block_ids == reserved and seq.block_ids[:2] == first_dst
-    assert seq.num_computed_tokens == len(PROMPT) and decode.num_free == NUM_BLOCKS - 5
+    assert seq.page_ids == reserved and seq.page_ids[:2] == first_dst
+    assert seq.num_computed_tokens == len(PROMPT) and decode.num_free == NUM_PAGES - 5
     assert sample(RECEIVED) == received + 5 and decode.handoffs.num_pending() == 0
 
 
@@ -178,13 +178,13 @@ def test_a_failed_fetch_frees_the_pages_and_the_prompt_is_prefilled_here(decode)
     decode.receiver.fail("r/part0", "the lease ran out")
     decode.handoffs.poll()
     assert not decode.engine.scheduler.holds("r")  # the handoff's fetch still writes
-    assert decode.num_free == NUM_BLOCKS - 5
+    assert decode.num_free == NUM_PAGES - 5
     decode.receiver.complete("r")
     decode.handoffs.poll()
     seq = decode.waiting("r")
-    assert seq.block_ids == [] and seq.num_computed_tokens == 0  # prefilled from scratch
+    assert seq.page_ids == [] and seq.num_computed_tokens == 0  # prefilled from scratch
     assert seq.token_ids == [*PROMPT, FIRST.token_id]
-    assert decode.num_free == NUM_BLOCKS and decode.handoffs.num_pending() == 0
+    assert decode.num_free == NUM_PAGES and decode.handoffs.num_pending() == 0
     assert sample(FALLBACKS) == fallbacks + 1
     assert sample(RECEIVED) == received + 3  # the part that failed brought nothing
     assert not decode.worker.failures  # not lost: served here
@@ -193,14 +193,14 @@ def test_a_failed_fetch_frees_the_pages_and_the_prompt_is_prefilled_here(decode)
 def test_a_handoff_that_cannot_be_fetched_fails_retryable_and_keeps_nothing(decode):
     decode.handoffs.accept_part(part("r", 0, 0, 2))
     bad = handoff("r", first_page=2, num_parts=1)
-    bad.transfer = replace(bad.transfer, block_ids=[0])  # three are missing
+    bad.transfer = replace(bad.transfer, page_ids=[0])  # three are missing
     decode.handoffs.accept_handoff(bad)
     assert decode.receiver.aborted == ["r/part0"]
     assert decode.worker.failures[0].request_id == "r"
     assert decode.worker.failures[0].retryable
     assert decode.worker.failures[0].error.startswith("bad handoff: 1 pages offered after page 2")
     decode.handoffs.poll()
-    assert decode.num_free == NUM_BLOCKS and decode.handoffs.num_pending() == 0
+    assert decode.num_free == NUM_PAGES and decode.handoffs.num_pending() == 0
     assert not decode.engine.scheduler.holds("r")
 
 
@@ -216,7 +216,7 @@ def test_bad_sampling_params_fail_the_request_for_good_and_drop_its_parts(decode
     assert "bad sampling params" in failure.error
     assert decode.receiver.aborted == ["s/part0"]
     decode.handoffs.poll()
-    assert decode.num_free == NUM_BLOCKS - 5  # only r's pages are still reserved
+    assert decode.num_free == NUM_PAGES - 5  # only r's pages are still reserved
 
 
 def test_abort_while_parts_are_in_flight_withdraws_them_and_frees_the_pages(decode):
@@ -228,12 +228,12 @@ def test_abort_while_parts_are_in_flight_withdraws_them_and_frees_the_pages(deco
     assert decode.receiver.aborted == ["r/part1"]
     assert decode.handoffs.num_pending() == 0
     # The pages stay reserved until the receiver says nothing writes them any more.
-    assert decode.num_free == NUM_BLOCKS - 5
+    assert decode.num_free == NUM_PAGES - 5
     decode.handoffs.poll()
-    assert decode.num_free == NUM_BLOCKS
+    assert decode.num_free == NUM_PAGES
     # A part that straggles in after the withdrawal reserves nothing.
     decode.handoffs.accept_part(part("r", 2, 3, 1))
-    assert decode.num_free == NUM_BLOCKS
+    assert decode.num_free == NUM_PAGES
 
 
 def test_the_routers_abort_drops_a_handoff_in_flight_and_one_that_comes_late(decode):
@@ -244,13 +244,13 @@ def test_the_routers_abort_drops_a_handoff_in_flight_and_one_that_comes_late(dec
     assert decode.handoffs.discard("r") and not decode.handoffs.discard("r")
     assert decode.receiver.aborted == ["r"]
     decode.handoffs.poll()
-    assert decode.num_free == NUM_BLOCKS and not decode.engine.scheduler.holds("r")
+    assert decode.num_free == NUM_PAGES and not decode.engine.scheduler.holds("r")
 
     decode.handoffs.remember_abort("late")
     decode.handoffs.accept_part(part("late", 0, 0, 2))
     decode.handoffs.accept_handoff(handoff("late"))
     assert [transfer_id for transfer_id, _ in decode.receiver.started] == ["r"]
-    assert decode.num_free == NUM_BLOCKS
+    assert decode.num_free == NUM_PAGES
     # Until the router sends the request here again: its latest word wins.
     decode.handoffs.forget_abort("late")
     decode.handoffs.accept_handoff(handoff("late"))
@@ -280,7 +280,7 @@ def test_parts_whose_handoff_never_comes_expire(decode):
     decode.handoffs.poll()
     assert decode.receiver.aborted == ["r/part1"] and decode.handoffs.num_pending() == 0
     decode.handoffs.poll()  # the aborted fetch is reported: only now are the pages free
-    assert decode.num_free == NUM_BLOCKS
+    assert decode.num_free == NUM_PAGES
     # A handed-off prompt never expires, however long its fetch takes (the receiver's timeout
     # ends it).
     decode.handoffs.accept_handoff(handoff("s"))
@@ -347,7 +347,7 @@ def test_parts_that_do_not_add_up_are_dropped_and_the_prompt_is_prefilled_here(d
     assert decode.waiting("r").num_computed_tokens == 0
     assert sample(FALLBACKS) == fallbacks + 1
     decode.handoffs.poll()
-    assert decode.num_free == NUM_BLOCKS
+    assert decode.num_free == NUM_PAGES
     # In order here, but the handoff counts a part that never came.
     decode.handoffs.accept_part(part("s", 0, 0, 2))
     decode.handoffs.accept_handoff(handoff("s", first_page=3, num_parts=2))
@@ -356,7 +356,7 @@ def test_parts_that_do_not_add_up_are_dropped_and_the_prompt_is_prefilled_here(d
     assert decode.waiting("s").num_computed_tokens == 0
     assert sample(FALLBACKS) == fallbacks + 2
     decode.handoffs.poll()
-    assert decode.num_free == NUM_BLOCKS
+    assert decode.num_free == NUM_PAGES
 
 
 def test_a_handoff_offering_every_page_replaces_the_parts(decode):
@@ -364,10 +364,10 @@ def test_a_handoff_offering_every_page_replaces_the_parts(decode):
     [(_, part_dst)] = decode.receiver.started
     decode.handoffs.accept_handoff(handoff("r"))  # first_page 0: the parts broke over there
     assert decode.receiver.aborted == ["r/part0"]
-    assert decode.num_free == NUM_BLOCKS - 10  # the parts' pages until their fetch ends
+    assert decode.num_free == NUM_PAGES - 10  # the parts' pages until their fetch ends
     decode.handoffs.poll()
-    assert decode.num_free == NUM_BLOCKS - 5
+    assert decode.num_free == NUM_PAGES - 5
     decode.receiver.complete("r")
     decode.handoffs.poll()
     seq = decode.waiting("r")
-    assert seq.num_computed_tokens == len(PROMPT) and not set(part_dst) & set(seq.block_ids)
+    assert seq.num_computed_tokens == len(PROMPT) and not set(part_dst) & set(seq.page_ids)

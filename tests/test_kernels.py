@@ -6,7 +6,7 @@ non-multiples of the page size, pages scattered over the pool, GQA groups that a
 two, and one pool whose offsets overflow int32.
 
 Every pool starts filled with NaN (0x7F bytes for FP8; int8 has no NaN, so 127 at the largest
-scale), and block tables are padded with a page that is never written: a kernel that reads an
+scale), and page tables are padded with a page that is never written: a kernel that reads an
 unwritten slot returns NaN, or something far off, and fails.
 
 Tolerances: float32 runs differ from the reference only in summation order and exp2 vs exp
@@ -81,22 +81,22 @@ GQA = [(2, 1), (2, 3), (1, 4)]
 
 @dataclass
 class Pool:
-    """One block-major pool, ``(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)``."""
+    """One page-major pool, ``(num_pages, num_layers, 2, page_size, num_kv_heads, head_dim)``."""
 
     pages: torch.Tensor
-    scales: torch.Tensor | None  # (num_blocks, num_layers, 2, block_size, num_kv_heads)
+    scales: torch.Tensor | None  # (num_pages, num_layers, 2, page_size, num_kv_heads)
 
     @classmethod
     def create(
         cls,
-        num_blocks: int,
-        block_size: int,
+        num_pages: int,
+        page_size: int,
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
         num_layers: int = 2,
     ) -> Pool:
-        shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
+        shape = (num_pages, num_layers, 2, page_size, num_kv_heads, head_dim)
         if dtype == FP8_DTYPE:
             pages = torch.full(shape, 0x7F, dtype=torch.uint8, device=DEVICE).view(FP8_DTYPE)
             scales = torch.full(shape[:-1], float("nan"), device=DEVICE)
@@ -164,28 +164,28 @@ def e4m3_index(pages: torch.Tensor) -> torch.Tensor:
     return torch.where(byte >= 0x80, -magnitude, magnitude)
 
 
-def block_tables_for(
-    seq_lens: list[int], block_size: int, pages: torch.Tensor, padding_page: int
+def page_tables_for(
+    seq_lens: list[int], page_size: int, pages: torch.Tensor, padding_page: int
 ) -> torch.Tensor:
     """Give each sequence its pages from ``pages`` in order; pad the rest of each row."""
-    width = max(ceil_div(n, block_size) for n in seq_lens) + 1
+    width = max(ceil_div(n, page_size) for n in seq_lens) + 1
     tables = torch.full((len(seq_lens), width), padding_page, dtype=torch.int32)
     used = 0
     for i, n in enumerate(seq_lens):
-        count = ceil_div(n, block_size)
+        count = ceil_div(n, page_size)
         tables[i, :count] = pages[used : used + count]
         used += count
     return tables.to(DEVICE)
 
 
 def slots_for(
-    tables: torch.Tensor, block_size: int, starts: list[int], ends: list[int]
+    tables: torch.Tensor, page_size: int, starts: list[int], ends: list[int]
 ) -> torch.Tensor:
     """Slot ids of positions ``starts[i]:ends[i]`` of every sequence ``i``, flattened."""
     slots = []
     for i, (start, end) in enumerate(zip(starts, ends, strict=True)):
         pos = torch.arange(start, end)
-        slots.append(tables[i].cpu().long()[pos // block_size] * block_size + pos % block_size)
+        slots.append(tables[i].cpu().long()[pos // page_size] * page_size + pos % page_size)
     return torch.cat(slots).to(DEVICE)
 
 
@@ -207,15 +207,15 @@ def make_batch(
     head_dim: int,
     dtype: torch.dtype,
     kv_dtype: torch.dtype,
-    block_size: int = 16,
+    page_size: int = 16,
 ) -> Batch:
     """Scatter each sequence over random pages and store its whole context (reference store)."""
-    total_pages = sum(ceil_div(n, block_size) for n in seq_lens)
-    pool = Pool.create(total_pages + 2, block_size, num_kv_heads, head_dim, kv_dtype)
-    # Page 0 is never written: it pads the block tables.
-    tables = block_tables_for(seq_lens, block_size, torch.randperm(total_pages) + 1, 0)
+    total_pages = sum(ceil_div(n, page_size) for n in seq_lens)
+    pool = Pool.create(total_pages + 2, page_size, num_kv_heads, head_dim, kv_dtype)
+    # Page 0 is never written: it pads the page tables.
+    tables = page_tables_for(seq_lens, page_size, torch.randperm(total_pages) + 1, 0)
     cache = pool.layer(1)
-    slots = slots_for(tables, block_size, [0] * len(seq_lens), seq_lens)
+    slots = slots_for(tables, page_size, [0] * len(seq_lens), seq_lens)
     source_dtype = dtype if kv_dtype in (FP8_DTYPE, INT8_DTYPE) else kv_dtype
     shape = (slots.shape[0], num_kv_heads, head_dim)
     key = torch.randn(shape, device=DEVICE).to(source_dtype)
@@ -226,9 +226,9 @@ def make_batch(
     meta = AttentionMetadata(
         query_start_loc=starts.to(DEVICE),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        block_tables=tables,
+        page_tables=tables,
         slot_mapping=slots_for(
-            tables, block_size, [n - q for n, q in zip(seq_lens, query_lens, strict=True)], seq_lens
+            tables, page_size, [n - q for n, q in zip(seq_lens, query_lens, strict=True)], seq_lens
         ),
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
@@ -273,10 +273,10 @@ def test_store_kv_matches_reference(
     cast is off by a whole binade when rounding carries), so on the CPU quantised pages are
     compared byte for byte: a one-ulp tolerance would let a kernel that truncates pass.
     """
-    block_size, num_tokens = 16, 37
-    pool = Pool.create(12, block_size, num_kv_heads, head_dim, kv_dtype)
+    page_size, num_tokens = 16, 37
+    pool = Pool.create(12, page_size, num_kv_heads, head_dim, kv_dtype)
     expected = pool.clone()
-    slots = torch.randperm(12 * block_size)[:num_tokens].to(DEVICE)
+    slots = torch.randperm(12 * page_size)[:num_tokens].to(DEVICE)
     # K and V as strided views of one fused projection, the way a model produces them.
     fused = torch.randn(num_tokens, 2 * num_kv_heads + 1, head_dim, device=DEVICE) * 4
     fused[3] = 0.0  # an all-zero vector takes the minimum scale
@@ -316,10 +316,10 @@ def test_store_kv_int8_scale_boundaries() -> None:
     vectors = torch.cat([vectors, zero, tiny, huge])
     expected_codes = torch.cat([expected_codes, torch.tensor([0, 0, 255], dtype=torch.int32)])
 
-    num_tokens, block_size = vectors.shape[0], 16
-    pool = Pool.create(ceil_div(num_tokens, block_size) + 1, block_size, 1, head_dim, INT8_DTYPE)
+    num_tokens, page_size = vectors.shape[0], 16
+    pool = Pool.create(ceil_div(num_tokens, page_size) + 1, page_size, 1, head_dim, INT8_DTYPE)
     expected = pool.clone()
-    slots = torch.randperm(pool.pages.shape[0] * block_size)[:num_tokens].to(DEVICE)
+    slots = torch.randperm(pool.pages.shape[0] * page_size)[:num_tokens].to(DEVICE)
     key = vectors.to(DEVICE)[:, None]
     store_kv(key, -key, pool.layer(0), slots)
     store_kv_reference(key, -key, expected.layer(0), slots)
@@ -415,11 +415,11 @@ def test_prefill_attention_quantized(
     assert_matches_reference(out, batch, dtype)
 
 
-@pytest.mark.parametrize("block_size, head_dim", [(5, 80), (32, 64)])
-def test_prefill_attention_other_layouts(block_size: int, head_dim: int) -> None:
+@pytest.mark.parametrize("page_size, head_dim", [(5, 80), (32, 64)])
+def test_prefill_attention_other_layouts(page_size: int, head_dim: int) -> None:
     """A page size that is not a power of two and a head_dim that needs padding."""
     batch = make_batch(
-        [9, 1, 30], [40, 3, 30], 2, 3, head_dim, torch.float32, torch.float32, block_size
+        [9, 1, 30], [40, 3, 30], 2, 3, head_dim, torch.float32, torch.float32, page_size
     )
     out = prefill_attention(batch.query, batch.cache, batch.meta, head_dim**-0.5)
     assert_matches_reference(out, batch, torch.float32)
@@ -476,7 +476,7 @@ def test_decode_attention_rejects_prefill_metadata() -> None:
     bad = AttentionMetadata(
         meta.query_start_loc.long(),
         meta.seq_lens,
-        meta.block_tables,
+        meta.page_tables,
         meta.slot_mapping,
         meta.max_query_len,
         meta.max_seq_len,
@@ -505,7 +505,7 @@ def test_backend_mixed_batch(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim
     """Two forwards through each backend on its own pool: a first chunk of two prompts, then a
     mixed step where two sequences decode and two prefill chunks over a cached prefix, then a
     pure decode step. Pools and outputs must agree at every step."""
-    num_kv_heads, group, block_size = 2, 3, 16
+    num_kv_heads, group, page_size = 2, 3, 16
     triton_backend = get_attention_backend(DEVICE, "triton")
     torch_backend = TorchAttentionBackend()
     assert isinstance(triton_backend, TritonAttentionBackend)
@@ -518,13 +518,13 @@ def test_backend_mixed_batch(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim
         ([0, 1, 2, 3], [25, 40, 31, 4], [26, 41, 32, 5]),  # pure decode
     ]
     final_lens = steps[-1][2]
-    total_pages = sum(ceil_div(n, block_size) for n in final_lens)
-    pool = Pool.create(total_pages + 1, block_size, num_kv_heads, head_dim, kv_dtype)
-    tables = block_tables_for(final_lens, block_size, torch.randperm(total_pages) + 1, 0)
+    total_pages = sum(ceil_div(n, page_size) for n in final_lens)
+    pool = Pool.create(total_pages + 1, page_size, num_kv_heads, head_dim, kv_dtype)
+    tables = page_tables_for(final_lens, page_size, torch.randperm(total_pages) + 1, 0)
     pools = {"triton": pool, "torch": pool.clone()}
     for _, starts, ends in steps:
         query_lens = [e - s for s, e in zip(starts, ends, strict=True)]
-        slots = slots_for(tables, block_size, starts, ends)
+        slots = slots_for(tables, page_size, starts, ends)
         num_tokens = slots.shape[0]
         query, key, value = (
             torch.randn(num_tokens, num_kv_heads * heads, head_dim, device=DEVICE).to(dtype)
@@ -533,7 +533,7 @@ def test_backend_mixed_batch(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim
         meta = AttentionMetadata(
             query_start_loc=torch.tensor([0, *query_lens]).cumsum(0).to(torch.int32).to(DEVICE),
             seq_lens=torch.tensor(ends, dtype=torch.int32, device=DEVICE),
-            block_tables=tables,
+            page_tables=tables,
             slot_mapping=slots,
             max_query_len=max(query_lens),
             max_seq_len=max(ends),
@@ -567,13 +567,13 @@ def test_pool_offsets_beyond_int32(kv_dtype: torch.dtype) -> None:
     torch.empty reserves a pool without touching it, and the interpreter reads CPU tensors in
     place, so only the few highest pages used here are ever paged in (a few MiB resident).
     """
-    block_size, num_kv_heads, head_dim = 16, 1, 64
-    page_elements = 2 * block_size * num_kv_heads * head_dim  # a single layer
-    num_blocks = 2**31 // page_elements + 8
-    used = slice(num_blocks - 8, num_blocks)
+    page_size, num_kv_heads, head_dim = 16, 1, 64
+    page_elements = 2 * page_size * num_kv_heads * head_dim  # a single layer
+    num_pages = 2**31 // page_elements + 8
+    used = slice(num_pages - 8, num_pages)
     pools = {}
     for name in ("triton", "torch"):
-        shape = (num_blocks, 1, 2, block_size, num_kv_heads, head_dim)
+        shape = (num_pages, 1, 2, page_size, num_kv_heads, head_dim)
         pages = torch.empty(shape, dtype=kv_dtype, device=DEVICE)
         # NaN; for int8 pages, 127 at the largest scale (as Pool.create fills them).
         pages[used].view(torch.uint8).fill_(0xFF if kv_dtype == torch.float16 else 0x7F)
@@ -585,13 +585,13 @@ def test_pool_offsets_beyond_int32(kv_dtype: torch.dtype) -> None:
             scales = torch.empty(shape[:-1], dtype=INT8_SCALE_DTYPE, device=DEVICE)
             scales[used] = 255
         pools[name] = Pool(pages, scales)
-    assert (num_blocks - 1) * pools["triton"].pages.stride(0) > 2**31
+    assert (num_pages - 1) * pools["triton"].pages.stride(0) > 2**31
 
     # Five pages, highest first; the sixth pads the tables and is never written.
     seq_lens = [40, 7, 1]
-    top = torch.arange(num_blocks - 1, num_blocks - 7, -1)
-    tables = block_tables_for(seq_lens, block_size, top, num_blocks - 6)
-    slots = slots_for(tables, block_size, [0, 0, 0], seq_lens)
+    top = torch.arange(num_pages - 1, num_pages - 7, -1)
+    tables = page_tables_for(seq_lens, page_size, top, num_pages - 6)
+    slots = slots_for(tables, page_size, [0, 0, 0], seq_lens)
     key = torch.randn(slots.shape[0], num_kv_heads, head_dim, device=DEVICE).half()
     value = torch.randn_like(key)
     store_kv(key, value, pools["triton"].layer(0), slots)
@@ -608,7 +608,7 @@ def test_pool_offsets_beyond_int32(kv_dtype: torch.dtype) -> None:
         meta = AttentionMetadata(
             query_start_loc=starts.to(DEVICE),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-            block_tables=tables,
+            page_tables=tables,
             slot_mapping=slots[:0],
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),

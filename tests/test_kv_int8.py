@@ -23,7 +23,7 @@ from kernels.reference import dequantize_int8, quantize_int8
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
 # The engines here: 128 pages, 64-token steps.
-KNOBS = {"num_blocks": 128, "max_num_batched_tokens": 64}
+KNOBS = {"num_pages": 128, "max_num_batched_tokens": 64}
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
@@ -89,12 +89,12 @@ def test_int8_rounding_is_within_half_a_step_after_the_turn():
 
 def test_int8_layout_holds_at_least_1_95_times_the_tokens_of_bf16():
     # The default model's shape: 30 layers, 3 KV heads of 64.
-    shape = dict(block_size=16, num_layers=30, num_kv_heads=3, head_dim=64)
-    bf16 = kv_layout(torch.bfloat16, **shape).bytes_per_block
+    shape = dict(page_size=16, num_layers=30, num_kv_heads=3, head_dim=64)
+    bf16 = kv_layout(torch.bfloat16, **shape).bytes_per_page
     int8 = kv_layout(INT8_DTYPE, **shape)
     fp8 = kv_layout(FP8_DTYPE, **shape)
     assert int8.scale_page_nbytes == 30 * 2 * 16 * 3  # one byte per token, head, K and V
-    assert bf16 / int8.bytes_per_block >= 1.95
+    assert bf16 / int8.bytes_per_page >= 1.95
     assert int8.mismatch(fp8) == "dtype: 'int8_hadamard' here vs 'float8_e4m3fn' there"
     assert from_wire(KVLayout, to_wire(int8)) == int8
     assert "int8 after a Hadamard turn" in int8.describe("bfloat16")

@@ -22,7 +22,7 @@ import msgpack
 import pytest
 import torch
 import zmq
-from kv_sender_process import NUM_BLOCKS, fill_pool, make_layout, seed_of
+from kv_sender_process import NUM_PAGES, fill_pool, make_layout, seed_of
 from optional_backends import NIXL_INSTALLED, backend_params, needs_nixl
 from prometheus_client import REGISTRY
 
@@ -90,9 +90,9 @@ class SenderProcess:
         assert reply["id"] == self._next_id
         return reply
 
-    def publish(self, key: str, transfer_id: str, block_ids: list[int], lease: float):
+    def publish(self, key: str, transfer_id: str, page_ids: list[int], lease: float):
         reply = self.command(
-            key, "publish", transfer_id=transfer_id, block_ids=block_ids, lease=lease
+            key, "publish", transfer_id=transfer_id, page_ids=page_ids, lease=lease
         )
         return from_wire(TransferParams, reply["params"]), time.monotonic()
 
@@ -118,7 +118,7 @@ class SenderProcess:
 
 
 def expected_pool(spec: str) -> KVPool:
-    pool = KVPool(make_layout(spec.split(":")[1]), NUM_BLOCKS, "cpu")
+    pool = KVPool(make_layout(spec.split(":")[1]), NUM_PAGES, "cpu")
     fill_pool(pool, seed_of(spec))
     return pool
 
@@ -177,12 +177,12 @@ def test_fetch_copies_pages_exactly(senders, receivers, spec):
         result = wait_result(receiver, transfer_id)
         assert result.ok, result.error
         assert result.num_pages == len(src)
-        assert result.nbytes == len(src) * expected.layout.bytes_per_block
+        assert result.nbytes == len(src) * expected.layout.bytes_per_page
         for s, d in zip(src, dst, strict=True):
             assert torch.equal(receiver.pool.page_bytes(d), expected.page_bytes(s))
             if expected.scales is not None:
                 assert torch.equal(receiver.pool.scale_bytes(d), expected.scale_bytes(s))
-        untouched = [b for b in range(receiver.pool.num_blocks) if b not in dst]
+        untouched = [b for b in range(receiver.pool.num_pages) if b not in dst]
         assert not receiver.pool.data[untouched].view(torch.uint8).any()
         # The acknowledgement frees the sender's pages long before the lease would.
         senders.wait_released(spec, transfer_id, timeout=10)
@@ -283,9 +283,9 @@ def test_sender_killed_mid_transfer_fails_by_deadline(backend):
         assert wait_result(receiver, "warm").ok
         process.wait_released(spec, "warm", timeout=10)  # nothing else is on its way to it
         process.command(spec, "freeze_on_fetch")
-        params, _ = process.publish(spec, "doomed", list(range(NUM_BLOCKS)), lease=30)
+        params, _ = process.publish(spec, "doomed", list(range(NUM_PAGES)), lease=30)
         started = time.monotonic()
-        receiver.start_fetch("doomed", params, list(range(NUM_BLOCKS)[::-1]), timeout=2.0)
+        receiver.start_fetch("doomed", params, list(range(NUM_PAGES)[::-1]), timeout=2.0)
         while receiver.poll() == []:
             try:
                 process.wait_event("frozen", timeout=0.01)
@@ -408,7 +408,7 @@ def test_garbage_on_receiver_socket_is_counted_and_dropped():
         for frames in GARBAGE[:-2]:
             router.send_multipart([identity, *frames])
         router.send_multipart([identity, encode(ReleasePages("r", True))])  # wrong direction
-        reply = HandshakeReply(PROTOCOL_VERSION, "fake", "i1", "zmq", layout, num_blocks=4)
+        reply = HandshakeReply(PROTOCOL_VERSION, "fake", "i1", "zmq", layout, num_pages=4)
         router.send_multipart([identity, encode(reply)])
         router.send_multipart([identity, encode(reply)])  # a second reply is unexpected
         identity = expect(FetchRequest)
@@ -427,8 +427,8 @@ def test_transfer_params_round_trip_and_validation():
     params = TransferParams("nixl", "tcp://127.0.0.1:5", "prefill-0", [3, 1], 123.5)
     assert from_wire(TransferParams, to_wire(params)) == params
     raw = to_wire(params)
-    raw["block_ids"] = ["3"]
-    with pytest.raises(ProtocolError, match="block_ids"):
+    raw["page_ids"] = ["3"]
+    with pytest.raises(ProtocolError, match="page_ids"):
         from_wire(TransferParams, raw)
     with pytest.raises(ProtocolError, match="missing"):
         from_wire(TransferParams, {"backend": "zmq"})
@@ -443,14 +443,14 @@ def test_registry():
 def test_publish_rejects_bad_input():
     sender = create_sender("zmq", KVPool(make_layout("bf16"), 4, "cpu"), "prefill-check")
     try:
-        for block_ids, lease, words in [
+        for page_ids, lease, words in [
             ([4], 1.0, "outside"),
             ([1, 1], 1.0, "repeats"),
             ([], 1.0, "empty"),
             ([1], 0.0, "lease"),
         ]:
             with pytest.raises(ValueError, match=words):
-                sender.publish("x", block_ids, lease)
+                sender.publish("x", page_ids, lease)
         sender.publish("x", [1], 1.0)
         with pytest.raises(ValueError, match="already published"):
             sender.publish("x", [2], 1.0)
@@ -555,7 +555,7 @@ def test_zmq_answer_split_across_messages(monkeypatch):
     import kvtransfer.zmq_backend
 
     layout = make_layout("fp8")
-    monkeypatch.setattr(kvtransfer.zmq_backend, "MESSAGE_BYTES", 2 * layout.bytes_per_block)
+    monkeypatch.setattr(kvtransfer.zmq_backend, "MESSAGE_BYTES", 2 * layout.bytes_per_page)
     source = KVPool(layout, 8, "cpu")
     fill_pool(source, 4)
     sender = Polled(create_sender("zmq", source, "prefill-split"))

@@ -90,7 +90,7 @@ def frame(**fields) -> bytes:
 
 
 def test_protocol_version():
-    assert PROTOCOL_VERSION == 5
+    assert PROTOCOL_VERSION == 6
 
 
 def test_round_trip_of_a_step_of_token_deltas():
@@ -121,7 +121,7 @@ def test_round_trip_of_every_field_kind():
 
 def test_round_trip_of_kvtransfer_messages():
     info = NixlAgentInfo("agent", b"\x01" * 64, 1 << 40, None, "DRAM", 0)
-    layout = KVLayout("bfloat16", block_size=16, num_layers=2, num_kv_heads=1, head_dim=64)
+    layout = KVLayout("bfloat16", page_size=16, num_layers=2, num_kv_heads=1, head_dim=64)
     for msg in [
         HandshakeReply(PROTOCOL_VERSION, "prefill-0", "i1", "nixl", layout, 128, info),
         HandshakeReply(PROTOCOL_VERSION, "prefill-0", "i1", "zmq", layout, 128),

@@ -19,7 +19,7 @@ LONG = "Write a short story about a lighthouse keeper who finds a message in a b
 def engine() -> LLMEngine:
     # float32: the served request reuses the reference's cached prefix, and in bf16 a prompt
     # computed over a cached prefix rounds differently from one computed whole.
-    return LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(num_blocks=512)))
+    return LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(num_pages=512)))
 
 
 @pytest.fixture(scope="module")

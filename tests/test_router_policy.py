@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.hashing import block_hashes
+from common.hashing import page_hashes
 from router.policy import (
     REASON_IMBALANCE,
     REASON_LOAD,
@@ -26,11 +26,11 @@ from router.policy import (
 
 BS = 16
 CONFIG = RoutingConfig(remote_prefill_min_tokens=64)
-DECODE = [DecodeView("d0", free_blocks=1000, num_running=0)]
+DECODE = [DecodeView("d0", free_pages=1000, num_running=0)]
 
 
 def request(tokens: list[int], session: str | None = None, **kw) -> RequestView:
-    return RequestView(len(tokens), block_hashes(tokens, BS), BS, 16, session, **kw)
+    return RequestView(len(tokens), page_hashes(tokens, BS), BS, 16, session, **kw)
 
 
 def prefill(wid: str, load: int = 0, cached: list[int] = (), inflight: int = 0) -> PrefillView:
@@ -38,7 +38,7 @@ def prefill(wid: str, load: int = 0, cached: list[int] = (), inflight: int = 0) 
 
 
 PROMPT = list(range(256))
-HASHES = block_hashes(PROMPT, BS)
+HASHES = page_hashes(PROMPT, BS)
 
 
 def test_prefix_overlap_wins():
@@ -48,7 +48,7 @@ def test_prefix_overlap_wins():
 
 
 def test_overlap_counts_only_a_leading_chain():
-    # Holding later blocks without the first ones is no hit at all.
+    # Holding later pages without the first ones is no hit at all.
     workers = WorkersView([prefill("a", load=10), prefill("b", cached=HASHES[1:])], DECODE)
     d = route(request(PROMPT), workers, CONFIG)
     assert (d.prefill_worker_id, d.reason) == ("b", REASON_LOAD)
@@ -157,7 +157,7 @@ OVERFLOW = RoutingConfig(remote_prefill_min_tokens=64, local_prefill_overflow_to
 def test_overflow_prefills_on_the_decode_worker_only_past_the_queue_threshold(
     queued, decode_own, expected
 ):
-    decode = [DecodeView("d0", free_blocks=1000, num_running=3, load_tokens=decode_own)]
+    decode = [DecodeView("d0", free_pages=1000, num_running=3, load_tokens=decode_own)]
     workers = WorkersView([prefill("a", load=queued)], decode)
     d = route(request(PROMPT), workers, OVERFLOW)
     assert d.prefill_worker_id == expected

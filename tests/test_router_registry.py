@@ -8,8 +8,8 @@ from common.protocol import CacheEvents, Heartbeat, RegisterWorker
 from router.registry import WorkerRegistry
 
 
-def layout(block_size: int) -> KVLayout:
-    return KVLayout("bfloat16", block_size, 2, 2, 64)
+def layout(page_size: int) -> KVLayout:
+    return KVLayout("bfloat16", page_size, 2, 2, 64)
 
 
 def reg(wid: str, role: str = "prefill", **kw) -> RegisterWorker:
@@ -20,7 +20,7 @@ def reg(wid: str, role: str = "prefill", **kw) -> RegisterWorker:
         model="m",
         kv_layout=layout(16),
         kv_transfer="zmq",
-        num_blocks=100,
+        num_pages=100,
         max_model_len=2048,
         metrics_url="http://127.0.0.1:9/metrics",
         handoff_endpoint="tcp://127.0.0.1:9" if role == "decode" else None,
@@ -44,12 +44,12 @@ def test_register_checks_version_model_role_and_layout():
     assert "role" in r.register(reg("a", role="both"), 0)
     assert "handoff_endpoint" in r.register(reg("a", role="decode", handoff_endpoint=None), 0)
     assert r.register(reg("a"), 0) is None
-    assert "block_size" in r.register(reg("b", kv_layout=layout(32)), 0)
+    assert "page_size" in r.register(reg("b", kv_layout=layout(32)), 0)
     # A layout this version cannot serve is refused, saying why (it decodes: its shape is kept).
     unknown = KVLayout("float4", 16, 2, 2, 64)
     assert "unsupported KV cache dtype 'float4'" in r.register(reg("b", kv_layout=unknown), 0)
     empty = KVLayout("bfloat16", 0, 2, 2, 64)
-    assert "block_size must be a positive int" in r.register(reg("b", kv_layout=empty), 0)
+    assert "page_size must be a positive int" in r.register(reg("b", kv_layout=empty), 0)
     assert list(r.workers) == ["a"]
 
 
@@ -104,14 +104,14 @@ def test_prefix_index_follows_stored_removed_and_reset_events():
 def test_load_is_counted_at_dispatch_until_reported():
     r = WorkerRegistry("m", heartbeat_timeout=3)
     r.register(reg("a"), 0)
-    r.on_dispatch("a", "r1", prefill_tokens=100, blocks=0, now=1.0)
+    r.on_dispatch("a", "r1", prefill_tokens=100, pages=0, now=1.0)
     assert r.view().prefill[0].load_tokens == 100
     assert r.view().prefill[0].num_inflight == 1
     r.on_heartbeat(beat("a", queued=100), now=1.5)  # may or may not include r1 yet
     assert r.workers["a"].load_tokens == 200
     r.on_heartbeat(beat("a", queued=100), now=2.5)  # a full interval later: r1 is reported
     assert r.workers["a"].load_tokens == 100
-    r.on_dispatch("a", "r2", prefill_tokens=50, blocks=0, now=3.0)
+    r.on_dispatch("a", "r2", prefill_tokens=50, pages=0, now=3.0)
     r.on_prefilled("a", "r2")  # its first token arrived: its prompt is computed
     assert r.workers["a"].load_tokens == 100
     r.on_released("a", "r1")
@@ -119,21 +119,21 @@ def test_load_is_counted_at_dispatch_until_reported():
     assert r.view().prefill[0].num_inflight == 0
 
 
-def test_decode_headroom_subtracts_dispatched_blocks():
+def test_decode_headroom_subtracts_dispatched_pages():
     r = WorkerRegistry("m", heartbeat_timeout=3)
     r.register(reg("d", "decode"), 0)
     r.on_heartbeat(beat("d", free=80), 0)
-    r.on_dispatch("d", "r1", 0, blocks=30, now=1)
+    r.on_dispatch("d", "r1", 0, pages=30, now=1)
     view = r.view().decode[0]
-    assert (view.free_blocks, view.num_running) == (50, 2)
+    assert (view.free_pages, view.num_running) == (50, 2)
     assert r.workers["d"].describe()["metrics_url"].endswith("/metrics")
 
 
-def test_dispatcher_never_reuses_another_prompts_block_hashes():
+def test_dispatcher_never_reuses_another_prompts_page_hashes():
     """The dispatcher keeps the last prompt's hashes for its next choice or retry. A new prompt
     whose list happens to sit where a freed one did (same id()) must be hashed afresh: with
     stale hashes it was routed as if an old prompt's pages held it."""
-    from common.hashing import block_hashes
+    from common.hashing import page_hashes
     from router.dispatcher import Dispatcher
     from router.metrics import RouterMetrics
     from router.policy import RoutingConfig
@@ -143,8 +143,8 @@ def test_dispatcher_never_reuses_another_prompts_block_hashes():
     )
     for i in range(200):
         tokens = [i, *range(63)]  # a new list each time, often where the last one was
-        assert dispatcher._hashes(tokens, 16) == block_hashes(tokens, 16)
-        assert dispatcher._hashes(tokens, 16) == block_hashes(tokens, 16)  # the kept copy
+        assert dispatcher._hashes(tokens, 16) == page_hashes(tokens, 16)
+        assert dispatcher._hashes(tokens, 16) == page_hashes(tokens, 16)  # the kept copy
         tokens[5] = -1  # the same list, changed in place: hashed afresh
-        assert dispatcher._hashes(tokens, 16) == block_hashes(tokens, 16)
+        assert dispatcher._hashes(tokens, 16) == page_hashes(tokens, 16)
         del tokens

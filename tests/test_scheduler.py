@@ -12,27 +12,27 @@ from collections.abc import Mapping
 import pytest
 
 from common.config import SchedulerConfig
-from common.engine.block_manager import BlockManager
+from common.engine.page_manager import PageManager
 from common.engine.sampler import SampledToken
 from common.engine.scheduler import ScheduledSequence, Scheduler, SequenceOutput
 from common.engine.sequence import FinishReason, Sequence, SequenceStatus
 from common.sampling_params import SamplingParams
 
-BLOCK = 4
+PAGE = 4
 EOS = 2
 
 
 def make_scheduler(
     *,
-    num_blocks: int = 16,
+    num_pages: int = 16,
     budget: int = 8,
     max_num_seqs: int = 256,
     max_model_len: int = 64,
     prefix_caching: bool = True,
 ) -> Scheduler:
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs)
-    blocks = BlockManager(num_blocks, BLOCK, enable_prefix_caching=prefix_caching)
-    return Scheduler(config, blocks, max_model_len, eos_token_ids=[EOS])
+    pages = PageManager(num_pages, PAGE, enable_prefix_caching=prefix_caching)
+    return Scheduler(config, pages, max_model_len, eos_token_ids=[EOS])
 
 
 def prompt(first: int, length: int) -> list[int]:
@@ -85,9 +85,9 @@ def test_admission_is_first_come_first_served_and_decodes_go_first():
     # a takes 5 of the 8 tokens, b the other 3; c waits for the next step.
     assert step(scheduler) == [("a", 5, True), ("b", 3, True)]
     assert [s.request_id for s in scheduler.waiting] == ["c"]
-    assert c.status is SequenceStatus.WAITING and c.block_ids == []
-    assert (len(a.block_ids), len(b.block_ids)) == (2, 1)  # ceil(5 / 4), ceil(3 / 4)
-    assert scheduler.block_manager.num_free_blocks == 16 - 3
+    assert c.status is SequenceStatus.WAITING and c.page_ids == []
+    assert (len(a.page_ids), len(b.page_ids)) == (2, 1)  # ceil(5 / 4), ceil(3 / 4)
+    assert scheduler.page_manager.num_free_pages == 16 - 3
     # Each decodes one token before the newcomer gets the remaining 6.
     assert step(scheduler) == [("a", 1, True), ("b", 1, True), ("c", 4, True)]
     assert (a.num_computed_tokens, b.num_computed_tokens, c.num_computed_tokens) == (6, 4, 4)
@@ -110,13 +110,13 @@ def test_a_long_prompt_is_prefilled_in_chunks_beside_a_decode():
     # Step 1: short's 3 tokens, then the first 5 of long's 19, which samples nothing yet.
     assert step(scheduler) == [("short", 3, True), ("long", 5, False)]
     assert long.num_computed_tokens == 5 and long.num_output_tokens == 0
-    assert len(long.block_ids) == 2  # ceil(5 / 4): pages for what is computed, no more
+    assert len(long.page_ids) == 2  # ceil(5 / 4): pages for what is computed, no more
     # Then the decode's token and 7 more of the prompt each step, until it is done.
     assert step(scheduler) == [("short", 1, True), ("long", 7, False)]
-    assert long.num_computed_tokens == 12 and len(long.block_ids) == 3
+    assert long.num_computed_tokens == 12 and len(long.page_ids) == 3
     assert step(scheduler) == [("short", 1, True), ("long", 7, True)]
     assert long.num_computed_tokens == 19 and long.num_output_tokens == 1
-    assert len(long.block_ids) == 5  # ceil(19 / 4)
+    assert len(long.page_ids) == 5  # ceil(19 / 4)
     assert step(scheduler) == [("short", 1, True), ("long", 1, True)]
     # Every prompt token ran through the model exactly once.
     assert scheduler.num_prompt_tokens_computed == 3 + 19
@@ -144,19 +144,19 @@ def run_alone(scheduler: Scheduler, request_id: str, tokens: list[int]) -> Seque
 
 def test_cached_pages_count_as_computed_and_only_the_rest_is_scheduled():
     scheduler = make_scheduler(budget=64)
-    blocks = scheduler.block_manager
+    pages = scheduler.page_manager
     first = prompt(10, 10)
     done = run_alone(scheduler, "first", first)
-    assert done.finish_reason is FinishReason.LENGTH and blocks.num_free_blocks == 16
-    [first_page, second_page] = blocks.match_prefix(first)  # its two full pages stay filed
+    assert done.finish_reason is FinishReason.LENGTH and pages.num_free_pages == 16
+    [first_page, second_page] = pages.match_prefix(first)  # its two full pages stay filed
 
     # The same first 8 tokens, then 3 others: two pages hit, three tokens left to compute.
     second = add(scheduler, "second", [*first[:8], 90, 91, 92])
     [item] = scheduler.schedule()
     assert (item.num_new_tokens, item.samples) == (3, True)
     assert second.num_computed_tokens == 8 and second.num_cached_tokens == 8
-    assert second.block_ids[:2] == [first_page, second_page] and len(second.block_ids) == 3
-    assert blocks.ref_count(first_page) == blocks.ref_count(second_page) == 1
+    assert second.page_ids[:2] == [first_page, second_page] and len(second.page_ids) == 3
+    assert pages.ref_count(first_page) == pages.ref_count(second_page) == 1
     finish_step(scheduler, [item])
     assert scheduler.num_prompt_tokens_computed == 10 + 3
 
@@ -193,11 +193,11 @@ def sequences_filling_the_pool(
     """A 7-token prompt per name, admitted in that order, two pages each in a pool of just that
     many pages. After two steps each holds 9 tokens (generated: 100, 101) with 8 computed, so
     its next decode needs a third page, and none is free."""
-    scheduler = make_scheduler(num_blocks=2 * len(names), budget=64, prefix_caching=prefix_caching)
+    scheduler = make_scheduler(num_pages=2 * len(names), budget=64, prefix_caching=prefix_caching)
     seqs = [add(scheduler, n, prompt(10 + 20 * i, 7), max_tokens=3) for i, n in enumerate(names)]
     assert step(scheduler, dict.fromkeys(names, 100)) == [(n, 7, True) for n in names]
     assert step(scheduler, dict.fromkeys(names, 101)) == [(n, 1, True) for n in names]
-    assert scheduler.block_manager.num_free_blocks == 0
+    assert scheduler.page_manager.num_free_pages == 0
     assert [(s.num_tokens, s.num_computed_tokens) for s in seqs] == [(9, 8)] * len(names)
     return scheduler, seqs
 
@@ -210,31 +210,31 @@ def test_the_newest_sequence_is_preempted_for_pages_and_resumes_where_it_stopped
     # left this step.
     assert step(scheduler, dict.fromkeys("abc", 102)) == [("a", 1, True), ("b", 1, True)]
     assert scheduler.num_preemptions == 1
-    assert c.status is SequenceStatus.WAITING and c.block_ids == [] and c.num_computed_tokens == 0
+    assert c.status is SequenceStatus.WAITING and c.page_ids == [] and c.num_computed_tokens == 0
     assert list(scheduler.waiting) == [c, d] and c.output_token_ids == [100, 101]
     # a and b reached max_tokens (3) and freed their three pages each.
     assert a.finish_reason is b.finish_reason is FinishReason.LENGTH
     assert a.output_token_ids == b.output_token_ids == [100, 101, 102]
-    assert scheduler.block_manager.num_free_blocks == 6
+    assert scheduler.page_manager.num_free_pages == 6
     # c recomputes its prompt and both generated tokens in one chunk, then samples its third.
     assert step(scheduler, {"c": 102}) == [("c", 9, True), ("d", 3, True)]
     assert c.output_token_ids == [100, 101, 102] and c.finish_reason is FinishReason.LENGTH
     assert c.num_cached_tokens == 0  # what it recomputed is not a cache hit
     assert scheduler.num_prompt_tokens_computed == 3 * 7 + 7 + 3  # c's prompt counted twice
-    assert scheduler.block_manager.num_free_blocks == 6 and not scheduler.has_work
+    assert scheduler.page_manager.num_free_pages == 6 and not scheduler.has_work
 
 
 def test_a_preempted_sequence_resumes_from_its_own_pages_still_in_the_cache():
     scheduler, [a, b] = sequences_filling_the_pool("ab", prefix_caching=True)
     # b's two full pages stay filed when it is preempted; a's third page is the one b freed
     # first (its second), so b's first page is still filed when b comes back after a finished.
-    b_first_page, b_second_page = b.block_ids
+    b_first_page, b_second_page = b.page_ids
     assert step(scheduler, {"a": 102}) == [("a", 1, True)]
     assert b.status is SequenceStatus.WAITING and a.finish_reason is FinishReason.LENGTH
-    assert scheduler.block_manager.block_hash(b_second_page) is None
+    assert scheduler.page_manager.page_hash(b_second_page) is None
     [item] = scheduler.schedule()
     assert (item.seq, item.num_new_tokens, item.samples) == (b, 5, True)
-    assert b.num_computed_tokens == 4 and b.block_ids[0] == b_first_page
+    assert b.num_computed_tokens == 4 and b.page_ids[0] == b_first_page
 
 
 # -- finishing and aborting ---------------------------------------------------------------------
@@ -263,7 +263,7 @@ def test_a_sequence_finishes_on_its_stop_token_and_frees_its_pages(params, token
     ]
     assert seq.finish_reason is reason and seq.status is SequenceStatus.FINISHED
     assert seq.output_token_ids == tokens
-    assert seq.block_ids == [] and scheduler.block_manager.num_free_blocks == 16
+    assert seq.page_ids == [] and scheduler.page_manager.num_free_pages == 16
     assert not scheduler.has_work
 
 
@@ -280,18 +280,18 @@ def test_a_sequence_stops_at_the_model_length():
 
 def test_abort_frees_pages_wherever_the_sequence_is():
     scheduler = make_scheduler(budget=8)
-    blocks = scheduler.block_manager
+    pages = scheduler.page_manager
     running = add(scheduler, "running", prompt(10, 12))
     waiting = add(scheduler, "waiting", prompt(30, 5))
     assert step(scheduler) == [("running", 8, False)]
-    filed = blocks.match_prefix(prompt(10, 8))
-    assert len(filed) == 2 and blocks.num_free_blocks == 14
+    filed = pages.match_prefix(prompt(10, 8))
+    assert len(filed) == 2 and pages.num_free_pages == 14
     assert scheduler.abort("nobody") is None
     assert scheduler.abort("waiting") is waiting
     assert waiting.finish_reason is FinishReason.ABORT and list(scheduler.waiting) == []
     assert scheduler.abort("running") is running
-    assert running.finish_reason is FinishReason.ABORT and running.block_ids == []
-    assert blocks.num_free_blocks == 16 and not scheduler.has_work
+    assert running.finish_reason is FinishReason.ABORT and running.page_ids == []
+    assert pages.num_free_pages == 16 and not scheduler.has_work
     # Its computed pages are free but still filed: a later prompt can use them.
-    assert blocks.match_prefix(prompt(10, 8)) == filed
-    assert all(blocks.ref_count(b) == 0 for b in filed)
+    assert pages.match_prefix(prompt(10, 8)) == filed
+    assert all(pages.ref_count(b) == 0 for b in filed)

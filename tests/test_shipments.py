@@ -25,7 +25,7 @@ from common.service.worker_base import WorkerService
 from decode_worker.handoffs import Handoffs
 from prefill_worker.shipments import Shipments
 
-NUM_BLOCKS = 32
+NUM_PAGES = 32
 CHUNK = 24  # tokens a prefill step computes: a 70-token prompt takes three steps
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 PROMPT = random_prompts(1, seed=3, min_len=70, max_len=70)[0]  # five pages of 16
@@ -39,7 +39,7 @@ def model(tmp_path_factory):
 
 def make_engine(model, role: str | None) -> LLMEngine:
     return build_engine(
-        model, num_blocks=NUM_BLOCKS, max_num_batched_tokens=CHUNK, max_model_len=256, role=role
+        model, num_pages=NUM_PAGES, max_num_batched_tokens=CHUNK, max_model_len=256, role=role
     )
 
 
@@ -57,7 +57,7 @@ class Prefill:
     def __post_init__(self) -> None:
         self.shipments = Shipments(
             self.sender,
-            self.engine.block_manager,
+            self.engine.page_manager,
             release=self.engine.scheduler.release,
             push=self.push,
             fail=self.fail,
@@ -95,7 +95,7 @@ class Prefill:
         return [msg for _, msg in self.pushed if isinstance(msg, kind)]
 
     def refs(self, pages: list[int]) -> list[int]:
-        return [self.engine.block_manager.ref_count(page) for page in pages]
+        return [self.engine.page_manager.ref_count(page) for page in pages]
 
 
 @pytest.fixture
@@ -120,12 +120,12 @@ def test_each_chunk_ships_its_finished_pages_then_the_handoff_offers_the_rest(pr
     assert endpoint == ENDPOINT and isinstance(first, HandoffPart)
     assert (first.request_id, first.part_index, first.first_page) == ("r", 0, 0)
     assert first.num_prompt_tokens == len(PROMPT) and first.transfer_id == "r/part0"
-    assert first.transfer.block_ids == seq.block_ids[:1]
-    assert prefill.refs(seq.block_ids[:1]) == [2]  # the sequence's, and the lease's own
+    assert first.transfer.page_ids == seq.page_ids[:1]
+    assert prefill.refs(seq.page_ids[:1]) == [2]  # the sequence's, and the lease's own
     prefill.step()  # 48 tokens: pages 1 and 2
     second = prefill.pushed[1][1]
     assert (second.part_index, second.first_page, second.transfer_id) == (1, 1, "r/part1")
-    assert second.transfer.block_ids == seq.block_ids[1:3]
+    assert second.transfer.page_ids == seq.page_ids[1:3]
     assert prefill.shipments.num_handed_off() == 0
     done_at = prefill.step()  # the last 22 tokens and the first token
 
@@ -136,7 +136,7 @@ def test_each_chunk_ships_its_finished_pages_then_the_handoff_offers_the_rest(pr
     assert handoff.params == GREEDY and handoff.prefill_done_at == done_at
     assert handoff.first_token.token_id == seq.samples[0].token_id
     assert (handoff.first_page, handoff.num_parts, handoff.num_cached_tokens) == (3, 2, 0)
-    assert handoff.transfer.block_ids == seq.block_ids[3:5]
+    assert handoff.transfer.page_ids == seq.page_ids[3:5]
     assert set(prefill.sender.published) == {"r/part0", "r/part1", "r"}
     assert prefill.shipments.num_handed_off() == 1
     assert sample(SENT) == sent + 5 and sample(*HANDED_OFF) == handed_off + 1
@@ -149,7 +149,7 @@ def test_pages_are_freed_only_when_every_lease_on_them_has_ended(prefill):
     seq = prefill.submit("r")
     for _ in range(3):
         prefill.step()
-    pages = list(seq.block_ids)
+    pages = list(seq.page_ids)
     assert prefill.refs(pages) == [2, 2, 2, 1, 1]
     prefill.sender.release("r")  # the decode worker has the handoff's pages
     prefill.shipments.poll()
@@ -159,14 +159,14 @@ def test_pages_are_freed_only_when_every_lease_on_them_has_ended(prefill):
     assert prefill.refs(pages) == [1, 0, 0, 0, 0]
     prefill.sender.release("r/part0")
     prefill.shipments.poll()
-    assert prefill.engine.block_manager.num_free_blocks == NUM_BLOCKS
+    assert prefill.engine.page_manager.num_free_pages == NUM_PAGES
 
 
 def test_an_abort_while_prefilling_withdraws_the_parts(prefill):
     seq = prefill.submit("r")
     prefill.step()
     prefill.step()
-    pages = list(seq.block_ids)
+    pages = list(seq.page_ids)
     # The worker's abort path: the shipments first, then the scheduler.
     prefill.shipments.withdraw("r")
     assert prefill.engine.scheduler.abort("r") is not None
@@ -174,7 +174,7 @@ def test_an_abort_while_prefilling_withdraws_the_parts(prefill):
     assert prefill.pushed[-1] == (ENDPOINT, AbortRequest("r"))
     assert prefill.refs(pages[:3]) == [1, 1, 1]  # the parts' leases hold them until poll
     prefill.shipments.poll()
-    assert prefill.engine.block_manager.num_free_blocks == NUM_BLOCKS
+    assert prefill.engine.page_manager.num_free_pages == NUM_PAGES
     prefill.shipments.withdraw("r")  # again: nothing left to withdraw
     prefill.shipments.ship_parts([seq])
     assert len(prefill.messages(AbortRequest)) == 1 and len(prefill.pushed) == 3
@@ -194,7 +194,7 @@ def test_a_first_token_that_ends_the_request_withdraws_its_parts(prefill):
     assert prefill.sender.aborted == ["r/part0", "r/part1"]
     assert prefill.shipments.num_handed_off() == 0
     prefill.shipments.poll()
-    assert prefill.engine.block_manager.num_free_blocks == NUM_BLOCKS
+    assert prefill.engine.page_manager.num_free_pages == NUM_PAGES
 
 
 def test_an_abort_after_the_handoff_ends_its_lease(prefill):
@@ -206,9 +206,9 @@ def test_an_abort_after_the_handoff_ends_its_lease(prefill):
     prefill.shipments.abort_handoff("r")
     prefill.shipments.abort_handoff("unknown")
     assert prefill.sender.aborted == ["r"]
-    assert prefill.engine.block_manager.num_free_blocks < NUM_BLOCKS
+    assert prefill.engine.page_manager.num_free_pages < NUM_PAGES
     prefill.shipments.poll()
-    assert prefill.engine.block_manager.num_free_blocks == NUM_BLOCKS
+    assert prefill.engine.page_manager.num_free_pages == NUM_PAGES
     assert prefill.shipments.num_handed_off() == 0
 
 
@@ -224,7 +224,7 @@ def test_an_unreachable_decode_worker_fails_the_request_retryable(prefill):
     assert [type(msg) for msg in prefill.messages()] == [HandoffPart, HandoffPart, AbortRequest]
     assert sample(SENT) == sent + 3  # the parts went out; the handoff's pages did not
     prefill.shipments.poll()
-    assert prefill.engine.block_manager.num_free_blocks == NUM_BLOCKS
+    assert prefill.engine.page_manager.num_free_pages == NUM_PAGES
 
 
 def test_a_part_that_cannot_go_out_stops_the_parts_and_the_handoff_offers_every_page(prefill):
@@ -234,18 +234,18 @@ def test_a_part_that_cannot_go_out_stops_the_parts_and_the_handoff_offers_every_
         prefill.step()
     [handoff] = prefill.messages()
     assert (handoff.first_page, handoff.num_parts) == (0, 0)
-    assert handoff.transfer.block_ids == seq.block_ids
+    assert handoff.transfer.page_ids == seq.page_ids
     assert prefill.sender.aborted == ["r/part0"]  # published, then taken back; no retry
 
 
 def test_a_part_that_cannot_be_published_stops_the_parts(prefill):
-    prefill.sender.publish("r/part0", [NUM_BLOCKS - 1], 30.0)  # an id that collides
+    prefill.sender.publish("r/part0", [NUM_PAGES - 1], 30.0)  # an id that collides
     seq = prefill.submit("r")
     for _ in range(3):
         prefill.step()
     [handoff] = prefill.messages()
     assert (handoff.first_page, handoff.num_parts) == (0, 0)
-    assert handoff.transfer.block_ids == seq.block_ids
+    assert handoff.transfer.page_ids == seq.page_ids
     assert sorted(prefill.sender.published) == ["r", "r/part0"]
 
 
@@ -283,7 +283,7 @@ def test_pages_shipped_in_parts_decode_to_the_tokens_of_one_process(prefill, mod
             receiver.complete(transfer_id)
         handoffs.poll()
         prefill.shipments.poll()
-    assert prefill.engine.block_manager.num_free_blocks == NUM_BLOCKS  # every lease ended
+    assert prefill.engine.page_manager.num_free_pages == NUM_PAGES  # every lease ended
     assert handoffs.num_pending() == 0 and not failures
     [seq] = decode.scheduler.waiting
     while decode.scheduler.has_work:

@@ -131,7 +131,7 @@ def test_preemption_under_page_pressure_keeps_the_tokens(target):
     prompts = random_prompts(8, seed=12, min_len=30, max_len=60)
     params = SamplingParams(max_tokens=48, temperature=0.0)
     expected = build_engine(target).generate(prompts, params)
-    engine = build_engine(target, speculative=draft(target), num_blocks=32)
+    engine = build_engine(target, speculative=draft(target), num_pages=32)
     assert engine.generate(prompts, params) == expected
     assert engine.scheduler.num_preemptions > 0
 
@@ -291,7 +291,7 @@ def test_sampled_distribution_is_the_targets(tmp_path, proposer):
     # Waves of 64: each wave's prompts are prefilled in one step and then decode by themselves,
     # since proposals wait for steps of decodes alone.
     engine = build_engine(
-        folder, speculative=spec, num_blocks=2048, max_num_batched_tokens=2048, max_num_seqs=64
+        folder, speculative=spec, num_pages=2048, max_num_batched_tokens=2048, max_num_seqs=64
     )
     params = [SamplingParams(max_tokens=3, temperature=1.0, seed=i) for i in range(NUM_DRAWS)]
     with Counted() as counted:

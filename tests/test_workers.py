@@ -51,7 +51,7 @@ def one_process(model, prompts, params, dtype, kv_cache_dtype):
             model=str(model),
             dtype=dtype,
             device="cpu",
-            cache=CacheConfig(kv_cache_dtype=kv_cache_dtype, num_blocks=128),
+            cache=CacheConfig(kv_cache_dtype=kv_cache_dtype, num_pages=128),
             scheduler=SchedulerConfig(max_num_batched_tokens=PREFILL_CHUNK, max_model_len=256),
         )
     )
@@ -145,18 +145,18 @@ def test_speculating_decode_worker_gives_the_same_greedy_tokens(
     assert decode["pdserve_spec_decode_accepted_tokens_per_step_count"] > 0
 
 
-def fetches_for(prompt_len: int, chunk: int = PREFILL_CHUNK, block_size: int = 16) -> int:
+def fetches_for(prompt_len: int, chunk: int = PREFILL_CHUNK, page_size: int = 16) -> int:
     """Fetches of one handed-off prompt: a part per chunk that completed pages, then the rest."""
     fetches, shipped, computed = 1, 0, 0
     while (computed := min(computed + chunk, prompt_len)) < prompt_len:
-        if computed // block_size > shipped:
-            fetches, shipped = fetches + 1, computed // block_size
+        if computed // page_size > shipped:
+            fetches, shipped = fetches + 1, computed // page_size
     return fetches
 
 
 def test_first_token_that_ends_a_request_is_not_handed_off(router, model):
     start_pair(router, model, "zmq", prefill_flags=("--kv-lease-seconds", "2"))
-    totals = {role: free_blocks(router, role) for role in ("prefill", "decode")}
+    totals = {role: free_pages(router, role) for role in ("prefill", "decode")}
     # Long enough for parts to be shipped before the first token ends it: they are withdrawn.
     prompt = random_prompts(1, seed=3, min_len=90, max_len=90)[0]
     router.prefill("one", prompt, SamplingParams(max_tokens=1, temperature=0))
@@ -165,7 +165,7 @@ def test_first_token_that_ends_a_request_is_not_handed_off(router, model):
     assert delta.first and delta.finish_reason == "length"
     assert router.metrics("decode").get('pdserve_requests_total{outcome="length"}', 0) == 0
     for role, total in totals.items():
-        router.wait_for(lambda r=role, t=total: free_blocks(router, r) == t, 20, f"{role} leaks")
+        router.wait_for(lambda r=role, t=total: free_pages(router, r) == t, 20, f"{role} leaks")
     assert len(router.log("one").deltas) == 1
 
 
@@ -173,7 +173,7 @@ def test_abort_during_chunked_prefill_withdraws_the_parts(router, model):
     """Aborted after its first part went out, a prompt's parts are withdrawn: their leases end
     at once (long before they would run out) and the decode worker is told to drop them."""
     start_pair(router, model, "zmq", prefill_flags=("--max-num-batched-tokens", "16"))
-    total = free_blocks(router, "prefill")
+    total = free_pages(router, "prefill")
     tap = HandoffTap(router.context)
     prompt = random_prompts(1, seed=4, min_len=240, max_len=240)[0]
     router.prefill("short-lived", prompt, GREEDY, handoff_endpoint=tap.endpoint)
@@ -183,7 +183,7 @@ def test_abort_during_chunked_prefill_withdraws_the_parts(router, model):
     router.send(router.worker("prefill").worker_id, AbortRequest("short-lived"))
     while not isinstance(msg := tap.next(timeout=30), AbortRequest):
         assert isinstance(msg, HandoffPart), f"{type(msg).__name__} after the abort"
-    router.wait_for(lambda: free_blocks(router, "prefill") == total, 10, "part leases held")
+    router.wait_for(lambda: free_pages(router, "prefill") == total, 10, "part leases held")
     assert not router.log("short-lived").deltas
     tap.close()
 
@@ -193,7 +193,7 @@ def test_parts_withdrawn_by_the_prefill_worker_are_dropped(router, model):
     the prefill worker's part leases end once the decode worker has read them."""
     start_pair(router, model, "zmq", prefill_flags=("--kv-lease-seconds", "2"))
     decode = router.worker("decode")
-    totals = {role: free_blocks(router, role) for role in ("prefill", "decode")}
+    totals = {role: free_pages(router, role) for role in ("prefill", "decode")}
     tap = HandoffTap(router.context)
     prompt = random_prompts(1, seed=6, min_len=100, max_len=100)[0]
     router.prefill("withdrawn", prompt, GREEDY, handoff_endpoint=tap.endpoint)
@@ -205,16 +205,16 @@ def test_parts_withdrawn_by_the_prefill_worker_are_dropped(router, model):
     push.connect(decode.handoff_endpoint)
     for part in parts:
         push.send(encode(part))
-    pages = sum(len(p.transfer.block_ids) for p in parts)
+    pages = sum(len(p.transfer.page_ids) for p in parts)
     router.wait_for(
         lambda: router.metrics("decode")["pdserve_kv_pages_received_total"] == pages,
         30,
         "parts not fetched",
     )
-    assert free_blocks(router, "decode") == totals["decode"] - ceil_div(len(prompt), 16)
+    assert free_pages(router, "decode") == totals["decode"] - ceil_div(len(prompt), 16)
     push.send(encode(AbortRequest("withdrawn")))
     for role, total in totals.items():
-        router.wait_for(lambda r=role, t=total: free_blocks(router, r) == t, 20, f"{role} leaks")
+        router.wait_for(lambda r=role, t=total: free_pages(router, r) == t, 20, f"{role} leaks")
     push.close()
     tap.close()
 
@@ -230,18 +230,18 @@ def test_local_prefill_on_the_decode_worker(router, model):
     assert router.metrics("decode")["pdserve_prompt_tokens_computed_total"] == len(prompt)
 
 
-def free_blocks(router, role) -> int:
+def free_pages(router, role) -> int:
     worker = router.worker(role).worker_id
     router.heartbeats.pop(worker, None)
     router.wait_for(lambda: worker in router.heartbeats, 10, "no heartbeat")
     beat: Heartbeat = router.heartbeats[worker]
-    return beat.num_free_blocks
+    return beat.num_free_pages
 
 
 def test_prefill_killed_mid_transfer_decode_releases_pages_and_prefills_itself(router, model):
     start_pair(router, model, "zmq", decode_flags=("--kv-fetch-timeout", "3"))
     decode = router.worker("decode")
-    total = free_blocks(router, "decode")
+    total = free_pages(router, "decode")
     tap = HandoffTap(router.context)
     prompt = random_prompts(1, seed=9, min_len=40, max_len=40)[0]
     router.prefill("doomed", prompt, GREEDY, handoff_endpoint=tap.endpoint)
@@ -262,25 +262,25 @@ def test_prefill_killed_mid_transfer_decode_releases_pages_and_prefills_itself(r
     assert metrics["pdserve_kv_transfer_fallbacks_total"] == 1
     assert metrics["pdserve_kv_pages_received_total"] == 0
     assert metrics["pdserve_prompt_tokens_computed_total"] == len(prompt)
-    assert free_blocks(router, "decode") == total
+    assert free_pages(router, "decode") == total
     push.close()
     tap.close()
 
 
 def test_decode_killed_prefill_releases_pinned_pages_when_the_lease_ends(router, model):
     start_pair(router, model, "zmq", prefill_flags=("--kv-lease-seconds", "2"))
-    total = free_blocks(router, "prefill")
+    total = free_pages(router, "prefill")
     os.kill(router.processes[1].pid, signal.SIGKILL)
     router.processes[1].wait(10)
     prompt = random_prompts(1, seed=10, min_len=50, max_len=50)[0]
     router.prefill("orphan", prompt, GREEDY)
     router.wait_for(lambda: router.log("orphan").deltas, 60, "no first token")
     # Pinned for the transfer (the prompt's pages are held, not just cached).
-    assert free_blocks(router, "prefill") == total - 4
+    assert free_pages(router, "prefill") == total - 4
     router.wait_for(
         lambda: (
             router.heartbeats.get(router.worker("prefill").worker_id)
-            and free_blocks(router, "prefill") == total
+            and free_pages(router, "prefill") == total
         ),
         15,
         "pages never released",

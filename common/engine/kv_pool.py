@@ -1,9 +1,9 @@
-"""The paged KV pool: one block-major tensor, so a page is one contiguous span across all layers.
+"""The paged KV pool: one page-major tensor, so a page is one contiguous span across all layers.
 
-``data`` has shape ``(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)``; a
+``data`` has shape ``(num_pages, num_layers, 2, page_size, num_kv_heads, head_dim)``; a
 layer's keys are ``data[:, layer, 0]``, a strided view the kernels read through its strides.
-Quantised pools carry a second block-major tensor of scales, ``(num_blocks, num_layers, 2,
-block_size, num_kv_heads)``, that travels with the pages: float32 for FP8 pages, one-byte codes
+Quantised pools carry a second page-major tensor of scales, ``(num_pages, num_layers, 2,
+page_size, num_kv_heads)``, that travels with the pages: float32 for FP8 pages, one-byte codes
 for int8 pages (``kernels/interface.py``).
 """
 
@@ -26,12 +26,12 @@ _SCALE_DTYPES = {FP8_E4M3: torch.float32, INT8_HADAMARD: INT8_SCALE_DTYPE}
 
 
 def kv_layout(
-    dtype: torch.dtype, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int
+    dtype: torch.dtype, page_size: int, num_layers: int, num_kv_heads: int, head_dim: int
 ) -> KVLayout:
     """The layout of pages of torch ``dtype``."""
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"unsupported KV cache dtype {dtype}")
-    layout = KVLayout(_DTYPE_NAMES[dtype], block_size, num_layers, num_kv_heads, head_dim)
+    layout = KVLayout(_DTYPE_NAMES[dtype], page_size, num_layers, num_kv_heads, head_dim)
     problem = layout.problem()
     if problem is not None:
         raise ValueError(problem)
@@ -53,20 +53,20 @@ def scale_dtype(layout: KVLayout) -> torch.dtype | None:
 
 
 class KVPool:
-    """Owns the pool tensors. Who may write which page is the block manager's business."""
+    """Owns the pool tensors. Who may write which page is the page manager's business."""
 
-    def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device | str) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"a KV pool needs at least one block, got {num_blocks}")
+    def __init__(self, layout: KVLayout, num_pages: int, device: torch.device | str) -> None:
+        if num_pages < 1:
+            raise ValueError(f"a KV pool needs at least one page, got {num_pages}")
         self.layout = layout
-        self.num_blocks = num_blocks
+        self.num_pages = num_pages
         self.device = torch.device(device)
         self.data = torch.zeros(
-            (num_blocks, *layout.page_shape), dtype=page_dtype(layout), device=self.device
+            (num_pages, *layout.page_shape), dtype=page_dtype(layout), device=self.device
         )
         scales = scale_dtype(layout)
         self.scales = (
-            torch.ones((num_blocks, *layout.scale_page_shape), dtype=scales, device=device)
+            torch.ones((num_pages, *layout.scale_page_shape), dtype=scales, device=device)
             if scales is not None
             else None
         )
@@ -81,16 +81,16 @@ class KVPool:
             self.scales[:, layer, 1],
         )
 
-    def page_bytes(self, block_id: int) -> torch.Tensor:
+    def page_bytes(self, page_id: int) -> torch.Tensor:
         """One page's KV data as a flat uint8 view (no copy)."""
-        return self.data[block_id].view(-1).view(torch.uint8)
+        return self.data[page_id].view(-1).view(torch.uint8)
 
-    def scale_bytes(self, block_id: int) -> torch.Tensor | None:
+    def scale_bytes(self, page_id: int) -> torch.Tensor | None:
         """One page's scales as a flat uint8 view, or None for pools without scales."""
         if self.scales is None:
             return None
-        return self.scales[block_id].view(-1).view(torch.uint8)
+        return self.scales[page_id].view(-1).view(torch.uint8)
 
     @property
     def nbytes(self) -> int:
-        return self.num_blocks * self.layout.bytes_per_block
+        return self.num_pages * self.layout.bytes_per_page

@@ -22,10 +22,10 @@ from common.config import (
     default_token_budget,
     resolve_dtype,
 )
-from common.engine.block_manager import BlockManager
 from common.engine.kv_pool import KVPool, dtype_name, kv_layout
-from common.engine.memory import plan_num_blocks
+from common.engine.memory import plan_num_pages
 from common.engine.model_runner import ModelRunner
+from common.engine.page_manager import PageManager
 from common.engine.sampler import PromptLogprob, SampledToken, Sampler
 from common.engine.scheduler import DecodeScheduler, PrefillScheduler, Scheduler
 from common.engine.sequence import FinishReason, Sequence, first_output_prompt_logprobs
@@ -98,7 +98,7 @@ class LLMEngine:
         )
         self.kv_layout = kv_layout(
             kv_dtype,
-            config.cache.block_size,
+            config.cache.page_size,
             self.model_config.num_layers,
             self.model_config.num_kv_heads,
             self.model_config.head_dim,
@@ -108,22 +108,22 @@ class LLMEngine:
         # The prefill worker only ever samples a first token: nothing to speculate on.
         speculative = config.speculative if role != "prefill" else SpeculativeConfig()
         draft = self._load_draft(speculative.model, kv_dtype) if speculative.model else None
-        num_blocks = plan_num_blocks(
+        num_pages = plan_num_pages(
             self.model,
             self.kv_layout,
             config,
             self.device,
             self.backend,
             self.max_model_len,
-            extra_bytes_per_block=draft[1].bytes_per_block if draft else 0,
+            extra_bytes_per_page=draft[1].bytes_per_page if draft else 0,
         )
-        self.pool = KVPool(self.kv_layout, num_blocks, self.device)
+        self.pool = KVPool(self.kv_layout, num_pages, self.device)
         self.model.bind_kv(self.pool, self.backend)
-        self.block_manager = BlockManager(
-            num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        self.page_manager = PageManager(
+            num_pages, config.cache.page_size, config.cache.enable_prefix_caching
         )
-        self.speculator = self._build_speculator(speculative, draft, num_blocks)
-        scheduling = (config.scheduler, self.block_manager, self.max_model_len)
+        self.speculator = self._build_speculator(speculative, draft, num_pages)
+        scheduling = (config.scheduler, self.page_manager, self.max_model_len)
         eos = self.model_config.eos_token_ids
         self.scheduler: Scheduler
         if role == "prefill":
@@ -140,8 +140,8 @@ class LLMEngine:
             self.model_config.architecture,
             self.device,
             self.dtype,
-            num_blocks,
-            config.cache.block_size,
+            num_pages,
+            config.cache.page_size,
             self.kv_layout.describe(dtype_name(self.dtype)),
             self.backend.name,
             ", eager" if config.enforce_eager else "",
@@ -163,7 +163,7 @@ class LLMEngine:
             draft.pack_for_cpu(self.config.enable_deterministic_inference)
         layout = kv_layout(
             kv_dtype,
-            self.config.cache.block_size,
+            self.config.cache.page_size,
             draft_config.num_layers,
             draft_config.num_kv_heads,
             draft_config.head_dim,
@@ -175,7 +175,7 @@ class LLMEngine:
         self,
         config: SpeculativeConfig,
         draft: tuple[LlamaForCausalLM, KVLayout] | None,
-        num_blocks: int,
+        num_pages: int,
     ) -> Speculator | None:
         if not config.enabled:
             return None
@@ -185,7 +185,7 @@ class LLMEngine:
         else:
             model, layout = draft
             # The draft's pages share the target's ids: one page table serves both.
-            pool = KVPool(layout, num_blocks, self.device)
+            pool = KVPool(layout, num_pages, self.device)
             model.bind_kv(pool, self.backend)
             proposer = DraftModelProposer(
                 model,

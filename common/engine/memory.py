@@ -44,13 +44,13 @@ def warm_up(
     """One forward of ``num_tokens`` prompt tokens through a scratch pool (the model stays
     bound to it: bind the real pool afterwards)."""
     device = next(model.parameters()).device
-    num_blocks = ceil_div(num_tokens, layout.block_size)
-    pool = KVPool(layout, num_blocks, device)
+    num_pages = ceil_div(num_tokens, layout.page_size)
+    pool = KVPool(layout, num_pages, device)
     model.bind_kv(pool, backend)
     meta = AttentionMetadata(
         query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
         seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
-        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None],
+        page_tables=torch.arange(num_pages, dtype=torch.int32, device=device)[None],
         slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=device),
         max_query_len=num_tokens,
         max_seq_len=num_tokens,
@@ -72,20 +72,20 @@ def _available_host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def plan_num_blocks(
+def plan_num_pages(
     model: LlamaForCausalLM,
     layout: KVLayout,
     config: EngineConfig,
     device: torch.device,
     backend: AttentionBackend,
     max_model_len: int,
-    extra_bytes_per_block: int = 0,
+    extra_bytes_per_page: int = 0,
 ) -> int:
-    """Pages for the KV pool; ``extra_bytes_per_block`` is what each page costs besides the
+    """Pages for the KV pool; ``extra_bytes_per_page`` is what each page costs besides the
     target's own (a draft model's page of the same id)."""
     cache = config.cache
-    if cache.num_blocks is not None:
-        num_blocks = cache.num_blocks
+    if cache.num_pages is not None:
+        num_pages = cache.num_pages
     else:
         warm_tokens = min(config.scheduler.token_budget, max_model_len)
         if device.type == "cuda":
@@ -105,11 +105,11 @@ def plan_num_blocks(
                     f"--kv-cache-memory asks for {budget / 2**30:.2f} GiB but only "
                     f"{available / 2**30:.2f} GiB of host memory is available"
                 )
-        num_blocks = budget // (layout.bytes_per_block + extra_bytes_per_block)
-    if num_blocks * layout.block_size < max_model_len:
+        num_pages = budget // (layout.bytes_per_page + extra_bytes_per_page)
+    if num_pages * layout.page_size < max_model_len:
         raise ValueError(
-            f"the KV cache holds {num_blocks * layout.block_size} tokens, less than one "
+            f"the KV cache holds {num_pages * layout.page_size} tokens, less than one "
             f"sequence of the maximum model length {max_model_len}: give it more memory "
             "(--kv-cache-memory) or lower --max-model-len"
         )
-    return num_blocks
+    return num_pages

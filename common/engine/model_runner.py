@@ -29,7 +29,7 @@ class TokenRun:
 
     token_ids: Seq[int]
     start: int
-    block_ids: Seq[int]
+    page_ids: Seq[int]
     num_logits: int
 
 
@@ -41,7 +41,7 @@ class ForwardInputs:
     logits_indices: torch.Tensor  # [M]
 
 
-def flatten_runs(runs: Seq[TokenRun], block_size: int, device: torch.device) -> ForwardInputs:
+def flatten_runs(runs: Seq[TokenRun], page_size: int, device: torch.device) -> ForwardInputs:
     """Flatten runs into token ids, positions and explicit attention metadata: Python per run,
     then a handful of tensor ops for every token at once."""
     input_ids: list[int] = []
@@ -55,9 +55,9 @@ def flatten_runs(runs: Seq[TokenRun], block_size: int, device: torch.device) -> 
         starts.append(run.start)
         num_tokens += len(run.token_ids)
         logits_indices += range(num_tokens - run.num_logits, num_tokens)
-    width = max(len(run.block_ids) for run in runs)
-    block_tables = torch.tensor(
-        [list(run.block_ids) + [0] * (width - len(run.block_ids)) for run in runs],
+    width = max(len(run.page_ids) for run in runs)
+    page_tables = torch.tensor(
+        [list(run.page_ids) + [0] * (width - len(run.page_ids)) for run in runs],
         dtype=torch.int32,
     )
     lens = torch.tensor(query_lens)
@@ -67,8 +67,8 @@ def flatten_runs(runs: Seq[TokenRun], block_size: int, device: torch.device) -> 
     # Each token's run, then its position: its offset in the run plus the run's first position.
     owner = torch.repeat_interleave(torch.arange(len(runs)), lens)
     positions = torch.arange(num_tokens) - query_start_loc[:-1][owner] + first[owner]
-    pages = block_tables[owner, positions // block_size].long()
-    slots = pages * block_size + positions % block_size
+    pages = page_tables[owner, positions // page_size].long()
+    slots = pages * page_size + positions % page_size
     seq_lens = first + lens
 
     def to_device(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -77,7 +77,7 @@ def flatten_runs(runs: Seq[TokenRun], block_size: int, device: torch.device) -> 
     meta = AttentionMetadata(
         query_start_loc=to_device(query_start_loc, torch.int32),
         seq_lens=to_device(seq_lens, torch.int32),
-        block_tables=to_device(block_tables, torch.int32),
+        page_tables=to_device(page_tables, torch.int32),
         slot_mapping=to_device(slots, torch.int64),
         max_query_len=max(query_lens),
         max_seq_len=max(start + n for start, n in zip(starts, query_lens, strict=True)),
@@ -103,7 +103,7 @@ class ModelRunner:
         self.sampler = sampler
         self.speculator = speculator
         self.device = pool.device
-        self.block_size = pool.layout.block_size
+        self.page_size = pool.layout.page_size
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSequence]) -> list[list[SampledToken]]:
@@ -150,8 +150,8 @@ class ModelRunner:
             known = seq.token_ids[start : start + item.num_new_tokens]
             num_logits = _prompt_positions_to_score(item)[1]
             num_logits += 1 + len(proposed) if item.samples else 0
-            runs.append(TokenRun(known + list(proposed), start, seq.block_ids, num_logits))
-        return flatten_runs(runs, self.block_size, self.device)
+            runs.append(TokenRun(known + list(proposed), start, seq.page_ids, num_logits))
+        return flatten_runs(runs, self.page_size, self.device)
 
     def _score_prompts(
         self, batch: list[ScheduledSequence], proposals: Seq[Seq[int]], logits: torch.Tensor

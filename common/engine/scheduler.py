@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from common.config import SchedulerConfig
-from common.engine.block_manager import BlockManager
+from common.engine.page_manager import PageManager
 from common.engine.sampler import SampledToken
 from common.engine.sequence import FinishReason, Sequence, SequenceStatus, SpeculationState
-from common.hashing import block_hashes
+from common.hashing import page_hashes
 from kernels.sizes import ceil_div
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ class Scheduler:
     def __init__(
         self,
         config: SchedulerConfig,
-        block_manager: BlockManager,
+        page_manager: PageManager,
         max_model_len: int,
         eos_token_ids: Seq[int],
         speculator: Speculator | None = None,
@@ -72,8 +72,8 @@ class Scheduler:
         self.max_num_batched_tokens = config.token_budget
         self.max_num_seqs = config.max_num_seqs
         self.max_model_len = max_model_len
-        self.block_manager = block_manager
-        self.block_size = block_manager.block_size
+        self.page_manager = page_manager
+        self.page_size = page_manager.page_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.speculator = speculator
         self.waiting: deque[Sequence] = deque()
@@ -172,7 +172,7 @@ class Scheduler:
             # the run has none yet.
             run = next(sampled_runs) if item.samples else ()
             seq.num_computed_tokens += item.num_new_tokens + max(0, len(run) - 1)
-            self._cache_full_blocks(seq)
+            self._cache_full_pages(seq)
             if not item.samples:
                 continue
             new_samples = []
@@ -199,44 +199,44 @@ class Scheduler:
 
     # -- helpers --------------------------------------------------------------------------------
 
-    def _blocks_needed(self, seq: Sequence, num_new: int) -> int:
-        total = ceil_div(seq.num_computed_tokens + num_new, self.block_size)
-        return max(0, total - len(seq.block_ids))
+    def _pages_needed(self, seq: Sequence, num_new: int) -> int:
+        total = ceil_div(seq.num_computed_tokens + num_new, self.page_size)
+        return max(0, total - len(seq.page_ids))
 
     def _reserve_for_running(self, seq: Sequence, num_new: int, scheduled: set[int]) -> bool:
         """Give ``seq`` the pages its next ``num_new`` tokens need, preempting the newest
         unscheduled sequences for them; False if ``seq`` itself had to be preempted."""
-        needed = self._blocks_needed(seq, num_new)
-        while needed > self.block_manager.num_free_blocks:
+        needed = self._pages_needed(seq, num_new)
+        while needed > self.page_manager.num_free_pages:
             victims = [s for s in self.running if id(s) not in scheduled and s is not seq]
             victim = victims[-1] if victims else seq
             self._preempt(victim)
             if victim is seq:
                 return False
-        seq.block_ids.extend(self.block_manager.allocate(needed))
+        seq.page_ids.extend(self.page_manager.allocate(needed))
         return True
 
     def _admit(self, seq: Sequence, budget: int) -> int | None:
         """Take the cached prefix and first chunk's pages for a waiting sequence; returns the
         chunk's token count, or None (nothing taken) if the pages are not there."""
-        if seq.block_ids:
+        if seq.page_ids:
             return self._admit_with_pages(seq, budget)
         # At least the last token is recomputed: its logits give the next token. A prompt
         # whose tokens are to be scored is computed whole.
-        max_hit_blocks = (seq.num_tokens - 1) // self.block_size
+        max_hit_pages = (seq.num_tokens - 1) // self.page_size
         if seq.num_prompt_logprobs_due:
-            max_hit_blocks = 0
-        hits = self.block_manager.match_prefix(seq.token_ids, max_hit_blocks, seq.cache_namespace)
-        num_computed = len(hits) * self.block_size
+            max_hit_pages = 0
+        hits = self.page_manager.match_prefix(seq.token_ids, max_hit_pages, seq.cache_namespace)
+        num_computed = len(hits) * self.page_size
         num_new = min(seq.num_tokens - num_computed, budget)
-        total_blocks = ceil_div(num_computed + num_new, self.block_size)
-        reclaimed = sum(1 for b in hits if self.block_manager.ref_count(b) == 0)
-        if total_blocks - len(hits) > self.block_manager.num_free_blocks - reclaimed:
+        total_pages = ceil_div(num_computed + num_new, self.page_size)
+        reclaimed = sum(1 for b in hits if self.page_manager.ref_count(b) == 0)
+        if total_pages - len(hits) > self.page_manager.num_free_pages - reclaimed:
             return None
-        self.block_manager.acquire(hits)
-        seq.block_ids = hits + self.block_manager.allocate(total_blocks - len(hits))
+        self.page_manager.acquire(hits)
+        seq.page_ids = hits + self.page_manager.allocate(total_pages - len(hits))
         # The hits are filed pages: their hashes are the prompt's, computed once by match_prefix.
-        seq.block_hashes = [self.block_manager.block_hash(b) for b in hits]
+        seq.page_hashes = [self.page_manager.page_hash(b) for b in hits]
         seq.num_computed_tokens = num_computed
         if seq.num_output_tokens == 0:
             seq.num_cached_tokens = num_computed
@@ -246,27 +246,27 @@ class Scheduler:
         """Admit a sequence whose leading KV already sits in its own pages (shipped from a
         prefill worker): file those pages in the prefix cache and take the next chunk's pages."""
         num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-        needed = self._blocks_needed(seq, num_new)
-        if needed > self.block_manager.num_free_blocks:
+        needed = self._pages_needed(seq, num_new)
+        if needed > self.page_manager.num_free_pages:
             return None
-        seq.block_ids.extend(self.block_manager.allocate(needed))
-        self._cache_full_blocks(seq)
+        seq.page_ids.extend(self.page_manager.allocate(needed))
+        self._cache_full_pages(seq)
         return num_new
 
-    def _cache_full_blocks(self, seq: Sequence) -> None:
+    def _cache_full_pages(self, seq: Sequence) -> None:
         """File every newly completed page of ``seq`` in the prefix cache."""
-        start = len(seq.block_hashes) * self.block_size
-        end = seq.num_computed_tokens // self.block_size * self.block_size
+        start = len(seq.page_hashes) * self.page_size
+        end = seq.num_computed_tokens // self.page_size * self.page_size
         if end <= start:
             return
-        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        parent = seq.page_hashes[-1] if seq.page_hashes else None
         tokens = seq.token_ids[start:end]
-        new_hashes = block_hashes(tokens, self.block_size, parent, seq.cache_namespace)
-        for offset, block_hash in enumerate(new_hashes):
-            index = len(seq.block_hashes)
-            page_tokens = tokens[offset * self.block_size : (offset + 1) * self.block_size]
-            self.block_manager.cache_block(seq.block_ids[index], block_hash, page_tokens)
-            seq.block_hashes.append(block_hash)
+        new_hashes = page_hashes(tokens, self.page_size, parent, seq.cache_namespace)
+        for offset, page_hash in enumerate(new_hashes):
+            index = len(seq.page_hashes)
+            page_tokens = tokens[offset * self.page_size : (offset + 1) * self.page_size]
+            self.page_manager.cache_page(seq.page_ids[index], page_hash, page_tokens)
+            seq.page_hashes.append(page_hash)
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         params = seq.params
@@ -279,13 +279,13 @@ class Scheduler:
         return None
 
     def _free_pages(self, seq: Sequence) -> None:
-        self.block_manager.free(seq.block_ids)
-        seq.block_ids = []
+        self.page_manager.free(seq.page_ids)
+        seq.page_ids = []
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._free_pages(seq)
-        seq.block_hashes = []
+        seq.page_hashes = []
         seq.num_computed_tokens = 0
         seq.speculation = SpeculationState()  # a draft model's KV went with the pages
         seq.status = SequenceStatus.WAITING
@@ -322,18 +322,18 @@ class DecodeScheduler(Scheduler):
 
     def reserve(self, num_prompt_tokens: int) -> list[int] | None:
         """Pages for a prompt of ``num_prompt_tokens`` tokens; None if they are not free."""
-        num_pages = ceil_div(num_prompt_tokens, self.block_size)
-        if not 0 < num_pages <= self.block_manager.num_free_blocks:
+        num_pages = ceil_div(num_prompt_tokens, self.page_size)
+        if not 0 < num_pages <= self.page_manager.num_free_pages:
             return None
-        return self.block_manager.allocate(num_pages)
+        return self.page_manager.allocate(num_pages)
 
-    def drop_reservation(self, block_ids: list[int]) -> None:
-        self.block_manager.free(block_ids)
+    def drop_reservation(self, page_ids: list[int]) -> None:
+        self.page_manager.free(page_ids)
 
-    def admit_prefilled(self, seq: Sequence, block_ids: list[int]) -> None:
-        """Queue ``seq`` with its prompt's KV already in ``block_ids``; the pages are given
+    def admit_prefilled(self, seq: Sequence, page_ids: list[int]) -> None:
+        """Queue ``seq`` with its prompt's KV already in ``page_ids``; the pages are given
         back, and ``ValueError`` raised, if the scheduler cannot take it."""
-        seq.block_ids = block_ids
+        seq.page_ids = page_ids
         seq.num_computed_tokens = seq.num_prompt_tokens
         try:
             self.add(seq)

@@ -38,8 +38,8 @@ class Sequence:
     num_prompt_tokens: int
     params: SamplingParams
     samples: list[SampledToken] = field(default_factory=list)  # one per generated token
-    block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full pages, in order
+    page_ids: list[int] = field(default_factory=list)
+    page_hashes: list[int] = field(default_factory=list)  # chained hashes of full pages, in order
     # The prefix-cache namespace its pages are hashed under (common/hashing.py): "" for the base
     # model; sequences of different namespaces never share pages.
     cache_namespace: str = ""

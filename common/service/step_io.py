@@ -13,7 +13,7 @@ thread for the duration of a step:
 The helper sleeps in ``zmq.Poller`` on the sockets (no GIL held, so the step's kernels are not
 slowed) and calls ``serve`` when one has traffic, and ``pulse`` (which sends a heartbeat when one
 is due) after every wake-up. Exactly one thread uses the sockets at any time: the helper only
-inside the block, the main loop only outside it, with a lock between.
+inside the page, the main loop only outside it, with a lock between.
 """
 
 from __future__ import annotations

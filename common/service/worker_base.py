@@ -137,7 +137,7 @@ class WorkerService(ABC):
         self.worker_id = args.worker_id or f"{self.role}-{socket.gethostname()}-{os.getpid()}"
         self.engine = LLMEngine(engine_config_from_args(args), role=self.role)
         self.scheduler = self.engine.scheduler
-        self.block_manager = self.engine.block_manager
+        self.page_manager = self.engine.page_manager
         self.auth = ClusterAuth(
             cluster_auth.load_secret(args.cluster_secret_file),
             lambda name: AUTH_FAILURES.labels(socket=name).inc(),
@@ -254,8 +254,8 @@ class WorkerService(ABC):
             self.stop()
 
     def _report_whole_cache(self) -> None:
-        self.block_manager.drain_events()
-        stored = self.block_manager.cached_hashes()
+        self.page_manager.drain_events()
+        stored = self.page_manager.cached_hashes()
         self.link.send(CacheEvents(self.worker_id, stored, [], reset=True))
 
     def _wait(self, poller: zmq.Poller) -> None:
@@ -267,7 +267,7 @@ class WorkerService(ABC):
         poller.poll(_IN_FLIGHT_POLL_MS if self.io_in_flight() else _IDLE_POLL_MS)
 
     def _report(self) -> None:
-        events = self.block_manager.drain_events()
+        events = self.page_manager.drain_events()
         if events:
             self.link.send(CacheEvents(self.worker_id, events.stored, events.removed))
         computed = self.scheduler.num_prompt_tokens_computed
@@ -289,21 +289,21 @@ class WorkerService(ABC):
             self.link.send(self.heartbeat())
 
     def heartbeat(self) -> Heartbeat:
-        scheduler, blocks = self.scheduler, self.block_manager
+        scheduler, pages = self.scheduler, self.page_manager
         queued = sum(
             max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
             for seq in (*scheduler.waiting, *scheduler.running)
         )
         RUNNING.set(len(scheduler.running))
         WAITING.set(len(scheduler.waiting) + self.num_pending())
-        KV_USAGE.set(blocks.usage)
+        KV_USAGE.set(pages.usage)
         return Heartbeat(
             self.worker_id,
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting) + self.num_pending(),
             queued_prefill_tokens=queued,
-            num_free_blocks=blocks.num_free_blocks,
-            kv_usage=blocks.usage,
+            num_free_pages=pages.num_free_pages,
+            kv_usage=pages.usage,
         )
 
     # -- shared helpers -------------------------------------------------------------------------
@@ -362,7 +362,7 @@ class WorkerService(ABC):
             model=self.engine.model_path.name,
             kv_layout=self.engine.kv_layout,
             kv_transfer=self.args.kv_transfer,
-            num_blocks=self.block_manager.num_blocks,
+            num_pages=self.page_manager.num_pages,
             max_model_len=self.engine.max_model_len,
             metrics_url=self.metrics_url,
             deterministic=self.engine.config.enable_deterministic_inference,

@@ -1,7 +1,7 @@
 /* Paged attention on the CPU for short query runs (decode steps, speculative verification).
  *
  * One call attends every query row of the listed sequences over their context, read straight
- * from the block-major pool's pages through its strides: nothing is gathered, and only the
+ * from the page-major pool's pages through its strides: nothing is gathered, and only the
  * first seq_len slots of a sequence are ever read, so never-written slots cannot leak in.
  * Keys and values are widened to float32 as they are read (FP8 pages through a table, int8 pages
  * exactly, both times their per-token scales); scores, softmax and the weighted sum of values are
@@ -122,36 +122,36 @@ static inline size_t element_size(int dtype) {
 }
 
 /* Rows of the widened-page buffer: a page rounded up to whole key groups. */
-static inline int page_rows(int block_size) {
-    return (block_size + KEY_GROUP - 1) / KEY_GROUP * KEY_GROUP;
+static inline int page_rows(int page_size) {
+    return (page_size + KEY_GROUP - 1) / KEY_GROUP * KEY_GROUP;
 }
 
 typedef struct {
-    const void *key;            /* [num_blocks, block_size, num_kv_heads, head_dim], strided */
+    const void *key;            /* [num_pages, page_size, num_kv_heads, head_dim], strided */
     const void *value;          /* same shape and strides as key */
-    const void *key_scale;      /* [num_blocks, block_size, num_kv_heads] or NULL: float32, or */
+    const void *key_scale;      /* [num_pages, page_size, num_kv_heads] or NULL: float32, or */
     const void *value_scale;    /* uint8 codes for KV_INT8; same strides as key_scale */
-    int64_t block_stride;       /* elements, for key/value */
+    int64_t page_stride;       /* elements, for key/value */
     int64_t token_stride;
     int64_t head_stride;
-    int64_t scale_block_stride; /* elements, for the scales */
+    int64_t scale_page_stride; /* elements, for the scales */
     int64_t scale_token_stride;
     int64_t scale_head_stride;
     int dtype;                  /* enum kv_dtype */
-    int block_size;
+    int page_size;
 } kv_cache;
 
-static inline const void *kv_address(const kv_cache *cache, const void *base, int64_t block,
+static inline const void *kv_address(const kv_cache *cache, const void *base, int64_t page,
                                      int64_t offset, int kv_head) {
-    return (const char *)base + (block * cache->block_stride + offset * cache->token_stride +
+    return (const char *)base + (page * cache->page_stride + offset * cache->token_stride +
                                  kv_head * cache->head_stride) *
                                     (int64_t)element_size(cache->dtype);
 }
 
-static inline float kv_scale(const kv_cache *cache, const void *scales, int64_t block,
+static inline float kv_scale(const kv_cache *cache, const void *scales, int64_t page,
                              int64_t offset, int kv_head) {
     if (!scales) return 1.0f;
-    const int64_t at = block * cache->scale_block_stride + offset * cache->scale_token_stride +
+    const int64_t at = page * cache->scale_page_stride + offset * cache->scale_token_stride +
                        kv_head * cache->scale_head_stride;
     if (cache->dtype != KV_INT8) return ((const float *)scales)[at];
     const uint32_t bits = ((uint32_t)((const uint8_t *)scales)[at] << 20) + INT8_SCALE_BITS_BASE;
@@ -162,9 +162,9 @@ static inline float kv_scale(const kv_cache *cache, const void *scales, int64_t 
 
 /* Pull a page of one layer's keys or values toward the cache while the previous page computes:
  * pages sit anywhere in the pool, so no hardware prefetcher sees the next one coming. */
-static inline void prefetch_page(const kv_cache *cache, const void *base, int64_t block,
+static inline void prefetch_page(const kv_cache *cache, const void *base, int64_t page,
                                  int count) {
-    const char *start = kv_address(cache, base, block, 0, 0);
+    const char *start = kv_address(cache, base, page, 0, 0);
     const int64_t bytes = count * cache->token_stride * (int64_t)element_size(cache->dtype);
     for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(start + line, 0, 3);
 }
@@ -402,12 +402,12 @@ static inline __attribute__((always_inline)) void weighted_rows_pair(
 static inline __attribute__((always_inline)) void load_page_rows(const kv_cache *cache,
                                                                  const void *base,
                                                                  const void *scales,
-                                                                 int64_t block, int count,
+                                                                 int64_t page, int count,
                                                                  int kv_head, int head_dim,
                                                                  float *restrict rows) {
     for (int offset = 0; offset < count; offset++)
-        load_row(kv_address(cache, base, block, offset, kv_head), cache->dtype,
-                 kv_scale(cache, scales, block, offset, kv_head), head_dim,
+        load_row(kv_address(cache, base, page, offset, kv_head), cache->dtype,
+                 kv_scale(cache, scales, page, offset, kv_head), head_dim,
                  rows + offset * head_dim);
 }
 
@@ -416,16 +416,16 @@ static inline __attribute__((always_inline)) void load_page_rows(const kv_cache 
  * vector of that head goes over it. */
 static inline __attribute__((always_inline)) void attend_sequence(
     const char *query, int64_t query_row_stride, char *out, int64_t out_row_stride, int io_dtype,
-    const kv_cache *cache, const int32_t *block_table, int seq_len, int q_len, int num_heads,
+    const kv_cache *cache, const int32_t *page_table, int seq_len, int q_len, int num_heads,
     int num_kv_heads, int head_dim, float softmax_scale, float *scratch) {
     const size_t io_size = element_size(io_dtype);
     const int group = num_heads / num_kv_heads;
     const int num_vectors = q_len * num_heads; /* vector v: row v / num_heads, head v % num_heads */
-    const int block_size = cache->block_size;
+    const int page_size = cache->page_size;
     float *restrict queries = scratch;                              /* [num_vectors, head_dim] */
     float *restrict acc = queries + (size_t)num_vectors * head_dim; /* [num_vectors, head_dim] */
     float *restrict rows = acc + (size_t)num_vectors * head_dim; /* [page_rows(), head_dim] */
-    float *restrict scores = rows + (size_t)page_rows(block_size) * head_dim; /* [vectors, len] */
+    float *restrict scores = rows + (size_t)page_rows(page_size) * head_dim; /* [vectors, len] */
 
     for (int j = 0; j < q_len; j++)
         for (int head = 0; head < num_heads; head++) {
@@ -436,13 +436,13 @@ static inline __attribute__((always_inline)) void attend_sequence(
         }
 
     /* Pass 1: scores of every vector over the whole context (causality is applied below). */
-    for (int first = 0; first < seq_len; first += block_size) {
-        const int64_t block = block_table[first / block_size];
-        const int count = seq_len - first < block_size ? seq_len - first : block_size;
-        if (first + block_size < seq_len)
-            prefetch_page(cache, cache->key, block_table[first / block_size + 1], block_size);
+    for (int first = 0; first < seq_len; first += page_size) {
+        const int64_t page = page_table[first / page_size];
+        const int count = seq_len - first < page_size ? seq_len - first : page_size;
+        if (first + page_size < seq_len)
+            prefetch_page(cache, cache->key, page_table[first / page_size + 1], page_size);
         for (int kv_head = 0; kv_head < num_kv_heads; kv_head++) {
-            load_page_rows(cache, cache->key, cache->key_scale, block, count, kv_head, head_dim,
+            load_page_rows(cache, cache->key, cache->key_scale, page, count, kv_head, head_dim,
                            rows);
             /* The head's vectors (row i / group, query head i % group of this KV head), by twos. */
             for (int i = 0; i < q_len * group; i += 2) {
@@ -478,13 +478,13 @@ static inline __attribute__((always_inline)) void attend_sequence(
     /* Pass 2: every value row once per page and head, weighted into each vector of the head in
      * position order, up to the vector's own position. */
     memset(acc, 0, (size_t)num_vectors * head_dim * sizeof(float));
-    for (int first = 0; first < seq_len; first += block_size) {
-        const int64_t block = block_table[first / block_size];
-        const int count = seq_len - first < block_size ? seq_len - first : block_size;
-        if (first + block_size < seq_len)
-            prefetch_page(cache, cache->value, block_table[first / block_size + 1], block_size);
+    for (int first = 0; first < seq_len; first += page_size) {
+        const int64_t page = page_table[first / page_size];
+        const int count = seq_len - first < page_size ? seq_len - first : page_size;
+        if (first + page_size < seq_len)
+            prefetch_page(cache, cache->value, page_table[first / page_size + 1], page_size);
         for (int kv_head = 0; kv_head < num_kv_heads; kv_head++) {
-            load_page_rows(cache, cache->value, cache->value_scale, block, count, kv_head,
+            load_page_rows(cache, cache->value, cache->value_scale, page, count, kv_head,
                            head_dim, rows);
             /* As in pass 1, by twos; each vector takes the page's rows up to its own position. */
             for (int i = 0; i < q_len * group; i += 2) {
@@ -511,13 +511,13 @@ static inline __attribute__((always_inline)) void attend_sequence(
  * unroll into whole vector registers. */
 static void attend_sequence_any(const char *query, int64_t query_row_stride, char *out,
                                 int64_t out_row_stride, int io_dtype, const kv_cache *cache,
-                                const int32_t *block_table, int seq_len, int q_len, int num_heads,
+                                const int32_t *page_table, int seq_len, int q_len, int num_heads,
                                 int num_kv_heads, int head_dim, float softmax_scale,
                                 float *scratch) {
 #define HEAD_DIM_CASE(dim)                                                                     \
     case dim:                                                                                  \
         attend_sequence(query, query_row_stride, out, out_row_stride, io_dtype, cache,         \
-                        block_table, seq_len, q_len, num_heads, num_kv_heads, dim,             \
+                        page_table, seq_len, q_len, num_heads, num_kv_heads, dim,             \
                         softmax_scale, scratch);                                               \
         return;
     switch (head_dim) {
@@ -525,7 +525,7 @@ static void attend_sequence_any(const char *query, int64_t query_row_stride, cha
         HEAD_DIM_CASE(128)
     }
 #undef HEAD_DIM_CASE
-    attend_sequence(query, query_row_stride, out, out_row_stride, io_dtype, cache, block_table,
+    attend_sequence(query, query_row_stride, out, out_row_stride, io_dtype, cache, page_table,
                     seq_len, q_len, num_heads, num_kv_heads, head_dim, softmax_scale, scratch);
 }
 
@@ -534,24 +534,24 @@ static void attend_sequence_any(const char *query, int64_t query_row_stride, cha
  * query: [N, num_heads, head_dim] of io_dtype (float32 or bf16), rows `query_row_stride`
  *        elements apart
  * out:   [N, num_heads, head_dim] of io_dtype, rows `out_row_stride` elements apart
- * block_tables: [num_seqs, block_table_stride] int32; query_start_loc: [num_seqs + 1] int32;
+ * page_tables: [num_seqs, page_table_stride] int32; query_start_loc: [num_seqs + 1] int32;
  * seq_lens: [num_seqs] int32. Returns 0, or -1 if scratch memory could not be had.
  */
 int pdserve_paged_attention(const void *query, int64_t query_row_stride, void *out,
                             int64_t out_row_stride, const void *key, const void *value,
                             const void *key_scale, const void *value_scale,
-                            int64_t block_stride, int64_t token_stride, int64_t head_stride,
-                            int64_t scale_block_stride, int64_t scale_token_stride,
-                            int64_t scale_head_stride, int dtype, int block_size,
-                            const int32_t *block_tables, int64_t block_table_stride,
+                            int64_t page_stride, int64_t token_stride, int64_t head_stride,
+                            int64_t scale_page_stride, int64_t scale_token_stride,
+                            int64_t scale_head_stride, int dtype, int page_size,
+                            const int32_t *page_tables, int64_t page_table_stride,
                             const int32_t *query_start_loc, const int32_t *seq_lens,
                             const int32_t *seq_ids, int num_listed, int num_heads,
                             int num_kv_heads, int head_dim, float softmax_scale, int io_dtype,
                             int num_threads) {
     const kv_cache cache = {key,          value,        key_scale,          value_scale,
-                            block_stride, token_stride, head_stride,        scale_block_stride,
+                            page_stride, token_stride, head_stride,        scale_page_stride,
                             scale_token_stride,         scale_head_stride,  dtype,
-                            block_size};
+                            page_size};
     /* Work items: one tile of ROW_TILE query rows (or fewer, at a run's end) of one sequence. */
     int num_items = 0, max_vectors = 0, max_len = 0;
     for (int i = 0; i < num_listed; i++) {
@@ -573,7 +573,7 @@ int pdserve_paged_attention(const void *query, int64_t query_row_stride, void *o
         }
     }
     const size_t scratch_floats = (size_t)max_vectors * (2 * head_dim + max_len) +
-                                  (size_t)page_rows(block_size) * head_dim;
+                                  (size_t)page_rows(page_size) * head_dim;
     const int64_t io_size = (int64_t)element_size(io_dtype);
     int failed = 0;
 
@@ -597,7 +597,7 @@ int pdserve_paged_attention(const void *query, int64_t query_row_stride, void *o
             attend_sequence_any(
                 (const char *)query + (start + row) * query_row_stride * io_size,
                 query_row_stride, (char *)out + (start + row) * out_row_stride * io_size,
-                out_row_stride, io_dtype, &cache, block_tables + s * block_table_stride, tile_len,
+                out_row_stride, io_dtype, &cache, page_tables + s * page_table_stride, tile_len,
                 rows, num_heads, num_kv_heads, head_dim, softmax_scale, scratch);
         }
         free(scratch);
@@ -613,14 +613,14 @@ int pdserve_paged_attention(const void *query, int64_t query_row_stride, void *o
  * stride within a row; caches as in kv_cache. */
 void pdserve_store_kv(const void *key, int64_t key_stride, const void *value,
                       int64_t value_stride, void *key_cache, void *value_cache,
-                      int64_t block_stride, int64_t token_stride, int64_t head_stride,
-                      int element_bytes, int block_size, const int64_t *slots, int num_tokens,
+                      int64_t page_stride, int64_t token_stride, int64_t head_stride,
+                      int element_bytes, int page_size, const int64_t *slots, int num_tokens,
                       int num_kv_heads, int head_dim) {
     const size_t row_bytes = (size_t)head_dim * element_bytes;
     for (int n = 0; n < num_tokens; n++) {
-        const int64_t block = slots[n] / block_size, offset = slots[n] % block_size;
+        const int64_t page = slots[n] / page_size, offset = slots[n] % page_size;
         for (int h = 0; h < num_kv_heads; h++) {
-            const int64_t at = (block * block_stride + offset * token_stride + h * head_stride) *
+            const int64_t at = (page * page_stride + offset * token_stride + h * head_stride) *
                                element_bytes;
             memcpy((char *)key_cache + at,
                    (const char *)key + (n * key_stride + h * head_dim) * element_bytes, row_bytes);
@@ -665,20 +665,20 @@ static void quantize_int8_row(const float *restrict x, int dim, int8_t *restrict
  * strides in elements. Returns 0, or -1 for a head_dim beyond the row buffer. */
 int pdserve_store_kv_int8(const void *key, int64_t key_stride, const void *value,
                           int64_t value_stride, int io_dtype, int8_t *key_cache,
-                          int8_t *value_cache, int64_t block_stride, int64_t token_stride,
+                          int8_t *value_cache, int64_t page_stride, int64_t token_stride,
                           int64_t head_stride, uint8_t *key_codes, uint8_t *value_codes,
-                          int64_t scale_block_stride, int64_t scale_token_stride,
-                          int64_t scale_head_stride, int block_size, const int64_t *slots,
+                          int64_t scale_page_stride, int64_t scale_token_stride,
+                          int64_t scale_head_stride, int page_size, const int64_t *slots,
                           int num_tokens, int num_kv_heads, int head_dim) {
     enum { MAX_DIM = 1024 };
     if (head_dim > MAX_DIM) return -1;
     const size_t io_size = element_size(io_dtype);
     float row[MAX_DIM];
     for (int n = 0; n < num_tokens; n++) {
-        const int64_t block = slots[n] / block_size, offset = slots[n] % block_size;
+        const int64_t page = slots[n] / page_size, offset = slots[n] % page_size;
         for (int h = 0; h < num_kv_heads; h++) {
-            const int64_t at = block * block_stride + offset * token_stride + h * head_stride;
-            const int64_t code_at = block * scale_block_stride + offset * scale_token_stride +
+            const int64_t at = page * page_stride + offset * token_stride + h * head_stride;
+            const int64_t code_at = page * scale_page_stride + offset * scale_token_stride +
                                     h * scale_head_stride;
             load_row((const char *)key + (n * key_stride + h * head_dim) * io_size, io_dtype,
                      1.0f, head_dim, row);

@@ -40,7 +40,7 @@ class DraftModelProposer:
         self.pool = pool
         self.vocab_size = vocab_size
         self.max_catch_up_tokens = max_catch_up_tokens
-        self.block_size = pool.layout.block_size
+        self.page_size = pool.layout.page_size
         self.device = pool.device
 
     @torch.inference_mode()
@@ -62,7 +62,7 @@ class DraftModelProposer:
                 continue
             complete = take == missing
             fed = seq.token_ids[start : start + take]
-            runs.append(TokenRun(fed, start, seq.block_ids, num_logits=int(complete)))
+            runs.append(TokenRun(fed, start, seq.page_ids, num_logits=int(complete)))
             state.draft_fed_tokens = start + take
             if complete:
                 ready.append(i)
@@ -79,12 +79,12 @@ class DraftModelProposer:
             for i in wanting:
                 seq = seqs[i]
                 position = seq.speculation.draft_fed_tokens
-                runs.append(TokenRun([proposals[i][-1]], position, seq.block_ids, 1))
+                runs.append(TokenRun([proposals[i][-1]], position, seq.page_ids, 1))
                 seq.speculation.draft_fed_tokens = position + 1
             for i, token in zip(wanting, self._greedy(runs), strict=True):
                 proposals[i].append(token)
 
     def _greedy(self, runs: list[TokenRun]) -> list[int]:
-        inputs = flatten_runs(runs, self.block_size, self.device)
+        inputs = flatten_runs(runs, self.page_size, self.device)
         logits = self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices)
         return logits[:, : self.vocab_size].argmax(dim=-1).tolist()
