@@ -47,6 +47,7 @@ import httpx
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
+from common.kv_layout import KVLayout
 from common.messages import PROTOCOL_VERSION, decode, encode
 from common.model.default_model import resolve_model_path
 from common.protocol import (
@@ -104,16 +105,17 @@ class InstantWorker(threading.Thread):
         sock.send(
             encode(
                 RegisterWorker(
-                    PROTOCOL_VERSION,
-                    "bench-d0",
-                    "decode",
-                    self.model,
-                    {"page_size": 16},
-                    "zmq",
-                    1 << 20,
-                    1 << 16,
-                    "",
-                    "tcp://127.0.0.1:1",
+                    protocol_version=PROTOCOL_VERSION,
+                    worker_id="bench-d0",
+                    incarnation="bench",
+                    role="decode",
+                    model=self.model,
+                    kv_layout=KVLayout("bfloat16", 16, 1, 1, 64),
+                    kv_transfer="zmq",
+                    num_pages=1 << 20,
+                    max_model_len=1 << 16,
+                    metrics_url="",
+                    handoff_endpoint="tcp://127.0.0.1:1",
                 )
             )
         )

@@ -34,7 +34,8 @@ import msgpack
 # logprobs. 4: token deltas carry the worker's stage times. 5: typed sampling params, KV layouts
 # and transfer params (maps of checked fields instead of free-form maps); kvtransfer messages
 # name their transfer id ``transfer_id``; an unknown prefill_done_at is None. 6: a KV page is
-# called a page in every field (``page_size``, ``page_ids``, ``num_pages``, ``num_free_pages``).
+# called a page in every field (``page_size``, ``page_ids``, ``num_pages``, ``num_free_pages``);
+# a registration carries its worker process's incarnation.
 PROTOCOL_VERSION = 6
 
 # Control messages are small; a frame above this is refused before it is parsed. Sockets that

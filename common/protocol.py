@@ -87,6 +87,9 @@ class StageTimes:
 class RegisterWorker(Message):
     protocol_version: int
     worker_id: str
+    # Random per worker process: the same registration sent again (the worker re-sends until
+    # acknowledged) is told apart from a restart under the same worker_id.
+    incarnation: str
     role: str  # ROLE_PREFILL | ROLE_DECODE
     model: str  # the served model's name (its folder name)
     kv_layout: KVLayout

@@ -201,6 +201,12 @@ class Dispatcher:
     # -- internals -----------------------------------------------------------------------------
 
     def _on_register(self, sender: str, msg: RegisterWorker, now: float) -> None:
+        known = self.registry.workers.get(msg.worker_id)
+        if msg.worker_id == sender and known is not None and known.incarnation == msg.incarnation:
+            # Sent again before our acknowledgement reached the worker (a busy router, a slow
+            # start): it is the same process, holding what it held. Acknowledge again, no more.
+            self.send(sender, RegisterAck(True, None, self.heartbeat_interval))
+            return
         reason = None
         if msg.worker_id != sender:
             reason = f"worker_id {msg.worker_id!r} differs from the socket identity {sender!r}"

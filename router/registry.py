@@ -28,6 +28,7 @@ class _Dispatch:
 @dataclass(slots=True)
 class WorkerState:
     worker_id: str
+    incarnation: str  # the worker process's, from its registration
     role: str
     model: str
     page_size: int
@@ -141,6 +142,7 @@ class WorkerRegistry:
         self.page_size = page_size
         self.workers[msg.worker_id] = WorkerState(
             worker_id=msg.worker_id,
+            incarnation=msg.incarnation,
             role=msg.role,
             model=msg.model,
             page_size=page_size,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Iterator
@@ -47,7 +48,7 @@ from router.server import ModelText
 HEARTBEAT = 0.1
 
 
-class _Socket:
+class ControlSocket:
     """One DEALER identity on the router's control socket."""
 
     def __init__(self, ctx: zmq.Context, endpoint: str, worker_id: str):
@@ -66,11 +67,21 @@ class _Socket:
             return None
 
 
-def _register(sock: _Socket, worker_id: str, role: str, model: str, page_size: int) -> RegisterAck:
+def register_worker(
+    sock: ControlSocket,
+    worker_id: str,
+    role: str,
+    model: str,
+    page_size: int,
+    incarnation: str = "",
+) -> RegisterAck:
+    """Register ``worker_id`` and wait for the ack; each call a new incarnation (a restarted
+    process) unless one is given."""
     sock.send(
         RegisterWorker(
             protocol_version=PROTOCOL_VERSION,
             worker_id=worker_id,
+            incarnation=incarnation or secrets.token_hex(8),
             role=role,
             model=model,
             kv_layout=KVLayout("bfloat16", page_size, 2, 2, 64),
@@ -96,7 +107,7 @@ class _Job:
     prompt: list[int]
     params: SamplingParams
     next_index: int
-    out: _Socket | None = None
+    out: ControlSocket | None = None
 
 
 class FakeWorker(threading.Thread):
@@ -135,9 +146,9 @@ class FakeWorker(threading.Thread):
 
     def run(self) -> None:
         ctx = zmq.Context()
-        sock = _Socket(ctx, self.endpoint, self.worker_id)
+        sock = ControlSocket(ctx, self.endpoint, self.worker_id)
         try:
-            self.ack = _register(sock, self.worker_id, self.role, self.model, self.page_size)
+            self.ack = register_worker(sock, self.worker_id, self.role, self.model, self.page_size)
             sock.send(CacheEvents(self.worker_id, [], [], reset=True))
             self.ready.set()
             last_beat = 0.0
@@ -166,7 +177,7 @@ class FakeWorker(threading.Thread):
     def _heartbeat(self) -> Heartbeat:
         return Heartbeat(self.worker_id, len(self.jobs), 0, 0, self.pages.num_free_pages, 0.0)
 
-    def _handle(self, sock: _Socket, msg: Message) -> None:
+    def _handle(self, sock: ControlSocket, msg: Message) -> None:
         if isinstance(msg, AbortRequest):
             self.jobs.pop(msg.request_id, None)
         elif isinstance(msg, PrefillRequest):
@@ -226,7 +237,7 @@ class FakeWorker(threading.Thread):
     def _generate(self) -> None:
         """One tick of decoding: every job's deltas in one frame per socket, as a real decode
         worker sends a step's deltas (``TokenDeltas``; a lone delta goes as itself)."""
-        by_socket: dict[int, tuple[_Socket, list[TokenDelta]]] = {}
+        by_socket: dict[int, tuple[ControlSocket, list[TokenDelta]]] = {}
         for job in list(self.jobs.values()):
             count = min(self.tokens_per_tick, job.params.max_tokens - job.next_index)
             samples = [self._sample(job.next_index + k, job.params) for k in range(count)]
@@ -272,11 +283,11 @@ class EnginePair(threading.Thread):
     def run(self) -> None:
         ctx = zmq.Context()
         page_size = self.engine.config.cache.page_size
-        p = _Socket(ctx, self.endpoint, self.prefill_id)
-        d = _Socket(ctx, self.endpoint, self.decode_id)
+        p = ControlSocket(ctx, self.endpoint, self.prefill_id)
+        d = ControlSocket(ctx, self.endpoint, self.decode_id)
         try:
-            _register(p, self.prefill_id, ROLE_PREFILL, self.model, page_size)
-            _register(d, self.decode_id, ROLE_DECODE, self.model, page_size)
+            register_worker(p, self.prefill_id, ROLE_PREFILL, self.model, page_size)
+            register_worker(d, self.decode_id, ROLE_DECODE, self.model, page_size)
             p.send(CacheEvents(self.prefill_id, [], [], reset=True))
             self.ready.set()
             last_beat = 0.0
@@ -300,7 +311,9 @@ class EnginePair(threading.Thread):
                 sock.sock.close(0)
             ctx.term()
 
-    def _handle(self, sock: _Socket, p: _Socket, d: _Socket, msg: Message) -> None:
+    def _handle(
+        self, sock: ControlSocket, p: ControlSocket, d: ControlSocket, msg: Message
+    ) -> None:
         if isinstance(msg, AbortRequest):
             self.engine.abort(msg.request_id)
             self._routes.pop(msg.request_id, None)
@@ -316,7 +329,7 @@ class EnginePair(threading.Thread):
             self.engine.add_request(prompt, params, msg.request_id)
             self._routes[msg.request_id] = [done, d]
 
-    def _step(self, p: _Socket, d: _Socket) -> None:
+    def _step(self, p: ControlSocket, d: ControlSocket) -> None:
         outputs = self.engine.step()
         events = self.engine.page_manager.drain_events()
         if events:

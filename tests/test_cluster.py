@@ -181,7 +181,8 @@ def test_strangers_cannot_register_or_hand_off(cluster):
         rogue.setsockopt(zmq.LINGER, 0)
         rogue.connect(f"tcp://127.0.0.1:{port + 1}")
         rogue.send(encode(RegisterWorker(
-            protocol_version=PROTOCOL_VERSION, worker_id="rogue-decode", role="decode",
+            protocol_version=PROTOCOL_VERSION, worker_id="rogue-decode", incarnation="rogue",
+            role="decode",
             model="tiny-chat", kv_layout=KVLayout("bfloat16", 16, 2, 2, 64),
             kv_transfer="zmq", num_pages=4096, max_model_len=512,
             metrics_url="http://127.0.0.1:1/metrics", handoff_endpoint="tcp://127.0.0.1:1",

@@ -12,10 +12,17 @@ import httpx
 import openai
 import pytest
 import zmq
-from router_fakes import FakeWorker, model_text, router_server, start_fakes
+from router_fakes import (
+    ControlSocket,
+    FakeWorker,
+    model_text,
+    register_worker,
+    router_server,
+    start_fakes,
+)
 
 from common.model.default_model import resolve_model_path
-from common.protocol import AbortRequest, DecodeRequest, PrefillRequest
+from common.protocol import ROLE_PREFILL, AbortRequest, DecodeRequest, PrefillRequest
 from router.server import build_parser, config_from_args
 
 MODEL = resolve_model_path(None)
@@ -618,3 +625,23 @@ def test_client_disconnect_aborts_on_every_worker_holding_the_request(stream):
             assert time.monotonic() < deadline
             time.sleep(0.02)
         assert router.metric("pdserve_router_aborts_total", cause="client_disconnected") == 1
+
+
+def test_a_registration_sent_again_is_acknowledged_and_a_new_incarnation_replaces_the_worker():
+    """A worker sends its registration again until it is acknowledged: the same incarnation is
+    the same process (acknowledged, nothing removed), a new one under the same id a restart."""
+    with router_server(MODEL) as router, zmq.Context() as ctx:
+        config = router.app.state.config
+        model = config.worker_model or config.served_model_name
+        link = ControlSocket(ctx, router.control, "p0")
+        try:
+            for incarnation in ("first", "first"):
+                assert register_worker(link, "p0", ROLE_PREFILL, model, 16, incarnation).accepted
+            router.wait_for_workers(prefill=1, decode=0)
+            removed = "pdserve_router_workers_removed_total"
+            assert router.metric(removed, cause="re_registered") == 0
+            assert register_worker(link, "p0", ROLE_PREFILL, model, 16, "restarted").accepted
+            assert router.metric(removed, cause="re_registered") == 1
+            router.wait_for_workers(prefill=1, decode=0)
+        finally:
+            link.sock.close()

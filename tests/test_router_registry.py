@@ -16,6 +16,7 @@ def reg(wid: str, role: str = "prefill", **kw) -> RegisterWorker:
     fields = dict(
         protocol_version=PROTOCOL_VERSION,
         worker_id=wid,
+        incarnation=f"{wid}-1",
         role=role,
         model="m",
         kv_layout=layout(16),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import signal
 import socket
 import time
@@ -135,6 +136,7 @@ class WorkerService(ABC):
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.worker_id = args.worker_id or f"{self.role}-{socket.gethostname()}-{os.getpid()}"
+        self.incarnation = secrets.token_hex(8)  # this process's: a restart gets a new one
         self.engine = LLMEngine(engine_config_from_args(args), role=self.role)
         self.scheduler = self.engine.scheduler
         self.page_manager = self.engine.page_manager
@@ -358,6 +360,7 @@ class WorkerService(ABC):
         return RegisterWorker(
             protocol_version=PROTOCOL_VERSION,
             worker_id=self.worker_id,
+            incarnation=self.incarnation,
             role=self.role,
             model=self.engine.model_path.name,
             kv_layout=self.engine.kv_layout,
