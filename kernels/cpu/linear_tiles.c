@@ -35,12 +35,24 @@ static inline float tile_weight(const void *tile, int f32, int64_t k, int j) {
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 #define HAVE_AVX2_TILES 1
-/* k-rows of a tile widened to float32 at a time: 16 KB, so they stay in L1 while every row of x
+/* Each output is one dependent chain of FMAs (its fixed summation order), and an FMA takes four
+ * cycles on each of two ports, so the FMA units are busy only with eight or more chains in
+ * flight; AVX2 has 16 registers; and widening a bf16 weight vector takes two more vector
+ * instructions, one of them on an FMA port, so a widened vector should serve several rows. The
+ * register blocks, by row count (measured on a Zen 3 core, SmolLM2's shapes):
+ * - one row runs over two tiles at once: 8 chains (one_row_two_tiles);
+ * - two rows over all 32 columns of the tile as it is read: 8 chains (pair_block);
+ * - up to STREAM_MAX_ROWS rows, up to four rows at a time over 16 columns as they are read: 8
+ *   chains, each widened vector feeding four FMAs (quad_block: at 8 rows a fifth less time than pairs);
+ * - more rows widen a chunk of the tile into L1 once, then run six rows over 16 columns at a
+ *   time: 12 chains, two loads and six broadcasts per 12 FMAs (six_row_block). */
+#define STREAM_MAX_ROWS 16
+#define PAIR_ROWS 2
+#define QUAD_ROWS 4
+#define SIX_ROWS 6
+/* k-rows of a tile worked on at a time: 16 KB widened, so they stay in L1 while every row of x
  * runs over them. */
 #define CHUNK_K 128
-/* Rows per register block: six rows of 16 columns take 12 of AVX2's 16 registers, beside two
- * weight vectors and a broadcast, for 12 FMAs per 8 loads. */
-#define MICRO_ROWS 6
 
 /* Eight bf16 weights widened to float32 (exact: a 16-bit shift). */
 static inline __attribute__((always_inline)) __m256 widen8(const uint16_t *w) {
@@ -48,12 +60,105 @@ static inline __attribute__((always_inline)) __m256 widen8(const uint16_t *w) {
         _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)w)), 16));
 }
 
-/* acc[r][0..16) += x[r][k] * wide[k][0..16) over `kc` k-rows, for `n` <= MICRO_ROWS rows (a
- * constant after inlining, so the accumulators stay in registers). */
-static inline __attribute__((always_inline)) void micro_block(const float *x, int64_t x_stride,
-                                                              const float *wide, int kc,
-                                                              const int n, float *acc) {
-    __m256 a[MICRO_ROWS][2];
+/* Columns [8c, 8c + 8) of k-row `k` of a tile as float32. */
+static inline __attribute__((always_inline)) __m256 weight8(const void *tile, const int f32,
+                                                            int64_t k, int c) {
+    return f32 ? _mm256_loadu_ps((const float *)tile + k * TILE + 8 * c)
+                 : widen8((const uint16_t *)tile + k * TILE + 8 * c);
+}
+
+/* k-row `k` + PREFETCH_K of a tile into L1, and the row eight times further into L2. */
+static inline __attribute__((always_inline)) void prefetch_row(const void *tile, const int f32,
+                                                               int64_t k) {
+    const int64_t row_bytes = TILE * (f32 ? 4 : 2);
+    const char *near = (const char *)tile + (k + PREFETCH_K) * row_bytes;
+    const char *far = (const char *)tile + (k + 8 * PREFETCH_K) * row_bytes;
+    _mm_prefetch(near, _MM_HINT_T0);
+    _mm_prefetch(far, _MM_HINT_T1);
+    if (f32) {
+        _mm_prefetch(near + 64, _MM_HINT_T0);
+        _mm_prefetch(far + 64, _MM_HINT_T1);
+    }
+}
+
+/* acc[r][0..32) += x[r][k] * tile[k][0..32) over `kc` k-rows, for `n` <= PAIR_ROWS rows (a
+ * constant after inlining, so the accumulators stay in registers). `prefetch`: the tile is
+ * coming from memory. */
+static inline __attribute__((always_inline)) void pair_block(const float *x, int64_t x_stride,
+                                                             const void *tile, const int f32,
+                                                             int kc, const int n,
+                                                             const int prefetch, float *acc) {
+    __m256 a[PAIR_ROWS][4];
+    for (int r = 0; r < n; r++)
+        for (int c = 0; c < 4; c++) a[r][c] = _mm256_loadu_ps(acc + r * TILE + 8 * c);
+    for (int k = 0; k < kc; k++) {
+        if (prefetch) prefetch_row(tile, f32, k);
+        __m256 xv[PAIR_ROWS];
+        for (int r = 0; r < n; r++) xv[r] = _mm256_broadcast_ss(x + r * x_stride + k);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            const __m256 wv = weight8(tile, f32, k, c);
+            for (int r = 0; r < n; r++) a[r][c] = _mm256_fmadd_ps(xv[r], wv, a[r][c]);
+        }
+    }
+    for (int r = 0; r < n; r++)
+        for (int c = 0; c < 4; c++) _mm256_storeu_ps(acc + r * TILE + 8 * c, a[r][c]);
+}
+
+#define PAIR_CASE(rows, is_f32)                                                                \
+    case 2 * rows + is_f32:                                                                    \
+        pair_block(x, x_stride, tile, is_f32, kc, rows, prefetch, acc);                        \
+        break;
+
+static void pair_any(const float *x, int64_t x_stride, const void *tile, int f32, int kc, int n,
+                     int prefetch, float *acc) {
+    switch (2 * n + f32) { PAIR_CASE(1, 0) PAIR_CASE(1, 1) PAIR_CASE(2, 0) PAIR_CASE(2, 1) }
+}
+#undef PAIR_CASE
+
+/* acc[r][0..16) += x[r][k] * tile[k][0..16) over `kc` k-rows of half a tile (`tile` points at
+ * its first column), for `n` <= QUAD_ROWS rows. */
+static inline __attribute__((always_inline)) void quad_block(const float *x, int64_t x_stride,
+                                                             const void *tile, const int f32,
+                                                             int kc, const int n,
+                                                             const int prefetch, float *acc) {
+    __m256 a[QUAD_ROWS][2];
+    for (int r = 0; r < n; r++)
+        for (int c = 0; c < 2; c++) a[r][c] = _mm256_loadu_ps(acc + r * TILE + 8 * c);
+    for (int k = 0; k < kc; k++) {
+        if (prefetch) prefetch_row(tile, f32, k);
+        const __m256 w0 = weight8(tile, f32, k, 0), w1 = weight8(tile, f32, k, 1);
+#pragma GCC unroll 4
+        for (int r = 0; r < n; r++) {
+            const __m256 xv = _mm256_broadcast_ss(x + r * x_stride + k);
+            a[r][0] = _mm256_fmadd_ps(xv, w0, a[r][0]);
+            a[r][1] = _mm256_fmadd_ps(xv, w1, a[r][1]);
+        }
+    }
+    for (int r = 0; r < n; r++)
+        for (int c = 0; c < 2; c++) _mm256_storeu_ps(acc + r * TILE + 8 * c, a[r][c]);
+}
+
+#define QUAD_CASE(rows, is_f32)                                                                \
+    case 2 * rows + is_f32:                                                                    \
+        quad_block(x, x_stride, tile, is_f32, kc, rows, prefetch, acc);                        \
+        break;
+
+static void quad_any(const float *x, int64_t x_stride, const void *tile, int f32, int kc, int n,
+                     int prefetch, float *acc) {
+    switch (2 * n + f32) {
+        QUAD_CASE(1, 0) QUAD_CASE(1, 1) QUAD_CASE(2, 0) QUAD_CASE(2, 1)
+        QUAD_CASE(3, 0) QUAD_CASE(3, 1) QUAD_CASE(4, 0) QUAD_CASE(4, 1)
+    }
+}
+#undef QUAD_CASE
+
+/* acc[r][0..16) += x[r][k] * wide[k][0..16) over `kc` k-rows of a widened chunk, for `n` <=
+ * SIX_ROWS rows (a constant after inlining). */
+static inline __attribute__((always_inline)) void six_row_block(const float *x, int64_t x_stride,
+                                                                const float *wide, int kc,
+                                                                const int n, float *acc) {
+    __m256 a[SIX_ROWS][2];
     for (int r = 0; r < n; r++) {
         a[r][0] = _mm256_loadu_ps(acc + r * TILE);
         a[r][1] = _mm256_loadu_ps(acc + r * TILE + 8);
@@ -73,48 +178,90 @@ static inline __attribute__((always_inline)) void micro_block(const float *x, in
     }
 }
 
-#define MICRO_CASE(count)                                                                      \
-    case count:                                                                                \
-        micro_block(x, x_stride, wide, kc, count, acc);                                        \
+#define SIX_CASE(rows)                                                                         \
+    case rows:                                                                                 \
+        six_row_block(x, x_stride, wide, kc, rows, acc);                                       \
         break;
 
-static void micro_any(const float *x, int64_t x_stride, const float *wide, int kc, int n,
-                      float *acc) {
-    switch (n) { MICRO_CASE(1) MICRO_CASE(2) MICRO_CASE(3) MICRO_CASE(4) MICRO_CASE(5) MICRO_CASE(6) }
+static void six_any(const float *x, int64_t x_stride, const float *wide, int kc, int n,
+                    float *acc) {
+    switch (n) { SIX_CASE(1) SIX_CASE(2) SIX_CASE(3) SIX_CASE(4) SIX_CASE(5) SIX_CASE(6) }
 }
-#undef MICRO_CASE
+#undef SIX_CASE
 
-/* acc[m][j] = sum_k x[m][k] * tile[k][j] for all M rows: a chunk of the tile is widened into L1
- * once, then every row of x runs over it, six at a time, in two halves of 16 columns. */
+/* acc[m][j] = sum_k x[m][k] * tile[k][j] for all M rows, a chunk of k-rows at a time (the sums
+ * wait in acc between chunks, so each is still one chain over k). */
 static void tile_all_rows(const float *x, int64_t x_stride, const void *tile, int f32, int K,
                           int M, float *acc) {
-    float wide[CHUNK_K * TILE] __attribute__((aligned(32)));
     memset(acc, 0, (size_t)M * TILE * sizeof(float));
+    if (M <= PAIR_ROWS) {
+        pair_any(x, x_stride, tile, f32, K, M, 1, acc);
+        return;
+    }
+    float wide[CHUNK_K * TILE] __attribute__((aligned(32)));
     for (int k0 = 0; k0 < K; k0 += CHUNK_K) {
         const int kc = K - k0 < CHUNK_K ? K - k0 : CHUNK_K;
-        for (int k = 0; k < kc; k++) {
-            float *dst = wide + k * TILE;
-            if (f32) {
-                const float *w = (const float *)tile + (int64_t)(k0 + k) * TILE;
-                _mm_prefetch((const char *)(w + PREFETCH_K * TILE), _MM_HINT_T0);
-                _mm_prefetch((const char *)(w + PREFETCH_K * TILE + 16), _MM_HINT_T0);
-                _mm_prefetch((const char *)(w + 8 * PREFETCH_K * TILE), _MM_HINT_T1);
-                _mm_prefetch((const char *)(w + 8 * PREFETCH_K * TILE + 16), _MM_HINT_T1);
-                for (int i = 0; i < 4; i++) _mm256_store_ps(dst + 8 * i, _mm256_loadu_ps(w + 8 * i));
-            } else {
-                const uint16_t *w = (const uint16_t *)tile + (int64_t)(k0 + k) * TILE;
-                _mm_prefetch((const char *)(w + PREFETCH_K * TILE), _MM_HINT_T0);
-                _mm_prefetch((const char *)(w + 8 * PREFETCH_K * TILE), _MM_HINT_T1);
-                for (int i = 0; i < 4; i++) _mm256_store_ps(dst + 8 * i, widen8(w + 8 * i));
+        const void *chunk = (const char *)tile + (int64_t)k0 * TILE * (f32 ? 4 : 2);
+        if (M <= STREAM_MAX_ROWS) {
+            /* The first block brings the chunk in; the rest find it in L1. */
+            for (int m = 0, left = (M + QUAD_ROWS - 1) / QUAD_ROWS, n; m < M; m += n, left--) {
+                n = (M - m + left - 1) / left; /* rows spread evenly over the blocks */
+                for (int half = 0; half < 2; half++)
+                    quad_any(x + m * x_stride + k0, x_stride,
+                             (const char *)chunk + 16 * half * (f32 ? 4 : 2), f32, kc, n, m == 0,
+                             acc + (int64_t)m * TILE + 16 * half);
             }
+            continue;
         }
-        for (int m = 0; m < M; m += MICRO_ROWS) {
-            const int n = M - m < MICRO_ROWS ? M - m : MICRO_ROWS;
+        for (int k = 0; k < kc; k++) {
+            prefetch_row(chunk, f32, k);
+            for (int c = 0; c < 4; c++)
+                _mm256_store_ps(wide + k * TILE + 8 * c, weight8(chunk, f32, k, c));
+        }
+        for (int m = 0; m < M; m += SIX_ROWS) {
+            const int n = M - m < SIX_ROWS ? M - m : SIX_ROWS;
             for (int half = 0; half < 2; half++)
-                micro_any(x + m * x_stride + k0, x_stride, wide + 16 * half, kc, n,
-                          acc + (int64_t)m * TILE + 16 * half);
+                six_any(x + m * x_stride + k0, x_stride, wide + 16 * half, kc, n,
+                        acc + (int64_t)m * TILE + 16 * half);
         }
     }
+}
+
+/* One row of x over two tiles at once: eight chains, where one tile gives only four. */
+static inline __attribute__((always_inline)) void one_row_two_tiles(const float *x,
+                                                                    const void *tile0,
+                                                                    const void *tile1,
+                                                                    const int f32, int K,
+                                                                    float *acc0, float *acc1) {
+    __m256 a0[4], a1[4];
+    for (int c = 0; c < 4; c++) a0[c] = a1[c] = _mm256_setzero_ps();
+    for (int k = 0; k < K; k++) {
+        prefetch_row(tile0, f32, k);
+        prefetch_row(tile1, f32, k);
+        const __m256 xv = _mm256_broadcast_ss(x + k);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            a0[c] = _mm256_fmadd_ps(xv, weight8(tile0, f32, k, c), a0[c]);
+            a1[c] = _mm256_fmadd_ps(xv, weight8(tile1, f32, k, c), a1[c]);
+        }
+    }
+    for (int c = 0; c < 4; c++) {
+        _mm256_storeu_ps(acc0 + 8 * c, a0[c]);
+        _mm256_storeu_ps(acc1 + 8 * c, a1[c]);
+    }
+}
+
+/* One row over tiles t and t + 1 (or tile t alone, the last one), sums into acc[0..64). */
+static void one_row_tile_pair(const float *x, const void *packed, int f32, int K, int t,
+                              int num_tiles, float *acc) {
+    const size_t tile_bytes = (size_t)K * TILE * (f32 ? 4 : 2);
+    const char *tile0 = (const char *)packed + t * tile_bytes;
+    if (t + 1 == num_tiles)
+        tile_all_rows(x, 0, tile0, f32, K, 1, acc);
+    else if (f32)
+        one_row_two_tiles(x, tile0, tile0 + tile_bytes, 1, K, acc, acc + TILE);
+    else
+        one_row_two_tiles(x, tile0, tile0 + tile_bytes, 0, K, acc, acc + TILE);
 }
 #endif
 
@@ -210,28 +357,42 @@ static int linear_tiles(const float *x, int64_t x_stride, const void *packed, in
     const size_t weight_size = f32 ? sizeof(float) : sizeof(uint16_t);
     const size_t out_size = y_f32 ? sizeof(float) : sizeof(uint16_t);
     int failed = 0;
+#ifdef HAVE_AVX2_TILES
+    /* One row runs over two tiles at a time (see one_row_two_tiles). */
+    const int group = M == 1 ? 2 : 1;
+#endif
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
 #ifdef HAVE_AVX2_TILES
-        float *acc = malloc((size_t)M * TILE * sizeof(float));
+        float *acc = malloc((size_t)M * group * TILE * sizeof(float));
         if (!acc) {
 #pragma omp atomic write
             failed = 1;
         }
-#endif
+#pragma omp for schedule(static)
+        for (int t = 0; t < num_tiles; t += group) {
+            if (!acc) continue;
+            if (group == 2)
+                one_row_tile_pair(x, packed, f32, K, t, num_tiles, acc);
+            else
+                tile_all_rows(x, x_stride, (const char *)packed + (int64_t)t * K * TILE * weight_size,
+                              f32, K, M, acc);
+            for (int u = t; u < t + group && u < num_tiles; u++) {
+                const int n0 = u * TILE;
+                for (int m = 0; m < M; m++)
+                    store_outputs(acc + ((int64_t)m * group + u - t) * TILE, bias ? bias + n0 : NULL,
+                                  N - n0 < TILE ? N - n0 : TILE, y_f32,
+                                  (char *)y + ((int64_t)m * y_stride + n0) * out_size);
+            }
+        }
+        free(acc);
+#else
 #pragma omp for schedule(static)
         for (int t = 0; t < num_tiles; t++) {
             const void *tile = (const char *)packed + (int64_t)t * K * TILE * weight_size;
             const int n0 = t * TILE;
             const int width = N - n0 < TILE ? N - n0 : TILE;
             const float *tile_bias = bias ? bias + n0 : NULL;
-#ifdef HAVE_AVX2_TILES
-            if (!acc) continue;
-            tile_all_rows(x, x_stride, tile, f32, K, M, acc);
-            for (int m = 0; m < M; m++)
-                store_outputs(acc + (int64_t)m * TILE, tile_bias, width, y_f32,
-                              (char *)y + ((int64_t)m * y_stride + n0) * out_size);
-#else
             float acc[ROW_BLOCK][TILE];
             for (int m0 = 0; m0 < M; m0 += ROW_BLOCK) {
                 const int rows = M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK;
@@ -240,10 +401,7 @@ static int linear_tiles(const float *x, int64_t x_stride, const void *packed, in
                     store_outputs(acc[r], tile_bias, width, y_f32,
                                   (char *)y + ((int64_t)(m0 + r) * y_stride + n0) * out_size);
             }
-#endif
         }
-#ifdef HAVE_AVX2_TILES
-        free(acc);
 #endif
     }
     return failed ? -1 : 0;
