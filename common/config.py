@@ -170,6 +170,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 256  # sequences in the running batch
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # Prompt tokens a step computes while sequences are decoding in it; None: the whole budget.
+    # Every decoding sequence waits for the step, so a small cap bounds their inter-token
+    # latency while a local prefill runs (pdserve up sets one on CPU decode workers).
+    max_prefill_tokens_while_decoding: int | None = None
 
     @property
     def token_budget(self) -> int:
@@ -185,6 +189,9 @@ class SchedulerConfig:
             raise ValueError("--max-num-seqs must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("--max-model-len must be >= 1")
+        cap = self.max_prefill_tokens_while_decoding
+        if cap is not None and cap < 1:
+            raise ValueError("--max-prefill-tokens-while-decoding must be >= 1")
 
 
 SPECULATIVE_METHODS = ("ngram", "draft")

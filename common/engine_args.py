@@ -52,6 +52,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="tokens per step (default: 2048 on a GPU, 256 on a CPU)",
     )
     group.add_argument("--max-num-seqs", type=int, default=256)
+    group.add_argument(
+        "--max-prefill-tokens-while-decoding",
+        type=int,
+        default=None,
+        help="prompt tokens per step while sequences are decoding: bounds their inter-token "
+        "latency during a prefill (default: the whole step; pdserve up: 64 on CPU decode "
+        "workers)",
+    )
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--seed", type=int, default=0)
     group.add_argument(
@@ -105,6 +113,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len,
+            max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
         ),
         speculative=speculative_config_from_args(args),
         seed=args.seed,

@@ -28,6 +28,10 @@ from common import cluster_auth
 # most this many times, so a worker that cannot start does not loop for ever.
 MAX_RESTARTS = 5
 CPU_LOCAL_PREFILL_OVERFLOW_TOKENS = 1024
+# A CPU decode worker prefilling an overflowed prompt in place computes at most this many prompt
+# tokens a step beside its decodes: a 256-token chunk made every running sequence wait ~0.6 s
+# for its next token (W1's ITL p99: 790 ms), a 64-token one ~0.2 s.
+CPU_DECODE_WORKER_PREFILL_TOKENS = 64
 
 
 @dataclass(slots=True)
@@ -103,6 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
     prefill.add_argument("--ship-chunks", action=argparse.BooleanOptionalAction, default=None)
     decode = parser.add_argument_group("decode workers")
     decode.add_argument("--kv-fetch-timeout", type=float, default=None)
+    decode.add_argument(
+        "--max-prefill-tokens-while-decoding",
+        type=int,
+        default=None,
+        help=f"prompt tokens a decode worker computes per step beside running decodes "
+        f"(default: {CPU_DECODE_WORKER_PREFILL_TOKENS} without a GPU, the whole step with one)",
+    )
     parser.add_argument(
         "--pin-cores",
         action=argparse.BooleanOptionalAction,
@@ -128,8 +139,12 @@ def role_flags(args: argparse.Namespace, role: str) -> list[str]:
             flags += ["--kv-lease-seconds", str(args.kv_lease_seconds)]
         if args.ship_chunks is not None:
             flags.append("--ship-chunks" if args.ship_chunks else "--no-ship-chunks")
-    elif args.kv_fetch_timeout is not None:
-        flags += ["--kv-fetch-timeout", str(args.kv_fetch_timeout)]
+    else:
+        if args.kv_fetch_timeout is not None:
+            flags += ["--kv-fetch-timeout", str(args.kv_fetch_timeout)]
+        if args.max_prefill_tokens_while_decoding is not None:
+            cap = args.max_prefill_tokens_while_decoding
+            flags += ["--max-prefill-tokens-while-decoding", str(cap)]
     return flags
 
 
@@ -277,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         overflow = CPU_LOCAL_PREFILL_OVERFLOW_TOKENS
     if overflow is not None:
         router_args += ["--local-prefill-overflow-tokens", str(overflow)]
+    if args.max_prefill_tokens_while_decoding is None and not torch.cuda.is_available():
+        args.max_prefill_tokens_while_decoding = CPU_DECODE_WORKER_PREFILL_TOKENS
     shared = [
         "--router",
         control,

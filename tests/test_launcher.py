@@ -17,15 +17,20 @@ BASE = ["--router", "tcp://127.0.0.1:1", "--model", "m"]
 
 def test_role_flags_go_to_their_role_only():
     args, rest = build_parser().parse_known_args(
-        ["--no-ship-chunks", "--kv-lease-seconds", "5", "--kv-fetch-timeout", "3", "--seed", "2"]
+        [
+            *("--no-ship-chunks", "--kv-lease-seconds", "5", "--kv-fetch-timeout", "3"),
+            *("--max-prefill-tokens-while-decoding", "32", "--seed", "2"),
+        ]
     )
     assert rest == ["--seed", "2"]  # for every worker
     assert role_flags(args, "prefill") == ["--kv-lease-seconds", "5.0", "--no-ship-chunks"]
-    assert role_flags(args, "decode") == ["--kv-fetch-timeout", "3.0"]
+    assert role_flags(args, "decode") == [
+        *("--kv-fetch-timeout", "3.0", "--max-prefill-tokens-while-decoding", "32")
+    ]
     prefill = prefill_parser().parse_args([*BASE, *role_flags(args, "prefill")])
     assert (prefill.ship_chunks, prefill.kv_lease_seconds) == (False, 5.0)
     decode = decode_parser().parse_args([*BASE, *role_flags(args, "decode")])
-    assert decode.kv_fetch_timeout == 3.0
+    assert (decode.kv_fetch_timeout, decode.max_prefill_tokens_while_decoding) == (3.0, 32)
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])

@@ -29,8 +29,13 @@ def make_scheduler(
     max_num_seqs: int = 256,
     max_model_len: int = 64,
     prefix_caching: bool = True,
+    max_prefill_tokens_while_decoding: int | None = None,
 ) -> Scheduler:
-    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs)
+    config = SchedulerConfig(
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_num_seqs,
+        max_prefill_tokens_while_decoding=max_prefill_tokens_while_decoding,
+    )
     pages = PageManager(num_pages, PAGE, enable_prefix_caching=prefix_caching)
     return Scheduler(config, pages, max_model_len, eos_token_ids=[EOS])
 
@@ -129,6 +134,34 @@ def test_a_running_prefill_keeps_its_place_ahead_of_the_queue():
     assert step(scheduler) == [("long", 8, False)]
     # long's last 4 tokens come before next is admitted with the 4 left.
     assert step(scheduler) == [("long", 4, True), ("next", 2, True)]
+
+
+def test_prompt_tokens_beside_decodes_are_capped_and_a_step_without_decodes_is_not():
+    scheduler = make_scheduler(budget=16, max_prefill_tokens_while_decoding=3)
+    add(scheduler, "short", prompt(10, 2))
+    # No sequence is decoding yet: the whole budget goes to prompts.
+    assert step(scheduler) == [("short", 2, True)]
+    long = add(scheduler, "long", prompt(40, 8))
+    other = add(scheduler, "other", prompt(60, 5))
+    # Beside short's decode, 3 prompt tokens a step, shared in order: long first.
+    assert step(scheduler) == [("short", 1, True), ("long", 3, False)]
+    assert step(scheduler) == [("short", 1, True), ("long", 3, False)]
+    assert step(scheduler) == [("short", 1, True), ("long", 2, True), ("other", 1, False)]
+    assert (long.num_computed_tokens, other.num_computed_tokens) == (8, 1)
+    # A sequence with one token left is a decode, never held back by the cap.
+    shipped = Sequence.from_prompt("shipped", [7], SamplingParams(max_tokens=4))
+    scheduler.add(shipped)
+    assert step(scheduler) == [
+        ("short", 1, True),
+        ("long", 1, True),
+        ("other", 3, False),
+        ("shipped", 1, True),
+    ]
+
+
+def test_the_prompt_cap_must_be_positive():
+    with pytest.raises(ValueError, match="--max-prefill-tokens-while-decoding"):
+        SchedulerConfig(max_prefill_tokens_while_decoding=0).validate()
 
 
 # -- the prefix cache ---------------------------------------------------------------------------

@@ -71,6 +71,7 @@ class Scheduler:
     ) -> None:
         self.max_num_batched_tokens = config.token_budget
         self.max_num_seqs = config.max_num_seqs
+        self.max_prefill_tokens_while_decoding = config.max_prefill_tokens_while_decoding
         self.max_model_len = max_model_len
         self.page_manager = page_manager
         self.page_size = page_manager.page_size
@@ -130,21 +131,34 @@ class Scheduler:
         if self.speculator is not None and decoding and not chunking and not admitting:
             planned = self.speculator.plan_slots(decoding, self.max_model_len)
             slots = {id(seq): n for seq, n in zip(decoding, planned, strict=True) if n}
+        # Every decoding sequence waits for this step, so prompt tokens beside them are capped.
+        cap = self.max_prefill_tokens_while_decoding
+        prompt_budget = cap if decoding and cap is not None else budget
         for seq in (*decoding, *chunking):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            left = seq.num_tokens - seq.num_computed_tokens
+            num_new = min(left, budget if left == 1 else min(budget, prompt_budget))
+            if num_new == 0:
+                continue
             num_slots = min(slots.get(id(seq), 0), budget - num_new)
             if not self._reserve_for_running(seq, num_new + num_slots, scheduled):
                 continue
             batch.append(ScheduledSequence.of(seq, num_new, num_slots))
             scheduled.add(id(seq))
             budget -= num_new + num_slots
+            if left != 1:
+                prompt_budget -= num_new
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            num_admitted = self._admit(seq, budget)
+            # A sequence whose prompt KV was shipped has one token left: it is a decode.
+            decode_ready = seq.num_tokens - seq.num_computed_tokens == 1
+            limit = budget if decode_ready else min(budget, prompt_budget)
+            if limit == 0:
+                break
+            num_admitted = self._admit(seq, limit)
             if num_admitted is None:
                 break
             self.waiting.popleft()
@@ -154,6 +168,8 @@ class Scheduler:
             self.running.append(seq)
             batch.append(ScheduledSequence.of(seq, num_admitted))
             budget -= num_admitted
+            if not decode_ready:
+                prompt_budget -= num_admitted
         return batch
 
     def postprocess(
