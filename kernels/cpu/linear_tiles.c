@@ -42,13 +42,15 @@ static inline float tile_weight(const void *tile, int f32, int64_t k, int j) {
  * register blocks, by row count (measured on a Zen 3 core, SmolLM2's shapes):
  * - one row runs over two tiles at once: 8 chains (one_row_two_tiles);
  * - two rows over all 32 columns of the tile as it is read: 8 chains (pair_block);
- * - up to STREAM_MAX_ROWS rows, up to four rows at a time over 16 columns as they are read: 8
- *   chains, each widened vector feeding four FMAs (quad_block: at 8 rows a fifth less time than pairs);
+ * - up to STREAM_MAX_ROWS rows, up to six rows at a time over 16 columns as they are read: up
+ *   to 12 chains, each widened vector feeding a FMA per row (stream_block; rows spread evenly
+ *   over the blocks, 8 rows as 4 + 4);
  * - more rows widen a chunk of the tile into L1 once, then run six rows over 16 columns at a
- *   time: 12 chains, two loads and six broadcasts per 12 FMAs (six_row_block). */
-#define STREAM_MAX_ROWS 16
+ *   time (six_row_block): the same blocks from float32 copies, which only pays when many rows
+ *   share a chunk (beyond 32 rows the two are even). */
+#define STREAM_MAX_ROWS 32
 #define PAIR_ROWS 2
-#define QUAD_ROWS 4
+#define STREAM_ROWS 6
 #define SIX_ROWS 6
 /* k-rows of a tile worked on at a time: 16 KB widened, so they stay in L1 while every row of x
  * runs over them. */
@@ -117,18 +119,18 @@ static void pair_any(const float *x, int64_t x_stride, const void *tile, int f32
 #undef PAIR_CASE
 
 /* acc[r][0..16) += x[r][k] * tile[k][0..16) over `kc` k-rows of half a tile (`tile` points at
- * its first column), for `n` <= QUAD_ROWS rows. */
-static inline __attribute__((always_inline)) void quad_block(const float *x, int64_t x_stride,
-                                                             const void *tile, const int f32,
-                                                             int kc, const int n,
-                                                             const int prefetch, float *acc) {
-    __m256 a[QUAD_ROWS][2];
+ * its first column), for `n` <= STREAM_ROWS rows. */
+static inline __attribute__((always_inline)) void stream_block(const float *x, int64_t x_stride,
+                                                               const void *tile, const int f32,
+                                                               int kc, const int n,
+                                                               const int prefetch, float *acc) {
+    __m256 a[STREAM_ROWS][2];
     for (int r = 0; r < n; r++)
         for (int c = 0; c < 2; c++) a[r][c] = _mm256_loadu_ps(acc + r * TILE + 8 * c);
     for (int k = 0; k < kc; k++) {
         if (prefetch) prefetch_row(tile, f32, k);
         const __m256 w0 = weight8(tile, f32, k, 0), w1 = weight8(tile, f32, k, 1);
-#pragma GCC unroll 4
+#pragma GCC unroll 6
         for (int r = 0; r < n; r++) {
             const __m256 xv = _mm256_broadcast_ss(x + r * x_stride + k);
             a[r][0] = _mm256_fmadd_ps(xv, w0, a[r][0]);
@@ -139,19 +141,20 @@ static inline __attribute__((always_inline)) void quad_block(const float *x, int
         for (int c = 0; c < 2; c++) _mm256_storeu_ps(acc + r * TILE + 8 * c, a[r][c]);
 }
 
-#define QUAD_CASE(rows, is_f32)                                                                \
+#define STREAM_CASE(rows, is_f32)                                                              \
     case 2 * rows + is_f32:                                                                    \
-        quad_block(x, x_stride, tile, is_f32, kc, rows, prefetch, acc);                        \
+        stream_block(x, x_stride, tile, is_f32, kc, rows, prefetch, acc);                      \
         break;
 
-static void quad_any(const float *x, int64_t x_stride, const void *tile, int f32, int kc, int n,
-                     int prefetch, float *acc) {
+static void stream_any(const float *x, int64_t x_stride, const void *tile, int f32, int kc,
+                       int n, int prefetch, float *acc) {
     switch (2 * n + f32) {
-        QUAD_CASE(1, 0) QUAD_CASE(1, 1) QUAD_CASE(2, 0) QUAD_CASE(2, 1)
-        QUAD_CASE(3, 0) QUAD_CASE(3, 1) QUAD_CASE(4, 0) QUAD_CASE(4, 1)
+        STREAM_CASE(1, 0) STREAM_CASE(1, 1) STREAM_CASE(2, 0) STREAM_CASE(2, 1)
+        STREAM_CASE(3, 0) STREAM_CASE(3, 1) STREAM_CASE(4, 0) STREAM_CASE(4, 1)
+        STREAM_CASE(5, 0) STREAM_CASE(5, 1) STREAM_CASE(6, 0) STREAM_CASE(6, 1)
     }
 }
-#undef QUAD_CASE
+#undef STREAM_CASE
 
 /* acc[r][0..16) += x[r][k] * wide[k][0..16) over `kc` k-rows of a widened chunk, for `n` <=
  * SIX_ROWS rows (a constant after inlining). */
@@ -204,12 +207,12 @@ static void tile_all_rows(const float *x, int64_t x_stride, const void *tile, in
         const void *chunk = (const char *)tile + (int64_t)k0 * TILE * (f32 ? 4 : 2);
         if (M <= STREAM_MAX_ROWS) {
             /* The first block brings the chunk in; the rest find it in L1. */
-            for (int m = 0, left = (M + QUAD_ROWS - 1) / QUAD_ROWS, n; m < M; m += n, left--) {
+            for (int m = 0, left = (M + STREAM_ROWS - 1) / STREAM_ROWS, n; m < M; m += n, left--) {
                 n = (M - m + left - 1) / left; /* rows spread evenly over the blocks */
                 for (int half = 0; half < 2; half++)
-                    quad_any(x + m * x_stride + k0, x_stride,
-                             (const char *)chunk + 16 * half * (f32 ? 4 : 2), f32, kc, n, m == 0,
-                             acc + (int64_t)m * TILE + 16 * half);
+                    stream_any(x + m * x_stride + k0, x_stride,
+                               (const char *)chunk + 16 * half * (f32 ? 4 : 2), f32, kc, n, m == 0,
+                               acc + (int64_t)m * TILE + 16 * half);
             }
             continue;
         }
@@ -375,13 +378,14 @@ static int linear_tiles(const float *x, int64_t x_stride, const void *packed, in
             if (group == 2)
                 one_row_tile_pair(x, packed, f32, K, t, num_tiles, acc);
             else
-                tile_all_rows(x, x_stride, (const char *)packed + (int64_t)t * K * TILE * weight_size,
-                              f32, K, M, acc);
+                tile_all_rows(x, x_stride,
+                              (const char *)packed + (int64_t)t * K * TILE * weight_size, f32, K,
+                              M, acc);
             for (int u = t; u < t + group && u < num_tiles; u++) {
                 const int n0 = u * TILE;
                 for (int m = 0; m < M; m++)
-                    store_outputs(acc + ((int64_t)m * group + u - t) * TILE, bias ? bias + n0 : NULL,
-                                  N - n0 < TILE ? N - n0 : TILE, y_f32,
+                    store_outputs(acc + ((int64_t)m * group + u - t) * TILE,
+                                  bias ? bias + n0 : NULL, N - n0 < TILE ? N - n0 : TILE, y_f32,
                                   (char *)y + ((int64_t)m * y_stride + n0) * out_size);
             }
         }
