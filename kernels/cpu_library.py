@@ -160,6 +160,8 @@ def _declare(library: ctypes.CDLL) -> None:
     library.pdserve_linear_bf16.restype = ctypes.c_int
     library.pdserve_linear_f32.argtypes = library.pdserve_linear_bf16.argtypes
     library.pdserve_linear_f32.restype = ctypes.c_int
+    library.pdserve_bf16_tile_order.argtypes = []
+    library.pdserve_bf16_tile_order.restype = ctypes.c_int
     library.pdserve_store_kv.argtypes = [
         ptr, i64, ptr, i64, ptr, ptr,  # key, its row stride, value, its row stride, caches
         i64, i64, i64, i32, i32,  # page, token, head strides; element bytes; page size

@@ -26,6 +26,7 @@ from kernels.cpu_linear import (
     CpuLinear,
     GemmPlan,
     choose_gemm_plan,
+    unpack_tiles,
 )
 from kernels.cpu_ops import CpuRMSNorm, CpuRotaryApply, CpuSiluAndMul
 from kernels.interface import INT8_DTYPE, INT8_SCALE_DTYPE, AttentionMetadata
@@ -214,6 +215,19 @@ def test_bf16_tiles_equal_an_fp32_gemm_rounded_once(
     assert (out != expected.bfloat16()).float().mean() < 0.02
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=dtype_id)
+def test_packed_tiles_hold_the_weight_in_the_order_the_kernel_reads(backend, dtype) -> None:
+    """Packing is a permutation (plus zero columns past N): unpacking gives the weight back, and
+    a one-hot row of x reads back one k-row of the weight, so the kernel finds every column where
+    the packing put it."""
+    weight = torch.randn(70, 40).to(dtype)
+    linear = CpuLinear(weight, None, TILES_ONLY)
+    assert torch.equal(unpack_tiles(linear.packed_tiles, 70), weight)
+    one_hot = torch.eye(40, dtype=dtype)
+    for rows in (1, 2, 5, 40):  # each of the kernel's register blocks
+        assert torch.equal(linear(one_hot[:rows]), weight.t()[:rows])
+
+
 @pytest.mark.parametrize("plan", [TILES_ONLY, BLAS_ONLY, BOTH], ids=lambda p: p.describe())
 def test_cpu_linear_keeps_only_what_its_plan_uses(backend, plan) -> None:
     linear = CpuLinear(torch.randn(64, 32).to(torch.bfloat16), None, BOTH)
@@ -231,10 +245,7 @@ def test_cpu_linear_keeps_only_what_its_plan_uses(backend, plan) -> None:
 def linear_weight(linear: CpuLinear) -> torch.Tensor:
     if linear.weight_t32 is not None:
         return linear.weight_t32.t()
-    tiles = linear.packed_tiles  # [tiles, K, 32]
-    return (
-        tiles.permute(1, 0, 2).reshape(linear.in_features, -1)[:, : linear.out_features].t().float()
-    )
+    return unpack_tiles(linear.packed_tiles, linear.out_features).float()
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 12, 40])

@@ -37,9 +37,9 @@ static inline float tile_weight(const void *tile, int f32, int64_t k, int j) {
 #define HAVE_AVX2_TILES 1
 /* Each output is one dependent chain of FMAs (its fixed summation order), and an FMA takes four
  * cycles on each of two ports, so the FMA units are busy only with eight or more chains in
- * flight; AVX2 has 16 registers; and widening a bf16 weight vector takes two more vector
- * instructions, one of them on an FMA port, so a widened vector should serve several rows. The
- * register blocks, by row count (measured on a Zen 3 core, SmolLM2's shapes):
+ * flight; AVX2 has 16 registers; and widening bf16 weights costs vector instructions beside the
+ * FMAs (one per eight weights: a shift or a mask, see weight16), so a widened vector should serve
+ * several rows. The register blocks, by row count (measured on a Zen 3 core, SmolLM2's shapes):
  * - one row runs over two tiles at once: 8 chains (one_row_two_tiles);
  * - two rows over all 32 columns of the tile as it is read: 8 chains (pair_block);
  * - up to STREAM_MAX_ROWS rows, up to six rows at a time over 16 columns as they are read: up
@@ -56,17 +56,29 @@ static inline float tile_weight(const void *tile, int f32, int64_t k, int j) {
  * runs over them. */
 #define CHUNK_K 128
 
-/* Eight bf16 weights widened to float32 (exact: a 16-bit shift). */
-static inline __attribute__((always_inline)) __m256 widen8(const uint16_t *w) {
-    return _mm256_castsi256_ps(
-        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)w)), 16));
+/* Sixteen columns of k-row `k` of a tile (`tile` points at the first of them) as two float32
+ * vectors: columns 0-7 in `lo`, 8-15 in `hi`. A bf16 tile stores each 16 columns as eight 32-bit
+ * words, word i holding column i in its low half and column i + 8 in its high half (see
+ * pdserve_bf16_tile_order), so a shift widens the first eight and a mask the other eight, both
+ * exactly and neither on a shuffle port: two cheap instructions per sixteen weights. */
+static inline __attribute__((always_inline)) void weight16(const void *tile, const int f32,
+                                                           int64_t k, __m256 *lo, __m256 *hi) {
+    if (f32) {
+        *lo = _mm256_loadu_ps((const float *)tile + k * TILE);
+        *hi = _mm256_loadu_ps((const float *)tile + k * TILE + 8);
+        return;
+    }
+    const __m256i words = _mm256_loadu_si256((const __m256i *)((const uint16_t *)tile + k * TILE));
+    *lo = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+    *hi = _mm256_and_ps(_mm256_castsi256_ps(words),
+                        _mm256_castsi256_ps(_mm256_set1_epi32((int)0xFFFF0000u)));
 }
 
-/* Columns [8c, 8c + 8) of k-row `k` of a tile as float32. */
-static inline __attribute__((always_inline)) __m256 weight8(const void *tile, const int f32,
-                                                            int64_t k, int c) {
-    return f32 ? _mm256_loadu_ps((const float *)tile + k * TILE + 8 * c)
-                 : widen8((const uint16_t *)tile + k * TILE + 8 * c);
+/* `tile` advanced by `columns` columns of its dtype. */
+static inline __attribute__((always_inline)) const void *tile_columns(const void *tile,
+                                                                      const int f32,
+                                                                      int columns) {
+    return (const char *)tile + columns * (f32 ? 4 : 2);
 }
 
 /* k-row `k` + PREFETCH_K of a tile into L1, and the row eight times further into L2. */
@@ -97,10 +109,13 @@ static inline __attribute__((always_inline)) void pair_block(const float *x, int
         if (prefetch) prefetch_row(tile, f32, k);
         __m256 xv[PAIR_ROWS];
         for (int r = 0; r < n; r++) xv[r] = _mm256_broadcast_ss(x + r * x_stride + k);
-#pragma GCC unroll 4
-        for (int c = 0; c < 4; c++) {
-            const __m256 wv = weight8(tile, f32, k, c);
-            for (int r = 0; r < n; r++) a[r][c] = _mm256_fmadd_ps(xv[r], wv, a[r][c]);
+        for (int half = 0; half < 2; half++) {
+            __m256 w0, w1;
+            weight16(tile_columns(tile, f32, 16 * half), f32, k, &w0, &w1);
+            for (int r = 0; r < n; r++) {
+                a[r][2 * half] = _mm256_fmadd_ps(xv[r], w0, a[r][2 * half]);
+                a[r][2 * half + 1] = _mm256_fmadd_ps(xv[r], w1, a[r][2 * half + 1]);
+            }
         }
     }
     for (int r = 0; r < n; r++)
@@ -129,7 +144,8 @@ static inline __attribute__((always_inline)) void stream_block(const float *x, i
         for (int c = 0; c < 2; c++) a[r][c] = _mm256_loadu_ps(acc + r * TILE + 8 * c);
     for (int k = 0; k < kc; k++) {
         if (prefetch) prefetch_row(tile, f32, k);
-        const __m256 w0 = weight8(tile, f32, k, 0), w1 = weight8(tile, f32, k, 1);
+        __m256 w0, w1;
+        weight16(tile, f32, k, &w0, &w1);
 #pragma GCC unroll 6
         for (int r = 0; r < n; r++) {
             const __m256 xv = _mm256_broadcast_ss(x + r * x_stride + k);
@@ -211,15 +227,19 @@ static void tile_all_rows(const float *x, int64_t x_stride, const void *tile, in
                 n = (M - m + left - 1) / left; /* rows spread evenly over the blocks */
                 for (int half = 0; half < 2; half++)
                     stream_any(x + m * x_stride + k0, x_stride,
-                               (const char *)chunk + 16 * half * (f32 ? 4 : 2), f32, kc, n, m == 0,
+                               tile_columns(chunk, f32, 16 * half), f32, kc, n, m == 0,
                                acc + (int64_t)m * TILE + 16 * half);
             }
             continue;
         }
         for (int k = 0; k < kc; k++) {
             prefetch_row(chunk, f32, k);
-            for (int c = 0; c < 4; c++)
-                _mm256_store_ps(wide + k * TILE + 8 * c, weight8(chunk, f32, k, c));
+            for (int half = 0; half < 2; half++) {
+                __m256 w0, w1;
+                weight16(tile_columns(chunk, f32, 16 * half), f32, k, &w0, &w1);
+                _mm256_store_ps(wide + k * TILE + 16 * half, w0);
+                _mm256_store_ps(wide + k * TILE + 16 * half + 8, w1);
+            }
         }
         for (int m = 0; m < M; m += SIX_ROWS) {
             const int n = M - m < SIX_ROWS ? M - m : SIX_ROWS;
@@ -242,10 +262,14 @@ static inline __attribute__((always_inline)) void one_row_two_tiles(const float 
         prefetch_row(tile0, f32, k);
         prefetch_row(tile1, f32, k);
         const __m256 xv = _mm256_broadcast_ss(x + k);
-#pragma GCC unroll 4
-        for (int c = 0; c < 4; c++) {
-            a0[c] = _mm256_fmadd_ps(xv, weight8(tile0, f32, k, c), a0[c]);
-            a1[c] = _mm256_fmadd_ps(xv, weight8(tile1, f32, k, c), a1[c]);
+        for (int half = 0; half < 2; half++) {
+            __m256 w0, w1, w2, w3;
+            weight16(tile_columns(tile0, f32, 16 * half), f32, k, &w0, &w1);
+            weight16(tile_columns(tile1, f32, 16 * half), f32, k, &w2, &w3);
+            a0[2 * half] = _mm256_fmadd_ps(xv, w0, a0[2 * half]);
+            a0[2 * half + 1] = _mm256_fmadd_ps(xv, w1, a0[2 * half + 1]);
+            a1[2 * half] = _mm256_fmadd_ps(xv, w2, a1[2 * half]);
+            a1[2 * half + 1] = _mm256_fmadd_ps(xv, w3, a1[2 * half + 1]);
         }
     }
     for (int c = 0; c < 4; c++) {
@@ -409,6 +433,17 @@ static int linear_tiles(const float *x, int64_t x_stride, const void *packed, in
 #endif
     }
     return failed ? -1 : 0;
+}
+
+/* How a bf16 tile orders its columns, for kernels/cpu_linear.py to pack them: 0, in column
+ * order (what the AVX-512 and portable kernels read); 1, each 16 columns as eight 32-bit words,
+ * word i holding column i in its low half and column i + 8 in its high half (see weight16). */
+int pdserve_bf16_tile_order(void) {
+#ifdef HAVE_AVX2_TILES
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 /* bf16 in and out, bf16 weights. x: [M, K] bf16, rows x_stride elements apart; y: [M, N] bf16. */
