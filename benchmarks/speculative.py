@@ -1,18 +1,22 @@
 """Speculative decoding against plain decoding, in one run, on one pinned core (a decode worker's
 share of this machine under `pdserve up`).
 
-The workload is repetitive on purpose: each prompt asks the model to copy a piece of pdserve's
-own source, which it mostly does, so its output repeats its input. Decode tokens/s (the tokens
-after each request's first, over the time from its first token to its last) at batch 1 and 8:
-without speculation, with n-gram lookup, and with a draft model. Greedy, so all three must give
-the very same tokens (checked). The draft is SmolLM2's own first layers with its head (no other
-checkpoint with its tokenizer can be had here), written to ``--draft-dir``.
+The workloads are repetitive on purpose, each prompt asking the model to rewrite what it is given:
+``code`` asks it to copy ~240 tokens of pdserve's own source, ``text`` to fix the grammar of a
+~240-token paragraph of pdserve's documentation and return it whole. SmolLM2-135M drifts from
+code after a few lines (its output repeats its input less), while it returns prose nearly
+verbatim. Decode tokens/s (the tokens after each request's first, over the time from its first
+token to its last) at batch 1 and 8: without speculation, with n-gram lookup, and with a draft
+model. Greedy, so all three must give the very same tokens (checked). The draft is SmolLM2's
+own first layers with its head (no other checkpoint with its tokenizer can be had here),
+written to ``--draft-dir``.
 
 It also measures where a draft's prompt KV should come from: the draft prefilling a prompt on
 the decode worker, against shipping the same pages from a prefill worker (the bytes of the
 draft's KV for that prompt over a loopback ZeroMQ socket, the transfer alone).
 
     python -m benchmarks.speculative [--model PATH] [--core 0] [--draft-layers 4] [-k 4]
+        [--workloads code,text]
 """
 
 from __future__ import annotations
@@ -49,18 +53,48 @@ SOURCES = [
     "router/metrics.py",
     "common/sampling_params.py",
 ]
+DOCUMENTS = ["README.md", "docs/structures.md"]
 PROMPT_TOKENS = 240
+
+
+def leading_tokens(tokenizer: Tokenizer, text: str) -> str:
+    """The first PROMPT_TOKENS tokens of ``text``, as text."""
+    return tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:PROMPT_TOKENS])
 
 
 def copy_prompts(tokenizer: Tokenizer, count: int) -> list[list[int]]:
     """Chat prompts asking to copy ~240 tokens of source each, the answer's code block begun."""
     prompts = []
     for index in range(count):
-        source = (REPO / SOURCES[index % len(SOURCES)]).read_text()
-        code = tokenizer.decode(tokenizer.encode(source, add_special_tokens=False)[:PROMPT_TOKENS])
+        code = leading_tokens(tokenizer, (REPO / SOURCES[index % len(SOURCES)]).read_text())
         messages = [{"role": "user", "content": f"Copy this code exactly:\n```python\n{code}\n```"}]
         prompts.append(tokenizer.encode_chat(messages) + tokenizer.encode("```python\n"))
     return prompts
+
+
+def prose_paragraphs() -> list[str]:
+    """The documentation's paragraphs of running text (no headings, tables, lists or code),
+    in file order, each long enough to fill a prompt."""
+    paragraphs = []
+    for document in DOCUMENTS:
+        for block in (REPO / document).read_text().split("\n\n"):
+            if len(block) > 600 and not block.lstrip().startswith(("#", "|", "```", "-", "*")):
+                paragraphs.append(block.strip())
+    return paragraphs
+
+
+def rewrite_prompts(tokenizer: Tokenizer, count: int) -> list[list[int]]:
+    """Chat prompts asking to return ~240 tokens of documentation with its grammar fixed."""
+    paragraphs = prose_paragraphs()
+    prompts = []
+    for index in range(count):
+        text = leading_tokens(tokenizer, paragraphs[index % len(paragraphs)])
+        content = f"Fix the grammar of this text and return it whole:\n\n{text}"
+        prompts.append(tokenizer.encode_chat([{"role": "user", "content": content}]))
+    return prompts
+
+
+WORKLOADS = {"code": copy_prompts, "text": rewrite_prompts}
 
 
 def truncated_draft(model: Path, layers: int, folder: Path) -> Path:
@@ -188,7 +222,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--rounds", type=int, default=3, help="alternating runs per engine")
+    parser.add_argument("--workloads", default="code,text", help=f"of {', '.join(WORKLOADS)}")
     args = parser.parse_args()
+    unknown = set(args.workloads.split(",")) - set(WORKLOADS)
+    if unknown:
+        parser.error(f"unknown workload {', '.join(sorted(unknown))}: choose from {set(WORKLOADS)}")
     os.sched_setaffinity(0, {args.core})
     torch.set_num_threads(1)
     model = resolve_model_path(args.model)
@@ -204,16 +242,22 @@ def main() -> None:
         ),
     }
     engines = {name: make_engine(args, spec) for name, spec in configs.items()}
-    print(f"model {model.name}, bf16, one core (#{args.core}); copy-the-code prompts of ")
-    print(f"~{PROMPT_TOKENS + 30} tokens, {args.max_tokens} greedy tokens each\n")
-    print(f"{'':22s}{'decode tok/s':>14s}{'vs plain':>10s}{'accepted':>10s}{'tokens/step':>13s}")
-    for batch in [int(b) for b in args.batches.split(",")]:
+    print(f"model {model.name}, bf16, one core (#{args.core}); prompts of ~{PROMPT_TOKENS + 30}")
+    print(f"tokens, {args.max_tokens} greedy tokens each\n")
+    print(f"{'':27s}{'decode tok/s':>14s}{'vs plain':>10s}{'accepted':>10s}{'tokens/step':>13s}")
+    cases = [
+        (workload, int(batch))
+        for workload in args.workloads.split(",")
+        for batch in args.batches.split(",")
+    ]
+    for workload, batch in cases:
         # Batch 1 runs two prompts alone in turn. Rounds alternate the engines and each one's
         # figure is its median round, so a noisy neighbour hits all of them alike.
+        make_prompts = WORKLOADS[workload]
         if batch == 1:
-            groups = [[prompt] for prompt in copy_prompts(tokenizer, 2)]
+            groups = [[prompt] for prompt in make_prompts(tokenizer, 2)]
         else:
-            groups = [copy_prompts(tokenizer, batch)]
+            groups = [make_prompts(tokenizer, batch)]
         runs: dict[str, list[Run]] = {name: [] for name in engines}
         for _ in range(args.rounds):
             for name, engine in engines.items():
@@ -227,7 +271,7 @@ def main() -> None:
             same = "" if measured[0].tokens == runs["plain"][0].tokens else "  (TOKENS DIFFER)"
             acceptance = f"{accepted / proposed:9.0%}" if proposed else f"{'-':>9s}"
             print(
-                f"batch {batch:<2d} {name:14s}{rate:14.1f}{rate / plain_rate:9.2f}x"
+                f"{workload:4s} batch {batch:<2d} {name:14s}{rate:14.1f}{rate / plain_rate:9.2f}x"
                 f"{acceptance} {per_step:12.2f}{same}"
             )
         print()
