@@ -17,7 +17,9 @@ from common.config import SpeculativeConfig
 from common.engine.sequence import Sequence
 from common.engine.speculative.ngram import NgramProposer
 from common.engine.speculative.speculator import Speculator, StepCosts
+from common.model.default_model import ensure_default_model
 from common.sampling_params import SamplingParams
+from common.tokenizer import Tokenizer
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0)
 
@@ -109,6 +111,33 @@ def test_another_draft_gives_the_same_greedy_tokens_and_backs_off(target, other_
     # Random weights agree on almost nothing: acceptance collapses and proposals pause, so far
     # fewer tokens are proposed than 4 per sequence per step.
     assert 0 < counted.proposed < len(prompts) * GREEDY.max_tokens
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_smollm2_gives_the_same_greedy_tokens_with_speculation(kv):
+    """The default model in bf16, asked to repeat a text: n-gram proposals are mostly right and
+    a draft equal to the target always is, so runs of several tokens are accepted; not one token
+    changes."""
+    folder = ensure_default_model(progress=False)
+    tokenizer = Tokenizer(folder)
+    text = (
+        "The decode worker keeps every running sequence in one batch. Each step it proposes a "
+        "few tokens per sequence, checks them all in one forward, and keeps those the model "
+        "would have chosen itself, so a step can yield several tokens where it used to yield one."
+    )
+    request = f"Repeat this text exactly:\n\n{text}"
+    prompts = [
+        tokenizer.encode_chat([{"role": "user", "content": request}]),
+        tokenizer.encode(text),
+    ]
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    expected = build_engine(folder, dtype="bfloat16", kv_cache_dtype=kv).generate(prompts, params)
+    for speculative in (ngram(), draft(folder)):
+        engine = build_engine(folder, dtype="bfloat16", kv_cache_dtype=kv, speculative=speculative)
+        with Counted() as counted:
+            assert engine.generate(prompts, params) == expected
+        assert counted.accepted > len(prompts) * params.max_tokens / 4  # runs were accepted
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
