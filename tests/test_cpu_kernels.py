@@ -59,7 +59,9 @@ def backend() -> CpuAttentionBackend:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
 @KV_DTYPES
-@pytest.mark.parametrize("num_kv_heads, group, head_dim", [(2, 1, 64), (2, 3, 32), (1, 4, 80)])
+@pytest.mark.parametrize(
+    "num_kv_heads, group, head_dim", [(2, 1, 64), (2, 3, 32), (1, 4, 80), (1, 5, 128)]
+)
 @pytest.mark.parametrize(
     "query_lens, seq_lens",
     [
@@ -128,19 +130,25 @@ def test_plan_splits_short_runs_from_long_chunks(backend) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
 @KV_DTYPES
-@pytest.mark.parametrize("num_kv_heads, group, head_dim", [(3, 3, 64), (2, 2, 32), (1, 4, 80)])
+@pytest.mark.parametrize(
+    "num_kv_heads, group, head_dim", [(3, 3, 64), (2, 2, 32), (1, 4, 80), (1, 5, 128)]
+)
 def test_deterministic_attention_gives_a_position_the_same_bits_however_it_is_batched(
     backend, dtype, kv_dtype, num_kv_heads, group, head_dim
 ) -> None:
     """A token's attention output depends on its position and the context before it, never on
     how the step around it was cut: one 75-row prefill, decode rows one by one, or chunks of
-    other sizes (a chunk after a cached prefix, a run of one, runs longer than a row tile)."""
+    other sizes (a chunk after a cached prefix, a run of one, runs longer than a row tile). On
+    AVX2, short runs over bf16 pages read them in place and long ones through a buffer: both
+    are checked against each other here."""
     deterministic = CpuAttentionBackend(deterministic=True)
     batch = make_batch([75], [75], num_kv_heads, group, head_dim, dtype,
                        dtype if kv_dtype == "model" else kv_dtype)  # fmt: skip
     scale = head_dim**-0.5
     whole = deterministic.attention(batch.query, batch.cache, batch.meta, scale)
-    for cuts in ([0, 1, 2, 3, 75], list(range(76)), [0, 20, 21, 60, 75], [0, 16, 33, 70, 75]):
+    cut_lists = ([0, 1, 2, 3, 75], list(range(76)), [0, 20, 21, 60, 75], [0, 16, 33, 70, 75],
+                 [0, 2, 5, 9, 75])  # fmt: skip
+    for cuts in cut_lists:
         lens = [end - start for start, end in itertools.pairwise(cuts)]
         meta = AttentionMetadata(
             query_start_loc=torch.tensor(cuts, dtype=torch.int32),
