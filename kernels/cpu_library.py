@@ -160,6 +160,12 @@ def _declare(library: ctypes.CDLL) -> None:
     library.pdserve_linear_bf16.restype = ctypes.c_int
     library.pdserve_linear_f32.argtypes = library.pdserve_linear_bf16.argtypes
     library.pdserve_linear_f32.restype = ctypes.c_int
+    library.pdserve_decoder_layer_scratch_bytes.argtypes = [ptr, i32]
+    library.pdserve_decoder_layer_scratch_bytes.restype = i64
+    library.pdserve_decoder_layer_bf16.argtypes = [
+        ptr, ptr, i32, ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, i32, ptr, i32
+    ]  # fmt: skip
+    library.pdserve_decoder_layer_bf16.restype = ctypes.c_int
     library.pdserve_bf16_tile_order.argtypes = []
     library.pdserve_bf16_tile_order.restype = ctypes.c_int
     library.pdserve_store_kv.argtypes = [

@@ -18,7 +18,8 @@ from torch import nn
 
 from common.config import ModelConfig
 from common.engine.kv_pool import KVPool
-from kernels.cpu_backend import SHORT_QUERY_MAX
+from kernels.cpu_backend import SHORT_QUERY_MAX, CpuAttentionBackend, CpuAttentionPlan
+from kernels.cpu_layer import FusedDecoderLayer
 from kernels.cpu_linear import (
     BOTH,
     CpuLinear,
@@ -212,6 +213,9 @@ class LlamaForCausalLM(nn.Module):
         self.cpu_head: CpuLinear | None = None
         self.step_shape: StepShape | None = None  # shared by the CpuLinear layers
         self.kv: BoundKV | None = None
+        # Each layer as one C call for steps of short runs, where every part of it would take
+        # the C kernels anyway (kernels/cpu_layer.py); None where some part would not.
+        self.fused_layers: list[FusedDecoderLayer] | None = None
 
     def decoder_layers(self) -> list[DecoderLayer]:
         # nn.ModuleList is not generic: its items type as nn.Module.
@@ -221,6 +225,16 @@ class LlamaForCausalLM(nn.Module):
         """Attach the KV pool every later forward reads and writes, and the backend that
         attends over it. Binding again (a warm-up pool, then the real one) replaces both."""
         self.kv = BoundKV(pool, backend, [pool.layer_view(i) for i in range(len(self.layers))])
+        self._fuse_layers()
+
+    def _fuse_layers(self) -> None:
+        """Build ``fused_layers`` for the bound pool, if every layer qualifies."""
+        self.fused_layers = None
+        if self.kv is None or not isinstance(self.kv.backend, CpuAttentionBackend):
+            return
+        pairs = list(zip(self.decoder_layers(), self.kv.layers, strict=True))
+        if all(FusedDecoderLayer.fusable(layer, cache) for layer, cache in pairs):
+            self.fused_layers = [FusedDecoderLayer(layer, cache) for layer, cache in pairs]
 
     def turn_kv_heads(self) -> None:
         """Turn queries, keys and values by a Hadamard matrix around attention, for pools of
@@ -264,6 +278,7 @@ class LlamaForCausalLM(nn.Module):
             plan = choose_gemm_plan(linears)
             for linear in linears:
                 linear.restrict(plan)
+        self._fuse_layers()
         return plan
 
     def _swap_in_cpu_ops(self) -> None:
@@ -303,13 +318,34 @@ class LlamaForCausalLM(nn.Module):
             self.step_shape.short_runs_only = meta.max_query_len <= SHORT_QUERY_MAX
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary(positions, hidden.dtype)
-        for layer in self.layers:
-            hidden = layer(hidden, rope, self.kv, meta)
+        if self._runs_fused(meta):
+            assert self.fused_layers is not None and isinstance(meta, CpuAttentionPlan)
+            hidden = hidden.contiguous()  # a fresh tensor: the layers update it in place
+            scratch = torch.empty(
+                self.fused_layers[0].scratch_bytes(hidden.shape[0]), dtype=torch.uint8
+            )
+            for fused in self.fused_layers:
+                fused(hidden, rope, meta.slot_mapping, meta.step_args, scratch)
+        else:
+            for layer in self.layers:
+                hidden = layer(hidden, rope, self.kv, meta)
         hidden = self.norm(hidden[logits_indices])
         if self.cpu_head is not None:
             return self.cpu_head(hidden).float()
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, head).float()
+
+    def _runs_fused(self, meta: AttentionMetadata) -> bool:
+        """Whether this step's layers run as single C calls: a step of short runs only, whose
+        slots and rotary tables are laid out as the C kernels read them."""
+        return (
+            self.fused_layers is not None
+            and isinstance(meta, CpuAttentionPlan)
+            and meta.max_query_len <= SHORT_QUERY_MAX
+            and not meta.long_chunks
+            and meta.slot_mapping.dtype == torch.int64
+            and meta.slot_mapping.is_contiguous()
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,34 @@
+/* The kernels' entry points, for the ones that call others (decoder_layer.c). */
+#ifndef PDSERVE_EXPORTS_H
+#define PDSERVE_EXPORTS_H
+
+#include <stdint.h>
+
+void pdserve_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *weight,
+                           float eps, uint16_t *out, int64_t out_stride, int rows, int hidden);
+void pdserve_silu_mul_bf16(const uint16_t *gate_up, int64_t gate_up_stride, uint16_t *out,
+                           int64_t out_stride, int rows, int width);
+void pdserve_rope_bf16(uint16_t *x, int64_t row_stride, int64_t head_stride, int rows, int heads,
+                       int head_dim, const uint16_t *cos, const uint16_t *sin,
+                       int64_t trig_stride);
+int pdserve_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
+                        const float *bias, uint16_t *y, int64_t y_stride, int M, int N, int K,
+                        int num_threads);
+void pdserve_store_kv(const void *key, int64_t key_stride, const void *value,
+                      int64_t value_stride, void *key_cache, void *value_cache,
+                      int64_t page_stride, int64_t token_stride, int64_t head_stride,
+                      int element_bytes, int page_size, const int64_t *slots, int num_tokens,
+                      int num_kv_heads, int head_dim);
+int pdserve_paged_attention(const void *query, int64_t query_row_stride, void *out,
+                            int64_t out_row_stride, const void *key, const void *value,
+                            const void *key_scale, const void *value_scale,
+                            int64_t page_stride, int64_t token_stride, int64_t head_stride,
+                            int64_t scale_page_stride, int64_t scale_token_stride,
+                            int64_t scale_head_stride, int dtype, int page_size,
+                            const int32_t *page_tables, int64_t page_table_stride,
+                            const int32_t *query_start_loc, const int32_t *seq_lens,
+                            const int32_t *seq_ids, int num_listed, int num_heads,
+                            int num_kv_heads, int head_dim, float softmax_scale, int io_dtype,
+                            int num_threads);
+
+#endif

@@ -1,0 +1,133 @@
+"""A bf16 decoder layer of a short-run step as one C call (``kernels/cpu/decoder_layer.c``).
+
+In a decode step each layer is a dozen small calls from Python (norms, projections, RoPE, the
+KV store, attention, SiLU, residual adds), and on one CPU core their dispatch costs about a
+fifth of the step at batch 1. ``FusedDecoderLayer`` holds what the C layer needs that does not
+change between steps (weight and page pointers, shapes) and runs the same kernels in the same
+order, so a layer's output is the same bits as the module path's. It serves only where every
+part would take the C kernels anyway: bf16 weights in tiles, bf16 pages, C norms and RoPE, no
+query/key norms or turns, a step of short runs (the module path keeps everything else).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels import cpu_library
+from kernels.cpu_linear import CpuLinear
+from kernels.cpu_ops import CpuRMSNorm, CpuRotaryApply, CpuSiluAndMul
+from kernels.interface import KVCacheView
+
+
+class LayerWeights(ctypes.Structure):
+    """``layer_weights`` of decoder_layer.c, field by field."""
+
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p),
+        ("post_attention_norm", ctypes.c_void_p),
+        ("qkv_tiles", ctypes.c_void_p),
+        ("qkv_bias", ctypes.c_void_p),
+        ("o_tiles", ctypes.c_void_p),
+        ("gate_up_tiles", ctypes.c_void_p),
+        ("down_tiles", ctypes.c_void_p),
+        ("key_cache", ctypes.c_void_p),
+        ("value_cache", ctypes.c_void_p),
+        ("page_stride", ctypes.c_int64),
+        ("token_stride", ctypes.c_int64),
+        ("head_stride", ctypes.c_int64),
+        ("eps", ctypes.c_float),
+        ("softmax_scale", ctypes.c_float),
+        ("hidden", ctypes.c_int32),
+        ("num_heads", ctypes.c_int32),
+        ("num_kv_heads", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("intermediate", ctypes.c_int32),
+        ("page_size", ctypes.c_int32),
+    ]
+
+
+class FusedDecoderLayer:
+    def __init__(self, layer, cache: KVCacheView) -> None:
+        """``layer``: a ``DecoderLayer`` that ``fusable`` accepts; ``cache``: its KV pages."""
+        attention, mlp = layer.self_attn, layer.mlp
+        # Kept here so the pointers below outlive any swap of the layer's modules.
+        self._keep = (layer.input_layernorm, layer.post_attention_layernorm, attention, mlp, cache)
+        qkv = attention.qkv_proj
+        self.weights = LayerWeights(
+            input_norm=layer.input_layernorm.weight.data_ptr(),
+            post_attention_norm=layer.post_attention_layernorm.weight.data_ptr(),
+            qkv_tiles=qkv.packed_tiles.data_ptr(),
+            qkv_bias=None if qkv.bias_tiles is None else qkv.bias_tiles.data_ptr(),
+            o_tiles=attention.o_proj.packed_tiles.data_ptr(),
+            gate_up_tiles=mlp.gate_up_proj.packed_tiles.data_ptr(),
+            down_tiles=mlp.down_proj.packed_tiles.data_ptr(),
+            key_cache=cache.key.data_ptr(),
+            value_cache=cache.value.data_ptr(),
+            page_stride=cache.key.stride(0),
+            token_stride=cache.key.stride(1),
+            head_stride=cache.key.stride(2),
+            eps=layer.input_layernorm.eps,
+            softmax_scale=attention.softmax_scale,
+            hidden=layer.input_layernorm.weight.shape[0],
+            num_heads=attention.num_heads,
+            num_kv_heads=attention.num_kv_heads,
+            head_dim=attention.head_dim,
+            intermediate=mlp.intermediate_size,
+            page_size=cache.page_size,
+        )
+        self._pointer = ctypes.addressof(self.weights)
+        self._library = cpu_library.load()
+
+    @staticmethod
+    def fusable(layer, cache: KVCacheView) -> bool:
+        """Whether every part of ``layer`` over ``cache`` runs the C kernels this call runs."""
+        attention, mlp = layer.self_attn, layer.mlp
+        linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        return (
+            all(
+                isinstance(linear, CpuLinear)
+                and linear.dtype == torch.bfloat16
+                and linear.packed_tiles is not None
+                for linear in linears
+            )
+            and all(linear.bias_tiles is None for linear in linears[1:])
+            and isinstance(layer.input_layernorm, CpuRMSNorm)
+            and isinstance(layer.post_attention_layernorm, CpuRMSNorm)
+            and layer.input_layernorm.eps == layer.post_attention_layernorm.eps
+            and isinstance(attention.rotary, CpuRotaryApply)
+            and isinstance(mlp.act, CpuSiluAndMul)
+            and attention.q_norm is None
+            and attention.query_turn is None
+            and cache.key.dtype == torch.bfloat16
+            and cache.key.stride(-1) == 1
+            and cache.key.stride() == cache.value.stride()
+        )
+
+    def scratch_bytes(self, rows: int) -> int:
+        return self._library.pdserve_decoder_layer_scratch_bytes(self._pointer, rows)
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,  # [rows, hidden] bf16, contiguous: updated in place
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [rows, head_dim] bf16
+        slot_mapping: torch.Tensor,  # [rows] int64
+        step_args: tuple,  # CpuAttentionPlan.step_args
+        scratch: torch.Tensor,  # at least scratch_bytes(rows) bytes
+    ) -> None:
+        cos, sin = rope
+        status = self._library.pdserve_decoder_layer_bf16(
+            self._pointer,
+            hidden.data_ptr(),
+            hidden.shape[0],
+            cos.data_ptr(),
+            sin.data_ptr(),
+            cos.stride(0),
+            slot_mapping.data_ptr(),
+            *step_args,
+            scratch.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise MemoryError("the C decoder layer could not allocate its scratch memory")
