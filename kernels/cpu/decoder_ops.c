@@ -9,6 +9,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "exports.h"
 #include "numerics.h"
 
 /* out = weight * bf16(x * rsqrt(mean(x^2) + eps)), per row; x, weight, out bf16. */

@@ -1,4 +1,5 @@
-/* The kernels' entry points, for the ones that call others (decoder_layer.c). */
+/* The kernels' entry points that other kernels call (decoder_layer.c); every kernel file
+ * includes this, so a definition that drifts from its declaration does not compile. */
 #ifndef PDSERVE_EXPORTS_H
 #define PDSERVE_EXPORTS_H
 

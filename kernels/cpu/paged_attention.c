@@ -26,6 +26,7 @@
 #include <immintrin.h>
 #endif
 
+#include "exports.h"
 #include "numerics.h"
 
 enum kv_dtype { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_FP8_E4M3 = 3, KV_INT8 = 4 };
