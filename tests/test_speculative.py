@@ -360,8 +360,12 @@ def decoding_sequences(count: int, acceptance: float) -> list[Sequence]:
 def test_slots_are_planned_by_what_rows_cost():
     speculator = Speculator(ngram(k=4), NgramProposer(1, 4))
     seqs = decoding_sequences(8, acceptance=0.9)
-    # Nothing measured yet: every slot is tried, which measures what the rows cost.
-    assert speculator.plan_slots(seqs, 512) == [4] * 8
+    # Nothing measured yet: a quarter more rows are tried, which measures what they cost.
+    assert sum(speculator.plan_slots(seqs, 512)) == 2
+    # Then a quarter more past the largest measured step, never a huge untried one.
+    speculator.costs.observe(8, 0.040)
+    speculator.costs.observe(10, 0.041)
+    assert sum(speculator.plan_slots(seqs, 512)) == 4
     # Rows nearly free (a memory-bound step): all slots still pay.
     for rows in (8, 40):
         speculator.costs.observe(rows, 0.040 + rows * 1e-5)
@@ -383,6 +387,8 @@ def test_slots_are_planned_by_what_rows_cost():
 
 def test_slots_stop_at_max_tokens_and_the_model_length():
     speculator = Speculator(ngram(k=4), NgramProposer(1, 4))
+    for rows in (1, 5):  # rows measured free: only the limits below can stop a slot
+        speculator.costs.observe(rows, 0.010)
     [near_max_tokens] = decoding_sequences(1, acceptance=1.0)
     near_max_tokens.token_ids += [7] * 97  # 97 of 100 tokens generated: 3 to go
     assert speculator.plan_slots([near_max_tokens], 512) == [2]

@@ -18,7 +18,8 @@ to earn and what they cost. Each sequence keeps a moving average of its acceptan
 ``j``-th slot yields a token with chance about ``acceptance ** j``; each slot is one more row
 of the forward, and what rows cost is measured on this very engine (``StepCosts``: on a GPU or
 a CPU at batch 1 rows are nearly free, on a CPU core already computing eight rows they are
-not). The step takes the slots, likeliest first, that maximise expected tokens per second.
+not). The step takes the slots, likeliest first, that maximise expected tokens per second,
+going only a few rows past the largest step measured so far.
 A sequence whose acceptance collapses stops proposing for ``_IDLE_STEPS`` steps (twice as long
 after each further collapse) and then tries a single token again; above
 ``disable_by_batch_size`` decoding sequences nobody proposes.
@@ -46,6 +47,11 @@ _MIN_ACCEPT_CHANCE = 0.05
 # for each collapse since the last accepted token, at most _MAX_DOUBLINGS times.
 _IDLE_STEPS = 16
 _MAX_DOUBLINGS = 4
+# Row counts past the largest measured are estimated optimistically (see StepCosts), which is
+# how their cost gets measured; a step goes at most this share of its plain rows past that
+# count (at least one row), so a large batch learns what rows cost a few at a time instead of
+# paying for one huge step first (at batch 8 on a CPU core, 32 untried rows cost two steps).
+_EXPLORE_SHARE = 0.25
 # Weight of the latest measurement in StepCosts' moving averages; steps after which a figure is
 # forgotten, and after which the plain step's figure is measured again.
 _COST_WEIGHT = 0.2
@@ -80,6 +86,10 @@ class StepCosts:
         self._measured_at[rows] = self._steps
         for old in [r for r, at in self._measured_at.items() if at < self._steps - _MAX_AGE]:
             del self._seconds[old], self._measured_at[old]
+
+    def largest_measured(self) -> int:
+        """The largest row count with a figure; 0 while nothing is measured."""
+        return max(self._seconds, default=0)
 
     def needs_plain_step(self, rows: int) -> bool:
         """Whether the figure for ``rows`` (a step without proposals) is missing or stale."""
@@ -123,6 +133,9 @@ class Speculator:
         base_seconds = self.costs.estimate(rows)
         if candidates and base_seconds is not None and self.costs.needs_plain_step(rows):
             return [0] * len(decoding)  # measure the step speculation has to beat
+        # The most rows this step may run: a little past what has been measured.
+        frontier = max(self.costs.largest_measured(), rows) + max(1, int(rows * _EXPLORE_SHARE))
+        candidates = candidates[: max(0, frontier - rows)]
         take, best_rate, expected = len(candidates), None, float(rows)
         if base_seconds is not None:
             take, best_rate = 0, rows / base_seconds
