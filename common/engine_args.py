@@ -71,7 +71,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--enable-deterministic-inference",
         action="store_true",
         help="batch-invariant kernels: a request's tokens and logprobs do not depend on the "
-        "batch, chunking, prefix cache or worker (CPU)",
+        "batch, chunking, prefix cache or worker (C kernels on a CPU, Triton on CUDA)",
     )
     spec = parser.add_argument_group("speculative decoding (decode side)")
     spec.add_argument(

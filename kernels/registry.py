@@ -27,7 +27,7 @@ _BACKENDS = {
     "triton": "kernels.triton_backend:TritonAttentionBackend",
 }
 # Backends with a batch-invariant mode (their constructor takes ``deterministic``).
-_DETERMINISTIC = ("cpu",)
+_DETERMINISTIC = ("cpu", "triton")
 
 
 def available_backends() -> list[str]:

@@ -15,9 +15,18 @@ class TritonAttentionBackend(AttentionBackend):
 
     A batch of pure decode steps (one query per sequence) goes to the split-K decode kernel;
     anything else, including decode steps mixed with prefill chunks, to the prefill kernel.
+
+    ``deterministic``: every step goes to the prefill kernel, whose tiles of keys start at
+    position 0 of the sequence in one fixed size; so a query row's sum runs over the same tiles
+    in the same order whether it comes in a decode step, a chunk of any length or after a cached
+    prefix, and keys past the row add exact zeros. (The decode kernel splits a context by the
+    batch's size to fill the GPU, which moves the sum's order with the batch.)
     """
 
     name = "triton"
+
+    def __init__(self, deterministic: bool = False) -> None:
+        self.deterministic = deterministic
 
     def store_kv(
         self,
@@ -35,6 +44,7 @@ class TritonAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         softmax_scale: float,
     ) -> torch.Tensor:
-        if meta.max_query_len == 1 and query.shape[0] == meta.num_seqs:
+        decode_only = meta.max_query_len == 1 and query.shape[0] == meta.num_seqs
+        if decode_only and not self.deterministic:
             return decode_attention(query, cache, meta, softmax_scale)
         return prefill_attention(query, cache, meta, softmax_scale)

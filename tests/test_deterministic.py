@@ -9,91 +9,21 @@ requests) is in ``test_deterministic_cluster.py``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
+from determinism import (
+    alone_and_batched_in_small_steps,
+    assert_answers_are_invariant,
+    sampling_params,
+    serve,
+)
 from engines import build_engine
-from tiny_models import VOCAB_SIZE, build_tiny_model, random_prompts
+from tiny_models import build_tiny_model
 
-from common.config import SpeculativeConfig
-from common.engine.llm_engine import LLMEngine
 from common.model.default_model import ensure_default_model
-from common.sampling_params import SamplingParams
 from kernels import cpu_library
 
 pytestmark = pytest.mark.skipif(not cpu_library.available(), reason="needs the C kernels")
-
-MAX_TOKENS = 10
-
-
-@dataclass(frozen=True)
-class Answer:
-    """Everything a request got back, as exact values."""
-
-    tokens: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    top_logprobs: tuple[tuple[tuple[int, float], ...], ...]
-
-
-def sampling_params(count: int) -> list[SamplingParams]:
-    """Greedy requests with logprobs, and every third one seeded sampling."""
-    return [
-        SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3, temperature=0.0)
-        if i % 3
-        else SamplingParams(
-            max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3, temperature=0.9, seed=1000 + i
-        )
-        for i in range(count)
-    ]
-
-
-def serve(
-    engine: LLMEngine,
-    prompts: list[list[int]],
-    params: list[SamplingParams],
-    together: bool,
-    cached_tokens: list[int] | None = None,
-) -> list[Answer]:
-    """Every prompt's answer: all in one batch (``together``) or one request at a time. Each
-    request's prompt tokens found in the prefix cache are appended to ``cached_tokens``."""
-    samples: dict[str, list] = {}
-    cached: dict[str, int] = {}
-
-    def run(batch: list[int]) -> None:
-        for i in batch:
-            samples[engine.add_request(prompts[i], params[i], request_id=f"r{i}")] = []
-        while engine.has_unfinished:
-            for output in engine.step():
-                samples[output.request_id].extend(output.new_samples)
-                cached[output.request_id] = output.num_cached_tokens
-
-    if together:
-        run(list(range(len(prompts))))
-    else:
-        for i in range(len(prompts)):
-            run([i])
-    if cached_tokens is not None:
-        cached_tokens.extend(cached[f"r{i}"] for i in range(len(prompts)))
-    return [
-        Answer(
-            tuple(s.token_id for s in samples[f"r{i}"]),
-            tuple(s.logprob for s in samples[f"r{i}"]),
-            tuple(tuple(s.top_logprobs) for s in samples[f"r{i}"]),
-        )
-        for i in range(len(prompts))
-    ]
-
-
-def tiny_prompts() -> list[list[int]]:
-    """Prompts of 17 to 70 tokens (longer than one short attention run, some longer than a
-    chunk), four of them sharing a 48-token prefix (three full pages) for cache hits."""
-    prompts = random_prompts(5, seed=7, min_len=17, max_len=70)
-    shared = torch.randint(1, VOCAB_SIZE, (48,), generator=torch.Generator().manual_seed(3))
-    return [
-        *prompts,
-        *(shared.tolist() + p[:n] for p, n in zip(prompts, (3, 9, 17, 30, 40), strict=True)),
-    ]
 
 
 @pytest.fixture(scope="module", params=["qwen2-bias", "qwen3-qknorm"])
@@ -107,25 +37,7 @@ def tiny_folder(request, tmp_path_factory):
     ids=["bfloat16", "float32", "bfloat16-kv=int8"],
 )
 def test_answers_do_not_depend_on_batch_chunks_cache_or_speculation(tiny_folder, dtype, kv):
-    prompts = tiny_prompts()
-    params = sampling_params(len(prompts))
-    knobs = {"dtype": dtype, "kv_cache_dtype": kv, "deterministic": True}
-    engine = build_engine(tiny_folder, **knobs)
-    alone = serve(engine, prompts, params, together=False)
-    # The same engine again: every prompt now hits the cache (its full pages), in one batch.
-    cached: list[int] = []
-    assert serve(engine, prompts, params, together=True, cached_tokens=cached) == alone
-    assert all(n >= 16 for n in cached)
-    for engine in (
-        build_engine(tiny_folder, **knobs, max_num_batched_tokens=7, prefix_caching=False),
-        build_engine(tiny_folder, **knobs, max_num_batched_tokens=40),
-    ):
-        assert serve(engine, prompts, params, together=True) == alone
-    greedy = [i for i, p in enumerate(params) if p.is_greedy]
-    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
-    speculating = build_engine(tiny_folder, **knobs, speculative=ngram)
-    got = serve(speculating, [prompts[i] for i in greedy], [params[i] for i in greedy], True)
-    assert got == [alone[i] for i in greedy]
+    assert_answers_are_invariant(tiny_folder, dtype=dtype, kv_cache_dtype=kv)
 
 
 def test_without_the_flag_the_same_matrix_differs(tiny_folder) -> None:
@@ -133,11 +45,8 @@ def test_without_the_flag_the_same_matrix_differs(tiny_folder) -> None:
     one logprob of the same requests changes between one at a time and batched in small
     chunks. (In bf16 a model this small rounds most such differences away; the SmolLM2 test
     below has the bf16 control.)"""
-    prompts = tiny_prompts()
-    params = sampling_params(len(prompts))
-    alone = serve(build_engine(tiny_folder, deterministic=False), prompts, params, together=False)
-    engine = build_engine(tiny_folder, deterministic=False, max_num_batched_tokens=24)
-    assert serve(engine, prompts, params, together=True) != alone
+    alone, batched = alone_and_batched_in_small_steps(tiny_folder)
+    assert batched != alone
 
 
 @pytest.mark.slow

@@ -33,10 +33,10 @@ def test_eager_engine_equals_transformers_and_the_packed_engine(family_case):
     kernels) give the same greedy tokens, and both give transformers' (fp32)."""
     folder, prompts, expected = family_case
     eager = build_engine(folder, max_num_batched_tokens=ONE_STEP, enforce_eager=True)
-    assert eager.model.cpu_head is None
+    assert eager.model.head is None
     assert eager.generate(prompts, GREEDY) == expected
     packed = build_engine(folder, max_num_batched_tokens=ONE_STEP)
-    assert packed.model.cpu_head is not None
+    assert packed.model.head is not None
     assert packed.generate(prompts, GREEDY) == expected
 
 

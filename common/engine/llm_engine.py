@@ -67,11 +67,6 @@ class LLMEngine:
         config.validate()
         self.device = config.resolve_device()
         deterministic = config.enable_deterministic_inference
-        if deterministic and self.device.type != "cpu":
-            raise ValueError(
-                "--enable-deterministic-inference runs on the CPU backend; on CUDA the linear "
-                "layers' GEMMs are not batch-invariant yet"
-            )
         if config.scheduler.max_num_batched_tokens is None:
             budget = default_token_budget(self.device)
             config = dataclasses.replace(
@@ -86,12 +81,11 @@ class LLMEngine:
         kv_dtype = {"fp8": FP8_DTYPE, "int8": INT8_DTYPE}.get(
             config.cache.kv_cache_dtype, self.dtype
         )
+        self.backend = get_attention_backend(self.device, deterministic=deterministic)
         self.model = load_model(self.model_config, self.dtype, self.device)
         if kv_dtype == INT8_DTYPE:
             self.model.turn_kv_heads()
-        if self.device.type == "cpu" and not config.enforce_eager:
-            gemm_plan = self.model.pack_for_cpu(deterministic)
-            logger.info("linear layers: %s", gemm_plan.describe())
+        self._prepare_kernels(self.model, log=True)
         self.max_model_len = min(
             config.scheduler.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.max_position_embeddings,
@@ -103,7 +97,6 @@ class LLMEngine:
             self.model_config.num_kv_heads,
             self.model_config.head_dim,
         )
-        self.backend = get_attention_backend(self.device, deterministic=deterministic)
         self.sampler = Sampler(self.model_config.vocab_size, self.model_config.eos_token_ids)
         # The prefill worker only ever samples a first token: nothing to speculate on.
         speculative = config.speculative if role != "prefill" else SpeculativeConfig()
@@ -148,6 +141,20 @@ class LLMEngine:
             ", deterministic inference (batch-invariant kernels)" if deterministic else "",
         )
 
+    def _prepare_kernels(self, model: LlamaForCausalLM, log: bool) -> None:
+        """Put the kernels this engine runs into ``model``: in deterministic mode on the Triton
+        path, the batch-invariant Triton linears and norms; on a CPU, the packed C GEMMs
+        (batch-invariant tiles in deterministic mode); else torch's own modules."""
+        deterministic = self.config.enable_deterministic_inference
+        if deterministic and self.backend.name == "triton":
+            model.use_invariant_kernels()
+            if log:
+                logger.info("linear layers and norms: batch-invariant Triton kernels")
+        elif self.device.type == "cpu" and not self.config.enforce_eager:
+            gemm_plan = model.pack_for_cpu(deterministic)
+            if log:
+                logger.info("linear layers: %s", gemm_plan.describe())
+
     def _load_draft(self, folder: str, kv_dtype: torch.dtype) -> tuple[LlamaForCausalLM, KVLayout]:
         """The draft model, in the target's dtype, and the layout of its KV pages."""
         draft_config = ModelConfig.from_pretrained(resolve_model_path(folder))
@@ -159,8 +166,7 @@ class LLMEngine:
         draft = load_model(draft_config, self.dtype, self.device)
         if kv_dtype == INT8_DTYPE:
             draft.turn_kv_heads()
-        if self.device.type == "cpu" and not self.config.enforce_eager:
-            draft.pack_for_cpu(self.config.enable_deterministic_inference)
+        self._prepare_kernels(draft, log=False)
         layout = kv_layout(
             kv_dtype,
             self.config.cache.page_size,

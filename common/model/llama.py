@@ -31,6 +31,7 @@ from kernels.cpu_linear import (
 from kernels.cpu_ops import CpuRMSNorm, CpuRotaryApply, CpuSiluAndMul, cpu_ops_apply
 from kernels.interface import AttentionBackend, AttentionMetadata, KVCacheView
 from kernels.kv_turn import hadamard_turns
+from kernels.triton_invariant import InvariantLinear, InvariantRMSNorm
 
 
 class RMSNorm(nn.Module):
@@ -182,11 +183,11 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
         # pack_for_cpu swaps in the C twins of the norms.
-        self.input_layernorm: RMSNorm | CpuRMSNorm = RMSNorm(
+        self.input_layernorm: RMSNorm | CpuRMSNorm | InvariantRMSNorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps
         )
         self.self_attn = Attention(config, layer_index)
-        self.post_attention_layernorm: RMSNorm | CpuRMSNorm = RMSNorm(
+        self.post_attention_layernorm: RMSNorm | CpuRMSNorm | InvariantRMSNorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps
         )
         self.mlp = MLP(config)
@@ -202,15 +203,18 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm: RMSNorm | CpuRMSNorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm: RMSNorm | CpuRMSNorm | InvariantRMSNorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps
+        )
         self.rotary = RotaryEmbedding(config)
         self.lm_head = (
             None
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
-        # Set by pack_for_cpu: the output projection as its own module, tied weights included.
-        self.cpu_head: CpuLinear | None = None
+        # Set by pack_for_cpu and use_invariant_kernels: the output projection as its own
+        # module, tied weights included.
+        self.head: CpuLinear | InvariantLinear | None = None
         self.step_shape: StepShape | None = None  # shared by the CpuLinear layers
         self.kv: BoundKV | None = None
         # Each layer as one C call for steps of short runs, where every part of it would take
@@ -269,7 +273,7 @@ class LlamaForCausalLM(nn.Module):
                     continue
                 setattr(parent, name, CpuLinear(linear.weight, linear.bias, plan, self.step_shape))
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.cpu_head = CpuLinear(head, None, plan, self.step_shape)
+        self.head = CpuLinear(head, None, plan, self.step_shape)
         self.lm_head = None
         if cpu_ops_apply(dtype, self.config.head_dim):
             self._swap_in_cpu_ops()
@@ -280,6 +284,39 @@ class LlamaForCausalLM(nn.Module):
                 linear.restrict(plan)
         self._fuse_layers()
         return plan
+
+    def use_invariant_kernels(self) -> None:
+        """Replace every linear layer and RMSNorm by its batch-invariant Triton twin
+        (``kernels/triton_invariant.py``), for deterministic inference on the Triton path; the
+        original weights are shared, the separate output projection dropped as in
+        ``pack_for_cpu``."""
+        for layer in self.decoder_layers():
+            attention, mlp = layer.self_attn, layer.mlp
+            for parent, name in (
+                (attention, "qkv_proj"),
+                (attention, "o_proj"),
+                (attention, "query_turn"),
+                (attention, "kv_turn"),
+                (mlp, "gate_up_proj"),
+                (mlp, "down_proj"),
+            ):
+                linear = getattr(parent, name)
+                if linear is not None:
+                    setattr(parent, name, InvariantLinear(linear.weight, linear.bias))
+            norms: tuple[tuple[nn.Module, str], ...] = (
+                (layer, "input_layernorm"),
+                (layer, "post_attention_layernorm"),
+                (attention, "q_norm"),
+                (attention, "k_norm"),
+            )
+            for owner, name in norms:
+                norm = getattr(owner, name)
+                if norm is not None:
+                    setattr(owner, name, InvariantRMSNorm(norm.weight, norm.eps))
+        self.norm = InvariantRMSNorm(self.norm.weight, self.norm.eps)
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.head = InvariantLinear(head, None)
+        self.lm_head = None
 
     def _swap_in_cpu_ops(self) -> None:
         """bf16 RMSNorm, SiLU-and-multiply and RoPE as single C passes (``kernels/cpu_ops``)."""
@@ -330,8 +367,8 @@ class LlamaForCausalLM(nn.Module):
             for layer in self.layers:
                 hidden = layer(hidden, rope, self.kv, meta)
         hidden = self.norm(hidden[logits_indices])
-        if self.cpu_head is not None:
-            return self.cpu_head(hidden).float()
+        if self.head is not None:
+            return self.head(hidden).float()
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, head).float()
 
