@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 MODEL ?=
 ARGS ?=
 
-.PHONY: install serve test test-fast lint format bench compare clean
+.PHONY: install serve test test-fast lint format bench compare clean gpu-carry
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,11 @@ compare: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# What a GPU machine without network needs for the GPU check: the wheels its image lacks and the
+# default model's config and tokenizer, into .gpu-carry/ (scripts/gpu_carry.py says more).
+gpu-carry: $(STAMP)
+	$(PY) scripts/gpu_carry.py --model "$$($(VENV)/bin/pdserve convert | tail -n 1)"
 
 # docker-compose's CPU profile on a host that reaches no container registry (root, docker and
 # docker-compose, debootstrap): a Debian base image, the wheels from this host's pip, then the
