@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 MODEL ?=
 ARGS ?=
 
-.PHONY: install serve test test-fast lint format bench compare clean
+.PHONY: install serve test test-fast lint format bench compare clean gpu-carry gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,15 @@ compare: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# The GPU check (README, "On a GPU"). Here, where pip reaches a registry: the wheels a GPU machine
+# without network lacks, and the default model's config and tokenizer, into .gpu-carry/. There:
+# `make gpu-check` (or `bash scripts/gpu_check.sh`) with .gpu-carry carried along.
+gpu-carry: $(STAMP)
+	$(PY) scripts/gpu_carry.py --model "$$($(VENV)/bin/pdserve convert | tail -n 1)"
+
+gpu-check:
+	bash scripts/gpu_check.sh $(ARGS)
 
 # docker-compose's CPU profile on a host that reaches no container registry (root, docker and
 # docker-compose, debootstrap): a Debian base image, the wheels from this host's pip, then the

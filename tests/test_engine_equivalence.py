@@ -1,4 +1,8 @@
-"""Greedy tokens of the one-process engine equal transformers' in float32, for every family."""
+"""Greedy tokens of the one-process engine equal transformers' in float32, for every family.
+
+On the CPU this checks the CPU paths; the tests marked ``gpu`` check the engine on CUDA, with the
+torch modules and with the compiled Triton kernels.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from tiny_models import (
 )
 
 from common.sampling_params import SamplingParams
+from kernels.registry import ENV_VAR
 
 NUM_PROMPTS = 8
 NEW_TOKENS = 32
@@ -61,4 +66,17 @@ def test_prompts_alone(family_case):
 def test_batched_and_chunked(family_case, chunk):
     folder, prompts, expected = family_case
     engine = build_engine(folder, max_num_batched_tokens=chunk)
+    assert engine.generate(prompts, GREEDY) == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("chunk", [ONE_STEP, 7])
+def test_cuda_engine_equals_transformers(family_case, monkeypatch, backend, chunk):
+    """float32 on CUDA is IEEE float32 (torch leaves TF32 off for matrix products), so the engine
+    gives transformers' tokens there too, whole prompts or 7-token chunks over cached prefixes."""
+    folder, prompts, expected = family_case
+    monkeypatch.setenv(ENV_VAR, backend)
+    engine = build_engine(folder, device="cuda", max_num_batched_tokens=chunk)
+    assert engine.backend.name == backend
     assert engine.generate(prompts, GREEDY) == expected

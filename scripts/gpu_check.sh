@@ -1,0 +1,262 @@
+#!/usr/bin/env bash
+# The GPU check: on a fresh GPU machine with no network, in one command of under ten minutes,
+#   kernels  the kernel tests compiled for the GPU (bf16 included) against their torch twins;
+#   engine   the engine on CUDA against transformers, and the compiled Triton backend against
+#            the torch one (the tests marked gpu in test_engine_equivalence/test_engine_triton);
+#   bench    python -m benchmarks.kernels: prefill TFLOP/s beside SDPA, decode GB/s beside a copy;
+#   serving  pdserve up with one prefill and one decode worker sharing the GPU, each given
+#            --gpu-memory-utilization 0.4 of it, then W1 of benchmarks.serving against it.
+# Each step has its own time limit, and one that fails does not stop the next. Logs go to $OUT
+# where it is set (else /tmp/gpu-check); a summary table ends the output, and the exit status is
+# 1 if any step did not pass.
+#
+#   bash scripts/gpu_check.sh [setup|kernels|engine|bench|serving ...]   # default: all four
+#
+# It first installs what `make gpu-carry` put in .gpu-carry/ (the wheels the image lacks, and
+# SmolLM2's config and tokenizer, served with random weights: the real ones do not fit) into
+# /tmp/site, and runs pdserve from this checkout. KV pages move over ZeroMQ: nixl-cu12's wheel
+# (65 MiB on its own) does not fit in what a run may carry (64 MiB).
+#
+# Settings (environment): GPU_CHECK_PYTHON (python3), GPU_CHECK_CARRY (.gpu-carry),
+# GPU_CHECK_DEADLINE_S (560: no step runs past this many seconds from the start),
+# GPU_CHECK_<STEP>_S (each step's limit), GPU_CHECK_KERNELS_ARGS and GPU_CHECK_ENGINE_ARGS
+# (added to those pytest runs, e.g. -k store_kv),
+# GPU_CHECK_W1_ARGS (replaces W1's benchmark flags), GPU_CHECK_GPU_SHARE (0.4), and
+# GPU_CHECK_ALLOW_CPU=1 to run the plumbing without a GPU (interpreted kernels, no bench).
+# shellcheck disable=SC2317  # the steps are called by name, "step_$2"
+set -uo pipefail
+SELF=$(realpath "$0")
+cd "$(dirname "$SELF")/.." || exit
+
+export PY=${GPU_CHECK_PYTHON:-python3}
+export CARRY=${GPU_CHECK_CARRY:-.gpu-carry}
+export LOGS=${OUT:-/tmp/gpu-check}
+export WORK=${GPU_CHECK_WORK:-/tmp/gpu-check-work}
+export SITE=${GPU_CHECK_SITE:-/tmp/site}
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+DEADLINE_S=${GPU_CHECK_DEADLINE_S:-560}
+declare -A LIMIT_S=(
+    [kernels]=${GPU_CHECK_KERNELS_S:-150}
+    [engine]=${GPU_CHECK_ENGINE_S:-120}
+    [bench]=${GPU_CHECK_BENCH_S:-75}
+    [serving]=${GPU_CHECK_SERVING_S:-150}
+)
+SERVING_PORT=18000
+W1_ARGS=${GPU_CHECK_W1_ARGS:---isl 256 --osl 64 --num-prompts 64 --concurrency 8}
+
+# pytest-xdist where installed (the GPU image has it): compiling the kernels' variants is most
+# of the kernel tests' time, and each worker compiles its own share.
+xdist_flags() {
+    if "$PY" -c "import xdist" 2>/dev/null; then echo "-n $1"; fi
+}
+
+pytest_figures() {
+    grep -aE '^=*ERROR|[0-9]+ (passed|failed|skipped|error|errors|deselected)' "$1" | tail -n 1 |
+        tr -d '='
+}
+
+# --- the steps, each run as `bash gpu_check.sh --step NAME` under its time limit -----------------
+
+step_kernels() {
+    # shellcheck disable=SC2046,SC2086
+    "$PY" -m pytest tests/test_kernels.py -q -rfE -p no:cacheprovider $(xdist_flags 8) \
+        ${GPU_CHECK_KERNELS_ARGS:-}
+}
+
+step_engine() {
+    # shellcheck disable=SC2046,SC2086
+    "$PY" -m pytest tests/test_engine_equivalence.py tests/test_engine_triton.py -m gpu -q -rfE \
+        -p no:cacheprovider $(xdist_flags 4) ${GPU_CHECK_ENGINE_ARGS:-}
+}
+
+step_bench() {
+    "$PY" -m benchmarks.kernels
+}
+
+step_serving() {
+    local model="$WORK/SmolLM2-135M-Instruct-random-weights"
+    local url="http://127.0.0.1:$SERVING_PORT"
+    local share=${GPU_CHECK_GPU_SHARE:-0.4}
+    rm -rf "$model"
+    "$PY" -m benchmarks.random_model "$CARRY/SmolLM2-135M-Instruct" "$model" || return 1
+    "$PY" -m pdserve.cli up --model "$model" --prefill 1 --decode 1 --port "$SERVING_PORT" \
+        --gpu-memory-utilization "$share" --log-level WARNING &
+    local up=$!
+    # shellcheck disable=SC2064
+    trap "kill -TERM $up 2>/dev/null; wait $up" EXIT
+    "$PY" - "$url" "$up" <<'EOF' || return 1
+import json, os, sys, time, urllib.request
+
+url, pid = sys.argv[1], int(sys.argv[2])
+deadline = time.monotonic() + 300
+while time.monotonic() < deadline:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        sys.exit("pdserve up exited before its workers registered")
+    try:
+        with urllib.request.urlopen(f"{url}/v1/workers", timeout=2) as answer:
+            listing = json.load(answer)
+    except (OSError, ValueError):
+        listing = {}
+    if all(listing.get(role) for role in ("prefill", "decode")):
+        for role in ("prefill", "decode"):
+            for worker in listing[role]:
+                print(f"{role} worker {worker['id']}: {worker['num_pages']} KV pages of "
+                      f"{worker['page_size']} tokens, KV transfer {worker['kv_transfer']}")
+        break
+    time.sleep(1)
+else:
+    sys.exit("the workers did not register within 300 s")
+EOF
+    if command -v nvidia-smi >/dev/null; then
+        nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader |
+            sed 's/^/GPU process (pid, name, memory): /'
+    fi
+    # shellcheck disable=SC2086
+    "$PY" -m benchmarks.serving --model "$model" --base-url "$url" $W1_ARGS
+}
+
+if [[ ${1:-} == --step ]]; then
+    "step_$2"
+    exit
+fi
+
+# --- set-up ----------------------------------------------------------------------------------
+
+mkdir -p "$LOGS" "$WORK"
+START=$SECONDS
+SUMMARY=()
+FAILED=0
+
+record() {  # name, status, seconds, figures
+    [[ $2 == ok ]] || FAILED=1
+    SUMMARY+=("$(printf '%-8s %-9s %5ss  %s' "$1" "$2" "$3" "$4")")
+}
+
+setup() {
+    echo "== set-up: wheels from $CARRY into $SITE"
+    local wheels=("$CARRY"/wheels/*.whl)
+    if [[ ! -f ${wheels[0]} ]]; then
+        echo "no wheels in $CARRY/wheels: run \`make gpu-carry\` where pip reaches a registry"
+        return 1
+    fi
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --disable-pip-version-check --root-user-action=ignore --target "$SITE" "${wheels[@]}" ||
+        return 1
+    echo "== the machine"
+    if command -v nvidia-smi >/dev/null; then nvidia-smi; fi
+    # What each installed package needs is there (the image's packages included), and every
+    # pdserve process imports.
+    "$PY" - "$SITE" <<'EOF' || return 1
+import importlib.metadata as metadata
+import platform
+import sys
+
+from packaging.requirements import Requirement
+
+problems = []
+for dist in metadata.distributions(path=[sys.argv[1]]):
+    for line in dist.requires or []:
+        requirement = Requirement(line)
+        if requirement.marker is not None and not requirement.marker.evaluate({"extra": ""}):
+            continue
+        try:
+            version = metadata.version(requirement.name)
+        except metadata.PackageNotFoundError:
+            version = None
+        if version is None or not requirement.specifier.contains(version, prereleases=True):
+            problems.append(f"{dist.metadata['Name']} needs {requirement}, found {version}")
+print("\n".join(problems) or "every carried package's requirements are met")
+
+import torch, triton, transformers, zmq, fastapi, uvicorn, pydantic, httpx
+import router.server, prefill_worker.worker, decode_worker.worker
+import kvtransfer.zmq_backend, benchmarks.serving, benchmarks.random_model
+
+print(f"python {platform.python_version()}, torch {torch.__version__}, triton "
+      f"{triton.__version__}, transformers {transformers.__version__}, pyzmq {zmq.__version__}, "
+      f"fastapi {fastapi.__version__}, uvicorn {uvicorn.__version__}")
+if torch.cuda.is_available():
+    props = torch.cuda.get_device_properties(0)
+    print(f"cuda: {props.name}, {props.total_memory / 2**30:.1f} GiB, "
+          f"capability {props.major}.{props.minor}, torch built for CUDA {torch.version.cuda}")
+else:
+    print("cuda: none visible to torch")
+sys.exit(1 if problems else 0)
+EOF
+}
+
+steps=("$@")
+if [[ ${#steps[@]} -eq 0 ]]; then steps=(kernels engine bench serving); fi
+for step in "${steps[@]}"; do
+    if [[ $step != setup && -z ${LIMIT_S[$step]:-} ]]; then
+        echo "unknown step $step; choose from setup kernels engine bench serving" >&2
+        exit 2
+    fi
+done
+
+setup 2>&1 | tee "$LOGS/setup.log"
+setup_rc=${PIPESTATUS[0]}
+record setup "$([[ $setup_rc == 0 ]] && echo ok || echo FAILED)" $((SECONDS - START)) \
+    "$(grep -aE '^(cuda|python)[: ]' "$LOGS/setup.log" | paste -sd ';' -)"
+
+if "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+    # Compiled, never interpreted: tests/conftest.py sets the interpreter only without CUDA.
+    unset TRITON_INTERPRET
+elif [[ ${GPU_CHECK_ALLOW_CPU:-0} != 1 ]]; then
+    echo "torch sees no CUDA device; GPU_CHECK_ALLOW_CPU=1 runs the plumbing on a CPU" >&2
+    steps=()
+    record cuda FAILED 0 "torch sees no CUDA device"
+fi
+
+for step in "${steps[@]}"; do
+    [[ $step == setup ]] && continue
+    left=$((DEADLINE_S - (SECONDS - START)))
+    limit=${LIMIT_S[$step]}
+    ((limit > left)) && limit=$left
+    if ((limit < 10)); then
+        record "$step" skipped 0 "no time left before the ${DEADLINE_S} s deadline"
+        continue
+    fi
+    echo "== $step (at most $limit s)"
+    began=$SECONDS
+    # SIGINT first, so pytest still prints what passed and the cluster shuts down in order.
+    timeout -s INT -k 10 "$limit" bash "$SELF" --step "$step" 2>&1 | tee "$LOGS/$step.log"
+    rc=${PIPESTATUS[0]}
+    took=$((SECONDS - began))
+    case $rc in
+        0) status=ok ;;
+        124 | 130 | 137) status=TIMEOUT ;;
+        *) status="FAILED($rc)" ;;
+    esac
+    case $step in
+        kernels | engine) figures=$(pytest_figures "$LOGS/$step.log") ;;
+        bench)
+            prefill=$(grep -aoE 'triton bf16 +[0-9.]+' "$LOGS/bench.log" | awk '{print $3}' |
+                sort -g | tail -n 1)
+            sdpa=$(grep -aoE 'torch sdpa +[0-9.]+' "$LOGS/bench.log" | awk '{print $3}' |
+                sort -g | tail -n 1)
+            decode=$(grep -aoE 'bf16 +[0-9]+ GB/s \( *[0-9]+%\)' "$LOGS/bench.log" |
+                sort -k2 -g | tail -n 1 | tr -s " ")
+            figures="prefill bf16 best ${prefill:-?} TFLOP/s (SDPA ${sdpa:-?}); decode best ${decode:-?}"
+            ;;
+        serving)
+            figures=$(awk '$1 ~ /^(output_tok_s|ttft_p50_ms|tpot_mean_ms|itl_p99_ms|errors)$/ {
+                printf "%s %s, ", $1, $2 }' "$LOGS/serving.log")
+            pages=$(grep -aoE '^(prefill|decode) worker [^:]*: [0-9]+' "$LOGS/serving.log" |
+                awk '{ printf "%s %s ", $1, $4 }')
+            memory=$(grep -aoE '^GPU process .*, [0-9]+ MiB$' "$LOGS/serving.log" |
+                awk '{ printf "%s ", $(NF - 1) }')
+            figures="${figures}KV pages: ${pages:-?}${memory:+; GPU MiB by process: $memory}"
+            ;;
+    esac
+    record "$step" "$status" "$took" "$figures"
+done
+
+{
+    echo
+    echo "== GPU check summary ($((SECONDS - START)) s; logs in $LOGS)"
+    printf '%s\n' "${SUMMARY[@]}"
+} | tee "$LOGS/summary.txt"
+exit $FAILED
