@@ -3,6 +3,7 @@
 #   kernels  the kernel tests compiled for the GPU (bf16 included) against their torch twins;
 #   engine   the engine on CUDA against transformers, and the compiled Triton backend against
 #            the torch one (the tests marked gpu in test_engine_equivalence/test_engine_triton);
+#            deterministic inference on the Triton path (test_deterministic_triton.py);
 #   bench    python -m benchmarks.kernels: prefill TFLOP/s beside SDPA, decode GB/s beside a copy;
 #   serving  pdserve up with one prefill and one decode worker sharing the GPU, each given
 #            --gpu-memory-utilization 0.4 of it, then W1 of benchmarks.serving against it.
@@ -38,7 +39,7 @@ export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 DEADLINE_S=${GPU_CHECK_DEADLINE_S:-560}
 declare -A LIMIT_S=(
     [kernels]=${GPU_CHECK_KERNELS_S:-150}
-    [engine]=${GPU_CHECK_ENGINE_S:-120}
+    [engine]=${GPU_CHECK_ENGINE_S:-150}
     [bench]=${GPU_CHECK_BENCH_S:-75}
     [serving]=${GPU_CHECK_SERVING_S:-150}
 )
@@ -51,9 +52,10 @@ xdist_flags() {
     if "$PY" -c "import xdist" 2>/dev/null; then echo "-n $1"; fi
 }
 
+# Each pytest run's closing line (the engine step has two), joined by "; ".
 pytest_figures() {
-    grep -aE '^=*ERROR|[0-9]+ (passed|failed|skipped|error|errors|deselected)' "$1" | tail -n 1 |
-        tr -d '='
+    grep -aE '^=*ERROR|[0-9]+ (passed|failed|skipped|error|errors|deselected)' "$1" | tr -d '=' |
+        paste -sd ';' | sed 's/;/; /g'
 }
 
 # --- the steps, each run as `bash gpu_check.sh --step NAME` under its time limit -----------------
@@ -65,9 +67,20 @@ step_kernels() {
 }
 
 step_engine() {
+    # The tests marked gpu, and deterministic inference on the Triton path (its tests run
+    # wherever Triton does, so they carry no mark): the kernels compiled, bf16 included.
     # shellcheck disable=SC2046,SC2086
     "$PY" -m pytest tests/test_engine_equivalence.py tests/test_engine_triton.py -m gpu -q -rfE \
         -p no:cacheprovider $(xdist_flags 4) ${GPU_CHECK_ENGINE_ARGS:-}
+    local marked=$?
+    # shellcheck disable=SC2046,SC2086
+    "$PY" -m pytest tests/test_deterministic_triton.py -q -rfE -p no:cacheprovider \
+        $(xdist_flags 4) ${GPU_CHECK_ENGINE_ARGS:-}
+    local deterministic=$?
+    # 5: GPU_CHECK_ENGINE_ARGS selected nothing in that run, which is not a failure.
+    ((marked == 5)) && marked=0
+    ((deterministic == 5)) && deterministic=0
+    return $((marked | deterministic))
 }
 
 step_bench() {
