@@ -105,8 +105,8 @@ class CpuAttentionBackend(AttentionBackend):
         if not _rows_fit_the_c_store(key, value, cache, slot_mapping):
             store_kv_reference(key, value, cache, slot_mapping)
             return
-        if cache.is_int8:
-            self._store_int8(key, value, cache, slot_mapping)
+        if cache.is_quantized:
+            self._store_quantized(key, value, cache, slot_mapping)
             return
         self._library.pdserve_store_kv(
             key.data_ptr(),
@@ -126,12 +126,17 @@ class CpuAttentionBackend(AttentionBackend):
             key.shape[2],
         )
 
-    def _store_int8(self, key, value, cache: KVCacheView, slot_mapping) -> None:
-        """Quantise in C, bit for bit as ``reference.quantize_int8``: a decode step's store
-        in torch would take a dozen small ops per layer."""
+    def _store_quantized(self, key, value, cache: KVCacheView, slot_mapping) -> None:
+        """Quantise in C, bit for bit as ``reference.quantize_fp8`` / ``quantize_int8``: a
+        decode step's store in torch would take a dozen small ops per layer."""
         assert cache.key_scale is not None and cache.value_scale is not None
-        pages, codes = cache.key, cache.key_scale
-        status = self._library.pdserve_store_kv_int8(
+        pages, scales = cache.key, cache.key_scale
+        store = (
+            self._library.pdserve_store_kv_fp8
+            if cache.is_fp8
+            else self._library.pdserve_store_kv_int8
+        )
+        status = store(
             key.data_ptr(),
             key.stride(0),
             value.data_ptr(),
@@ -140,9 +145,9 @@ class CpuAttentionBackend(AttentionBackend):
             pages.data_ptr(),
             cache.value.data_ptr(),
             *pages.stride()[:3],
-            codes.data_ptr(),
+            scales.data_ptr(),
             cache.value_scale.data_ptr(),
-            *codes.stride(),
+            *scales.stride(),
             cache.page_size,
             slot_mapping.data_ptr(),
             slot_mapping.shape[0],
@@ -250,15 +255,15 @@ def _int32(tensor: torch.Tensor) -> torch.Tensor:
 
 def _rows_fit_the_c_store(key, value, cache: KVCacheView, slot_mapping) -> bool:
     """Whether the C stores take these rows: unit-stride head vectors packed in a row, int64
-    slots, key and value pages (and scales) with one set of strides, and, for 16- and 32-bit
-    pages, rows of the pages' own dtype (FP8 goes through the twin)."""
+    slots, key and value pages (and scales) with one set of strides, rows of float32 or bf16
+    for quantised pages, of the pages' own dtype for 16- and 32-bit ones."""
     pages = cache.key
-    if cache.is_int8:
+    if cache.is_quantized:
         assert cache.key_scale is not None and cache.value_scale is not None
         dtypes_fit = key.dtype in _IO_DTYPE_CODES and value.dtype == key.dtype
         dtypes_fit = dtypes_fit and cache.key_scale.stride() == cache.value_scale.stride()
     else:
-        dtypes_fit = not cache.is_fp8 and key.dtype == pages.dtype == value.dtype
+        dtypes_fit = key.dtype == pages.dtype == value.dtype
     return (
         dtypes_fit
         and key.stride(-1) == 1

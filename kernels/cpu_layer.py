@@ -5,8 +5,9 @@ KV store, attention, SiLU, residual adds), and on one CPU core their dispatch co
 fifth of the step at batch 1. ``FusedDecoderLayer`` holds what the C layer needs that does not
 change between steps (weight and page pointers, shapes) and runs the same kernels in the same
 order, so a layer's output is the same bits as the module path's. It serves only where every
-part would take the C kernels anyway: bf16 weights in tiles, bf16 pages, C norms and RoPE, no
-query/key norms or turns, a step of short runs (the module path keeps everything else).
+part would take the C kernels anyway: bf16 weights in tiles, bf16 or FP8 pages, C norms and
+RoPE, no query/key norms or turns, a step of short runs (the module path keeps everything else;
+int8 pages turn their heads in float32 around attention there).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from kernels import cpu_library
 from kernels.cpu_linear import CpuLinear
 from kernels.cpu_ops import CpuRMSNorm, CpuRotaryApply, CpuSiluAndMul
-from kernels.interface import KVCacheView
+from kernels.interface import FP8_DTYPE, KVCacheView
 
 
 class LayerWeights(ctypes.Structure):
@@ -34,9 +35,14 @@ class LayerWeights(ctypes.Structure):
         ("down_tiles", ctypes.c_void_p),
         ("key_cache", ctypes.c_void_p),
         ("value_cache", ctypes.c_void_p),
+        ("key_scale", ctypes.c_void_p),
+        ("value_scale", ctypes.c_void_p),
         ("page_stride", ctypes.c_int64),
         ("token_stride", ctypes.c_int64),
         ("head_stride", ctypes.c_int64),
+        ("scale_page_stride", ctypes.c_int64),
+        ("scale_token_stride", ctypes.c_int64),
+        ("scale_head_stride", ctypes.c_int64),
         ("eps", ctypes.c_float),
         ("softmax_scale", ctypes.c_float),
         ("hidden", ctypes.c_int32),
@@ -45,7 +51,14 @@ class LayerWeights(ctypes.Structure):
         ("head_dim", ctypes.c_int32),
         ("intermediate", ctypes.c_int32),
         ("page_size", ctypes.c_int32),
+        ("kv_dtype", ctypes.c_int32),
     ]
+
+
+# paged_attention.c's kv_dtype codes of the pages the layer takes.
+_KV_DTYPE_CODES = {torch.bfloat16: 1, FP8_DTYPE: 3}
+# The C store's row buffer (store_kv_quantized's MAX_DIM).
+_MAX_QUANTIZED_HEAD_DIM = 1024
 
 
 class FusedDecoderLayer:
@@ -55,6 +68,8 @@ class FusedDecoderLayer:
         # Kept here so the pointers below outlive any swap of the layer's modules.
         self._keep = (layer.input_layernorm, layer.post_attention_layernorm, attention, mlp, cache)
         qkv = attention.qkv_proj
+        key_scale, value_scale = cache.key_scale, cache.value_scale
+        scale_strides = (0, 0, 0) if key_scale is None else key_scale.stride()
         self.weights = LayerWeights(
             input_norm=layer.input_layernorm.weight.data_ptr(),
             post_attention_norm=layer.post_attention_layernorm.weight.data_ptr(),
@@ -65,9 +80,14 @@ class FusedDecoderLayer:
             down_tiles=mlp.down_proj.packed_tiles.data_ptr(),
             key_cache=cache.key.data_ptr(),
             value_cache=cache.value.data_ptr(),
+            key_scale=None if key_scale is None else key_scale.data_ptr(),
+            value_scale=None if value_scale is None else value_scale.data_ptr(),
             page_stride=cache.key.stride(0),
             token_stride=cache.key.stride(1),
             head_stride=cache.key.stride(2),
+            scale_page_stride=scale_strides[0],
+            scale_token_stride=scale_strides[1],
+            scale_head_stride=scale_strides[2],
             eps=layer.input_layernorm.eps,
             softmax_scale=attention.softmax_scale,
             hidden=layer.input_layernorm.weight.shape[0],
@@ -76,6 +96,7 @@ class FusedDecoderLayer:
             head_dim=attention.head_dim,
             intermediate=mlp.intermediate_size,
             page_size=cache.page_size,
+            kv_dtype=_KV_DTYPE_CODES[cache.key.dtype],
         )
         self._pointer = ctypes.addressof(self.weights)
         self._library = cpu_library.load()
@@ -100,9 +121,21 @@ class FusedDecoderLayer:
             and isinstance(mlp.act, CpuSiluAndMul)
             and attention.q_norm is None
             and attention.query_turn is None
-            and cache.key.dtype == torch.bfloat16
+            and cache.key.dtype in _KV_DTYPE_CODES
             and cache.key.stride(-1) == 1
             and cache.key.stride() == cache.value.stride()
+            and (not cache.is_fp8 or FusedDecoderLayer._fp8_scales_fit(cache))
+        )
+
+    @staticmethod
+    def _fp8_scales_fit(cache: KVCacheView) -> bool:
+        key_scale, value_scale = cache.key_scale, cache.value_scale
+        return (
+            key_scale is not None
+            and value_scale is not None
+            and key_scale.dtype == value_scale.dtype == torch.float32
+            and key_scale.stride() == value_scale.stride()
+            and cache.key.shape[-1] <= _MAX_QUANTIZED_HEAD_DIM
         )
 
     def scratch_bytes(self, rows: int) -> int:

@@ -181,6 +181,9 @@ def _declare(library: ctypes.CDLL) -> None:
         i32, ptr, i32, i32, i32,  # page size, slots, tokens, kv heads, head_dim
     ]  # fmt: skip
     library.pdserve_store_kv_int8.restype = ctypes.c_int
+    # The same arguments, float32 scales in place of the codes.
+    library.pdserve_store_kv_fp8.argtypes = library.pdserve_store_kv_int8.argtypes
+    library.pdserve_store_kv_fp8.restype = ctypes.c_int
     library.pdserve_rms_norm_bf16.argtypes = [ptr, i64, ptr, f32, ptr, i64, i32, i32]
     library.pdserve_rms_norm_bf16.restype = None
     library.pdserve_silu_mul_bf16.argtypes = [ptr, i64, ptr, i64, i32, i32]

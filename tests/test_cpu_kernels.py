@@ -405,3 +405,61 @@ def test_int8_store_quantises_exactly_as_the_twin(backend, dtype) -> None:
     # The test's own vectors reached the kernel: a zero code, a clipped code, half steps.
     codes = batch.cache.key_scale.flatten()
     assert (codes == 0).any() and (codes == 255).any()
+
+
+@pytest.mark.parametrize("scale", [1.0, 3.7, 1e-12, 2.0**-100, 7.6e35])
+def test_fp8_pages_are_read_exactly(backend, scale) -> None:
+    """Every e4m3 byte, NaNs and subnormals included, reaches attention as the byte's value times
+    its scale rounded once: with one key per sequence the output is that value row itself."""
+    batch = make_batch([1] * 4, [1] * 4, 1, 1, 64, torch.float32, FP8_DTYPE)
+    cache, slots = batch.cache, batch.meta.slot_mapping
+    every_byte = torch.arange(256, dtype=torch.uint8).view(4, 64)
+    pages, offsets = slots // cache.page_size, slots % cache.page_size
+    cache.value.view(torch.uint8)[pages, offsets, 0] = every_byte
+    cache.value_scale[pages, offsets, 0] = scale
+    out = backend.attention(batch.query, cache, batch.meta, 0.125)
+    expected = every_byte.view(FP8_DTYPE).float() * torch.tensor(scale, dtype=torch.float32)
+    assert torch.equal(out[:, 0].isnan(), expected.isnan())
+    assert torch.equal(out[:, 0].nan_to_num(), expected.nan_to_num())
+
+
+def e4m3_sweep() -> torch.Tensor:
+    """Every finite e4m3 value, both signs, and the points where rounding decides: each tie
+    between neighbours (subnormals included) and a float32 step either side of it."""
+    values = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
+    values = values[values.isfinite()].unique()  # sorted; +0 and -0 are one value
+    ties = (values[1:] + values[:-1]) / 2
+    nudged = torch.cat([ties.nextafter(values[-1:].expand_as(ties)),
+                        ties.nextafter(values[:1].expand_as(ties))])  # fmt: skip
+    return torch.cat([values, ties, nudged, torch.tensor([2.0**-10, -(2.0**-10), 2.0**-12])])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_fp8_store_quantises_exactly_as_the_twin(backend, dtype) -> None:
+    """Byte for byte, scales included: views of a fused projection, outlier channels, an
+    all-zero vector, and a sweep of e4m3's rounding points (vectors whose largest value is 448,
+    so their scale is exactly 1 and the sweep reaches the encoder unscaled)."""
+    sweep = e4m3_sweep()
+    rows_of_sweep = -(-sweep.shape[0] // 63)
+    batch = make_batch([rows_of_sweep + 3, 1], [rows_of_sweep + 40, 17], 2, 2, 64, dtype,
+                       FP8_DTYPE)  # fmt: skip
+    num_tokens = batch.meta.slot_mapping.shape[0]
+    fused = torch.randn(num_tokens, 3, 2, 64)
+    fused[:, :, :, [5, 33]] *= 40
+    fused[0, 1] = 0.0
+    padded = torch.cat([sweep, torch.zeros(rows_of_sweep * 63 - sweep.shape[0])])
+    fused[1 : 1 + rows_of_sweep, 1, 0, 1:] = padded.view(rows_of_sweep, 63)
+    fused[1 : 1 + rows_of_sweep, 1, 0, 0] = 448.0
+    if dtype == torch.bfloat16:
+        fused = fused.to(dtype)  # the sweep then tests bf16's values near each rounding point
+    key, value = fused[:, 1], fused[:, 2]
+    expected = batch.pool.clone()
+    store_kv_reference(key, value, expected.layer(1), batch.meta.slot_mapping)
+    backend.store_kv(key, value, batch.cache, batch.meta.slot_mapping)
+    assert torch.equal(batch.pool.pages.view(torch.uint8), expected.pages.view(torch.uint8))
+    # Bits, not values: the pool's unwritten scales are NaN.
+    assert torch.equal(batch.pool.scales.view(torch.int32), expected.scales.view(torch.int32))
+    # The sweep reached the encoder with a scale of one and landed on every finite code.
+    assert (batch.cache.key_scale == 1.0).any()
+    stored = batch.cache.key.view(torch.uint8).flatten().unique()
+    assert stored.numel() >= 254

@@ -14,11 +14,20 @@ from common.engine.llm_engine import LLMEngine
 from common.sampling_params import SamplingParams
 from kernels import cpu_library
 from kernels.cpu_layer import FusedDecoderLayer
+from kernels.cpu_linear import TILES_ONLY
 
 pytestmark = [
     pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path's kernels"),
     pytest.mark.skipif(not cpu_library.available(), reason="no C compiler for the CPU kernels"),
 ]
+
+
+@pytest.fixture(autouse=True)
+def tiles_at_every_row_count(monkeypatch):
+    """The C layer runs the bf16 tiles. Which GEMM a bf16 model takes is a start-up probe's
+    timing, and on models this small BLAS sometimes wins it: the tests here pin the tiles."""
+    monkeypatch.setattr("common.model.llama.choose_gemm_plan", lambda linears: TILES_ONLY)
+
 
 PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
 
@@ -34,13 +43,16 @@ def serve(engine: LLMEngine, prompts: list[list[int]]) -> list[list[tuple[int, f
 
 @pytest.mark.parametrize("family", ["llama3-rope", "qwen2-bias", "mistral"])
 @pytest.mark.parametrize("speculating", [False, True], ids=["decode", "verification"])
-def test_fused_layers_give_the_module_paths_bits(tmp_path, monkeypatch, family, speculating):
+@pytest.mark.parametrize("kv", ["auto", "fp8"], ids=["kv=bf16", "kv=fp8"])
+def test_fused_layers_give_the_module_paths_bits(tmp_path, monkeypatch, family, speculating, kv):
     folder = build_tiny_model(family, tmp_path)
     # No prefix cache: the second pass must compute what the first did, not reuse its pages.
     speculative = (
         SpeculativeConfig(method="ngram", num_speculative_tokens=3) if speculating else None
     )
-    engine = build_engine(folder, dtype="bfloat16", prefix_caching=False, speculative=speculative)
+    engine = build_engine(
+        folder, dtype="bfloat16", kv_cache_dtype=kv, prefix_caching=False, speculative=speculative
+    )
     assert engine.model.fused_layers is not None
     prompts = [p + p for p in random_prompts(6, seed=4)]  # repeats give n-gram proposals
     calls = []
@@ -61,7 +73,6 @@ def test_fused_layers_give_the_module_paths_bits(tmp_path, monkeypatch, family, 
     [
         ("qwen3-qknorm", "bfloat16", "auto"),  # query/key norms: not in the C layer
         ("llama3-rope", "float32", "auto"),  # float32 weights
-        ("llama3-rope", "bfloat16", "fp8"),  # FP8 pages are stored through the torch twin
         ("llama3-rope", "bfloat16", "int8"),  # int8 pages turn queries and keys
     ],
 )

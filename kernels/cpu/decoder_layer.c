@@ -1,4 +1,5 @@
-/* A whole bf16 decoder layer of a short-run step (decodes, verification runs) in one call.
+/* A whole bf16 decoder layer of a short-run step (decodes, verification runs) in one call,
+ * over bf16 or FP8 pages.
  *
  * In a decode step the layer's arithmetic is a few GEMMs over a handful of rows; calling its
  * dozen parts one by one from Python (norm, projections, RoPE, KV store, attention, SiLU,
@@ -21,11 +22,16 @@ typedef struct {
     const uint16_t *o_tiles;
     const uint16_t *gate_up_tiles;
     const uint16_t *down_tiles;
-    uint16_t *key_cache; /* bf16 pages [num_pages, page_size, num_kv_heads, head_dim] */
-    uint16_t *value_cache;
+    void *key_cache; /* pages [num_pages, page_size, num_kv_heads, head_dim], bf16 or e4m3 */
+    void *value_cache;
+    float *key_scale; /* FP8 pages: [num_pages, page_size, num_kv_heads]; else NULL */
+    float *value_scale;
     int64_t page_stride; /* elements */
     int64_t token_stride;
     int64_t head_stride;
+    int64_t scale_page_stride; /* elements; zeros for bf16 pages */
+    int64_t scale_token_stride;
+    int64_t scale_head_stride;
     float eps;
     float softmax_scale;
     int32_t hidden;
@@ -34,7 +40,10 @@ typedef struct {
     int32_t head_dim;
     int32_t intermediate;
     int32_t page_size;
+    int32_t kv_dtype; /* paged_attention.c's kv_dtype: 1 bf16, 3 FP8 e4m3 */
 } layer_weights;
+
+enum { KV_BF16 = 1, KV_FP8_E4M3 = 3 };
 
 /* hidden[i] = bf16(hidden[i] + delta[i]), as a bf16 tensor add rounds. */
 static void add_bf16(uint16_t *hidden, const uint16_t *delta, int64_t count) {
@@ -53,7 +62,8 @@ int64_t pdserve_decoder_layer_scratch_bytes(const layer_weights *w, int rows) {
 /* hidden: [rows, hidden] bf16, contiguous, updated in place; cos, sin: [rows, head_dim] bf16
  * rows `trig_stride` apart; slots: [rows] int64; the attention step arguments as
  * pdserve_paged_attention takes them; scratch: pdserve_decoder_layer_scratch_bytes. Returns 0,
- * or -1 if a kernel could not allocate its scratch memory. */
+ * or -1 if a kernel could not allocate its scratch memory (or, FP8 pages, a head_dim beyond
+ * the store's row buffer, which kernels/cpu_layer.py does not fuse). */
 int pdserve_decoder_layer_bf16(const layer_weights *w, uint16_t *hidden, int rows,
                                const uint16_t *cos, const uint16_t *sin, int64_t trig_stride,
                                const int64_t *slots, const int32_t *page_tables,
@@ -80,12 +90,24 @@ int pdserve_decoder_layer_bf16(const layer_weights *w, uint16_t *hidden, int row
                       trig_stride);
     pdserve_rope_bf16(qkv + q_size, qkv_size, head_dim, rows, w->num_kv_heads, head_dim, cos,
                       sin, trig_stride);
-    pdserve_store_kv(qkv + q_size, qkv_size, qkv + q_size + kv_size, qkv_size, w->key_cache,
-                     w->value_cache, w->page_stride, w->token_stride, w->head_stride, 2,
-                     w->page_size, slots, rows, w->num_kv_heads, head_dim);
+    const uint16_t *keys = qkv + q_size, *values = qkv + q_size + kv_size;
+    if (w->kv_dtype == KV_FP8_E4M3) {
+        if (pdserve_store_kv_fp8(keys, qkv_size, values, qkv_size, /* bf16 rows */ 1,
+                                 w->key_cache, w->value_cache, w->page_stride, w->token_stride,
+                                 w->head_stride, w->key_scale, w->value_scale,
+                                 w->scale_page_stride, w->scale_token_stride,
+                                 w->scale_head_stride, w->page_size, slots, rows,
+                                 w->num_kv_heads, head_dim))
+            return -1;
+    } else {
+        pdserve_store_kv(keys, qkv_size, values, qkv_size, w->key_cache, w->value_cache,
+                         w->page_stride, w->token_stride, w->head_stride, 2, w->page_size, slots,
+                         rows, w->num_kv_heads, head_dim);
+    }
     if (pdserve_paged_attention(qkv, qkv_size, attended, q_size, w->key_cache, w->value_cache,
-                                NULL, NULL, w->page_stride, w->token_stride, w->head_stride, 0, 0,
-                                0, /* bf16 pages */ 1, w->page_size, page_tables,
+                                w->key_scale, w->value_scale, w->page_stride, w->token_stride,
+                                w->head_stride, w->scale_page_stride, w->scale_token_stride,
+                                w->scale_head_stride, w->kv_dtype, w->page_size, page_tables,
                                 page_table_stride, query_start_loc, seq_lens, seq_ids,
                                 num_listed, w->num_heads, w->num_kv_heads, head_dim,
                                 w->softmax_scale, /* bf16 in and out */ 1, num_threads))

@@ -20,6 +20,13 @@ void pdserve_store_kv(const void *key, int64_t key_stride, const void *value,
                       int64_t page_stride, int64_t token_stride, int64_t head_stride,
                       int element_bytes, int page_size, const int64_t *slots, int num_tokens,
                       int num_kv_heads, int head_dim);
+int pdserve_store_kv_fp8(const void *key, int64_t key_stride, const void *value,
+                         int64_t value_stride, int io_dtype, uint8_t *key_cache,
+                         uint8_t *value_cache, int64_t page_stride, int64_t token_stride,
+                         int64_t head_stride, float *key_scales, float *value_scales,
+                         int64_t scale_page_stride, int64_t scale_token_stride,
+                         int64_t scale_head_stride, int page_size, const int64_t *slots,
+                         int num_tokens, int num_kv_heads, int head_dim);
 int pdserve_paged_attention(const void *query, int64_t query_row_stride, void *out,
                             int64_t out_row_stride, const void *key, const void *value,
                             const void *key_scale, const void *value_scale,
