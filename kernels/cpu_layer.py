@@ -5,9 +5,9 @@ KV store, attention, SiLU, residual adds), and on one CPU core their dispatch co
 fifth of the step at batch 1. ``FusedDecoderLayer`` holds what the C layer needs that does not
 change between steps (weight and page pointers, shapes) and runs the same kernels in the same
 order, so a layer's output is the same bits as the module path's. It serves only where every
-part would take the C kernels anyway: bf16 weights in tiles, bf16 or FP8 pages, C norms and
-RoPE, no query/key norms or turns, a step of short runs (the module path keeps everything else;
-int8 pages turn their heads in float32 around attention there).
+part would take the C kernels anyway: bf16 weights in tiles, bf16, FP8 or int8 pages (int8 with
+its Hadamard turns in float32 tiles, ``kernels/kv_turn.py``), C norms and RoPE, no query/key
+norms, a step of short runs; the module path keeps everything else.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from kernels import cpu_library
 from kernels.cpu_linear import CpuLinear
 from kernels.cpu_ops import CpuRMSNorm, CpuRotaryApply, CpuSiluAndMul
-from kernels.interface import FP8_DTYPE, KVCacheView
+from kernels.interface import FP8_DTYPE, INT8_DTYPE, INT8_SCALE_DTYPE, KVCacheView
 
 
 class LayerWeights(ctypes.Structure):
@@ -33,6 +33,8 @@ class LayerWeights(ctypes.Structure):
         ("o_tiles", ctypes.c_void_p),
         ("gate_up_tiles", ctypes.c_void_p),
         ("down_tiles", ctypes.c_void_p),
+        ("query_turn_tiles", ctypes.c_void_p),
+        ("kv_turn_tiles", ctypes.c_void_p),
         ("key_cache", ctypes.c_void_p),
         ("value_cache", ctypes.c_void_p),
         ("key_scale", ctypes.c_void_p),
@@ -56,7 +58,9 @@ class LayerWeights(ctypes.Structure):
 
 
 # paged_attention.c's kv_dtype codes of the pages the layer takes.
-_KV_DTYPE_CODES = {torch.bfloat16: 1, FP8_DTYPE: 3}
+_KV_DTYPE_CODES = {torch.bfloat16: 1, FP8_DTYPE: 3, INT8_DTYPE: 4}
+# The dtype of each 8-bit page format's scales.
+_SCALE_DTYPES = {FP8_DTYPE: torch.float32, INT8_DTYPE: INT8_SCALE_DTYPE}
 # The C store's row buffer (store_kv_quantized's MAX_DIM).
 _MAX_QUANTIZED_HEAD_DIM = 1024
 
@@ -78,6 +82,8 @@ class FusedDecoderLayer:
             o_tiles=attention.o_proj.packed_tiles.data_ptr(),
             gate_up_tiles=mlp.gate_up_proj.packed_tiles.data_ptr(),
             down_tiles=mlp.down_proj.packed_tiles.data_ptr(),
+            query_turn_tiles=_tiles_pointer(attention.query_turn),
+            kv_turn_tiles=_tiles_pointer(attention.kv_turn),
             key_cache=cache.key.data_ptr(),
             value_cache=cache.value.data_ptr(),
             key_scale=None if key_scale is None else key_scale.data_ptr(),
@@ -120,22 +126,37 @@ class FusedDecoderLayer:
             and isinstance(attention.rotary, CpuRotaryApply)
             and isinstance(mlp.act, CpuSiluAndMul)
             and attention.q_norm is None
-            and attention.query_turn is None
             and cache.key.dtype in _KV_DTYPE_CODES
             and cache.key.stride(-1) == 1
             and cache.key.stride() == cache.value.stride()
-            and (not cache.is_fp8 or FusedDecoderLayer._fp8_scales_fit(cache))
+            and (not cache.is_quantized or FusedDecoderLayer._scales_fit(cache))
+            # int8 pages hold turned heads, and only int8 pages do.
+            and FusedDecoderLayer._turns_fit(attention) == cache.is_int8
         )
 
     @staticmethod
-    def _fp8_scales_fit(cache: KVCacheView) -> bool:
+    def _scales_fit(cache: KVCacheView) -> bool:
         key_scale, value_scale = cache.key_scale, cache.value_scale
         return (
             key_scale is not None
             and value_scale is not None
-            and key_scale.dtype == value_scale.dtype == torch.float32
+            and key_scale.dtype == value_scale.dtype == _SCALE_DTYPES[cache.key.dtype]
             and key_scale.stride() == value_scale.stride()
             and cache.key.shape[-1] <= _MAX_QUANTIZED_HEAD_DIM
+        )
+
+    @staticmethod
+    def _turns_fit(attention) -> bool:
+        """Whether ``attention`` turns its heads, both turns in float32 tiles without bias (as
+        ``LlamaForCausalLM.turn_kv_heads`` then ``pack_for_cpu`` make them)."""
+        turns = (attention.query_turn, attention.kv_turn)
+        return all(
+            isinstance(turn, CpuLinear)
+            and turn.dtype == torch.float32
+            and turn.packed_tiles is not None
+            and turn.bias_tiles is None
+            and turn.in_features == turn.out_features == attention.head_dim
+            for turn in turns
         )
 
     def scratch_bytes(self, rows: int) -> int:
@@ -164,3 +185,8 @@ class FusedDecoderLayer:
         )
         if status != 0:
             raise MemoryError("the C decoder layer could not allocate its scratch memory")
+
+
+def _tiles_pointer(turn) -> int | None:
+    """The address of a turn's float32 tiles, or None where the layer turns nothing."""
+    return None if turn is None else turn.packed_tiles.data_ptr()

@@ -1,6 +1,7 @@
 """A bf16 decoder layer as one C call (``kernels/cpu_layer.py``) against the module path it
 stands in for: the same token ids and logprobs, bit for bit, in decode steps and in the short
-runs of speculative verification; and the cases it must leave to the module path."""
+runs of speculative verification, over bf16, FP8 and int8 pages (int8 with its Hadamard turns);
+and the cases it must leave to the module path."""
 
 from __future__ import annotations
 
@@ -41,9 +42,17 @@ def serve(engine: LLMEngine, prompts: list[list[int]]) -> list[list[tuple[int, f
     return [out[i] for i in ids]
 
 
-@pytest.mark.parametrize("family", ["llama3-rope", "qwen2-bias", "mistral"])
+FAMILIES = ["llama3-rope", "qwen2-bias", "mistral"]
+# int8 pages turn heads by a Hadamard matrix, which needs a power-of-two head_dim (mistral's
+# tiny model has 80).
+LAYOUTS = [(family, kv) for kv in ("auto", "fp8") for family in FAMILIES] + [
+    ("llama3-rope", "int8"),
+    ("qwen2-bias", "int8"),
+]
+
+
 @pytest.mark.parametrize("speculating", [False, True], ids=["decode", "verification"])
-@pytest.mark.parametrize("kv", ["auto", "fp8"], ids=["kv=bf16", "kv=fp8"])
+@pytest.mark.parametrize("family, kv", LAYOUTS, ids=[f"{f}-kv={kv}" for f, kv in LAYOUTS])
 def test_fused_layers_give_the_module_paths_bits(tmp_path, monkeypatch, family, speculating, kv):
     folder = build_tiny_model(family, tmp_path)
     # No prefix cache: the second pass must compute what the first did, not reuse its pages.
@@ -73,7 +82,7 @@ def test_fused_layers_give_the_module_paths_bits(tmp_path, monkeypatch, family, 
     [
         ("qwen3-qknorm", "bfloat16", "auto"),  # query/key norms: not in the C layer
         ("llama3-rope", "float32", "auto"),  # float32 weights
-        ("llama3-rope", "bfloat16", "int8"),  # int8 pages turn queries and keys
+        ("llama3-rope", "float32", "int8"),  # float32 weights, turned heads
     ],
 )
 def test_layers_the_c_layer_does_not_cover_keep_the_module_path(tmp_path, family, dtype, kv):

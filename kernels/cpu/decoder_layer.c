@@ -1,5 +1,5 @@
 /* A whole bf16 decoder layer of a short-run step (decodes, verification runs) in one call,
- * over bf16 or FP8 pages.
+ * over bf16, FP8 or int8 pages (int8 pages with their Hadamard turns, kernels/kv_turn.py).
  *
  * In a decode step the layer's arithmetic is a few GEMMs over a handful of rows; calling its
  * dozen parts one by one from Python (norm, projections, RoPE, KV store, attention, SiLU,
@@ -22,10 +22,15 @@ typedef struct {
     const uint16_t *o_tiles;
     const uint16_t *gate_up_tiles;
     const uint16_t *down_tiles;
-    void *key_cache; /* pages [num_pages, page_size, num_kv_heads, head_dim], bf16 or e4m3 */
+    /* int8 pages: the float32 tiles of the turns (head_dim x head_dim); else NULL. */
+    const float *query_turn_tiles;
+    const float *kv_turn_tiles;
+    void *key_cache; /* pages [num_pages, page_size, num_kv_heads, head_dim]: bf16, e4m3, int8 */
     void *value_cache;
-    float *key_scale; /* FP8 pages: [num_pages, page_size, num_kv_heads]; else NULL */
-    float *value_scale;
+    /* [num_pages, page_size, num_kv_heads]: float32 scales of FP8 pages, one-byte codes of
+     * int8 pages; NULL for bf16 pages. */
+    void *key_scale;
+    void *value_scale;
     int64_t page_stride; /* elements */
     int64_t token_stride;
     int64_t head_stride;
@@ -40,10 +45,11 @@ typedef struct {
     int32_t head_dim;
     int32_t intermediate;
     int32_t page_size;
-    int32_t kv_dtype; /* paged_attention.c's kv_dtype: 1 bf16, 3 FP8 e4m3 */
+    int32_t kv_dtype; /* paged_attention.c's kv_dtype: 1 bf16, 3 FP8 e4m3, 4 int8 */
 } layer_weights;
 
-enum { KV_BF16 = 1, KV_FP8_E4M3 = 3 };
+enum { IO_F32 = 0, IO_BF16 = 1 };
+enum { KV_BF16 = 1, KV_FP8_E4M3 = 3, KV_INT8 = 4 };
 
 /* hidden[i] = bf16(hidden[i] + delta[i]), as a bf16 tensor add rounds. */
 static void add_bf16(uint16_t *hidden, const uint16_t *delta, int64_t count) {
@@ -52,17 +58,122 @@ static void add_bf16(uint16_t *hidden, const uint16_t *delta, int64_t count) {
         hidden[i] = float_to_bf16(bf16_to_float(hidden[i]) + bf16_to_float(delta[i]));
 }
 
+/* Bytes of the layer's bf16 buffers for `rows` rows, rounded up to a cache line (float32
+ * buffers follow them). */
+static int64_t bf16_scratch_bytes(const layer_weights *w, int rows) {
+    const int64_t q_size = (int64_t)w->num_heads * w->head_dim;
+    const int64_t kv_size = (int64_t)w->num_kv_heads * w->head_dim;
+    const int64_t bytes =
+        (int64_t)rows * (2 * w->hidden + q_size + 2 * kv_size + q_size + 3 * w->intermediate) * 2;
+    return (bytes + 63) / 64 * 64;
+}
+
 /* Bytes of scratch a layer of `w`'s shapes needs for `rows` rows. */
 int64_t pdserve_decoder_layer_scratch_bytes(const layer_weights *w, int rows) {
+    if (w->kv_dtype != KV_INT8) return bf16_scratch_bytes(w, rows);
+    /* Turned heads stay float32: queries, keys, values, and the widened heads / output. */
     const int64_t q_size = (int64_t)w->num_heads * w->head_dim;
-    const int64_t qkv = q_size + 2 * (int64_t)w->num_kv_heads * w->head_dim;
-    return (int64_t)rows * (2 * w->hidden + qkv + q_size + 3 * (int64_t)w->intermediate) * 2;
+    const int64_t kv_size = (int64_t)w->num_kv_heads * w->head_dim;
+    return bf16_scratch_bytes(w, rows) + (int64_t)rows * (2 * q_size + 2 * kv_size) * 4;
+}
+
+/* The attention half of a layer over bf16 or FP8 pages: keys and values stored (quantised for
+ * FP8), bf16 queries attended into `attended`. */
+static int attend_stored(const layer_weights *w, const uint16_t *qkv, int rows,
+                         const int64_t *slots, const int32_t *page_tables,
+                         int64_t page_table_stride, const int32_t *query_start_loc,
+                         const int32_t *seq_lens, const int32_t *seq_ids, int num_listed,
+                         uint16_t *attended, int num_threads) {
+    const int head_dim = w->head_dim;
+    const int q_size = w->num_heads * head_dim, kv_size = w->num_kv_heads * head_dim;
+    const int64_t qkv_size = q_size + 2 * kv_size;
+    const uint16_t *keys = qkv + q_size, *values = qkv + q_size + kv_size;
+    if (w->kv_dtype == KV_FP8_E4M3) {
+        if (pdserve_store_kv_fp8(keys, qkv_size, values, qkv_size, IO_BF16, w->key_cache,
+                                 w->value_cache, w->page_stride, w->token_stride, w->head_stride,
+                                 w->key_scale, w->value_scale, w->scale_page_stride,
+                                 w->scale_token_stride, w->scale_head_stride, w->page_size, slots,
+                                 rows, w->num_kv_heads, head_dim))
+            return -1;
+    } else {
+        pdserve_store_kv(keys, qkv_size, values, qkv_size, w->key_cache, w->value_cache,
+                         w->page_stride, w->token_stride, w->head_stride, 2, w->page_size, slots,
+                         rows, w->num_kv_heads, head_dim);
+    }
+    return pdserve_paged_attention(qkv, qkv_size, attended, q_size, w->key_cache, w->value_cache,
+                                   w->key_scale, w->value_scale, w->page_stride, w->token_stride,
+                                   w->head_stride, w->scale_page_stride, w->scale_token_stride,
+                                   w->scale_head_stride, w->kv_dtype, w->page_size, page_tables,
+                                   page_table_stride, query_start_loc, seq_lens, seq_ids,
+                                   num_listed, w->num_heads, w->num_kv_heads, head_dim,
+                                   w->softmax_scale, IO_BF16, num_threads);
+}
+
+/* `heads` head vectors of `head_dim` bf16 values, rows `row_stride` apart with `per_row` heads
+ * each, widened to float32 and turned by `tiles` into `out` ([rows * per_row, head_dim]),
+ * `wide` holding the widened vectors: the module path's turn of a `.float()` tensor. */
+static int turn_heads(const uint16_t *heads, int64_t row_stride, int rows, int per_row,
+                      int head_dim, const float *tiles, float *wide, float *out,
+                      int num_threads) {
+    const int width = per_row * head_dim;
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < width; i++)
+            wide[(int64_t)r * width + i] = bf16_to_float(heads[r * row_stride + i]);
+    return pdserve_linear_f32(wide, head_dim, tiles, NULL, out, head_dim, rows * per_row,
+                              head_dim, head_dim, num_threads);
+}
+
+/* The attention half of a layer over int8 pages: queries and keys (after RoPE) and values
+ * turned in float32, keys and values stored as int8, float32 queries attended, the output
+ * turned back and rounded to bf16 into `attended`, as common/model/llama.py's Attention does
+ * with its turns. `turned` is float32 scratch of rows * (2 q_size + 2 kv_size). */
+static int attend_turned(const layer_weights *w, const uint16_t *qkv, int rows,
+                         const int64_t *slots, const int32_t *page_tables,
+                         int64_t page_table_stride, const int32_t *query_start_loc,
+                         const int32_t *seq_lens, const int32_t *seq_ids, int num_listed,
+                         float *turned, uint16_t *attended, int num_threads) {
+    const int head_dim = w->head_dim;
+    const int q_size = w->num_heads * head_dim, kv_size = w->num_kv_heads * head_dim;
+    const int64_t qkv_size = q_size + 2 * kv_size;
+    float *queries = turned;                            /* [rows, q_size], then the output */
+    float *keys = queries + (int64_t)rows * q_size;     /* [rows, kv_size] */
+    float *values = keys + (int64_t)rows * kv_size;     /* [rows, kv_size] */
+    float *wide = values + (int64_t)rows * kv_size;     /* [rows, q_size] */
+    if (turn_heads(qkv, qkv_size, rows, w->num_heads, head_dim, w->query_turn_tiles, wide,
+                   queries, num_threads) ||
+        turn_heads(qkv + q_size, qkv_size, rows, w->num_kv_heads, head_dim, w->kv_turn_tiles,
+                   wide, keys, num_threads) ||
+        turn_heads(qkv + q_size + kv_size, qkv_size, rows, w->num_kv_heads, head_dim,
+                   w->kv_turn_tiles, wide, values, num_threads))
+        return -1;
+    if (pdserve_store_kv_int8(keys, kv_size, values, kv_size, IO_F32, w->key_cache,
+                              w->value_cache, w->page_stride, w->token_stride, w->head_stride,
+                              w->key_scale, w->value_scale, w->scale_page_stride,
+                              w->scale_token_stride, w->scale_head_stride, w->page_size, slots,
+                              rows, w->num_kv_heads, head_dim))
+        return -1;
+    float *out = wide; /* the attention output, float32 as the module path's */
+    if (pdserve_paged_attention(queries, q_size, out, q_size, w->key_cache, w->value_cache,
+                                w->key_scale, w->value_scale, w->page_stride, w->token_stride,
+                                w->head_stride, w->scale_page_stride, w->scale_token_stride,
+                                w->scale_head_stride, KV_INT8, w->page_size, page_tables,
+                                page_table_stride, query_start_loc, seq_lens, seq_ids,
+                                num_listed, w->num_heads, w->num_kv_heads, head_dim,
+                                w->softmax_scale, IO_F32, num_threads))
+        return -1;
+    /* Turned back into the queries' buffer (they are spent), then rounded to bf16. */
+    if (pdserve_linear_f32(out, head_dim, w->query_turn_tiles, NULL, queries, head_dim,
+                           rows * w->num_heads, head_dim, head_dim, num_threads))
+        return -1;
+    const int64_t count = (int64_t)rows * q_size;
+    for (int64_t i = 0; i < count; i++) attended[i] = float_to_bf16(queries[i]);
+    return 0;
 }
 
 /* hidden: [rows, hidden] bf16, contiguous, updated in place; cos, sin: [rows, head_dim] bf16
  * rows `trig_stride` apart; slots: [rows] int64; the attention step arguments as
  * pdserve_paged_attention takes them; scratch: pdserve_decoder_layer_scratch_bytes. Returns 0,
- * or -1 if a kernel could not allocate its scratch memory (or, FP8 pages, a head_dim beyond
+ * or -1 if a kernel could not allocate its scratch memory (or, 8-bit pages, a head_dim beyond
  * the store's row buffer, which kernels/cpu_layer.py does not fuse). */
 int pdserve_decoder_layer_bf16(const layer_weights *w, uint16_t *hidden, int rows,
                                const uint16_t *cos, const uint16_t *sin, int64_t trig_stride,
@@ -90,28 +201,16 @@ int pdserve_decoder_layer_bf16(const layer_weights *w, uint16_t *hidden, int row
                       trig_stride);
     pdserve_rope_bf16(qkv + q_size, qkv_size, head_dim, rows, w->num_kv_heads, head_dim, cos,
                       sin, trig_stride);
-    const uint16_t *keys = qkv + q_size, *values = qkv + q_size + kv_size;
-    if (w->kv_dtype == KV_FP8_E4M3) {
-        if (pdserve_store_kv_fp8(keys, qkv_size, values, qkv_size, /* bf16 rows */ 1,
-                                 w->key_cache, w->value_cache, w->page_stride, w->token_stride,
-                                 w->head_stride, w->key_scale, w->value_scale,
-                                 w->scale_page_stride, w->scale_token_stride,
-                                 w->scale_head_stride, w->page_size, slots, rows,
-                                 w->num_kv_heads, head_dim))
-            return -1;
-    } else {
-        pdserve_store_kv(keys, qkv_size, values, qkv_size, w->key_cache, w->value_cache,
-                         w->page_stride, w->token_stride, w->head_stride, 2, w->page_size, slots,
-                         rows, w->num_kv_heads, head_dim);
-    }
-    if (pdserve_paged_attention(qkv, qkv_size, attended, q_size, w->key_cache, w->value_cache,
-                                w->key_scale, w->value_scale, w->page_stride, w->token_stride,
-                                w->head_stride, w->scale_page_stride, w->scale_token_stride,
-                                w->scale_head_stride, w->kv_dtype, w->page_size, page_tables,
-                                page_table_stride, query_start_loc, seq_lens, seq_ids,
-                                num_listed, w->num_heads, w->num_kv_heads, head_dim,
-                                w->softmax_scale, /* bf16 in and out */ 1, num_threads))
-        return -1;
+    const int status =
+        w->kv_dtype == KV_INT8
+            ? attend_turned(w, qkv, rows, slots, page_tables, page_table_stride,
+                            query_start_loc, seq_lens, seq_ids, num_listed,
+                            (float *)((char *)scratch + bf16_scratch_bytes(w, rows)), attended,
+                            num_threads)
+            : attend_stored(w, qkv, rows, slots, page_tables, page_table_stride,
+                            query_start_loc, seq_lens, seq_ids, num_listed, attended,
+                            num_threads);
+    if (status) return -1;
     if (pdserve_linear_bf16(attended, q_size, w->o_tiles, NULL, projected, hidden_size, rows,
                             hidden_size, q_size, num_threads))
         return -1;

@@ -15,11 +15,20 @@ void pdserve_rope_bf16(uint16_t *x, int64_t row_stride, int64_t head_stride, int
 int pdserve_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
                         const float *bias, uint16_t *y, int64_t y_stride, int M, int N, int K,
                         int num_threads);
+int pdserve_linear_f32(const float *x, int64_t x_stride, const float *packed, const float *bias,
+                       float *y, int64_t y_stride, int M, int N, int K, int num_threads);
 void pdserve_store_kv(const void *key, int64_t key_stride, const void *value,
                       int64_t value_stride, void *key_cache, void *value_cache,
                       int64_t page_stride, int64_t token_stride, int64_t head_stride,
                       int element_bytes, int page_size, const int64_t *slots, int num_tokens,
                       int num_kv_heads, int head_dim);
+int pdserve_store_kv_int8(const void *key, int64_t key_stride, const void *value,
+                          int64_t value_stride, int io_dtype, int8_t *key_cache,
+                          int8_t *value_cache, int64_t page_stride, int64_t token_stride,
+                          int64_t head_stride, uint8_t *key_codes, uint8_t *value_codes,
+                          int64_t scale_page_stride, int64_t scale_token_stride,
+                          int64_t scale_head_stride, int page_size, const int64_t *slots,
+                          int num_tokens, int num_kv_heads, int head_dim);
 int pdserve_store_kv_fp8(const void *key, int64_t key_stride, const void *value,
                          int64_t value_stride, int io_dtype, uint8_t *key_cache,
                          uint8_t *value_cache, int64_t page_stride, int64_t token_stride,
