@@ -300,8 +300,7 @@ def _probe_plan(linears: list[CpuLinear]) -> GemmPlan:
                 getattr(linear, kernel)(inputs[linear.in_features, linear.dtype])
 
         tiles_win.append(
-            cpu_library.best_seconds(lambda: run("forward_tiles"))
-            <= cpu_library.best_seconds(lambda: run("forward_blas"))
+            cpu_library.first_is_faster(lambda: run("forward_tiles"), lambda: run("forward_blas"))
         )
     if all(tiles_win):
         return TILES_ONLY

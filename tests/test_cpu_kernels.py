@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from test_kernels import FP8_DTYPE, Pool, dtype_id, make_batch
 
 from common.model.llama import RMSNorm, RotaryApply, SiluAndMul
+from kernels import cpu_library
 from kernels.cpu_backend import SHORT_QUERY_MAX, CpuAttentionBackend
 from kernels.cpu_library import CpuKernelsUnavailable
 from kernels.cpu_linear import (
@@ -323,6 +324,27 @@ def test_the_machine_keeps_the_first_plan_it_chose(backend, tmp_path, monkeypatc
     other = [CpuLinear(torch.randn(32, 64).to(torch.bfloat16), None, BOTH)]
     choose_gemm_plan(other)
     assert len(list((tmp_path / "kernels").glob("gemm-plan-*.json"))) == 2
+
+
+def test_a_burst_of_other_work_does_not_reverse_the_probes_verdict(monkeypatch) -> None:
+    """The probe persists its verdict, so it must hold on a busy machine: a burst of other work
+    slowing a run of consecutive calls (here the first three, five times over) must not make
+    the kernel twice as fast look the slower. Timing one kernel's calls back to back lets the
+    burst cover all of them; taking turns leaves each kernel calls outside it."""
+    clock = [0.0]
+    calls = [0]
+
+    def kernel(cost: float):
+        def run() -> None:
+            clock[0] += cost * (5.0 if calls[0] < 3 else 1.0)
+            calls[0] += 1
+
+        return run
+
+    monkeypatch.setattr(cpu_library.time, "perf_counter", lambda: clock[0])
+    assert cpu_library.first_is_faster(kernel(1.0), kernel(2.0))
+    calls[0] = 0
+    assert not cpu_library.first_is_faster(kernel(2.0), kernel(1.0))
 
 
 # ---------------------------------------------------------------------------------------------
