@@ -11,6 +11,10 @@ A second floor says what the metric can resolve: bf16 KV whose stored keys and v
 by a random relative ``NUDGE`` (about half a bf16 step), far less than any 8-bit format changes
 them. Re-chunking moves only the rows whose sums it reorders; every 8-bit format moves every
 stored element, so the nudged floor is the fairer bar for a format and no format can pass it.
+A third row shows how little it takes: the very same bf16 pages, attended by another kernel
+(torch's SDPA over the gathered pages instead of the C kernel), so every attention output
+changes only by float32 rounding. Where that row falls short of a target, no KV format can meet
+it: any format changes attention at least that much.
 
 Two model shapes: the default model (SmolLM2-135M: 3 KV heads of 64) and, with ``--qwen2``, a
 Qwen2-shaped model of 2 KV heads of 128 with a key bias whose few large channels stand for a
@@ -36,6 +40,7 @@ from common.engine.memory import parse_memory_size
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
 from kernels.interface import AttentionBackend
+from kernels.reference import TorchAttentionBackend
 
 TASKS = ["Explain", "Write a short poem about", "Give three facts about", "Describe"]
 TOPICS = ["the moon", "photosynthesis", "the Roman empire", "volcanoes", "jazz music",
@@ -111,6 +116,7 @@ def run(
     prompts,
     chunk: int = 2048,
     nudge: float = 0.0,
+    torch_attention: bool = False,
 ) -> tuple[list[list[int]], int]:
     engine = LLMEngine(
         EngineConfig(
@@ -122,6 +128,8 @@ def run(
     )
     if nudge:
         engine.model.bind_kv(engine.pool, NudgingBackend(engine.backend, nudge))
+    if torch_attention:
+        engine.model.bind_kv(engine.pool, TorchAttentionBackend())
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     capacity = engine.pool.num_pages * engine.kv_layout.page_size
     return engine.generate(prompts, params), capacity
@@ -165,6 +173,10 @@ def main() -> None:
         ]}  # fmt: skip
         rows[f"bf16 KV nudged {NUDGE:.1%}"] = [
             run(model, args.memory, args.tokens, "auto", prompts, chunk=c, nudge=NUDGE)
+            for c in CHUNKS
+        ]
+        rows["bf16 KV, torch attention"] = [
+            run(model, args.memory, args.tokens, "auto", prompts, chunk=c, torch_attention=True)
             for c in CHUNKS
         ]
         for scheme in SCHEMES:
