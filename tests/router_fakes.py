@@ -110,6 +110,14 @@ class _Job:
     out: ControlSocket | None = None
 
 
+def wait_until(condition, timeout: float = 30.0) -> None:
+    """Poll ``condition`` until it holds; fail after a deadline generous for a loaded machine."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not true within {timeout} s: {condition}"
+        time.sleep(0.01)
+
+
 class FakeWorker(threading.Thread):
     """A worker that answers with token ``1000 + position``; ``hub`` maps ids to workers."""
 
@@ -139,6 +147,10 @@ class FakeWorker(threading.Thread):
         self.jobs: dict[str, _Job] = {}
         self.stop_event = threading.Event()
         self.silent = threading.Event()  # set: stop heartbeats and answers (a hung worker)
+        # Set: prefill requests queue up unanswered (a busy worker; heartbeats report them as
+        # queued prefill tokens); cleared: the queue is answered.
+        self.hold_prefills = threading.Event()
+        self.held: list[PrefillRequest] = []
         self.handoffs_to_lose = 0  # a prefill fake loses this many handoffs (sends no job on)
         self.ack: RegisterAck | None = None
         self.ready = threading.Event()
@@ -167,7 +179,12 @@ class FakeWorker(threading.Thread):
                     self.jobs[job.request_id] = job
                 while (msg := sock.recv()) is not None:
                     self.received.append(msg)
-                    self._handle(sock, msg)
+                    if isinstance(msg, PrefillRequest) and self.hold_prefills.is_set():
+                        self.held.append(msg)
+                    else:
+                        self._handle(sock, msg)
+                while self.held and not self.hold_prefills.is_set():
+                    self._handle(sock, self.held.pop(0))
                 self._generate()
                 sock.sock.poll(int(self.tick * 1000) or 1)
         finally:
@@ -175,7 +192,10 @@ class FakeWorker(threading.Thread):
             ctx.term()
 
     def _heartbeat(self) -> Heartbeat:
-        return Heartbeat(self.worker_id, len(self.jobs), 0, 0, self.pages.num_free_pages, 0.0)
+        queued = sum(len(m.prompt_token_ids) for m in self.held)
+        return Heartbeat(
+            self.worker_id, len(self.jobs), len(self.held), queued, self.pages.num_free_pages, 0.0
+        )
 
     def _handle(self, sock: ControlSocket, msg: Message) -> None:
         if isinstance(msg, AbortRequest):

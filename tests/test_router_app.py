@@ -19,6 +19,7 @@ from router_fakes import (
     register_worker,
     router_server,
     start_fakes,
+    wait_until,
 )
 
 from common.model.default_model import resolve_model_path
@@ -483,7 +484,7 @@ def test_a_hot_session_worker_overflows_elsewhere(cluster):
 def test_worker_joining_mid_load_takes_requests():
     with router_server(MODEL) as router:
         hub: dict = {}
-        start_fakes(router, hub, [("p0", "prefill"), ("d0", "decode")], tick=0.02)
+        p0, _ = start_fakes(router, hub, [("p0", "prefill"), ("d0", "decode")], tick=0.02)
         c = client(router)
         results = []
 
@@ -491,14 +492,20 @@ def test_worker_joining_mid_load_takes_requests():
             out = c.completions.create(model=MODEL.name, prompt=long_prompt(200 + i), max_tokens=20)
             results.append(out.choices[0].finish_reason)
 
+        # p0 is busy: the first requests queue there unanswered, so it stays loaded however
+        # slowly the machine runs the rest.
+        p0.hold_prefills.set()
         threads = [threading.Thread(target=load, args=(i,)) for i in range(4)]
         for t in threads:
             t.start()
+        wait_until(lambda: len(prefill_requests(p0)) == 4)
         (p1,) = start_fakes(router, hub, [("p1", "prefill")], tick=0.02)
         router.wait_for_workers(2, 1)
         more = [threading.Thread(target=load, args=(i,)) for i in range(4, 10)]
         for t in more:
             t.start()
+        wait_until(lambda: len(prefill_requests(p0)) + len(prefill_requests(p1)) == 10)
+        p0.hold_prefills.clear()
         for t in threads + more:
             t.join(60)
         assert results == ["length"] * 10
