@@ -23,7 +23,7 @@ from kernels import cpu_library
 from kernels.interface import (
     FP8_DTYPE,
     INT8_DTYPE,
-    INT8_SCALE_DTYPE,
+    SCALE_DTYPES,
     AttentionBackend,
     AttentionMetadata,
     KVCacheView,
@@ -35,7 +35,7 @@ from kernels.reference import chunk_attention_reference, store_kv_reference
 # until a chunk is long enough for blocked matrix products to pay.
 SHORT_QUERY_MAX = 16
 
-_KV_DTYPE_CODES = {
+KV_DTYPE_CODES = {
     torch.float32: 0,
     torch.bfloat16: 1,
     torch.float16: 2,
@@ -141,7 +141,7 @@ class CpuAttentionBackend(AttentionBackend):
             key.stride(0),
             value.data_ptr(),
             value.stride(0),
-            _KV_DTYPE_CODES[key.dtype],
+            KV_DTYPE_CODES[key.dtype],
             pages.data_ptr(),
             cache.value.data_ptr(),
             *pages.stride()[:3],
@@ -197,7 +197,7 @@ class CpuAttentionBackend(AttentionBackend):
             key_scale, value_scale = cache.key_scale, cache.value_scale
             assert key_scale is not None and value_scale is not None
             # The kernel reads both scales through one set of strides, as codes or as floats.
-            scale_dtype = INT8_SCALE_DTYPE if cache.is_int8 else torch.float32
+            scale_dtype = SCALE_DTYPES[key.dtype]
             if (
                 key_scale.dtype != scale_dtype
                 or value_scale.dtype != scale_dtype
@@ -220,7 +220,7 @@ class CpuAttentionBackend(AttentionBackend):
             key.stride(1),
             key.stride(2),
             *scale_strides,
-            _KV_DTYPE_CODES[key.dtype],
+            KV_DTYPE_CODES[key.dtype],
             cache.page_size,
             *plan.step_args,
             num_heads,

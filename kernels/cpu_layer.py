@@ -17,9 +17,10 @@ import ctypes
 import torch
 
 from kernels import cpu_library
+from kernels.cpu_backend import KV_DTYPE_CODES
 from kernels.cpu_linear import CpuLinear
 from kernels.cpu_ops import CpuRMSNorm, CpuRotaryApply, CpuSiluAndMul
-from kernels.interface import FP8_DTYPE, INT8_DTYPE, INT8_SCALE_DTYPE, KVCacheView
+from kernels.interface import FP8_DTYPE, INT8_DTYPE, SCALE_DTYPES, KVCacheView
 
 
 class LayerWeights(ctypes.Structure):
@@ -57,10 +58,8 @@ class LayerWeights(ctypes.Structure):
     ]
 
 
-# paged_attention.c's kv_dtype codes of the pages the layer takes.
-_KV_DTYPE_CODES = {torch.bfloat16: 1, FP8_DTYPE: 3, INT8_DTYPE: 4}
-# The dtype of each 8-bit page format's scales.
-_SCALE_DTYPES = {FP8_DTYPE: torch.float32, INT8_DTYPE: INT8_SCALE_DTYPE}
+# The pages the layer takes.
+_PAGE_DTYPES = (torch.bfloat16, FP8_DTYPE, INT8_DTYPE)
 # The C store's row buffer (store_kv_quantized's MAX_DIM).
 _MAX_QUANTIZED_HEAD_DIM = 1024
 
@@ -102,7 +101,7 @@ class FusedDecoderLayer:
             head_dim=attention.head_dim,
             intermediate=mlp.intermediate_size,
             page_size=cache.page_size,
-            kv_dtype=_KV_DTYPE_CODES[cache.key.dtype],
+            kv_dtype=KV_DTYPE_CODES[cache.key.dtype],
         )
         self._pointer = ctypes.addressof(self.weights)
         self._library = cpu_library.load()
@@ -126,7 +125,7 @@ class FusedDecoderLayer:
             and isinstance(attention.rotary, CpuRotaryApply)
             and isinstance(mlp.act, CpuSiluAndMul)
             and attention.q_norm is None
-            and cache.key.dtype in _KV_DTYPE_CODES
+            and cache.key.dtype in _PAGE_DTYPES
             and cache.key.stride(-1) == 1
             and cache.key.stride() == cache.value.stride()
             and (not cache.is_quantized or FusedDecoderLayer._scales_fit(cache))
@@ -140,7 +139,7 @@ class FusedDecoderLayer:
         return (
             key_scale is not None
             and value_scale is not None
-            and key_scale.dtype == value_scale.dtype == _SCALE_DTYPES[cache.key.dtype]
+            and key_scale.dtype == value_scale.dtype == SCALE_DTYPES[cache.key.dtype]
             and key_scale.stride() == value_scale.stride()
             and cache.key.shape[-1] <= _MAX_QUANTIZED_HEAD_DIM
         )

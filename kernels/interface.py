@@ -35,6 +35,8 @@ INT8_DTYPE = torch.int8
 INT8_MAX = 127.0
 INT8_SCALE_DTYPE = torch.uint8
 INT8_SCALE_BITS_BASE = (127 - 20) << 23
+# The dtype each 8-bit page format keeps its scales in.
+SCALE_DTYPES = {FP8_DTYPE: torch.float32, INT8_DTYPE: INT8_SCALE_DTYPE}
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from common.kv_layout import FP8_E4M3, INT8_HADAMARD, KVLayout
-from kernels.interface import FP8_DTYPE, INT8_DTYPE, INT8_SCALE_DTYPE, KVCacheView
+from kernels.interface import FP8_DTYPE, INT8_DTYPE, SCALE_DTYPES, KVCacheView
 
 _DTYPE_NAMES = {
     torch.bfloat16: "bfloat16",
@@ -22,7 +22,6 @@ _DTYPE_NAMES = {
     INT8_DTYPE: INT8_HADAMARD,
 }
 _DTYPES_BY_NAME = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
-_SCALE_DTYPES = {FP8_E4M3: torch.float32, INT8_HADAMARD: INT8_SCALE_DTYPE}
 
 
 def kv_layout(
@@ -49,7 +48,7 @@ def page_dtype(layout: KVLayout) -> torch.dtype:
 
 def scale_dtype(layout: KVLayout) -> torch.dtype | None:
     """The dtype of the pages' scales, or None for pools that keep none."""
-    return _SCALE_DTYPES.get(layout.dtype)
+    return SCALE_DTYPES.get(page_dtype(layout))
 
 
 class KVPool:

@@ -45,11 +45,8 @@ typedef struct {
     int32_t head_dim;
     int32_t intermediate;
     int32_t page_size;
-    int32_t kv_dtype; /* paged_attention.c's kv_dtype: 1 bf16, 3 FP8 e4m3, 4 int8 */
+    int32_t kv_dtype; /* exports.h's kv_dtype: KV_BF16, KV_FP8_E4M3 or KV_INT8 */
 } layer_weights;
-
-enum { IO_F32 = 0, IO_BF16 = 1 };
-enum { KV_BF16 = 1, KV_FP8_E4M3 = 3, KV_INT8 = 4 };
 
 /* hidden[i] = bf16(hidden[i] + delta[i]), as a bf16 tensor add rounds. */
 static void add_bf16(uint16_t *hidden, const uint16_t *delta, int64_t count) {
@@ -89,7 +86,7 @@ static int attend_stored(const layer_weights *w, const uint16_t *qkv, int rows,
     const int64_t qkv_size = q_size + 2 * kv_size;
     const uint16_t *keys = qkv + q_size, *values = qkv + q_size + kv_size;
     if (w->kv_dtype == KV_FP8_E4M3) {
-        if (pdserve_store_kv_fp8(keys, qkv_size, values, qkv_size, IO_BF16, w->key_cache,
+        if (pdserve_store_kv_fp8(keys, qkv_size, values, qkv_size, KV_BF16, w->key_cache,
                                  w->value_cache, w->page_stride, w->token_stride, w->head_stride,
                                  w->key_scale, w->value_scale, w->scale_page_stride,
                                  w->scale_token_stride, w->scale_head_stride, w->page_size, slots,
@@ -106,7 +103,7 @@ static int attend_stored(const layer_weights *w, const uint16_t *qkv, int rows,
                                    w->scale_head_stride, w->kv_dtype, w->page_size, page_tables,
                                    page_table_stride, query_start_loc, seq_lens, seq_ids,
                                    num_listed, w->num_heads, w->num_kv_heads, head_dim,
-                                   w->softmax_scale, IO_BF16, num_threads);
+                                   w->softmax_scale, KV_BF16, num_threads);
 }
 
 /* `heads` head vectors of `head_dim` bf16 values, rows `row_stride` apart with `per_row` heads
@@ -146,7 +143,7 @@ static int attend_turned(const layer_weights *w, const uint16_t *qkv, int rows,
         turn_heads(qkv + q_size + kv_size, qkv_size, rows, w->num_kv_heads, head_dim,
                    w->kv_turn_tiles, wide, values, num_threads))
         return -1;
-    if (pdserve_store_kv_int8(keys, kv_size, values, kv_size, IO_F32, w->key_cache,
+    if (pdserve_store_kv_int8(keys, kv_size, values, kv_size, KV_F32, w->key_cache,
                               w->value_cache, w->page_stride, w->token_stride, w->head_stride,
                               w->key_scale, w->value_scale, w->scale_page_stride,
                               w->scale_token_stride, w->scale_head_stride, w->page_size, slots,
@@ -159,7 +156,7 @@ static int attend_turned(const layer_weights *w, const uint16_t *qkv, int rows,
                                 w->scale_head_stride, KV_INT8, w->page_size, page_tables,
                                 page_table_stride, query_start_loc, seq_lens, seq_ids,
                                 num_listed, w->num_heads, w->num_kv_heads, head_dim,
-                                w->softmax_scale, IO_F32, num_threads))
+                                w->softmax_scale, KV_F32, num_threads))
         return -1;
     /* Turned back into the queries' buffer (they are spent), then rounded to bf16. */
     if (pdserve_linear_f32(out, head_dim, w->query_turn_tiles, NULL, queries, head_dim,

@@ -5,6 +5,10 @@
 
 #include <stdint.h>
 
+/* The dtype codes of the entry points' `dtype` (pages) and `io_dtype` (rows in and out, float32
+ * or bf16) arguments; kernels/cpu_backend.py's KV_DTYPE_CODES mirrors them. */
+enum kv_dtype { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_FP8_E4M3 = 3, KV_INT8 = 4 };
+
 void pdserve_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *weight,
                            float eps, uint16_t *out, int64_t out_stride, int rows, int hidden);
 void pdserve_silu_mul_bf16(const uint16_t *gate_up, int64_t gate_up_stride, uint16_t *out,

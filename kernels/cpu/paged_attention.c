@@ -29,8 +29,6 @@
 #include "exports.h"
 #include "numerics.h"
 
-enum kv_dtype { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_FP8_E4M3 = 3, KV_INT8 = 4 };
-
 /* An int8 page's scale is a one-byte code whose float32 bits are (code << 20) + this base
  * (kernels/interface.py): decoded by integer ops alone, it is bit for bit the torch twin's. */
 #define INT8_SCALE_BITS_BASE ((uint32_t)(127 - 20) << 23)
