@@ -40,6 +40,10 @@
 /* Query rows of one sequence attended together: one tile's scores stay small, and tiles of a long
  * prefill chunk spread over the threads. */
 #define ROW_TILE 16
+/* Pages of a sequence requested ahead of the one being read (a Zen 3 core over SmolLM2's pages,
+ * 8 x 1024 tokens: 2 to 4 ahead, a part at a time, read 20% faster than one page ahead at once;
+ * 8 ahead is slower again). */
+#define PAGES_AHEAD 4
 /* Keys scored at a time: the widest vector's lane count. The row buffer holds a page rounded up
  * to it, so the last group of a page is always a full one. */
 #if defined(__AVX512F__)
@@ -181,13 +185,25 @@ static inline float kv_scale(const kv_cache *cache, const void *scales, int64_t 
     return scale;
 }
 
-/* Pull a page of one layer's keys or values toward the cache while the previous page computes:
- * pages sit anywhere in the pool, so no hardware prefetcher sees the next one coming. */
-static inline void prefetch_page(const kv_cache *cache, const void *base, int64_t page,
-                                 int count) {
+/* Pull part `part` of `parts` of a page of one layer's keys or values toward the core: pages sit
+ * anywhere in the pool, so no hardware prefetcher sees the next one coming. A page is requested a
+ * part at a time between pieces of work, not at once: a whole page's lines in one burst fill the
+ * core's queue of loads, and the work waits behind them. */
+static inline void prefetch_page_part(const kv_cache *cache, const void *base, int64_t page,
+                                      int part, int parts) {
     const char *start = kv_address(cache, base, page, 0, 0);
-    const int64_t bytes = count * cache->token_stride * (int64_t)element_size(cache->dtype);
-    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(start + line, 0, 3);
+    const int64_t lines =
+        (cache->page_size * cache->token_stride * (int64_t)element_size(cache->dtype) + 63) / 64;
+    for (int64_t line = lines * part / parts; line < lines * (part + 1) / parts; line++)
+        __builtin_prefetch(start + 64 * line, 0, 3);
+}
+
+/* The first PAGES_AHEAD pages of a sequence's keys or values, before its pass over them. */
+static inline void prefetch_first_pages(const kv_cache *cache, const void *base,
+                                        const int32_t *page_table, int seq_len) {
+    for (int first = 0; first < seq_len && first < PAGES_AHEAD * cache->page_size;
+         first += cache->page_size)
+        prefetch_page_part(cache, base, page_table[first / cache->page_size], 0, 1);
 }
 
 /* Sums in 8 fixed lanes (element i into lane i % 8) and then a fixed tree: the compiler may
@@ -568,12 +584,15 @@ static inline __attribute__((always_inline)) void attend_sequence(
         }
 
     /* Pass 1: scores of every vector over the whole context (causality is applied below). */
+    prefetch_first_pages(cache, cache->key, page_table, seq_len);
     for (int first = 0; first < seq_len; first += page_size) {
         const int64_t page = page_table[first / page_size];
         const int count = seq_len - first < page_size ? seq_len - first : page_size;
-        if (first + page_size < seq_len)
-            prefetch_page(cache, cache->key, page_table[first / page_size + 1], page_size);
         for (int kv_head = 0; kv_head < num_kv_heads; kv_head++) {
+            if (first + PAGES_AHEAD * page_size < seq_len)
+                prefetch_page_part(cache, cache->key,
+                                   page_table[first / page_size + PAGES_AHEAD], kv_head,
+                                   num_kv_heads);
 #ifdef HAVE_AVX2_BF16_ROWS
             if (bf16_rows) {
                 const uint16_t *keys = kv_address(cache, cache->key, page, 0, kv_head);
@@ -626,15 +645,18 @@ static inline __attribute__((always_inline)) void attend_sequence(
         for (int t = 0; t < visible; t++) s[t] *= inverse;
     }
 
+    prefetch_first_pages(cache, cache->value, page_table, seq_len);
     /* Pass 2: every value row once per page and head, weighted into each vector of the head in
      * position order, up to the vector's own position. */
     memset(acc, 0, (size_t)num_vectors * head_dim * sizeof(float));
     for (int first = 0; first < seq_len; first += page_size) {
         const int64_t page = page_table[first / page_size];
         const int count = seq_len - first < page_size ? seq_len - first : page_size;
-        if (first + page_size < seq_len)
-            prefetch_page(cache, cache->value, page_table[first / page_size + 1], page_size);
         for (int kv_head = 0; kv_head < num_kv_heads; kv_head++) {
+            if (first + PAGES_AHEAD * page_size < seq_len)
+                prefetch_page_part(cache, cache->value,
+                                   page_table[first / page_size + PAGES_AHEAD], kv_head,
+                                   num_kv_heads);
 #ifdef HAVE_AVX2_BF16_ROWS
             if (bf16_rows) {
                 const uint16_t *values = kv_address(cache, cache->value, page, 0, kv_head);
