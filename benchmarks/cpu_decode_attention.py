@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from benchmarks.step import weight_read_floor
 from kernels.cpu_backend import CpuAttentionBackend
 from kernels.interface import FP8_DTYPE, INT8_DTYPE, SCALE_DTYPES, AttentionMetadata, KVCacheView
 from kernels.sizes import ceil_div
@@ -70,20 +71,6 @@ def step_metadata(batch: int, context: int, num_pages: int) -> AttentionMetadata
     )
 
 
-def read_rate(num_bytes: int, repeats: int) -> float:
-    """Bytes/s at which this core sums a buffer of `num_bytes` (the memory read rate)."""
-    buffer = torch.ones(num_bytes // 4)
-    buffer.sum()
-    best = min(_timed(buffer.sum) for _ in range(repeats))
-    return num_bytes / best
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--core", type=int, default=0, help="the one core to pin to")
@@ -105,7 +92,7 @@ def main() -> None:
     views = [layer_view(pages, scales, layer) for layer in range(args.layers)]
     # Between layers, a layer's share of the weights is read, as in a decode step.
     weights = torch.ones((args.weight_mb << 20) // args.layers // 4)
-    memory_rate = read_rate(args.weight_mb << 20, args.repeats)
+    memory_rate = (args.weight_mb << 20) / weight_read_floor(args.weight_mb << 20, args.repeats)
     scale = args.head_dim**-0.5
     scale_bytes = 0 if scales is None else scales.element_size()
     token_bytes = 2 * args.kv_heads * (args.head_dim * pages.element_size() + scale_bytes)
