@@ -371,6 +371,20 @@ def test_silu_and_mul_equals_the_torch_module(backend) -> None:
     assert (out != expected).float().mean() < 0.02
 
 
+def test_silu_and_mul_over_every_finite_bf16_gate(backend) -> None:
+    """Every finite bf16 gate value, in rows far wider than the kernel's chunk of elements (and
+    not a multiple of it), including the values exp's clamps cut off."""
+    every = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    gates = every[torch.isfinite(every)]
+    width = gates.numel() // 4
+    gate = gates[: 4 * width].reshape(4, width)
+    up = (torch.randn(4, width) * 2).to(torch.bfloat16)
+    gate_up = torch.cat([gate, up], dim=-1)
+    out, expected = CpuSiluAndMul()(gate_up), SiluAndMul()(gate_up)
+    torch.testing.assert_close(out.float(), expected.float(), atol=1e-6, rtol=8e-3)
+    assert (out != expected).float().mean() < 0.02
+
+
 def test_rope_equals_the_torch_module_on_views_of_a_fused_projection(backend) -> None:
     tokens, heads, kv_heads, dim = 6, 4, 2, 64
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(torch.bfloat16)

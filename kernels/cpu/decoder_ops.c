@@ -33,18 +33,31 @@ void pdserve_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *
     }
 }
 
-/* out[r, i] = bf16(silu(gate[r, i])) * up[r, i], gate and up the two halves of gate_up's row. */
+/* Elements of a row that SiLU-and-multiply works on at a time (a stack buffer of denominators). */
+#define SILU_CHUNK 256
+
+/* out[r, i] = bf16(silu(gate[r, i])) * up[r, i], gate and up the two halves of gate_up's row.
+ * The denominators 1 + exp(-g) are computed in a loop of their own: fused into the division's
+ * loop, the compiler splits the loop body at exp_approx's clamps and gives each path a division
+ * of its own, five times the divisions (the slowest vector instruction) the loop needs, and the
+ * loop ran ten times slower. */
 void pdserve_silu_mul_bf16(const uint16_t *gate_up, int64_t gate_up_stride, uint16_t *out,
                            int64_t out_stride, int rows, int width) {
+    float denominators[SILU_CHUNK];
     for (int r = 0; r < rows; r++) {
         const uint16_t *gate = gate_up + r * gate_up_stride;
         const uint16_t *up = gate + width;
         uint16_t *yr = out + r * out_stride;
+        for (int i0 = 0; i0 < width; i0 += SILU_CHUNK) {
+            const int n = width - i0 < SILU_CHUNK ? width - i0 : SILU_CHUNK;
 #pragma omp simd
-        for (int i = 0; i < width; i++) {
-            const float g = bf16_to_float(gate[i]);
-            const float silu = round_bf16(g / (1.0f + exp_approx(-g)));
-            yr[i] = float_to_bf16(silu * bf16_to_float(up[i]));
+            for (int i = 0; i < n; i++)
+                denominators[i] = 1.0f + exp_approx(-bf16_to_float(gate[i0 + i]));
+#pragma omp simd
+            for (int i = 0; i < n; i++) {
+                const float silu = round_bf16(bf16_to_float(gate[i0 + i]) / denominators[i]);
+                yr[i0 + i] = float_to_bf16(silu * bf16_to_float(up[i0 + i]));
+            }
         }
     }
 }

@@ -2,6 +2,7 @@
 #ifndef PDSERVE_NUMERICS_H
 #define PDSERVE_NUMERICS_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -24,11 +25,13 @@ static inline uint16_t float_to_bf16(float value) {
 /* A float32 value rounded to bf16 and back, as a bf16 tensor op's output is. */
 static inline float round_bf16(float value) { return bf16_to_float(float_to_bf16(value)); }
 
-/* exp(x) within 2 ulp of expf for -87 <= x <= 88 (clamped outside), written so that loops over
- * it vectorize without -ffast-math (which would also switch the whole process to flush-to-zero):
- * 2^(x log2 e) split into an integer power, set in the exponent bits, and a fraction in
- * [-0.5, 0.5] whose 2^f is a degree-6 polynomial. */
+/* exp(x) within 2 ulp of expf for -87 <= x <= 88 (clamped outside, up to ln(FLT_MAX); past it
+ * infinite, as expf is, so that silu(x) = x / (1 + exp(-x)) is 0 for very negative x), written so
+ * that loops over it vectorize without -ffast-math (which would also switch the whole process to
+ * flush-to-zero): 2^(x log2 e) split into an integer power, set in the exponent bits, and a
+ * fraction in [-0.5, 0.5] whose 2^f is a degree-6 polynomial. */
 static inline float exp_approx(float x) {
+    const int overflows = x > 88.72283935546875f;
     x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
     const float scaled = x * 1.44269504088896341f;
     const float whole = (scaled + 12582912.0f) - 12582912.0f; /* round to nearest: 1.5 * 2^23 */
@@ -43,7 +46,7 @@ static inline float exp_approx(float x) {
     const int32_t exponent_bits = ((int32_t)whole + 127) << 23;
     float power;
     memcpy(&power, &exponent_bits, sizeof power);
-    return p * power;
+    return overflows ? INFINITY : p * power;
 }
 
 #endif
