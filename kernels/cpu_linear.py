@@ -95,29 +95,39 @@ BOTH = GemmPlan(tile_max_rows=PROBE_ROWS[-1])
 TILE_DTYPES = (torch.bfloat16, torch.float32)
 
 
-def paired_bf16_columns() -> bool:
-    """Whether this machine's tile kernel reads a bf16 tile's 16-column halves as eight pairs
-    (column i beside column i + 8, which widen without a shuffle) rather than in order."""
-    return cpu_library.load().pdserve_bf16_tile_order() == 1
+# How a bf16 tile's 32 columns are laid out in a k-row, by ``pdserve_bf16_tile_order``: as
+# (groups, words) per row, word i of a group holding the group's column i in its low half and
+# column i + words in its high half, so that a shift and a mask widen a vector of them.
+BF16_COLUMN_PAIRS = {1: (2, 8), 2: (1, 16)}
+
+
+def bf16_column_pairs() -> tuple[int, int] | None:
+    """(groups, words) of this machine's tile kernel's paired bf16 columns (``BF16_COLUMN_PAIRS``),
+    or None where it reads the columns in order."""
+    return BF16_COLUMN_PAIRS.get(cpu_library.load().pdserve_bf16_tile_order())
 
 
 def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
     """``[N, K]`` -> ``[ceil(N / TILE), K, TILE]`` contiguous, columns past N zero, each tile's
-    columns in the order the kernel reads them (``paired_bf16_columns``)."""
+    columns in the order the kernel reads them (``bf16_column_pairs``)."""
     out_features, in_features = weight.shape
     padded = ceil_div(out_features, TILE) * TILE
     transposed = F.pad(weight.detach().t(), (0, padded - out_features))
     tiles = transposed.reshape(in_features, padded // TILE, TILE).permute(1, 0, 2)
-    if weight.dtype == torch.bfloat16 and paired_bf16_columns():
-        # [.., half, 8 + i // 8 ..] -> word i of a half holds columns i and i + 8.
-        tiles = tiles.unflatten(-1, (2, 2, 8)).transpose(-1, -2).flatten(-3)
+    pairs = bf16_column_pairs() if weight.dtype == torch.bfloat16 else None
+    if pairs is not None:
+        # [.., group, half, word] -> [.., group, word, half]: word i holds columns i, i + words.
+        groups, words = pairs
+        tiles = tiles.unflatten(-1, (groups, 2, words)).transpose(-1, -2).flatten(-3)
     return tiles.contiguous()
 
 
 def unpack_tiles(tiles: torch.Tensor, out_features: int) -> torch.Tensor:
     """The ``[N, K]`` weight that ``pack_tiles`` packed into ``tiles``."""
-    if tiles.dtype == torch.bfloat16 and paired_bf16_columns():
-        tiles = tiles.unflatten(-1, (2, 8, 2)).transpose(-1, -2).flatten(-3)
+    pairs = bf16_column_pairs() if tiles.dtype == torch.bfloat16 else None
+    if pairs is not None:
+        groups, words = pairs
+        tiles = tiles.unflatten(-1, (groups, words, 2)).transpose(-1, -2).flatten(-3)
     num_tiles, in_features, _ = tiles.shape
     return tiles.permute(1, 0, 2).reshape(in_features, num_tiles * TILE)[:, :out_features].t()
 

@@ -317,10 +317,13 @@ static inline __attribute__((always_inline)) void tile_rows(const float *x, int6
             const uint16_t *w = (const uint16_t *)tile + (int64_t)k * TILE;
             _mm_prefetch((const char *)(w + PREFETCH_K * TILE), _MM_HINT_T0);
             _mm_prefetch((const char *)(w + 8 * PREFETCH_K * TILE), _MM_HINT_T1);
-            w_lo = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)w)), 16));
-            w_hi = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + 16))), 16));
+            /* Word i holds column i in its low half and column i + 16 in its high half (see
+             * pdserve_bf16_tile_order): a shift and a mask widen them, where widening columns
+             * in order takes a shuffle per sixteen, on a port the FMAs need. */
+            const __m512i words = _mm512_loadu_si512((const void *)w);
+            w_lo = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
+            w_hi = _mm512_castsi512_ps(
+                _mm512_and_si512(words, _mm512_set1_epi32((int)0xFFFF0000u)));
         }
 #pragma GCC unroll 8
         for (int r = 0; r < rows; r++) {
@@ -437,11 +440,15 @@ static int linear_tiles(const float *x, int64_t x_stride, const void *packed, in
 }
 
 /* How a bf16 tile orders its columns, for kernels/cpu_linear.py to pack them: 0, in column
- * order (what the AVX-512 and portable kernels read); 1, each 16 columns as eight 32-bit words,
- * word i holding column i in its low half and column i + 8 in its high half (see weight16). */
+ * order (what the portable kernel reads); 1, each 16 columns as eight 32-bit words, word i
+ * holding column i in its low half and column i + 8 in its high half (the AVX2 kernel, see
+ * weight16); 2, each k-row's 32 columns as sixteen words, word i holding columns i and i + 16
+ * (the AVX-512 kernel). */
 int pdserve_bf16_tile_order(void) {
 #ifdef HAVE_AVX2_TILES
     return 1;
+#elif defined(__AVX512F__)
+    return 2;
 #else
     return 0;
 #endif
