@@ -206,5 +206,7 @@ def _declare(library: ctypes.CDLL) -> None:
     library.pdserve_rms_norm_bf16.restype = None
     library.pdserve_silu_mul_bf16.argtypes = [ptr, i64, ptr, i64, i32, i32]
     library.pdserve_silu_mul_bf16.restype = None
+    library.pdserve_argmax_f32.argtypes = [ptr, i64, i32, i32, ptr]
+    library.pdserve_argmax_f32.restype = None
     library.pdserve_rope_bf16.argtypes = [ptr, i64, i64, i32, i32, i32, ptr, ptr, i64]
     library.pdserve_rope_bf16.restype = None

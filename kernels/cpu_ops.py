@@ -3,9 +3,12 @@
 
 Each replaces the torch module of the same role in ``common/model/llama.py`` (``RMSNorm``,
 ``SiluAndMul``, ``RotaryApply``) and computes the same thing with the same bf16 roundings.
+``argmax_rows`` is the sampler's ``argmax(dim=-1)`` (``kernels/cpu/row_argmax.c``).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -87,3 +90,28 @@ def cpu_ops_apply(dtype: torch.dtype, head_dim: int) -> bool:
         and head_dim % 2 == 0
         and cpu_library.available()
     )
+
+
+@functools.cache
+def _have_kernels() -> bool:
+    """Asked once: where the build fails, ``available`` would try it again on every call."""
+    return cpu_library.available()
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of a 2-D tensor, the same indices (the first of equal maxima, NaN
+    above every number); through the C kernel for float32 rows on the CPU, else torch."""
+    if (
+        x.dim() != 2
+        or x.dtype != torch.float32
+        or x.device.type != "cpu"
+        or x.shape[1] == 0
+        or x.stride(-1) != 1
+        or not _have_kernels()
+    ):
+        return x.argmax(dim=-1)
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    cpu_library.load().pdserve_argmax_f32(
+        x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr()
+    )
+    return out

@@ -29,7 +29,7 @@ from kernels.cpu_linear import (
     choose_gemm_plan,
     unpack_tiles,
 )
-from kernels.cpu_ops import CpuRMSNorm, CpuRotaryApply, CpuSiluAndMul
+from kernels.cpu_ops import CpuRMSNorm, CpuRotaryApply, CpuSiluAndMul, argmax_rows
 from kernels.interface import INT8_DTYPE, INT8_SCALE_DTYPE, AttentionMetadata
 from kernels.reference import int8_scale, paged_attention_reference, store_kv_reference
 from kernels.registry import get_attention_backend
@@ -383,6 +383,30 @@ def test_silu_and_mul_over_every_finite_bf16_gate(backend) -> None:
     out, expected = CpuSiluAndMul()(gate_up), SiluAndMul()(gate_up)
     torch.testing.assert_close(out.float(), expected.float(), atol=1e-6, rtol=8e-3)
     assert (out != expected).float().mean() < 0.02
+
+
+def test_argmax_rows_gives_torchs_indices(backend) -> None:
+    """The first of equal maxima, the first NaN above any number, -inf rows, +inf, rows wider
+    than the kernel's search block and not a multiple of it, strided rows, and the torch
+    fallback for other dtypes."""
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        width = int(torch.randint(1, 300, (), generator=generator))
+        x = torch.randint(-3, 4, (5, width), generator=generator).float()
+        if trial % 3 == 0:
+            x[torch.rand(5, width, generator=generator) < 0.05] = float("nan")
+        if trial % 5 == 0:
+            x[2] = float("-inf")
+        if trial % 7 == 0:
+            x[1, width // 2] = float("inf")
+        assert torch.equal(argmax_rows(x), x.argmax(dim=-1)), x
+    logits = torch.randn(8, 49216, generator=generator)[:, :49152]  # a view: rows 49216 apart
+    logits[3, 40000] = logits[3, 100] = 1e4  # a tie past the first search blocks
+    assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
+    assert argmax_rows(logits)[3] == 100
+    bf16 = logits.bfloat16()
+    assert torch.equal(argmax_rows(bf16), bf16.argmax(dim=-1))
+    assert argmax_rows(torch.empty(0, 7)).shape == (0,)
 
 
 def test_rope_equals_the_torch_module_on_views_of_a_fused_projection(backend) -> None:

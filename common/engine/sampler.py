@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from common.sampling_params import SamplingParams
+from kernels.cpu_ops import argmax_rows
 
 _MASK64 = (1 << 64) - 1
 # Top-p usually keeps a few dozen tokens, so its threshold is looked for among each row's largest
@@ -144,7 +145,7 @@ class Sampler:
         token_ids = torch.empty(len(rows), dtype=torch.long, device=x.device)
         greedy = [i for i, p in enumerate(params) if p.is_greedy]
         if greedy:
-            token_ids[greedy] = _select(x, greedy).argmax(dim=-1)
+            token_ids[greedy] = argmax_rows(_select(x, greedy))
         rest = [i for i, p in enumerate(params) if not p.is_greedy]
         if rest:
             # x is not read after this, so the sampler may edit it in place.
@@ -183,7 +184,7 @@ class Sampler:
         # E = -log(U) with U uniform in [0, 1) is Exponential(1) and strictly positive (inf at
         # U = 0), so p / E is never 0 / 0 and a filtered-out token can never win.
         noise = self._uniform(rows, x.shape[1], x.device).log_().neg_()
-        return probs.div_(noise).argmax(dim=-1)
+        return argmax_rows(probs.div_(noise))
 
     def _uniform(
         self, rows: Sequence[SamplingRow], width: int, device: torch.device

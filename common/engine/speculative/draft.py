@@ -22,6 +22,7 @@ from common.engine.kv_pool import KVPool
 from common.engine.model_runner import TokenRun, flatten_runs
 from common.engine.sequence import Sequence
 from common.model.llama import LlamaForCausalLM
+from kernels.cpu_ops import argmax_rows
 
 
 class DraftModelProposer:
@@ -87,4 +88,5 @@ class DraftModelProposer:
     def _greedy(self, runs: list[TokenRun]) -> list[int]:
         inputs = flatten_runs(runs, self.page_size, self.device)
         logits = self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices)
-        return logits[:, : self.vocab_size].argmax(dim=-1).tolist()
+        # Widened first (exact) for argmax_rows' kernel, which reads float32 rows.
+        return argmax_rows(logits[:, : self.vocab_size].float()).tolist()
