@@ -88,5 +88,4 @@ class DraftModelProposer:
     def _greedy(self, runs: list[TokenRun]) -> list[int]:
         inputs = flatten_runs(runs, self.page_size, self.device)
         logits = self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices)
-        # Widened first (exact) for argmax_rows' kernel, which reads float32 rows.
-        return argmax_rows(logits[:, : self.vocab_size].float()).tolist()
+        return argmax_rows(logits[:, : self.vocab_size]).tolist()
