@@ -140,8 +140,8 @@ def test_deterministic_attention_gives_a_position_the_same_bits_however_it_is_ba
     """A token's attention output depends on its position and the context before it, never on
     how the step around it was cut: one 75-row prefill, decode rows one by one, or chunks of
     other sizes (a chunk after a cached prefix, a run of one, runs longer than a row tile). On
-    AVX2, short runs over bf16 pages read them in place and long ones through a buffer: both
-    are checked against each other here."""
+    AVX2 and AVX-512, short runs over bf16 pages read them in place and long ones through a
+    buffer: both are checked against each other here."""
     deterministic = CpuAttentionBackend(deterministic=True)
     batch = make_batch([75], [75], num_kv_heads, group, head_dim, dtype,
                        dtype if kv_dtype == "model" else kv_dtype)  # fmt: skip
