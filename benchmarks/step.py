@@ -114,13 +114,16 @@ def decode_step_seconds(engine: LLMEngine, batch: int, context: int, steps: int)
 
 
 def prefill_tokens_per_second(engine: LLMEngine, num_tokens: int, repeats: int) -> float:
-    """Prompt tokens/s of steps that each prefill ``num_tokens`` tokens (256-token prompts)."""
+    """Prompt tokens/s of steps that each prefill ``num_tokens`` tokens (256-token prompts).
+    Every step's prompts are new to the engine (their seed names the size and the repeat): a
+    prompt seen before would come from the prefix cache and cost nothing."""
     length = min(256, num_tokens)
     params = SamplingParams(max_tokens=1, temperature=0.0)
     vocab = engine.model_config.vocab_size
     times = []
     for repeat in range(repeats + 1):
-        for prompt in prompts(num_tokens // length, length, vocab, seed=1000 + repeat):
+        seed = 1_000_000 * num_tokens + repeat
+        for prompt in prompts(num_tokens // length, length, vocab, seed=seed):
             engine.add_request(prompt, params)
         start = time.perf_counter()
         engine.step()

@@ -44,7 +44,14 @@ from kernels.sizes import ceil_div
 logger = logging.getLogger(__name__)
 
 # Row counts the probe times: decode batches and verification runs, then prefill-sized chunks.
-PROBE_ROWS = (1, 8, 32, 128)
+# BLAS gains on the tiles as rows grow (on the AVX-512 Xeon the two were even at 128 rows and
+# BLAS 10-20% faster at 1024 and 2048), so a long prefill chunk gets a probe of its own size.
+PROBE_ROWS = (1, 8, 32, 128, 1024)
+# Past this many rows both kernels are bound by arithmetic, not by reading the weights, and the
+# first PROBE_LINEARS_MANY_ROWS layers time them as well as the whole model does (all 30 of
+# SmolLM2's layers at 1024 rows would add 24 s to the first start on a 2-core machine).
+PROBE_ALL_LINEARS_UP_TO = 128
+PROBE_LINEARS_MANY_ROWS = 8
 # Output columns per prepacked tile; must match TILE in kernels/cpu/linear_tiles.c.
 TILE = 32
 
@@ -295,18 +302,19 @@ def _probe_plan(linears: list[CpuLinear]) -> GemmPlan:
     at each of ``PROBE_ROWS``, and return the plan of the faster one per row count.
 
     Real weights matter: one layer's matrices would sit in cache and flatter the kernel that
-    reads more bytes. Past the largest probed row count, whichever won there keeps winning:
-    more rows only make the GEMM more compute-bound."""
+    reads more bytes. Past the largest probed row count, whichever won there keeps winning;
+    below it, rows past the last count the tiles won at run BLAS."""
     tiles_win: list[bool] = []
     for rows in PROBE_ROWS:
         # Each layer in its own dtype: the int8 pool's turns stay float32 in a bf16 model.
+        probed = linears if rows <= PROBE_ALL_LINEARS_UP_TO else linears[:PROBE_LINEARS_MANY_ROWS]
         inputs = {
             (size, dtype): torch.randn(rows, size, dtype=dtype)
-            for size, dtype in {(linear.in_features, linear.dtype) for linear in linears}
+            for size, dtype in {(linear.in_features, linear.dtype) for linear in probed}
         }
 
-        def run(kernel: str, inputs=inputs) -> None:
-            for linear in linears:
+        def run(kernel: str, inputs=inputs, probed=probed) -> None:
+            for linear in probed:
                 getattr(linear, kernel)(inputs[linear.in_features, linear.dtype])
 
         tiles_win.append(
