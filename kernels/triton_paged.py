@@ -202,10 +202,15 @@ def int8_scale(code):
 
 @triton.jit
 def _load_scale(ptr, mask, KV_QUANT: tl.constexpr):
-    """float32 scales of a quantised cache: stored as they are for FP8, as codes for int8."""
+    """float32 scales of a quantised cache: stored as they are for FP8, as codes for int8.
+    One return after an if/else on the constexpr: compiled Triton (unlike its interpreter) types
+    every return of a function, also one past a constexpr branch that returned, and an int8
+    cache's uint8 codes there clash with the float32 scale."""
     if KV_QUANT == "int8":
-        return int8_scale(tl.load(ptr, mask=mask, other=0))
-    return tl.load(ptr, mask=mask, other=0.0)
+        scale = int8_scale(tl.load(ptr, mask=mask, other=0))
+    else:
+        scale = tl.load(ptr, mask=mask, other=0.0)
+    return scale
 
 
 @triton.jit

@@ -39,7 +39,7 @@ export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 DEADLINE_S=${GPU_CHECK_DEADLINE_S:-560}
 declare -A LIMIT_S=(
     [kernels]=${GPU_CHECK_KERNELS_S:-150}
-    [engine]=${GPU_CHECK_ENGINE_S:-150}
+    [engine]=${GPU_CHECK_ENGINE_S:-300}
     [bench]=${GPU_CHECK_BENCH_S:-75}
     [serving]=${GPU_CHECK_SERVING_S:-150}
 )
