@@ -257,6 +257,18 @@ def bench_decode(kv_dtypes: list[str]) -> None:
         print(f"  {label:36} " + " | ".join(results))
 
 
+def kv_dtype_names(parser: argparse.ArgumentParser, text: str) -> list[str]:
+    """The names in ``--kv-dtypes``, less FP8 where the GPU has no e4m3 (before 8.9)."""
+    names = [name for name in text.split(",") if name]
+    unknown = set(names) - set(KV_DTYPES)
+    if unknown:
+        parser.error(f"unknown KV dtypes {sorted(unknown)}; choose from {sorted(KV_DTYPES)}")
+    if torch.cuda.get_device_capability() < (8, 9) and "fp8" in names:
+        print("FP8 KV needs compute capability 8.9 or newer; measuring bf16 only.")
+        names.remove("fp8")
+    return names
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -266,15 +278,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py measures the Triton kernels on a CUDA GPU; none is visible.")
         return 0
-    kv_dtypes = [name for name in args.kv_dtypes.split(",") if name]
-    unknown = set(kv_dtypes) - set(KV_DTYPES)
-    if unknown:
-        parser.error(f"unknown KV dtypes {sorted(unknown)}; choose from {sorted(KV_DTYPES)}")
-    if FP8_DTYPE in (KV_DTYPES[name] for name in kv_dtypes) and (
-        torch.cuda.get_device_capability() < (8, 9)
-    ):
-        print("FP8 KV needs compute capability 8.9 or newer; measuring bf16 only.")
-        kv_dtypes = [name for name in kv_dtypes if KV_DTYPES[name] != FP8_DTYPE]
+    kv_dtypes = kv_dtype_names(parser, args.kv_dtypes)
     print(f"device: {torch.cuda.get_device_name()}")
     torch.manual_seed(0)
     bench_prefill(kv_dtypes)

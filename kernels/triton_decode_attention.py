@@ -19,13 +19,13 @@ import triton.language as tl
 from kernels.interface import AttentionMetadata, KVCacheView
 from kernels.triton_paged import (
     LOG2E,
-    attend_tile,
+    attend_span,
     check_cache,
     check_metadata,
     check_query,
     head_block,
-    page_slots,
 )
+from kernels.triton_tiles import DecodeTiles, decode_tiles
 
 # A split shorter than this spends more on its launch share and combine than it saves.
 _MIN_TOKENS_PER_SPLIT = 256
@@ -96,32 +96,34 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for tile_start in range(start, end, BLOCK_N):
-        pos = tile_start + tl.arange(0, BLOCK_N)
-        kv_mask = pos < end
-        page, slot = page_slots(page_table_ptr, pos, kv_mask, page_size)
-        acc, m_i, l_i = attend_tile(
-            q,
-            acc,
-            m_i,
-            l_i,
-            k_cache_ptr,
-            v_cache_ptr,
-            k_scale_ptr,
-            v_scale_ptr,
-            page,
-            slot,
-            kv_mask,
-            kv_mask[None, :],
-            offs_d,
-            d_mask,
-            stride_kv_page,
-            stride_kv_slot,
-            stride_scale_page,
-            stride_scale_slot,
-            qk_scale,
-            KV_QUANT,
-        )
+    # Whole tiles skip the masks; a split's last, partial tile (if any) is masked.
+    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+    acc, m_i, l_i = attend_span(
+        q,
+        acc,
+        m_i,
+        l_i,
+        k_cache_ptr,
+        v_cache_ptr,
+        k_scale_ptr,
+        v_scale_ptr,
+        page_table_ptr,
+        start,
+        full_end,
+        end,
+        offs_g,  # not read: no causal mask
+        offs_d,
+        d_mask,
+        page_size,
+        stride_kv_page,
+        stride_kv_slot,
+        stride_scale_page,
+        stride_scale_slot,
+        qk_scale,
+        BLOCK_N,
+        KV_QUANT,
+        CAUSAL=False,
+    )
 
     # An empty split leaves l_i == 0: it stores zeros with a log-sum-exp of -inf (weight 0).
     nonempty = l_i > 0
@@ -200,11 +202,13 @@ def decode_attention(
     softmax_scale: float,
     *,
     num_splits: int | None = None,
+    tiles: DecodeTiles | None = None,
 ) -> torch.Tensor:  # [S, num_heads, head_dim], query's dtype
     """Attention of each sequence's single new token over its whole context in ``cache``.
 
     ``meta`` must describe one query token per sequence. ``num_splits`` overrides the split-K
-    heuristic (tests, benchmarks); it does not change the result beyond rounding.
+    heuristic and ``tiles`` the device's tile sizes (``kernels.triton_tiles``) for tests, the
+    tuner and benchmarks; neither changes the result beyond rounding.
     """
     args = check_cache(cache, query.device)
     group = check_query(query, args)
@@ -232,6 +236,8 @@ def decode_attention(
         )
     lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
     block_d = head_block(head_dim)
+    if tiles is None:
+        tiles = decode_tiles(query.device, block_d, args.kv_quant)
     _decode_kernel[(num_seqs, args.num_kv_heads, num_splits)](
         query,
         args.key,
@@ -256,11 +262,10 @@ def decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d,
-        # Decode is bound by memory: a wide key tile keeps more loads in flight.
-        BLOCK_N=64 if block_d <= 128 else 32,
+        BLOCK_N=tiles.block_n,
         KV_QUANT=args.kv_quant,
-        num_warps=4,
-        num_stages=2,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     if num_splits > 1:
         _combine_splits_kernel[(num_seqs, num_heads)](

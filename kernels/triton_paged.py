@@ -235,10 +235,12 @@ def attend_tile(
     stride_scale_slot,
     qk_scale,  # softmax scale * log2(e)
     KV_QUANT: tl.constexpr,  # "none", "fp8" or "int8"
+    MASKED: tl.constexpr,  # False: every key exists and every row may see it, so the K/V
+    # loads and the scores skip their masks (``allowed`` is not read): same sums, fewer ops
 ):
     """One FlashAttention-2 step: fold a tile of keys/values into the running softmax state."""
     kv_offsets = page * stride_kv_page + slot * stride_kv_slot
-    tile_mask = kv_mask[:, None] & d_mask[None, :]
+    tile_mask = kv_mask[:, None] & d_mask[None, :] if MASKED else d_mask[None, :]
     k = tl.load(k_cache_ptr + kv_offsets[:, None] + offs_d[None, :], mask=tile_mask, other=0.0)
     # "ieee" only matters for float32 operands, where TF32 would be less exact than the reference.
     scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
@@ -248,7 +250,9 @@ def attend_tile(
         scale_offsets = page * stride_scale_page + slot * stride_scale_slot
         k_scale = _load_scale(k_scale_ptr + scale_offsets, kv_mask, KV_QUANT)
         scores = scores * k_scale[None, :]
-    scores = tl.where(allowed, scores * qk_scale, float("-inf"))
+    scores = scores * qk_scale
+    if MASKED:
+        scores = tl.where(allowed, scores, float("-inf"))
 
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     alpha = tl.exp2(m_i - m_new)
@@ -256,10 +260,107 @@ def attend_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
 
     v = tl.load(v_cache_ptr + kv_offsets[:, None] + offs_d[None, :], mask=tile_mask, other=0.0)
-    if KV_QUANT != "none":
-        # V's scale varies along the reduction axis of p @ v; folding it into p would push small
-        # probabilities into fp16 subnormals, so V is dequantised instead.
+    if KV_QUANT == "none":
+        pv = tl.dot(p.to(q.dtype), v, input_precision="ieee")
+    else:
+        # V's scale varies along the reduction axis of p @ v. Folded into p it costs a multiply
+        # per score instead of one per element of V, but with fp16 operands it would push small
+        # probabilities into subnormals: there V is dequantised instead.
         v_scale = _load_scale(v_scale_ptr + scale_offsets, kv_mask, KV_QUANT)
-        v = v.to(tl.float32) * v_scale[:, None]
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
+        if q.dtype == tl.float16:
+            v = v.to(tl.float32) * v_scale[:, None]
+        else:
+            p = p * v_scale[None, :]
+        pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
+    acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
+
+
+@triton.jit
+def attend_span(
+    q,  # [M, BLOCK_D] query rows, in the query's dtype
+    acc,  # [M, BLOCK_D] float32, unnormalised output so far
+    m_i,  # [M] float32, running max of the log2-scaled scores
+    l_i,  # [M] float32, running softmax denominator
+    k_cache_ptr,  # at this KV head, as attend_tile takes it
+    v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    page_table_ptr,  # this sequence's row of the page table
+    first,  # the span's first key
+    unmasked_end,  # first + a multiple of BLOCK_N: the tiles before it need no mask
+    end,  # one past the span's last key
+    query_pos,  # [M] context position of each query row (read when CAUSAL)
+    offs_d,  # [BLOCK_D]
+    d_mask,  # [BLOCK_D]
+    page_size,
+    stride_kv_page,
+    stride_kv_slot,
+    stride_scale_page,
+    stride_scale_slot,
+    qk_scale,  # softmax scale * log2(e)
+    BLOCK_N: tl.constexpr,
+    KV_QUANT: tl.constexpr,  # "none", "fp8" or "int8"
+    CAUSAL: tl.constexpr,  # mask keys past each row's query position
+):
+    """Fold keys ``[first, end)`` of one sequence into the softmax state, ``BLOCK_N`` at a time
+    from ``first``. The tiles before ``unmasked_end`` skip the masks; the rest mask keys at or
+    past ``end`` and, when ``CAUSAL``, past each row's query. The tiles and their order do not
+    depend on where the unmasked ones end, so neither do the sums."""
+    for start in range(first, unmasked_end, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        kv_mask = pos < end
+        page, slot = page_slots(page_table_ptr, pos, kv_mask, page_size)
+        acc, m_i, l_i = attend_tile(
+            q,
+            acc,
+            m_i,
+            l_i,
+            k_cache_ptr,
+            v_cache_ptr,
+            k_scale_ptr,
+            v_scale_ptr,
+            page,
+            slot,
+            kv_mask,
+            kv_mask[None, :],
+            offs_d,
+            d_mask,
+            stride_kv_page,
+            stride_kv_slot,
+            stride_scale_page,
+            stride_scale_slot,
+            qk_scale,
+            KV_QUANT,
+            MASKED=False,
+        )
+    for start in range(unmasked_end, end, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        kv_mask = pos < end
+        page, slot = page_slots(page_table_ptr, pos, kv_mask, page_size)
+        causal = pos[None, :] <= query_pos[:, None]
+        allowed = causal & kv_mask[None, :] if CAUSAL else kv_mask[None, :]
+        acc, m_i, l_i = attend_tile(
+            q,
+            acc,
+            m_i,
+            l_i,
+            k_cache_ptr,
+            v_cache_ptr,
+            k_scale_ptr,
+            v_scale_ptr,
+            page,
+            slot,
+            kv_mask,
+            allowed,
+            offs_d,
+            d_mask,
+            stride_kv_page,
+            stride_kv_slot,
+            stride_scale_page,
+            stride_scale_slot,
+            qk_scale,
+            KV_QUANT,
+            MASKED=True,
+        )
+    return acc, m_i, l_i

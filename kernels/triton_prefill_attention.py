@@ -23,13 +23,13 @@ import triton.language as tl
 from kernels.interface import AttentionMetadata, KVCacheView
 from kernels.triton_paged import (
     LOG2E,
-    attend_tile,
+    attend_span,
     check_cache,
     check_metadata,
     check_query,
     head_block,
-    page_slots,
 )
+from kernels.triton_tiles import PrefillTiles, prefill_tiles
 
 
 @triton.jit
@@ -119,35 +119,38 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # Keys past the tile's last query are causally masked for every row: stop there.
+    # Keys at or before the tile's first query are visible to every row: those tiles skip the
+    # masks. Keys past the tile's last query are masked for every row: the span stops there.
+    # The tiles start at key 0 in one size whatever the chunk (deterministic inference relies
+    # on that order).
     kv_end = tl.minimum(prefix_len + first + BLOCK_Q, seq_len)
-    for start in range(0, kv_end, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        kv_mask = pos < kv_end
-        page, slot = page_slots(page_table_ptr, pos, kv_mask, page_size)
-        allowed = (pos[None, :] <= query_pos[:, None]) & kv_mask[None, :]
-        acc, m_i, l_i = attend_tile(
-            q,
-            acc,
-            m_i,
-            l_i,
-            k_cache_ptr,
-            v_cache_ptr,
-            k_scale_ptr,
-            v_scale_ptr,
-            page,
-            slot,
-            kv_mask,
-            allowed,
-            offs_d,
-            d_mask,
-            stride_kv_page,
-            stride_kv_slot,
-            stride_scale_page,
-            stride_scale_slot,
-            qk_scale,
-            KV_QUANT,
-        )
+    unmasked_end = (prefix_len + first + 1) // BLOCK_N * BLOCK_N
+    acc, m_i, l_i = attend_span(
+        q,
+        acc,
+        m_i,
+        l_i,
+        k_cache_ptr,
+        v_cache_ptr,
+        k_scale_ptr,
+        v_scale_ptr,
+        page_table_ptr,
+        0,
+        unmasked_end,
+        kv_end,
+        query_pos,
+        offs_d,
+        d_mask,
+        page_size,
+        stride_kv_page,
+        stride_kv_slot,
+        stride_scale_page,
+        stride_scale_slot,
+        qk_scale,
+        BLOCK_N,
+        KV_QUANT,
+        CAUSAL=True,
+    )
 
     # Every real row sees key 0, so l_i > 0 there; padding rows are not stored.
     out = acc / l_i[:, None]
@@ -166,11 +169,14 @@ def prefill_attention(
     cache: KVCacheView,
     meta: AttentionMetadata,
     softmax_scale: float,
+    *,
+    tiles: PrefillTiles | None = None,
 ) -> torch.Tensor:  # [N, num_heads, head_dim], query's dtype
     """Causal attention of every query token over its sequence's context in ``cache``.
 
     Any mix of query lengths (including one) is allowed; the step's keys and values must
-    already be stored.
+    already be stored. ``tiles`` overrides the device's tile sizes (``kernels.triton_tiles``;
+    tests, the tuner).
     """
     args = check_cache(cache, query.device)
     group = check_query(query, args)
@@ -181,10 +187,10 @@ def prefill_attention(
         return out
 
     block_d = head_block(head_dim)
-    # Tile sizes for Hopper-class GPUs at head_dim 128: a 128-row query tile keeps the tensor
-    # cores busy and its float32 accumulator in registers; wider heads halve both tiles.
-    block_m = max(128 if block_d <= 128 else 64, triton.next_power_of_2(group))
-    block_n = 64 if block_d <= 128 else 32
+    if tiles is None:
+        tiles = prefill_tiles(query.device, block_d, args.kv_quant)
+    # A tile holds whole GQA groups: at least one group's rows, rounded up to a power of two.
+    block_m = max(tiles.block_m, triton.next_power_of_2(group))
     block_q = block_m // group
     grid = (num_tokens // block_q + meta.num_seqs, args.num_kv_heads)
     _prefill_kernel[grid](
@@ -210,9 +216,9 @@ def prefill_attention(
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        BLOCK_N=tiles.block_n,
         KV_QUANT=args.kv_quant,
-        num_warps=8 if block_d >= 128 else 4,
-        num_stages=2,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     return out

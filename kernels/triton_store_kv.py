@@ -118,6 +118,8 @@ def _store_kv_kernel(
 ):
     token = tl.program_id(0)
     slot_id = tl.load(slot_mapping_ptr + token)  # int64, so the page offsets below are too
+    if slot_id < 0:  # a padding row (a CUDA graph's batch is larger than the step's)
+        return
     page = slot_id // page_size
     slot = slot_id % page_size
     kv_offset = page * stride_kv_page + slot * stride_kv_slot
@@ -161,7 +163,8 @@ def store_kv(
     cache: KVCacheView,
     slot_mapping: torch.Tensor,  # [N] int64
 ) -> None:
-    """Write token ``n``'s key and value into slot ``slot_mapping[n]`` of ``cache``."""
+    """Write token ``n``'s key and value into slot ``slot_mapping[n]`` of ``cache``; a negative
+    slot writes nothing (the padding rows of ``common.engine.cuda_graphs``)."""
     args = check_cache(cache, key.device)
     shape = (slot_mapping.shape[0], args.num_kv_heads, args.head_dim)
     for name, tensor in (("key", key), ("value", value)):

@@ -43,6 +43,16 @@ from kernels.triton_backend import TritonAttentionBackend
 from kernels.triton_decode_attention import decode_attention
 from kernels.triton_prefill_attention import prefill_attention
 from kernels.triton_store_kv import store_kv
+from kernels.triton_tiles import (
+    DECODE_CANDIDATES,
+    DEFAULT_DECODE,
+    DEFAULT_PREFILL,
+    PREFILL_CANDIDATES,
+    DecodeTiles,
+    PrefillTiles,
+    decode_tiles,
+    prefill_tiles,
+)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -289,6 +299,19 @@ def test_store_kv_matches_reference(
     pool.assert_matches(expected)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, *QUANTIZED_KV_DTYPES], ids=dtype_id)
+def test_store_kv_skips_negative_slots(kv_dtype: torch.dtype) -> None:
+    """A slot of -1 (a CUDA graph's padding row) writes nothing; the other rows are stored."""
+    pool = Pool.create(4, 16, 2, 64, kv_dtype)
+    expected = pool.clone()
+    slots = torch.tensor([5, -1, 17, -1], device=DEVICE)
+    key, value = (torch.randn(4, 2, 64, device=DEVICE) for _ in range(2))
+    store_kv(key, value, pool.layer(0), slots)
+    real = slots >= 0
+    store_kv_reference(key[real], value[real], expected.layer(0), slots[real])
+    pool.assert_matches(expected)
+
+
 def test_store_kv_int8_scale_boundaries() -> None:
     """int8 scale codes at their edges, byte for byte against the twin.
 
@@ -459,6 +482,72 @@ def test_decode_attention_matches_reference(
     assert_matches_reference(out, batch, dtype)
 
 
+# ---------------------------------------------------------------------------------------------
+# Tile sizes: every candidate the tuner may choose is exact
+
+
+@pytest.mark.parametrize("tiles", PREFILL_CANDIDATES, ids=str)
+@pytest.mark.parametrize(
+    "dtype, kv_dtype",
+    [(torch.float32, FP8_DTYPE), on_gpu_only_for_bf16(torch.bfloat16, FP8_DTYPE)],
+    ids=dtype_id,
+)
+def test_prefill_attention_every_tile_candidate(
+    tiles: PrefillTiles, dtype: torch.dtype, kv_dtype: torch.dtype
+) -> None:
+    """Chunks over cached prefixes cross the unmasked tiles' end at every candidate's key tile;
+    a GQA group of 3 leaves query tiles with padding rows."""
+    query_lens, seq_lens = PREFILL_BATCHES["chunks"]
+    batch = make_batch(query_lens, seq_lens, 2, 3, 64, dtype, kv_dtype)
+    out = prefill_attention(batch.query, batch.cache, batch.meta, 64**-0.5, tiles=tiles)
+    assert_matches_reference(out, batch, dtype)
+
+
+@pytest.mark.parametrize("tiles", DECODE_CANDIDATES, ids=str)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_attention_every_tile_candidate(tiles: DecodeTiles, num_splits: int) -> None:
+    batch = make_batch([1] * 4, DECODE_SEQ_LENS["mixed"], 2, 4, 64, torch.float32, FP8_DTYPE)
+    out = decode_attention(
+        batch.query, batch.cache, batch.meta, 64**-0.5, num_splits=num_splits, tiles=tiles
+    )
+    assert_matches_reference(out, batch, torch.float32)
+
+
+def test_tiles_fit_the_head_size() -> None:
+    """Heads of 256 halve the tiles, heads of 64 run on at most 4 warps; a GQA group wider than
+    the query tile widens it to the group."""
+    cpu = torch.device("cpu")
+    assert prefill_tiles(cpu, 128, "none") == DEFAULT_PREFILL
+    assert prefill_tiles(cpu, 256, "fp8") == PrefillTiles(64, 32, 8, DEFAULT_PREFILL.num_stages)
+    assert prefill_tiles(cpu, 64, "none").num_warps == 4
+    assert decode_tiles(cpu, 128, "int8") == DEFAULT_DECODE
+    assert decode_tiles(cpu, 256, "none").block_n == 32
+    # MQA of 128 query heads over one KV head: a 64-row candidate still holds a whole group.
+    batch = make_batch([2, 1], [5, 9], 1, 128, 16, torch.float32, torch.float32)
+    out = prefill_attention(
+        batch.query, batch.cache, batch.meta, 16**-0.5, tiles=PrefillTiles(64, 32, 4, 2)
+    )
+    assert_matches_reference(out, batch, torch.float32)
+
+
+def test_tuner_choice(capsys: pytest.CaptureFixture[str]) -> None:
+    """The tuner keeps the candidate with the best geometric-mean gain over the default among
+    those that ran in every case."""
+    from benchmarks.tune_kernels import report
+
+    default, fast_once, steady, fails = DECODE_CANDIDATES[:4]
+    rows = {
+        "a": [100.0, 400.0, 150.0, 900.0],
+        "b": [100.0, 50.0, 150.0, None],  # fast_once: 2x a, 0.5x b (1.0 mean); steady: 1.5x
+    }
+    assert report("decode", "GB/s", [default, fast_once, steady, fails], default, rows) == steady
+    assert "1.50x the default" in capsys.readouterr().out
+    only_default = {"a": [100.0, None, None, None]}
+    assert report("decode", "GB/s", [default, fast_once, steady, fails], default, only_default) == (
+        default
+    )
+
+
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7])
 @pytest.mark.parametrize("kv_dtype", QUANTIZED_KV_DTYPES, ids=dtype_id)
 def test_decode_attention_split_k(num_splits: int, kv_dtype: torch.dtype) -> None:
@@ -540,10 +629,14 @@ def test_backend_mixed_batch(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim
         )
         outputs = {}
         for name, backend in (("triton", triton_backend), ("torch", torch_backend)):
-            cache = pools[name].layer(0)
-            backend.store_kv(key, value, cache, meta.slot_mapping)
-            outputs[name] = backend.attention(query, cache, meta, head_dim**-0.5)
+            backend.store_kv(key, value, pools[name].layer(0), meta.slot_mapping)
         pools["triton"].assert_matches(pools["torch"])
+        # On CUDA the two stores may leave a value one e4m3 step (or an int8 vector one scale
+        # code) apart, which the output tolerance does not cover: a prompt's first token sees
+        # only its own value. So the backends attend over the same bytes, the Triton store's.
+        pools["torch"] = pools["triton"].clone()
+        for name, backend in (("triton", triton_backend), ("torch", torch_backend)):
+            outputs[name] = backend.attention(query, pools[name].layer(0), meta, head_dim**-0.5)
         torch.testing.assert_close(
             outputs["triton"].float(), outputs["torch"].float(), **TOLERANCE[dtype]
         )
