@@ -65,7 +65,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--enforce-eager",
         action="store_true",
-        help="run the plain torch model: no prepacked weights or fused CPU kernels",
+        help="run the plain torch model: no prepacked weights or fused CPU kernels, no CUDA graphs",
     )
     group.add_argument(
         "--enable-deterministic-inference",

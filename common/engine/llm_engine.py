@@ -22,6 +22,7 @@ from common.config import (
     default_token_budget,
     resolve_dtype,
 )
+from common.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from common.engine.kv_pool import KVPool, dtype_name, kv_layout
 from common.engine.memory import plan_num_pages
 from common.engine.model_runner import ModelRunner
@@ -101,6 +102,7 @@ class LLMEngine:
         # The prefill worker only ever samples a first token: nothing to speculate on.
         speculative = config.speculative if role != "prefill" else SpeculativeConfig()
         draft = self._load_draft(speculative.model, kv_dtype) if speculative.model else None
+        graph_sizes = self._cuda_graph_sizes(role)
         num_pages = plan_num_pages(
             self.model,
             self.kv_layout,
@@ -109,6 +111,7 @@ class LLMEngine:
             self.backend,
             self.max_model_len,
             extra_bytes_per_page=draft[1].bytes_per_page if draft else 0,
+            graph_batch=max(graph_sizes, default=0),
         )
         self.pool = KVPool(self.kv_layout, num_pages, self.device)
         self.model.bind_kv(self.pool, self.backend)
@@ -125,10 +128,16 @@ class LLMEngine:
             scheduler_class = DecodeScheduler if role == "decode" else Scheduler
             self.scheduler = scheduler_class(*scheduling, eos, self.speculator)
         self.runner = ModelRunner(self.model, self.pool, self.sampler, self.speculator)
+        if graph_sizes:
+            graphs = DecodeGraphs(
+                self.model, graph_sizes, self.max_model_len, config.cache.page_size, self.device
+            )
+            graphs.capture()
+            self.runner.graphs = graphs
         self._ids = itertools.count()
         logger.info(
             "engine ready in %.1f s: %s on %s in %s, %d KV pages of %d tokens (%s), "
-            "%s attention%s%s",
+            "%s attention%s%s%s",
             time.monotonic() - started,
             self.model_config.architecture,
             self.device,
@@ -138,8 +147,22 @@ class LLMEngine:
             self.kv_layout.describe(dtype_name(self.dtype)),
             self.backend.name,
             ", eager" if config.enforce_eager else "",
+            ", CUDA graphs for decode" if graph_sizes else "",
             ", deterministic inference (batch-invariant kernels)" if deterministic else "",
         )
+
+    def _cuda_graph_sizes(self, role: str | None) -> list[int]:
+        """The decode batch sizes to capture CUDA graphs for: on CUDA with the Triton kernels
+        (the torch backend reads its metadata on the host), unless --enforce-eager; a prefill
+        worker never decodes."""
+        if (
+            self.device.type != "cuda"
+            or self.backend.name != "triton"
+            or self.config.enforce_eager
+            or role == "prefill"
+        ):
+            return []
+        return capture_sizes(self.config.scheduler.max_num_seqs)
 
     def _prepare_kernels(self, model: LlamaForCausalLM, log: bool) -> None:
         """Put the kernels this engine runs into ``model``: in deterministic mode on the Triton

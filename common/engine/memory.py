@@ -61,6 +61,17 @@ def warm_up(
     model(tokens, positions, meta, last)
 
 
+def graph_memory(warm_up_activations: int, graph_batch: int, vocab_size: int) -> int:
+    """Bytes to keep for CUDA graphs of decode batches of up to ``graph_batch`` rows. Their
+    memory pool is their own, so the eager forwards' cached blocks do not serve them: at most a
+    warm-up forward's activations (it runs at least as many tokens), plus each row's logits in
+    the model's dtype, in float32, and the copy a replay hands out (the warm-up computes
+    logits for one row)."""
+    if graph_batch <= 0:
+        return 0
+    return warm_up_activations + graph_batch * vocab_size * (2 + 4 + 4)
+
+
 def _available_host_memory() -> int:
     try:
         with open("/proc/meminfo") as meminfo:
@@ -80,9 +91,11 @@ def plan_num_pages(
     backend: AttentionBackend,
     max_model_len: int,
     extra_bytes_per_page: int = 0,
+    graph_batch: int = 0,
 ) -> int:
     """Pages for the KV pool; ``extra_bytes_per_page`` is what each page costs besides the
-    target's own (a draft model's page of the same id)."""
+    target's own (a draft model's page of the same id). ``graph_batch``: the largest decode
+    batch CUDA graphs will be captured for, whose memory the graphs keep to themselves."""
     cache = config.cache
     if cache.num_pages is not None:
         num_pages = cache.num_pages
@@ -91,11 +104,20 @@ def plan_num_pages(
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
+            resident = torch.cuda.memory_allocated(device)
             warm_up(model, layout, warm_tokens, backend)
             peak = torch.cuda.max_memory_allocated(device)
             total = torch.cuda.get_device_properties(device).total_memory
-            budget = cache.kv_cache_memory or int(total * cache.gpu_memory_utilization) - peak
-            logger.info("warm-up peak %.2f GiB of %.2f GiB", peak / 2**30, total / 2**30)
+            graphs = graph_memory(peak - resident, graph_batch, model.config.vocab_size)
+            budget = cache.kv_cache_memory or (
+                int(total * cache.gpu_memory_utilization) - peak - graphs
+            )
+            logger.info(
+                "warm-up peak %.2f GiB of %.2f GiB%s",
+                peak / 2**30,
+                total / 2**30,
+                f", {graphs / 2**30:.2f} GiB kept for CUDA graphs" if graphs else "",
+            )
         else:
             warm_up(model, layout, warm_tokens, backend)
             available = _available_host_memory()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +21,9 @@ from common.engine.scheduler import ScheduledSequence
 from common.engine.speculative.speculator import Speculator
 from common.model.llama import LlamaForCausalLM
 from kernels.interface import AttentionMetadata
+
+if TYPE_CHECKING:
+    from common.engine.cuda_graphs import DecodeGraphs
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +106,8 @@ class ModelRunner:
         self.pool = pool
         self.sampler = sampler
         self.speculator = speculator
+        # Set by the engine once the pool is bound: replays pure decode steps (cuda_graphs.py).
+        self.graphs: DecodeGraphs | None = None
         self.device = pool.device
         self.page_size = pool.layout.page_size
 
@@ -116,7 +122,11 @@ class ModelRunner:
         )
         inputs = self.prepare(batch, proposals)
         started = time.perf_counter()
-        logits = self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices)
+        logits = self.graphs.run(inputs) if self.graphs is not None else None
+        if logits is None:
+            logits = self.model(
+                inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices
+            )
         if any(item.seq.num_prompt_logprobs_due for item in batch):
             logits = self._score_prompts(batch, proposals, logits)
         rows: list[SamplingRow] = []
