@@ -7,11 +7,16 @@
 #   bench    python -m benchmarks.kernels: prefill TFLOP/s beside SDPA, decode GB/s beside a copy;
 #   serving  pdserve up with one prefill and one decode worker sharing the GPU, each given
 #            --gpu-memory-utilization 0.4 of it, then W1 of benchmarks.serving against it.
+# and two more that the default run leaves out (all six do not fit in one 10-minute command):
+#   tune     python -m benchmarks.tune_kernels: every tile candidate on the bench's shapes, and
+#            the choice to record in kernels/triton_tiles.py;
+#   graphs   python -m benchmarks.cuda_graphs: decode steps with CUDA graphs against eager ones.
 # Each step has its own time limit, and one that fails does not stop the next. Logs go to $OUT
 # where it is set (else /tmp/gpu-check); a summary table ends the output, and the exit status is
 # 1 if any step did not pass.
 #
-#   bash scripts/gpu_check.sh [setup|kernels|engine|bench|serving ...]   # default: all four
+#   bash scripts/gpu_check.sh [setup|kernels|engine|bench|serving|tune|graphs ...]
+#       # default: kernels engine bench serving; then, as a second command: tune graphs
 #
 # It first installs what `make gpu-carry` put in .gpu-carry/ (the wheels the image lacks, and
 # SmolLM2's config and tokenizer, served with random weights: the real ones do not fit) into
@@ -42,6 +47,8 @@ declare -A LIMIT_S=(
     [engine]=${GPU_CHECK_ENGINE_S:-300}
     [bench]=${GPU_CHECK_BENCH_S:-75}
     [serving]=${GPU_CHECK_SERVING_S:-150}
+    [tune]=${GPU_CHECK_TUNE_S:-240}
+    [graphs]=${GPU_CHECK_GRAPHS_S:-200}
 )
 SERVING_PORT=18000
 W1_ARGS=${GPU_CHECK_W1_ARGS:---isl 256 --osl 64 --num-prompts 64 --concurrency 8}
@@ -70,7 +77,8 @@ step_engine() {
     # The tests marked gpu, and deterministic inference on the Triton path (its tests run
     # wherever Triton does, so they carry no mark): the kernels compiled, bf16 included.
     # shellcheck disable=SC2046,SC2086
-    "$PY" -m pytest tests/test_engine_equivalence.py tests/test_engine_triton.py -m gpu -q -rfE \
+    "$PY" -m pytest tests/test_engine_equivalence.py tests/test_engine_triton.py \
+        tests/test_cuda_graphs.py -m gpu -q -rfE \
         -p no:cacheprovider $(xdist_flags 4) ${GPU_CHECK_ENGINE_ARGS:-}
     local marked=$?
     # shellcheck disable=SC2046,SC2086
@@ -87,12 +95,29 @@ step_bench() {
     "$PY" -m benchmarks.kernels
 }
 
-step_serving() {
+step_tune() {
+    "$PY" -m benchmarks.tune_kernels
+}
+
+# SmolLM2-135M's shape with random weights, in $WORK; prints the folder.
+random_model() {
     local model="$WORK/SmolLM2-135M-Instruct-random-weights"
+    rm -rf "$model"
+    "$PY" -m benchmarks.random_model "$CARRY/SmolLM2-135M-Instruct" "$model" >&2 || return 1
+    echo "$model"
+}
+
+step_graphs() {
+    local model
+    model=$(random_model) || return 1
+    "$PY" -m benchmarks.cuda_graphs --model "$model"
+}
+
+step_serving() {
+    local model
     local url="http://127.0.0.1:$SERVING_PORT"
     local share=${GPU_CHECK_GPU_SHARE:-0.4}
-    rm -rf "$model"
-    "$PY" -m benchmarks.random_model "$CARRY/SmolLM2-135M-Instruct" "$model" || return 1
+    model=$(random_model) || return 1
     "$PY" -m pdserve.cli up --model "$model" --prefill 1 --decode 1 --port "$SERVING_PORT" \
         --gpu-memory-utilization "$share" --log-level WARNING &
     local up=$!
@@ -204,7 +229,7 @@ steps=("$@")
 if [[ ${#steps[@]} -eq 0 ]]; then steps=(kernels engine bench serving); fi
 for step in "${steps[@]}"; do
     if [[ $step != setup && -z ${LIMIT_S[$step]:-} ]]; then
-        echo "unknown step $step; choose from setup kernels engine bench serving" >&2
+        echo "unknown step $step; choose from setup kernels engine bench serving tune graphs" >&2
         exit 2
     fi
 done
@@ -262,6 +287,12 @@ for step in "${steps[@]}"; do
             memory=$(grep -aoE '^GPU process .*, [0-9]+ MiB$' "$LOGS/serving.log" |
                 awk '{ printf "%s ", $(NF - 1) }')
             figures="${figures}KV pages: ${pages:-?}${memory:+; GPU MiB by process: $memory}"
+            ;;
+        tune) figures=$(grep -aE '^  best:' "$LOGS/tune.log" | sed 's/^ *//' | paste -sd ';' -) ;;
+        graphs)
+            figures=$(awk '$1 ~ /^[0-9]+$/ && NF == 6 { printf "b%s %s, ", $1, $4 }' \
+                "$LOGS/graphs.log")
+            figures="speed-up of graphs over eager: ${figures%, }"
             ;;
     esac
     record "$step" "$status" "$took" "$figures"
