@@ -100,16 +100,28 @@ def _build(compiler: str, target: Path) -> None:
     logger.info("built the CPU kernels into %s", target)
 
 
-@functools.cache
 def load() -> ctypes.CDLL:
     """The loaded library, built first if this machine has none yet; raises
     ``CpuKernelsUnavailable`` when there is no C compiler or the build fails."""
+    library = _load_once()
+    if isinstance(library, CpuKernelsUnavailable):
+        raise CpuKernelsUnavailable(str(library))
+    return library
+
+
+@functools.cache
+def _load_once() -> ctypes.CDLL | CpuKernelsUnavailable:
+    """One try a process, failures included: a build that failed fails again (each try costs
+    a compiler run), and callers ask ``available`` per step."""
     compiler = os.environ.get(ENV_CC) or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
-        raise CpuKernelsUnavailable("no C compiler (gcc or cc) on PATH")
+        return CpuKernelsUnavailable("no C compiler (gcc or cc) on PATH")
     path = _library_path(compiler)
-    if not path.exists():
-        _build(compiler, path)
+    try:
+        if not path.exists():
+            _build(compiler, path)
+    except CpuKernelsUnavailable as error:
+        return error
     library = ctypes.CDLL(str(path))
     _declare(library)
     library.pdserve_init()
@@ -117,7 +129,8 @@ def load() -> ctypes.CDLL:
 
 
 def available() -> bool:
-    """Whether the C kernels can be had here (built now if need be)."""
+    """Whether the C kernels can be had here (built now if need be; asked again, the answer
+    is remembered)."""
     try:
         load()
     except CpuKernelsUnavailable:

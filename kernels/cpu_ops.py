@@ -8,8 +8,6 @@ Each replaces the torch module of the same role in ``common/model/llama.py`` (``
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
@@ -92,12 +90,6 @@ def cpu_ops_apply(dtype: torch.dtype, head_dim: int) -> bool:
     )
 
 
-@functools.cache
-def _have_kernels() -> bool:
-    """Asked once: where the build fails, ``available`` would try it again on every call."""
-    return cpu_library.available()
-
-
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)`` of a 2-D tensor, the same indices (the first of equal maxima, NaN
     above every number); through the C kernel for float32 rows on the CPU, else torch."""
@@ -107,7 +99,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
         or x.device.type != "cpu"
         or x.shape[1] == 0
         or x.stride(-1) != 1
-        or not _have_kernels()
+        or not cpu_library.available()
     ):
         return x.argmax(dim=-1)
     out = torch.empty(x.shape[0], dtype=torch.long)

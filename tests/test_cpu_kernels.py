@@ -199,6 +199,31 @@ def test_registry_falls_back_to_torch_without_a_compiler(monkeypatch) -> None:
         get_attention_backend(torch.device("cpu"))
 
 
+def test_a_failed_build_is_tried_once(monkeypatch, tmp_path) -> None:
+    """A build that fails is not run again in the process: ``available`` is asked per step, and
+    each try would be a compiler run. ``load`` keeps raising the build's own error."""
+    builds = []
+
+    def failing_build(compiler, target) -> None:
+        builds.append(target)
+        raise CpuKernelsUnavailable("cc failed: error: unknown type name")
+
+    monkeypatch.setattr(cpu_library, "_build", failing_build)
+    monkeypatch.setattr(cpu_library, "cache_dir", lambda: tmp_path)  # no library built there
+    cpu_library._load_once.cache_clear()
+    try:
+        assert not cpu_library.available()
+        assert not cpu_library.available()
+        with pytest.raises(CpuKernelsUnavailable, match="unknown type name"):
+            cpu_library.load()
+        # The callers fall back to torch.
+        x = torch.randn(3, 50)
+        assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+        assert len(builds) == 1
+    finally:
+        cpu_library._load_once.cache_clear()  # the next caller loads the real library
+
+
 # ---------------------------------------------------------------------------------------------
 # Linear layers
 
