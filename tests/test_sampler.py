@@ -342,6 +342,27 @@ def test_padding_columns_are_never_sampled_and_logits_are_not_modified():
     assert torch.equal(logits, original)
 
 
+@pytest.mark.parametrize("banned", [False, True])
+def test_plain_greedy_rows_read_the_logits_in_place(banned):
+    """Greedy rows with nothing to edit pick from the real vocabulary of the logits as they are
+    (no copy); a row that bans a token until min_tokens takes a copy. Neither edits the
+    caller's logits, and both pick what argmax over the edited real vocabulary picks."""
+    vocab = 50
+    logits = torch.cat([make_logits(4, vocab, seed=5), torch.full((4, 14), 1e4)], dim=1)
+    original = logits.clone()
+    best = logits[:, :vocab].argmax(dim=-1).tolist()
+    params = {"min_tokens": 1, "stop_token_ids": [best[2]]} if banned else {}
+    rows = [row(temperature=0.0), row(temperature=0.0), row(temperature=0.0, **params)]
+    rows.append(row(temperature=0.0))
+    got = token_ids(Sampler(vocab, [EOS]).sample(logits, rows))
+    if banned:
+        edited = logits[2, :vocab].clone()
+        edited[[best[2], EOS]] = float("-inf")
+        best[2] = int(edited.argmax())
+    assert got == best
+    assert torch.equal(logits, original)
+
+
 def test_bad_logits_shape_and_eos_are_rejected():
     with pytest.raises(ValueError, match="logits"):
         Sampler(10, [EOS]).sample(torch.zeros(2, 9), [row(), row()])

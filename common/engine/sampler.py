@@ -127,10 +127,12 @@ class Sampler:
             )
         if not rows:
             return []
-        # Every step below edits this float32 copy of the real vocabulary in place.
-        x = logits[:, : self.vocab_size].to(
-            torch.float32, memory_format=torch.contiguous_format, copy=True
-        )
+        # The steps below edit x in place: a float32 copy of the real vocabulary where any row
+        # is edited, else (greedy rows with nothing to ban, bias or penalise: the usual decode
+        # step) the float32 logits themselves, only read.
+        x = logits[:, : self.vocab_size]
+        if x.dtype != torch.float32 or any(_edits_logits(row) for row in rows):
+            x = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
         params = [row.params for row in rows]
 
         want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -284,6 +286,18 @@ def _select(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """``x[rows]`` for increasing ``rows``; x itself, not a copy, when that is every row (the
     usual case, and a 50 MB copy saved at 256 x 49152)."""
     return x if len(rows) == x.shape[0] else x[rows]
+
+
+def _edits_logits(row: SamplingRow) -> bool:
+    """Whether sampling ``row`` edits its logits: a random pick (its noise race works in
+    place), stop tokens banned until min_tokens, a logit bias or a penalty."""
+    p = row.params
+    return (
+        not p.is_greedy
+        or len(row.output_token_ids) < p.min_tokens
+        or bool(p.logit_bias)
+        or _has_penalties(p)
+    )
 
 
 def _has_penalties(p: SamplingParams) -> bool:
