@@ -57,7 +57,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="prompt tokens per step while sequences are decoding: bounds their inter-token "
-        "latency during a prefill (default: the whole step; pdserve up: 64 on CPU decode "
+        "latency during a prefill (default: the whole step; pdserve up: 16 on CPU decode "
         "workers)",
     )
     group.add_argument("--max-model-len", type=int, default=None)

@@ -30,8 +30,11 @@ MAX_RESTARTS = 5
 CPU_LOCAL_PREFILL_OVERFLOW_TOKENS = 1024
 # A CPU decode worker prefilling an overflowed prompt in place computes at most this many prompt
 # tokens a step beside its decodes: a 256-token chunk made every running sequence wait ~0.6 s
-# for its next token (W1's ITL p99: 790 ms), a 64-token one ~0.2 s.
-CPU_DECODE_WORKER_PREFILL_TOKENS = 64
+# for its next token (W1's ITL p99: 790 ms), a 64-token one ~0.18 s. A step of a few rows costs
+# about what reading the weights costs, so 16 prompt rows beside 8 decodes add little to it:
+# on the AVX-512 Xeon W1's ITL p99 was 182 ms at 64, 125 at 32, 73-85 at 16 and 94 at 8 (the
+# prompt then stays on the decode worker for more steps), tok/s and TTFT within the noise.
+CPU_DECODE_WORKER_PREFILL_TOKENS = 16
 
 
 @dataclass(slots=True)
