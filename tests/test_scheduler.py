@@ -136,6 +136,24 @@ def test_a_running_prefill_keeps_its_place_ahead_of_the_queue():
     assert step(scheduler) == [("long", 4, True), ("next", 2, True)]
 
 
+def test_a_short_prompt_does_not_wait_behind_a_long_prompts_chunks():
+    """Shortest first: a waiting prompt shorter than every running prompt's remainder takes its
+    share of the step at once; the running prompt keeps a quarter of the budget however many
+    short prompts come; a waiting prompt longer than the remainder waits its turn."""
+    scheduler = make_scheduler(budget=8, num_pages=32)
+    add(scheduler, "doc", prompt(40, 40))
+    assert step(scheduler) == [("doc", 8, False)]
+    add(scheduler, "chat", prompt(100, 3), max_tokens=1)
+    assert step(scheduler) == [("doc", 5, False), ("chat", 3, True)]
+    for i in range(4):
+        add(scheduler, f"c{i}", prompt(200 + 10 * i, 3), max_tokens=1)
+    assert step(scheduler) == [("doc", 2, False), ("c0", 3, True), ("c1", 3, True)]
+    assert step(scheduler) == [("doc", 2, False), ("c2", 3, True), ("c3", 3, True)]
+    add(scheduler, "big", prompt(300, 30), max_tokens=1)  # doc has 23 left
+    assert step(scheduler) == [("doc", 8, False)]
+    assert [seq.request_id for seq in scheduler.waiting] == ["big"]
+
+
 def test_prompt_tokens_beside_decodes_are_capped_and_a_step_without_decodes_is_not():
     scheduler = make_scheduler(budget=16, max_prefill_tokens_while_decoding=3)
     add(scheduler, "short", prompt(10, 2))

@@ -3,9 +3,13 @@
 Every step the scheduler fills a budget of ``max_num_batched_tokens`` new tokens: first one token
 for each running sequence that is decoding, then the next chunk of each running sequence that
 is still prefilling, then new sequences from the waiting queue (first come, first served),
-each starting after whatever prefix the cache already holds. When pages run out, the newest
-running sequence is preempted: its pages are freed and it goes back to the front of the queue to
-be recomputed later (full pages it had filed in the prefix cache usually make that cheap).
+each starting after whatever prefix the cache already holds. Shortest prompt first, though:
+the running prompts leave room for the waiting ones at the head of the queue that are shorter
+than all of their remainders, up to three quarters of the step's prompt tokens (a chat queued
+behind a long document would otherwise wait for every one of its chunks). When pages run out,
+the newest running sequence is preempted: its pages are freed and it goes back to the front of
+the queue to be recomputed later (full pages it had filed in the prefix cache usually make that
+cheap).
 
 With a ``Speculator``, a decoding sequence may also take slots for proposed tokens: its pages
 and budget cover the run ``last token + proposals``, the runner verifies the proposals in the
@@ -134,13 +138,17 @@ class Scheduler:
         # Every decoding sequence waits for this step, so prompt tokens beside them are capped.
         cap = self.max_prefill_tokens_while_decoding
         prompt_budget = cap if decoding and cap is not None else budget
+        held_for_waiting = self._room_for_short_prompts(chunking, prompt_budget)
         for seq in (*decoding, *chunking):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             left = seq.num_tokens - seq.num_computed_tokens
-            num_new = min(left, budget if left == 1 else min(budget, prompt_budget))
+            if left == 1:
+                num_new = 1
+            else:
+                num_new = min(left, max(0, min(budget, prompt_budget) - held_for_waiting))
             if num_new == 0:
                 continue
             num_slots = min(slots.get(id(seq), 0), budget - num_new)
@@ -171,6 +179,26 @@ class Scheduler:
             if not decode_ready:
                 prompt_budget -= num_admitted
         return batch
+
+    def _room_for_short_prompts(self, chunking: list[Sequence], prompt_budget: int) -> int:
+        """Prompt tokens the running prompts leave this step to the waiting ones at the head of
+        the queue that are shorter than every running prompt's remainder (shortest first): a
+        64-token chat queued behind an 1800-token document would otherwise wait for all of the
+        document's chunks. A quarter of the budget stays with the running prompts, so a stream
+        of short prompts cannot starve them."""
+        if not chunking or not self.waiting:
+            return 0
+        shortest_running = min(seq.num_tokens - seq.num_computed_tokens for seq in chunking)
+        room, seats = 0, self.max_num_seqs - len(self.running)
+        for seq in self.waiting:
+            left = seq.num_tokens - seq.num_computed_tokens
+            if left == 1:
+                continue  # its prompt KV was shipped: a decode, outside the prompt budget
+            if left >= shortest_running or seats == 0:
+                break
+            room += left
+            seats -= 1
+        return min(room, prompt_budget * 3 // 4)
 
     def postprocess(
         self, batch: list[ScheduledSequence], runs: Seq[Seq[SampledToken]]
