@@ -28,6 +28,11 @@ from common import cluster_auth
 # most this many times, so a worker that cannot start does not loop for ever.
 MAX_RESTARTS = 5
 CPU_LOCAL_PREFILL_OVERFLOW_TOKENS = 1024
+# Without a GPU a decode worker prefills prompts shorter than this itself: 16 prompt rows beside
+# its decodes cost little (below), while a prefill worker's queue and 256-token steps (~0.45 s
+# each) come first there. W3's short chats (64 tokens) beside long prompts on the AVX-512 Xeon:
+# TTFT p50 729 ms and p99 1467 ms through the prefill worker, 253 and 965 ms prefilled locally.
+CPU_REMOTE_PREFILL_MIN_TOKENS = 128
 # A CPU decode worker prefilling an overflowed prompt in place computes at most this many prompt
 # tokens a step beside its decodes: a 256-token chunk made every running sequence wait ~0.6 s
 # for its next token (W1's ITL p99: 790 ms), a 64-token one ~0.18 s. A step of a few rows costs
@@ -71,7 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the router's: names the API answers to (default: the model folder's name)",
     )
-    parser.add_argument("--remote-prefill-min-tokens", type=int, default=None)
+    parser.add_argument(
+        "--remote-prefill-min-tokens",
+        type=int,
+        default=None,
+        help=f"the router's: shorter prompts are prefilled by their decode worker (default: "
+        f"{CPU_REMOTE_PREFILL_MIN_TOKENS} without a GPU, the router's 64 with one)",
+    )
     parser.add_argument(
         "--local-prefill-overflow-tokens",
         type=int,
@@ -148,6 +159,26 @@ def role_flags(args: argparse.Namespace, role: str) -> list[str]:
         if args.max_prefill_tokens_while_decoding is not None:
             cap = args.max_prefill_tokens_while_decoding
             flags += ["--max-prefill-tokens-while-decoding", str(cap)]
+    return flags
+
+
+def local_prefill_flags(args: argparse.Namespace, on_gpu: bool) -> list[str]:
+    """The router's flags for which prompts a decode worker prefills itself, with the CPU
+    defaults where the user gave none; sets the decode workers' cap on prompt tokens a step
+    likewise."""
+    overflow, remote_min = args.local_prefill_overflow_tokens, args.remote_prefill_min_tokens
+    if not on_gpu:
+        # A CPU prefill worker runs ~500 tokens/s a core: a prompt behind 1024 queued tokens
+        # waits two seconds, longer than its decode worker takes to prefill it in place.
+        overflow = CPU_LOCAL_PREFILL_OVERFLOW_TOKENS if overflow is None else overflow
+        remote_min = CPU_REMOTE_PREFILL_MIN_TOKENS if remote_min is None else remote_min
+        if args.max_prefill_tokens_while_decoding is None:
+            args.max_prefill_tokens_while_decoding = CPU_DECODE_WORKER_PREFILL_TOKENS
+    flags = []
+    if overflow is not None:
+        flags += ["--local-prefill-overflow-tokens", str(overflow)]
+    if remote_min is not None:
+        flags += ["--remote-prefill-min-tokens", str(remote_min)]
     return flags
 
 
@@ -277,8 +308,6 @@ def main(argv: list[str] | None = None) -> int:
         router_args += ["--api-key", args.api_key]
     if args.served_model_name:
         router_args += ["--served-model-name", *args.served_model_name]
-    if args.remote_prefill_min_tokens is not None:
-        router_args += ["--remote-prefill-min-tokens", str(args.remote_prefill_min_tokens)]
     router_flags = (
         "heartbeat_timeout", "request_stall_timeout", "max_tokens_default", "slo_ttft_ms",
         "slo_tpot_ms",
@@ -288,15 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             router_args += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     import torch
 
-    overflow = args.local_prefill_overflow_tokens
-    if overflow is None and not torch.cuda.is_available():
-        # A CPU prefill worker runs ~500 tokens/s a core: a prompt behind 1024 queued tokens
-        # waits two seconds, longer than its decode worker takes to prefill it in place.
-        overflow = CPU_LOCAL_PREFILL_OVERFLOW_TOKENS
-    if overflow is not None:
-        router_args += ["--local-prefill-overflow-tokens", str(overflow)]
-    if args.max_prefill_tokens_while_decoding is None and not torch.cuda.is_available():
-        args.max_prefill_tokens_while_decoding = CPU_DECODE_WORKER_PREFILL_TOKENS
+    router_args += local_prefill_flags(args, on_gpu=torch.cuda.is_available())
     shared = [
         "--router",
         control,

@@ -21,7 +21,8 @@ worker is overloaded, and then overflows to the ring's next worker.
 
 Conditional disaggregation: when the best uncached suffix is shorter than
 ``remote_prefill_min_tokens`` (or no prefill worker is registered) the request goes straight to
-a decode worker, which prefills it locally. Overflow: when ``local_prefill_overflow_tokens`` is
+a decode worker, which prefills it locally, unless that worker already has that many prompt
+tokens of its own queued. Overflow: when ``local_prefill_overflow_tokens`` is
 set, a request whose chosen prefill worker already has that many tokens queued is prefilled by
 its decode worker instead, if that worker has no prefill of its own queued: it waits less there
 than behind the queue, and each decode worker's running batch pays for at most one local
@@ -133,7 +134,9 @@ def route(request: RequestView, workers: WorkersView, config: RoutingConfig) -> 
         return Decision(decode, None, REASON_NO_PREFILL)
     overlaps = {w.worker_id: overlap_tokens(request, w) for w in workers.prefill}
     best_uncached = request.num_prompt_tokens - max(overlaps.values())
-    if best_uncached < config.remote_prefill_min_tokens:
+    if best_uncached < config.remote_prefill_min_tokens and not busy_prefilling(
+        decode, workers, config
+    ):
         return Decision(decode, None, REASON_SHORT_PROMPT)
     if request.session_id is not None:
         worker, reason = session_worker(request.session_id, workers.prefill, config)
@@ -142,6 +145,15 @@ def route(request: RequestView, workers: WorkersView, config: RoutingConfig) -> 
     if overflows(worker, decode, workers, config):
         return Decision(decode, None, REASON_OVERFLOW)
     return Decision(decode, worker, reason, overlaps[worker])
+
+
+def busy_prefilling(decode_id: str, workers: WorkersView, config: RoutingConfig) -> bool:
+    """Whether ``decode_id`` already has a short prompt's worth of its own prefill queued: a
+    short prompt then goes to a prefill worker, so that a burst of them cannot pile up on one
+    decode worker (whose steps take only so many prompt tokens beside its decodes) while the
+    prefill workers idle."""
+    own = next(w.load_tokens for w in workers.decode if w.worker_id == decode_id)
+    return own >= config.remote_prefill_min_tokens
 
 
 def overflows(prefill_id: str, decode_id: str, workers: WorkersView, config: RoutingConfig) -> bool:

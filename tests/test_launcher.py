@@ -8,7 +8,7 @@ import os
 import pytest
 
 from decode_worker.worker import build_parser as decode_parser
-from pdserve.launcher import build_parser, core_shares, role_flags
+from pdserve.launcher import build_parser, core_shares, local_prefill_flags, role_flags
 from prefill_worker.worker import build_parser as prefill_parser
 
 ROLE_PARSERS = {"prefill": prefill_parser, "decode": decode_parser}
@@ -38,6 +38,21 @@ def test_no_role_flags_by_default(role):
     args, _ = build_parser().parse_known_args([])
     assert role_flags(args, role) == []
     assert ROLE_PARSERS[role]().parse_args(BASE).kv_transfer == "zmq"
+
+
+def test_local_prefill_defaults_without_a_gpu_only():
+    args, _ = build_parser().parse_known_args([])
+    assert local_prefill_flags(args, on_gpu=True) == []
+    assert args.max_prefill_tokens_while_decoding is None
+    assert local_prefill_flags(args, on_gpu=False) == [
+        *("--local-prefill-overflow-tokens", "1024", "--remote-prefill-min-tokens", "128")
+    ]
+    assert role_flags(args, "decode") == ["--max-prefill-tokens-while-decoding", "16"]
+    given = ["--remote-prefill-min-tokens", "32", "--max-prefill-tokens-while-decoding", "8"]
+    args, _ = build_parser().parse_known_args(given)
+    assert local_prefill_flags(args, on_gpu=False)[2:] == given[:2]
+    assert local_prefill_flags(args, on_gpu=True) == given[:2]
+    assert args.max_prefill_tokens_while_decoding == 8
 
 
 @pytest.mark.parametrize("cores", [{0}, {0, 1}, {0, 1, 2}, {1, 3, 4, 6, 9}, set(range(16))])

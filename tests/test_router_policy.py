@@ -116,6 +116,18 @@ def test_conditional_disaggregation_threshold():
     assert route(request(list(range(1000, 1064))), workers, CONFIG).prefill_worker_id == "a"
 
 
+def test_a_decode_worker_busy_prefilling_sends_short_prompts_to_a_prefill_worker():
+    """Below the threshold a prompt goes local only while its decode worker has less than a
+    threshold's worth of its own prefill queued; without prefill workers it goes local anyway."""
+    short = request(list(range(1000, 1040)))  # 40 tokens
+    for own, expected in [(0, None), (63, None), (64, "a"), (500, "a")]:
+        decode = [DecodeView("d0", free_pages=1000, num_running=3, load_tokens=own)]
+        d = route(short, WorkersView([prefill("a")], decode), CONFIG)
+        assert d.prefill_worker_id == expected, own
+    busy = [DecodeView("d0", free_pages=1000, num_running=3, load_tokens=500)]
+    assert route(short, WorkersView([], busy), CONFIG).reason == REASON_NO_PREFILL
+
+
 def test_without_prefill_workers_decode_prefills_locally():
     d = route(request(PROMPT), WorkersView([], DECODE), CONFIG)
     assert (d.prefill_worker_id, d.decode_worker_id, d.reason) == (None, "d0", REASON_NO_PREFILL)
