@@ -15,6 +15,7 @@ import torch
 from engines import build_engine
 from tiny_models import assert_greedy_equal_up_to_near_ties, build_tiny_model, random_prompts
 
+from common.engine import llm_engine
 from common.engine.cuda_graphs import StaticDecodeBatch, capture_sizes
 from common.engine.model_runner import ForwardInputs, TokenRun, flatten_runs
 from common.sampling_params import SamplingParams
@@ -136,3 +137,24 @@ def test_cuda_graphs_give_the_eager_tokens(tmp_path, monkeypatch, dtype, kv_cach
             assert graphs.sizes == [1, 2, 4, 6]
             assert graphs.replays > 0
     assert_greedy_equal_up_to_near_ties(folder, prompts, results[1], results[0])
+
+
+def test_a_failed_capture_leaves_the_engine_eager(tmp_path, monkeypatch, caplog) -> None:
+    """A model or kernel that cannot be recorded costs the graphs, not the engine: it logs
+    why, and decodes eagerly."""
+
+    class UncapturableGraphs:
+        def __init__(self, *args) -> None:
+            pass
+
+        def capture(self) -> None:
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(llm_engine, "DecodeGraphs", UncapturableGraphs)
+    monkeypatch.setattr(llm_engine.LLMEngine, "_cuda_graph_sizes", lambda self, role: [1, 2])
+    folder = build_tiny_model("llama3-rope", tmp_path / "model")
+    engine = build_engine(folder, num_pages=32, max_model_len=128)
+    assert engine.runner.graphs is None
+    assert "CUDA graph capture failed, decoding eagerly" in caplog.text
+    tokens = engine.generate(random_prompts(2, seed=5), SamplingParams(max_tokens=3))
+    assert [len(run) for run in tokens] == [3, 3]

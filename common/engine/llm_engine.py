@@ -129,11 +129,8 @@ class LLMEngine:
             self.scheduler = scheduler_class(*scheduling, eos, self.speculator)
         self.runner = ModelRunner(self.model, self.pool, self.sampler, self.speculator)
         if graph_sizes:
-            graphs = DecodeGraphs(
-                self.model, graph_sizes, self.max_model_len, config.cache.page_size, self.device
-            )
-            graphs.capture()
-            self.runner.graphs = graphs
+            self.runner.graphs = self._capture_decode_graphs(graph_sizes)
+            graph_sizes = graph_sizes if self.runner.graphs is not None else []
         self._ids = itertools.count()
         logger.info(
             "engine ready in %.1f s: %s on %s in %s, %d KV pages of %d tokens (%s), "
@@ -163,6 +160,19 @@ class LLMEngine:
         ):
             return []
         return capture_sizes(self.config.scheduler.max_num_seqs)
+
+    def _capture_decode_graphs(self, sizes: list[int]) -> DecodeGraphs | None:
+        """The decode graphs, or None (every step eager) if capturing fails: a model or kernel
+        that cannot be recorded costs speed, not the worker."""
+        graphs = DecodeGraphs(
+            self.model, sizes, self.max_model_len, self.config.cache.page_size, self.device
+        )
+        try:
+            graphs.capture()
+        except RuntimeError as exc:
+            logger.warning("CUDA graph capture failed, decoding eagerly: %s", exc)
+            return None
+        return graphs
 
     def _prepare_kernels(self, model: LlamaForCausalLM, log: bool) -> None:
         """Put the kernels this engine runs into ``model``: in deterministic mode on the Triton
