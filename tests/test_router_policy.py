@@ -117,10 +117,10 @@ def test_conditional_disaggregation_threshold():
 
 
 def test_a_decode_worker_busy_prefilling_sends_short_prompts_to_a_prefill_worker():
-    """Below the threshold a prompt goes local only while its decode worker has less than a
-    threshold's worth of its own prefill queued; without prefill workers it goes local anyway."""
+    """Below the threshold a prompt goes local only while its decode worker has less than two
+    thresholds' worth of its own prefill queued; without prefill workers it goes local anyway."""
     short = request(list(range(1000, 1040)))  # 40 tokens
-    for own, expected in [(0, None), (63, None), (64, "a"), (500, "a")]:
+    for own, expected in [(0, None), (127, None), (128, "a"), (500, "a")]:
         decode = [DecodeView("d0", free_pages=1000, num_running=3, load_tokens=own)]
         d = route(short, WorkersView([prefill("a")], decode), CONFIG)
         assert d.prefill_worker_id == expected, own
