@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--remote-prefill-min-tokens",
         type=int,
         default=64,
-        help="uncached prompt tokens below which a decode worker prefills locally",
+        help="uncached prompt tokens below which a decode worker prefills locally (while it "
+        "has less than twice this many of its own queued)",
     )
     p.add_argument(
         "--local-prefill-overflow-tokens",
