@@ -90,7 +90,9 @@ def test_ngram_speculation_gives_the_same_greedy_tokens(target, dtype, kv):
     speculating = build_engine(target, speculative=ngram(), dtype=dtype, kv_cache_dtype=kv)
     with Counted() as counted:
         assert speculating.generate(prompts, GREEDY) == expected
-    assert 0 < counted.accepted < counted.proposed
+    # How many tokens are proposed follows the measured step costs (on a loaded machine once a
+    # single one, accepted); rejected runs are checked in test_sampled_distribution_is_the_targets.
+    assert 0 < counted.accepted <= counted.proposed
 
 
 def test_a_draft_equal_to_the_target_is_always_accepted(target):
