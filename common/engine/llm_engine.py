@@ -130,7 +130,6 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.pool, self.sampler, self.speculator)
         if graph_sizes:
             self.runner.graphs = self._capture_decode_graphs(graph_sizes)
-            graph_sizes = graph_sizes if self.runner.graphs is not None else []
         self._ids = itertools.count()
         logger.info(
             "engine ready in %.1f s: %s on %s in %s, %d KV pages of %d tokens (%s), "
@@ -144,7 +143,7 @@ class LLMEngine:
             self.kv_layout.describe(dtype_name(self.dtype)),
             self.backend.name,
             ", eager" if config.enforce_eager else "",
-            ", CUDA graphs for decode" if graph_sizes else "",
+            ", CUDA graphs for decode" if self.runner.graphs is not None else "",
             ", deterministic inference (batch-invariant kernels)" if deterministic else "",
         )
 
