@@ -21,7 +21,8 @@ import logging
 
 import zmq
 
-from common.engine.scheduler import DecodeScheduler, ScheduledSequence, SequenceOutput
+from common.engine.batch import ScheduledSequence, SequenceOutput
+from common.engine.scheduler import DecodeScheduler
 from common.engine.sequence import Sequence
 from common.messages import Message, ProtocolError, decode
 from common.metrics import BAD_MESSAGES, REQUESTS

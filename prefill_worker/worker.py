@@ -24,7 +24,8 @@ import time
 
 import zmq
 
-from common.engine.scheduler import PrefillScheduler, ScheduledSequence, SequenceOutput
+from common.engine.batch import ScheduledSequence, SequenceOutput
+from common.engine.scheduler import PrefillScheduler
 from common.engine.sequence import Sequence
 from common.messages import Message, encode
 from common.metrics import REQUESTS

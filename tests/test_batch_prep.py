@@ -9,9 +9,9 @@ from collections.abc import Iterable
 
 import torch
 
+from common.engine.batch import ForwardInputs, ScheduledSequence
 from common.engine.kv_pool import KVPool, kv_layout
-from common.engine.model_runner import ForwardInputs, ModelRunner
-from common.engine.scheduler import ScheduledSequence
+from common.engine.model_runner import ModelRunner
 from common.engine.sequence import Sequence
 from common.sampling_params import SamplingParams
 

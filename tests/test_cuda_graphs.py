@@ -16,8 +16,8 @@ from engines import build_engine
 from tiny_models import assert_greedy_equal_up_to_near_ties, build_tiny_model, random_prompts
 
 from common.engine import llm_engine
+from common.engine.batch import ForwardInputs, TokenRun, flatten_runs
 from common.engine.cuda_graphs import StaticDecodeBatch, capture_sizes
-from common.engine.model_runner import ForwardInputs, TokenRun, flatten_runs
 from common.sampling_params import SamplingParams
 from kernels.registry import ENV_VAR
 

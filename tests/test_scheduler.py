@@ -12,9 +12,10 @@ from collections.abc import Mapping
 import pytest
 
 from common.config import SchedulerConfig
+from common.engine.batch import ScheduledSequence, SequenceOutput
 from common.engine.page_manager import PageManager
 from common.engine.sampler import SampledToken
-from common.engine.scheduler import ScheduledSequence, Scheduler, SequenceOutput
+from common.engine.scheduler import Scheduler
 from common.engine.sequence import FinishReason, Sequence, SequenceStatus
 from common.sampling_params import SamplingParams
 

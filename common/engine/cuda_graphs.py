@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from common.engine.model_runner import ForwardInputs
+from common.engine.batch import ForwardInputs
 from common.model.llama import LlamaForCausalLM
 from kernels.interface import AttentionMetadata
 from kernels.sizes import ceil_div

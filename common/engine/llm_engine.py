@@ -11,6 +11,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,7 @@ from common.config import (
     default_token_budget,
     resolve_dtype,
 )
+from common.engine.batch import ScheduledSequence, SequenceOutput
 from common.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from common.engine.kv_pool import KVPool, dtype_name, kv_layout
 from common.engine.memory import plan_num_pages
@@ -259,9 +261,20 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
 
-    def step(self) -> list[RequestOutput]:
+    def run_step(
+        self, around_forward: AbstractContextManager[object] | None = None
+    ) -> tuple[list[ScheduledSequence], list[SequenceOutput]]:
+        """One step, ``schedule() -> run() -> postprocess()``: the step loop of this engine and
+        of every worker (``common/service/worker_base.py``), which serves its sockets during
+        the forward through ``around_forward``. Returns the batch and what each of its sampling
+        sequences gained."""
         batch = self.scheduler.schedule()
-        runs = self.runner.run(batch)
+        with around_forward if around_forward is not None else nullcontext():
+            runs = self.runner.run(batch)
+        return batch, self.scheduler.postprocess(batch, runs)
+
+    def step(self) -> list[RequestOutput]:
+        _, outputs = self.run_step()
         return [
             RequestOutput(
                 out.seq.request_id,
@@ -272,7 +285,7 @@ class LLMEngine:
                 out.seq.num_cached_tokens,
                 first_output_prompt_logprobs(out.seq, len(out.new_samples)),
             )
-            for out in self.scheduler.postprocess(batch, runs)
+            for out in outputs
         ]
 
     def generate(

@@ -10,88 +10,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from common.engine.batch import ForwardInputs, ScheduledSequence, TokenRun, flatten_runs
+from common.engine.cuda_graphs import DecodeGraphs
 from common.engine.kv_pool import KVPool
 from common.engine.sampler import SampledToken, Sampler, SamplingRow, prompt_logprobs
-from common.engine.scheduler import ScheduledSequence
 from common.engine.speculative.speculator import Speculator
 from common.model.llama import LlamaForCausalLM
-from kernels.interface import AttentionMetadata
-
-if TYPE_CHECKING:
-    from common.engine.cuda_graphs import DecodeGraphs
-
-
-@dataclass(frozen=True, slots=True)
-class TokenRun:
-    """The tokens one sequence feeds a forward: their ids, the position of the first, the
-    sequence's pages, and how many of the last positions want logits."""
-
-    token_ids: Seq[int]
-    start: int
-    page_ids: Seq[int]
-    num_logits: int
-
-
-@dataclass(frozen=True, slots=True)
-class ForwardInputs:
-    input_ids: torch.Tensor  # [N]
-    positions: torch.Tensor  # [N]
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [M]
-
-
-def flatten_runs(runs: Seq[TokenRun], page_size: int, device: torch.device) -> ForwardInputs:
-    """Flatten runs into token ids, positions and explicit attention metadata: Python per run,
-    then a handful of tensor ops for every token at once."""
-    input_ids: list[int] = []
-    query_lens: list[int] = []
-    starts: list[int] = []
-    logits_indices: list[int] = []
-    num_tokens = 0
-    for run in runs:
-        input_ids += run.token_ids
-        query_lens.append(len(run.token_ids))
-        starts.append(run.start)
-        num_tokens += len(run.token_ids)
-        logits_indices += range(num_tokens - run.num_logits, num_tokens)
-    width = max(len(run.page_ids) for run in runs)
-    page_tables = torch.tensor(
-        [list(run.page_ids) + [0] * (width - len(run.page_ids)) for run in runs],
-        dtype=torch.int32,
-    )
-    lens = torch.tensor(query_lens)
-    first = torch.tensor(starts)
-    query_start_loc = torch.zeros(len(runs) + 1, dtype=torch.int32)
-    torch.cumsum(lens, 0, out=query_start_loc[1:])
-    # Each token's run, then its position: its offset in the run plus the run's first position.
-    owner = torch.repeat_interleave(torch.arange(len(runs)), lens)
-    positions = torch.arange(num_tokens) - query_start_loc[:-1][owner] + first[owner]
-    pages = page_tables[owner, positions // page_size].long()
-    slots = pages * page_size + positions % page_size
-    seq_lens = first + lens
-
-    def to_device(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return values.to(device, dtype, non_blocking=True)
-
-    meta = AttentionMetadata(
-        query_start_loc=to_device(query_start_loc, torch.int32),
-        seq_lens=to_device(seq_lens, torch.int32),
-        page_tables=to_device(page_tables, torch.int32),
-        slot_mapping=to_device(slots, torch.int64),
-        max_query_len=max(query_lens),
-        max_seq_len=max(start + n for start, n in zip(starts, query_lens, strict=True)),
-    )
-    return ForwardInputs(
-        to_device(torch.tensor(input_ids), torch.long),
-        to_device(positions, torch.long),
-        meta,
-        to_device(torch.tensor(logits_indices, dtype=torch.long), torch.long),
-    )
 
 
 class ModelRunner:

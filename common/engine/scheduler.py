@@ -28,40 +28,15 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from common.config import SchedulerConfig
+from common.engine.batch import ScheduledSequence, SequenceOutput
 from common.engine.page_manager import PageManager
 from common.engine.sampler import SampledToken
 from common.engine.sequence import FinishReason, Sequence, SequenceStatus, SpeculationState
+from common.engine.speculative.speculator import Speculator
 from common.hashing import page_hashes
 from kernels.sizes import ceil_div
-
-if TYPE_CHECKING:
-    from common.engine.speculative.speculator import Speculator
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduledSequence:
-    seq: Sequence
-    num_new_tokens: int
-    samples: bool  # this step reaches the end of the sequence's known tokens, so it samples
-    num_draft_slots: int = 0  # proposed tokens this step may verify after its known ones
-
-    @classmethod
-    def of(cls, seq: Sequence, num_new_tokens: int, num_draft_slots: int = 0) -> ScheduledSequence:
-        reaches_end = seq.num_computed_tokens + num_new_tokens == seq.num_tokens
-        return cls(seq, num_new_tokens, reaches_end, num_draft_slots)
-
-
-@dataclass(slots=True)
-class SequenceOutput:
-    """What one step appended to one sampling sequence."""
-
-    seq: Sequence
-    new_samples: list[SampledToken]  # in order; several when proposed tokens were accepted
-    left_batch: bool  # finished, or (prefill) handed over after its first token
 
 
 class Scheduler:

@@ -26,9 +26,9 @@ import zmq
 
 from common import cluster_auth
 from common.cluster_auth import ClusterAuth
+from common.engine.batch import ScheduledSequence, SequenceOutput
 from common.engine.llm_engine import LLMEngine
 from common.engine.sampler import PromptLogprob
-from common.engine.scheduler import ScheduledSequence, SequenceOutput
 from common.engine.sequence import Sequence, first_output_prompt_logprobs
 from common.engine_args import add_engine_args, engine_config_from_args
 from common.messages import PROTOCOL_VERSION, Message
@@ -207,37 +207,41 @@ class WorkerService(ABC):
             self.args.router,
             self.metrics_url,
         )
-        poller = zmq.Poller()
-        serve, sockets = self.serve_during_step() or (None, [])
-        # Heartbeats go on during a step: liveness must not depend on how long a step takes.
-        self._step_io = StepIO(serve, sockets, pulse=self._heartbeat_if_due)
+        self.start_step_io()
         try:
             while not self._stopping:
-                busy = self.scheduler.has_work
-                if not busy:
-                    self._wait(poller)
-                for msg in self.link.receive():
-                    if isinstance(msg, RegisterAck):
-                        self._on_register_ack(msg)
-                    else:
-                        self.handle(msg)
-                self.poll_io()
-                if self.scheduler.has_work:
-                    self.step()
-                self._report()
+                self.turn()
         finally:
             self._step_io.close()  # before the sockets it serves are closed
             self.close()
+
+    def start_step_io(self) -> None:
+        """Start the helper that serves peers and heartbeats while a step runs."""
+        serve, sockets = self.serve_during_step() or (None, [])
+        # Heartbeats go on during a step: liveness must not depend on how long a step takes.
+        self._step_io = StepIO(serve, sockets, pulse=self._heartbeat_if_due)
+
+    def turn(self) -> None:
+        """One pass of the main loop: sleep on the sockets if idle, handle what arrived, serve
+        the role's own sockets, step if there is work, report."""
+        if not self.scheduler.has_work:
+            self._wait()
+        for msg in self.link.receive():
+            if isinstance(msg, RegisterAck):
+                self._on_register_ack(msg)
+            else:
+                self.handle(msg)
+        self.poll_io()
+        if self.scheduler.has_work:
+            self.step()
+        self._report()
 
     def stop(self) -> None:
         self._stopping = True
 
     def step(self) -> None:
         started = time.perf_counter()
-        batch = self.scheduler.schedule()
-        with self._step_io:
-            runs = self.engine.runner.run(batch)
-        outputs = self.scheduler.postprocess(batch, runs)
+        batch, outputs = self.engine.run_step(around_forward=self._step_io)
         STEP_SECONDS.observe(time.perf_counter() - started)
         STEP_BATCH_SIZE.observe(len(batch))
         ITERATION_TOKENS.observe(sum(item.num_new_tokens + item.num_draft_slots for item in batch))
@@ -260,11 +264,9 @@ class WorkerService(ABC):
         stored = self.page_manager.cached_hashes()
         self.link.send(CacheEvents(self.worker_id, stored, [], reset=True))
 
-    def _wait(self, poller: zmq.Poller) -> None:
-        sockets = [self.link.socket, *self.extra_sockets()]
-        for sock in list(poller.sockets):
-            poller.unregister(sock[0])
-        for sock in sockets:
+    def _wait(self) -> None:
+        poller = zmq.Poller()
+        for sock in (self.link.socket, *self.extra_sockets()):
             poller.register(sock, zmq.POLLIN)
         poller.poll(_IN_FLIGHT_POLL_MS if self.io_in_flight() else _IDLE_POLL_MS)
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from common.engine.batch import TokenRun, flatten_runs
 from common.engine.kv_pool import KVPool
-from common.engine.model_runner import TokenRun, flatten_runs
 from common.engine.sequence import Sequence
 from common.model.llama import LlamaForCausalLM
 from kernels.cpu_ops import argmax_rows

@@ -31,8 +31,8 @@ from collections.abc import Sequence as Seq
 from typing import Protocol
 
 from common.config import SpeculativeConfig
+from common.engine.batch import ScheduledSequence
 from common.engine.sampler import SampledToken
-from common.engine.scheduler import ScheduledSequence
 from common.engine.sequence import Sequence
 from common.metrics import SPEC_ACCEPTED, SPEC_ACCEPTED_PER_STEP, SPEC_PROPOSED
 

@@ -1,0 +1,115 @@
+"""The import graph of pdserve's own modules: arrows point down the package order only, and no
+module reaches itself through imports (lazy ones inside functions and those only for type
+checking included), so every module can be read, and tested, below the ones that use it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# DESIGN.md: router, prefill_worker, decode_worker -> kvtransfer -> common -> kernels; the
+# pdserve command sits above everything and nothing imports it. common/service is what both
+# worker roles share (their main loop, the router link), so it stands with them.
+LEVELS = {
+    "pdserve": 4,
+    "router": 3,
+    "prefill_worker": 3,
+    "decode_worker": 3,
+    "common.service": 3,
+    "kvtransfer": 2,
+    "common": 1,
+    "kernels": 0,
+}
+
+
+def level(module: str) -> int:
+    """The level of the longest package prefix of ``module`` in LEVELS."""
+    parts = module.split(".")
+    return next(
+        LEVELS[prefix]
+        for prefix in (".".join(parts[:n]) for n in range(len(parts), 0, -1))
+        if prefix in LEVELS
+    )
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def own_modules() -> dict[str, Path]:
+    return {
+        module_name(path): path
+        for package in LEVELS
+        if "." not in package
+        for path in (ROOT / package).rglob("*.py")
+        if "__pycache__" not in path.parts
+    }
+
+
+def imports_of(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The pdserve modules ``path`` imports anywhere in its body."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # `from package import module` names a module; `from module import name` does not.
+            names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        else:
+            continue
+        found.update(name for name in names if name in modules)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = own_modules()
+    graph = {name: imports_of(path, modules) for name, path in modules.items()}
+    # A package's __init__ is imported on the way to any of its modules; what it imports itself
+    # is its own edge, not every submodule's.
+    return {name: {dep for dep in deps if dep != name} for name, deps in graph.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a list of modules, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(name: str) -> list[str] | None:
+        state[name] = 1
+        path.append(name)
+        for dep in sorted(graph[name]):
+            if state.get(dep) == 1:
+                return [*path[path.index(dep) :], dep]
+            if dep not in state and (cycle := visit(dep)) is not None:
+                return cycle
+        path.pop()
+        state[name] = 2
+        return None
+
+    for name in sorted(graph):
+        if name not in state and (cycle := visit(name)) is not None:
+            return cycle
+    return None
+
+
+def test_no_module_imports_itself_through_others():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_imports_point_down_the_package_order():
+    upward = [
+        f"{name} imports {dep}"
+        for name, deps in import_graph().items()
+        for dep in deps
+        if level(dep) > level(name)
+    ]
+    assert not upward, "\n".join(upward)
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}
+    assert find_cycle(graph) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
