@@ -20,7 +20,8 @@ from router import routes_generation, routes_ops
 from router.config import RouterConfig
 from router.control import ControlServer
 from router.dispatcher import Dispatcher
-from router.edge import Edge, install_error_handlers
+from router.edge import OFFLOAD_BODY_BYTES, Edge, install_error_handlers
+from router.memory_release import ReleaseFreedMemory
 from router.metrics import RouterMetrics
 from router.openai_api import TextCodec
 from router.registry import WorkerRegistry
@@ -75,6 +76,8 @@ def create_app(config: RouterConfig, codec: TextCodec) -> FastAPI:
     app.state.load = state.load
 
     install_error_handlers(app, metrics)
+    # Bodies that are parsed in a thread are the ones whose freed memory stays in its arena.
+    app.add_middleware(ReleaseFreedMemory, min_body_bytes=OFFLOAD_BODY_BYTES)
     routes_generation.add_routes(app, state)
     routes_ops.add_routes(app, state)
     return app

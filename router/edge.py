@@ -32,6 +32,11 @@ T = TypeVar("T")
 OFFLOAD_BODY_BYTES = 64 << 10
 _REQUEST_ID_UNSAFE = re.compile(r"[^A-Za-z0-9._:-]")
 _MAX_REQUEST_ID = 64
+# A body over the limit is read to its end (and dropped) before the 413 goes out, up to this
+# much: a server that answers and closes while the client still sends resets the connection,
+# and a client that sends its whole body before reading (urllib, most scripts) then sees the
+# reset, not the 413. Past this the connection is closed unread.
+_DRAIN_MAX_BYTES = 64 << 20
 
 
 def install_error_handlers(app: FastAPI, metrics: RouterMetrics) -> None:
@@ -87,29 +92,45 @@ class Edge:
         return self._new_request_id(f"{kind}-{prefix}")
 
     async def read_body(self, request: Request, model: type[BaseModel]) -> Any:
-        """The body parsed as ``model``; its size is kept as ``request.state.body_bytes``."""
+        """The body parsed as ``model``; its size is kept as ``request.state.body_bytes``.
+
+        Only ``application/json`` is read, as vLLM does: a JSON body sent as text/plain, as a
+        form or with no content type gets a 400, not an answer."""
+        media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if media_type != "application/json":
+            raise BadRequest(
+                "Unsupported Media Type: Only 'application/json' is allowed "
+                f"(got {media_type or 'no content type'!r:.60})"
+            )
         limit = self._config.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
+            if int(declared) <= _DRAIN_MAX_BYTES:
+                await _drain(request, 0)
             raise _too_large(limit)
         chunks = []
         size = 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
+                chunks.clear()
+                await _drain(request, size)
                 raise _too_large(limit)
             chunks.append(chunk)
         raw = b"".join(chunks)
+        del chunks
         request.state.body_bytes = size
         try:
             return model.model_validate_json(raw)
         except ValidationError as exc:
-            first: Mapping[str, Any] = exc.errors()[0] if exc.errors() else {}
-            loc = [str(part) for part in first.get("loc", ())]
-            if first.get("type") == "json_invalid":
-                raise BadRequest(f"the body is not valid JSON: {first.get('msg')}") from None
-            message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid')}"
-            raise BadRequest(message, loc[0] if loc else None) from None
+            # Only plain values leave this block: the exception (and its traceback's frames,
+            # which hold the body) must not outlive the request.
+            errors = exc.errors(include_url=False, include_context=False, include_input=False)
+        first: Mapping[str, Any] = errors[0] if errors else {}
+        loc = [str(part) for part in first.get("loc", ())]
+        if first.get("type") == "json_invalid":
+            raise BadRequest(f"the body is not valid JSON: {first.get('msg')}")
+        raise BadRequest(_schema_message(first, loc), loc[0] if loc else None)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self._accepted_names:
@@ -134,6 +155,23 @@ def id_header(request: Request) -> dict[str, str]:
     """The X-Request-Id header to answer with, once ``Edge.request_id`` has set one."""
     rid = getattr(request.state, "request_id", None)
     return {"X-Request-Id": rid} if rid else {}
+
+
+def _schema_message(error: Mapping[str, Any], loc: list[str]) -> str:
+    """A schema error as pydantic words it (``seed: Input should be less than or equal to N
+    [type=less_than_equal]``): vLLM answers with pydantic's text, and clients match its type."""
+    message = f"{'.'.join(loc) or 'body'}: {error.get('msg', 'invalid')}"
+    kind = error.get("type")
+    return f"{message} [type={kind}]" if kind else message
+
+
+async def _drain(request: Request, already: int) -> None:
+    """Read what is left of an oversized body, keeping none of it (see ``_DRAIN_MAX_BYTES``)."""
+    size = already
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > _DRAIN_MAX_BYTES:
+            return
 
 
 def _too_large(limit: int) -> APIError:

@@ -15,10 +15,14 @@ from typing import Any, TypeGuard, TypeVar
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field
 
-from common.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
+from common.sampling_params import MAX_LOGPROBS, SamplingParams
 from router.errors import BadRequest
 
 MAX_N = 128
+# A seed is a signed 64-bit integer, as in OpenAI's schema and vLLM (torch.long); the schema
+# refuses others with pydantic's less_than_equal / greater_than_equal errors.
+SEED_MIN = -(1 << 63)
+SEED_MAX = (1 << 63) - 1
 MAX_STOP_STRINGS = 16
 # Characters per stop string: every one is followed character by character as text arrives.
 MAX_STOP_CHARS = 4096
@@ -42,7 +46,7 @@ class _SamplingBody(BaseModel):
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     presence_penalty: float | None = None
@@ -268,8 +272,11 @@ def to_generation(
             raise BadRequest("the prompt is empty", "messages" if chat else "prompt")
         bad = [t for t in prompt.token_ids if not 0 <= t < codec.vocab_size]
         if bad:
+            # vLLM's wording, which clients and tests match on.
             raise BadRequest(
-                f"prompt token ids must be in [0, {codec.vocab_size}), got {bad[:5]}", "prompt"
+                f"Token id {bad[0]} is out of vocabulary (the vocabulary has "
+                f"{codec.vocab_size} tokens; ids must be in [0, {codec.vocab_size}))",
+                "prompt",
             )
     longest = max(len(p.token_ids) for p in prompts)
     if longest >= max_model_len:
@@ -297,8 +304,6 @@ def to_generation(
     if any(len(s) > MAX_STOP_CHARS for s in stop):
         raise BadRequest(f"a stop string may have at most {MAX_STOP_CHARS} characters", "stop")
     prompt_logprobs = _prompt_logprobs(body, logprobs)
-    if body.seed is not None and not SEED_MIN <= body.seed <= SEED_MAX:
-        raise BadRequest("seed must fit in 64 bits", "seed")
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=_default(body.temperature, 1.0),
@@ -475,4 +480,5 @@ def _default(value: float | None, default: float) -> float:
 
 
 def _wrap_seed(seed: int) -> int:
+    """``seed`` back in the signed 64-bit range (seed + choice index can pass its top)."""
     return seed if seed <= SEED_MAX else seed - (1 << 64)

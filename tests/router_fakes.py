@@ -262,12 +262,17 @@ class FakeWorker(threading.Thread):
             count = min(self.tokens_per_tick, job.params.max_tokens - job.next_index)
             samples = [self._sample(job.next_index + k, job.params) for k in range(count)]
             done = job.next_index + count >= job.params.max_tokens
+            finish = "length" if done else None
+            # A stop token ends the sequence there, as a real worker's scheduler does.
+            stops = [i for i, s in enumerate(samples) if s.token_id in job.params.stop_token_ids]
+            if stops:
+                samples, count, done, finish = samples[: stops[0] + 1], stops[0] + 1, True, "stop"
             assert job.out is not None
             delta = TokenDelta(
                 job.request_id,
                 samples,
                 job.next_index,
-                "length" if done else None,
+                finish,
                 len(job.prompt),
                 0,
                 first=job.next_index == 0,
@@ -486,3 +491,12 @@ def start_fakes(router: RouterServer, hub: dict, specs: list[tuple[str, str]], *
     for w in workers:
         assert w.ready.wait(10), f"{w.worker_id} did not register"
     return workers
+
+
+@contextlib.contextmanager
+def router_with_a_pair(model_path, **overrides) -> Iterator[RouterServer]:
+    """A router with a prefill FakeWorker "p0" and a decode FakeWorker "d0" registered."""
+    with router_server(model_path, **overrides) as router:
+        start_fakes(router, {}, [("p0", "prefill"), ("d0", "decode")])
+        router.wait_for_workers(1, 1)
+        yield router

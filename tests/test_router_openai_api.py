@@ -122,3 +122,26 @@ def test_schema_errors_are_pydantic_errors():
         CompletionBody.model_validate({"model": "m"})
     with pytest.raises(ValidationError):
         ChatBody.model_validate({"model": "m", "messages": []})
+
+
+@pytest.mark.parametrize(
+    ("seed", "kind"), [(1 << 63, "less_than_equal"), (-(1 << 63) - 1, "greater_than_equal")]
+)
+def test_a_seed_is_a_signed_64_bit_integer(seed, kind):
+    """As in OpenAI's schema and vLLM: the schema refuses it, with pydantic's error type."""
+    with pytest.raises(ValidationError) as info:
+        CompletionBody.model_validate({"model": "m", "prompt": "x", "seed": seed})
+    assert info.value.errors()[0]["type"] == kind and info.value.errors()[0]["loc"] == ("seed",)
+    for edge in ((1 << 63) - 1, -(1 << 63)):
+        assert parse({"model": "m", "prompt": "x", "seed": edge}).params.seed == edge
+    # The n choices of a seed at the top take seed + index, wrapped into the signed range.
+    g = parse({"model": "m", "prompt": "x", "seed": (1 << 63) - 1, "n": 2})
+    assert g.params_for_choice(1).seed == -(1 << 63)
+
+
+def test_an_out_of_vocabulary_prompt_token_says_so():
+    with pytest.raises(APIError, match="Token id 1000 is out of vocabulary") as info:
+        parse({"model": "m", "prompt": [5, 1000, 7]})
+    assert info.value.param == "prompt"
+    with pytest.raises(APIError, match="Token id -1 is out of vocabulary"):
+        parse({"model": "m", "prompt": [[5], [-1]]})
