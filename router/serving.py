@@ -52,6 +52,8 @@ class _Choice:
     consumed: int = 0  # samples taken from gen.samples
     text: str = ""
     finish_reason: str | None = None
+    # vLLM's stop_reason: the stop string or stop token id that ended the choice, else None.
+    stop_reason: str | int | None = None
     sent_prompt_ids: bool = False
     echoed: bool = False  # (streamed) the echoed prompt's chunk has gone out
     text_offset: int = 0
@@ -146,10 +148,12 @@ class Run:
             choice.consumed += len(new)
             if choice.detok.stopped:
                 choice.finish_reason = "stop"
+                choice.stop_reason = choice.detok.stop_reason
                 self.dispatcher.finish_early(gen, "stop_string")
             elif gen.finish_reason is not None:
                 text += choice.detok.finish()
                 choice.finish_reason = gen.finish_reason
+                choice.stop_reason = _stop_token(gen)
             choice.text += text
             if choice.done:
                 remaining -= 1
@@ -191,6 +195,7 @@ class Run:
                     "message": message,
                     "logprobs": self._chat_logprobs(c.samples),
                     "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
                 }
                 if token_ids is not None:
                     choice["token_ids"] = token_ids
@@ -208,6 +213,7 @@ class Run:
                     "text": prefix + c.text,
                     "logprobs": logprobs,
                     "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
                     "prompt_logprobs": self._prompt_logprobs(c),
                     # vLLM's completion choices always carry both keys.
                     "prompt_token_ids": self._prompt_ids(c) if token_ids is not None else None,
@@ -276,6 +282,7 @@ class Run:
             key: payload,
             "logprobs": logprobs,
             "finish_reason": finish,
+            "stop_reason": c.stop_reason if finish is not None else None,
         }
         extra: dict = {}
         if request.return_token_ids:
@@ -317,7 +324,11 @@ class Run:
         if self.request.return_token_ids:
             return ""  # the prompt comes back as ids instead (vLLM's rule)
         prompt = self.request.prompts[c.prompt_index]
-        return prompt.text if prompt.text is not None else self.tokens.text(prompt.token_ids)
+        if prompt.text is not None:
+            return prompt.text
+        # Special tokens included, as vLLM echoes them: the echoed prompt's logprobs name every
+        # token and count its characters in text_offset, and the text must agree with them.
+        return self.tokens.text(prompt.token_ids, False)
 
     def _token_name(self, token_id: int) -> str:
         if self.request.tokens_as_ids:
@@ -408,6 +419,15 @@ class Run:
             return []
         lps: Sequence[float | None] = s.top_logprobs or [None] * len(s.top_token_ids)
         return [(self._token_name(t), lp) for t, lp in zip(s.top_token_ids, lps, strict=False)]
+
+
+def _stop_token(gen: Generation) -> int | None:
+    """The stop token id a finished sequence ended on, if it ended on one of its own
+    ``stop_token_ids`` (not on EOS or its length)."""
+    if gen.finish_reason != "stop" or not gen.samples:
+        return None
+    last = gen.samples[-1].token_id
+    return last if last in gen.params.stop_token_ids else None
 
 
 def _lp(value: float | None) -> float | None:
