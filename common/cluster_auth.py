@@ -10,18 +10,23 @@ and the failure is counted per socket (``pdserve_auth_failures_total``).
 
 The secret comes from ``PDSERVE_CLUSTER_SECRET`` or a file named by ``--cluster-secret-file``
 (``pdserve up`` makes one per cluster and hands it to its processes in the environment). Without
-one the sockets run in the clear and every process says so at start-up: a cluster is then only
-as safe as the network its sockets can be reached from.
+one the sockets run in the clear: a stranger that reaches them registers as a worker, reads
+prompts and forges answers. On loopback that is allowed (with a warning at start-up); a process
+whose internal sockets bind any other address refuses to start without a secret, unless it is
+given ``--insecure-no-auth`` (and then warns that it runs open).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import hashlib
+import ipaddress
 import logging
 import os
+import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +38,7 @@ from zmq.utils.monitor import recv_monitor_message
 logger = logging.getLogger(__name__)
 
 SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
+INSECURE_FLAG = "--insecure-no-auth"
 MIN_SECRET_CHARS = 16
 _HANDSHAKE_FAILURES = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
@@ -79,6 +85,68 @@ def load_secret(path: str | None = None) -> str | None:
             return None
     ClusterKeys.from_secret(secret)  # checks the length
     return secret
+
+
+def add_insecure_flag(parser: argparse.ArgumentParser) -> None:
+    """``--insecure-no-auth``, read by ``secret_for_binding``."""
+    parser.add_argument(
+        INSECURE_FLAG,
+        action="store_true",
+        help="run without a cluster secret even where the internal sockets bind an address "
+        "other than loopback (anyone who reaches them can join the cluster)",
+    )
+
+
+def secret_for_binding(path: str | None, binds: Iterable[str], insecure: bool) -> str | None:
+    """``load_secret(path)``, checked against where this process's internal sockets bind
+    (hosts or ZeroMQ endpoints). Without a secret, any address that is not loopback raises
+    ``ValueError`` naming ``--cluster-secret-file``, unless ``insecure`` (then a warning)."""
+    secret = load_secret(path)
+    if secret is not None:
+        return secret
+    exposed = [bind for bind in binds if not is_loopback(bind)]
+    if not exposed:
+        return None
+    if not insecure:
+        raise ValueError(
+            f"the internal sockets bind {', '.join(exposed)}, which is not loopback, and no "
+            f"cluster secret is set: anyone who reaches them could register as a worker, read "
+            f"prompts and forge answers. Give every process the same secret with "
+            f"--cluster-secret-file (or {SECRET_ENV}), or pass {INSECURE_FLAG} to run open"
+        )
+    logger.warning(
+        "%s: the internal sockets bind %s WITHOUT AUTHENTICATION OR ENCRYPTION; anyone who "
+        "reaches them can join this cluster, read its prompts and forge its answers",
+        INSECURE_FLAG,
+        ", ".join(exposed),
+    )
+    return None
+
+
+def is_loopback(bind: str) -> bool:
+    """Whether a host, or a ZeroMQ endpoint (``tcp://HOST:PORT``, ``ipc://``, ``inproc://``),
+    can be reached only from this machine. A name counts when every address it resolves to is
+    loopback; one that does not resolve, a wildcard or an interface name does not."""
+    transport, sep, rest = bind.partition("://")
+    if sep and transport in ("ipc", "inproc"):
+        return True
+    host = rest if sep else bind
+    if sep:
+        host = host.rsplit(":", 1)[0]  # the port
+    host = host.strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    if not host or host == "*":
+        return False
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except (OSError, UnicodeError):
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
 
 
 class ClusterAuth:

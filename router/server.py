@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from common.cluster_auth import load_secret
+from common.cluster_auth import add_insecure_flag, secret_for_binding
 from router.app import create_app
 from router.config import RouterConfig
 from router.http_protocol import with_read_deadline
@@ -196,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the cluster secret's file (default: $PDSERVE_CLUSTER_SECRET); workers must hold it",
     )
+    add_insecure_flag(p)
     p.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"]
     )
@@ -239,7 +240,10 @@ def config_from_args(args: argparse.Namespace, text: ModelText, model_path: Path
         max_retries=args.max_retries,
         max_body_bytes=args.max_body_bytes,
         max_inflight=args.max_inflight,
-        cluster_secret=load_secret(args.cluster_secret_file),
+        # Workers connect to the control socket: it is what a stranger must not reach.
+        cluster_secret=secret_for_binding(
+            args.cluster_secret_file, [args.control], args.insecure_no_auth
+        ),
         slo=ServiceLevel(
             ttft_s=None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1000,
             tpot_s=None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1000,
