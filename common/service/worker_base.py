@@ -89,6 +89,7 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
         help=f"the cluster secret's file (default: ${cluster_auth.SECRET_ENV}); peers on the "
         "internal sockets must hold it",
     )
+    cluster_auth.add_insecure_flag(parser)
     parser.add_argument("--log-level", default="INFO")
     add_engine_args(parser)
 
@@ -135,13 +136,17 @@ class WorkerService(ABC):
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        # Before the engine loads: a worker that must not start says so at once.
+        secret = cluster_auth.secret_for_binding(
+            args.cluster_secret_file, [args.host], args.insecure_no_auth
+        )
         self.worker_id = args.worker_id or f"{self.role}-{socket.gethostname()}-{os.getpid()}"
         self.incarnation = secrets.token_hex(8)  # this process's: a restart gets a new one
         self.engine = LLMEngine(engine_config_from_args(args), role=self.role)
         self.scheduler = self.engine.scheduler
         self.page_manager = self.engine.page_manager
         self.auth = ClusterAuth(
-            cluster_auth.load_secret(args.cluster_secret_file),
+            secret,
             lambda name: AUTH_FAILURES.labels(socket=name).inc(),
         )
         cluster_auth.install(self.auth)  # the KV side channel's sockets take it from there
