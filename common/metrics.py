@@ -5,7 +5,7 @@ Counters are process-wide (prometheus_client's default registry): one worker per
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram
 
 PROMPT_TOKENS_COMPUTED = Counter(
     "pdserve_prompt_tokens_computed",
@@ -95,9 +95,3 @@ def parse_exposition(text: str) -> dict[str, float]:
             name, _, value = line.rpartition(" ")
             values[name] = float(value)
     return values
-
-
-def serve_metrics(host: str, port: int) -> str:
-    """Serve /metrics on ``host:port`` (0: any free port) in a daemon thread; returns its URL."""
-    server, _ = start_http_server(port, addr=host)
-    return f"http://{host}:{server.server_address[1]}/metrics"

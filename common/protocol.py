@@ -3,14 +3,19 @@
 Sockets (all ZeroMQ, every frame one message from ``common.messages``)::
 
     router  ROUTER bind  (--control)  ◀──DEALER──  every worker, identity = worker id
-        worker -> router: RegisterWorker, Heartbeat, CacheEvents, TokenDelta(s), RequestFailed
-        router -> worker: RegisterAck, PrefillRequest, DecodeRequest, AbortRequest
+        worker -> router: RegisterWorker, Heartbeat, CacheEvents, TokenDelta(s), RequestFailed,
+                          WorkerDraining
+        router -> worker: RegisterAck, PrefillRequest, DecodeRequest, AbortRequest, LeaveAck
     decode  PULL   bind  (handoff)    ◀──PUSH────  prefill workers: HandoffPart, Handoff,
                                                    AbortRequest (withdraws shipped parts)
 
 A request keeps the id the router gave it in every message. The first token of a disaggregated
 request comes from the prefill worker (a ``TokenDelta`` with ``first=True``); the rest come from
 the decode worker that received the handoff.
+
+A worker that gets SIGTERM drains (``common/service/drain.py``): it sends ``WorkerDraining`` and
+the router routes nothing new to it; it serves what it holds, then sends ``WorkerDraining`` with
+``leaving`` and waits for the router's ``LeaveAck`` before it closes its sockets.
 
 A prompt prefilled in several chunks may be shipped as it goes: after each chunk the prefill
 worker publishes the prompt's newly completed pages and PUSHes a ``HandoffPart``, so the decode
@@ -164,6 +169,22 @@ class RequestFailed(Message):
     retryable: bool
 
 
+@message("worker.draining")
+@dataclass(slots=True)
+class WorkerDraining(Message):
+    """The worker is shutting down: route nothing new to it. Requests already on their way are
+    still served. Sent again every second while it drains, so a router that restarted meanwhile
+    learns it too (a router that predates this message drops it as an unknown type, and finds
+    the worker gone by its heartbeats instead).
+
+    With ``leaving``, the worker is going now: whatever the router still has on it (the drain
+    ran out of time, or a request crossed the first message) is moved elsewhere as when a
+    worker dies, and the router answers ``LeaveAck``."""
+
+    worker_id: str
+    leaving: bool = False
+
+
 # -- router -> worker --------------------------------------------------------------------------
 
 
@@ -173,6 +194,16 @@ class RegisterAck(Message):
     accepted: bool
     reason: str | None = None
     heartbeat_interval: float = 1.0
+
+
+@message("router.leave_ack")
+@dataclass(slots=True)
+class LeaveAck(Message):
+    """The router has read everything the leaving worker sent before its ``WorkerDraining``
+    (``leaving``), one socket keeping them in order, and has moved what it held: the worker may
+    close its sockets without losing a token it sent."""
+
+    worker_id: str
 
 
 @message("router.prefill")

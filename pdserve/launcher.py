@@ -23,6 +23,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from common import cluster_auth
+from common.service.drain import DEFAULT_DRAIN_TIMEOUT_S, positive_seconds
 
 # A worker that dies is started again (the router re-dispatches its requests meanwhile), at
 # most this many times, so a worker that cannot start does not loop for ever.
@@ -140,6 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the secret every process proves on the internal sockets (default: "
         "$PDSERVE_CLUSTER_SECRET, else a new one for this cluster)",
     )
+    parser.add_argument(
+        "--drain-timeout",
+        type=positive_seconds,
+        default=None,
+        help=f"the workers': seconds from SIGTERM to exit, to finish what they hold (default "
+        f"{DEFAULT_DRAIN_TIMEOUT_S:g}); stopping pdserve up drains the workers first",
+    )
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--log-level", default="INFO")
     return parser
@@ -253,7 +261,16 @@ def wait_until_ready(services: list[Service], base_url: str, args) -> None:
     raise RuntimeError(f"the cluster was not ready within {args.startup_timeout:.0f} s")
 
 
-def stop_all(services: list[Service], grace: float = 15.0) -> None:
+def stop_all(services: list[Service], drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
+    """SIGTERM the workers, which drain (they finish what they hold, telling the router), then
+    the router; whatever is still running after its time is killed."""
+    workers = [s for s in services if s.module != "router"]
+    routers = [s for s in services if s.module == "router"]
+    _terminate(workers, grace=drain_timeout + 5.0)
+    _terminate(routers, grace=15.0)
+
+
+def _terminate(services: list[Service], grace: float) -> None:
     for service in services:
         if service.process.poll() is None:
             service.process.send_signal(signal.SIGTERM)
@@ -331,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
         args.log_level,
         *secret_flags,
     ]
+    if args.drain_timeout is not None:
+        shared += ["--drain-timeout", str(args.drain_timeout)]
     if args.max_model_len is not None:
         router_args += ["--max-model-len", str(args.max_model_len)]
         shared += ["--max-model-len", str(args.max_model_len)]
@@ -375,4 +394,4 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 1
     finally:
-        stop_all(services)
+        stop_all(services, args.drain_timeout or DEFAULT_DRAIN_TIMEOUT_S)

@@ -22,6 +22,7 @@ from common.protocol import (
     CacheEvents,
     DecodeRequest,
     Heartbeat,
+    LeaveAck,
     PrefillRequest,
     PromptTokenLogprob,
     RegisterAck,
@@ -30,6 +31,7 @@ from common.protocol import (
     TokenDelta,
     TokenDeltas,
     TokenSample,
+    WorkerDraining,
 )
 from common.sampling_params import SamplingParams
 from kernels.sizes import ceil_div
@@ -167,6 +169,9 @@ class Dispatcher:
             self._on_failed(sender, msg)
         elif isinstance(msg, RegisterWorker):
             self._on_register(sender, msg, now)
+        elif isinstance(msg, WorkerDraining):
+            self._check_sender(sender, msg.worker_id)
+            self._on_draining(msg, now)
         else:
             raise ValueError(f"a worker may not send {type(msg).__name__}")
 
@@ -176,8 +181,12 @@ class Dispatcher:
             return
         logger.warning("worker %s (%s) removed: %s", worker_id, state.role, cause)
         self.metrics.removed_workers.labels(cause).inc()
+        self._rehome(worker_id, state.inflight, cause)
+
+    def _rehome(self, worker_id: str, inflight: set[str], cause: str) -> None:
+        """After ``worker_id`` left: re-dispatch or migrate the requests it still had."""
         self._count_workers()
-        for wire_id in sorted(state.inflight):
+        for wire_id in sorted(inflight):
             gen = self.generations.get(wire_id)
             if gen is None or gen.done:
                 continue
@@ -197,6 +206,25 @@ class Dispatcher:
         for gen in stalled:
             self.metrics.stalls.inc()
             self._recover(gen, None, f"no token for {self.stall_timeout:g} s")
+
+    def _on_draining(self, msg: WorkerDraining, now: float) -> None:
+        """A worker shutting down: route nothing new to it; once it leaves, move what it still
+        has, as when a worker dies (but a drain is routine: it is not counted as a removal,
+        which alerts), and tell it that everything it sent before has been read."""
+        if not msg.leaving:
+            if self.registry.on_draining(msg.worker_id, now):
+                logger.info("worker %s is draining: nothing new is routed to it", msg.worker_id)
+            return
+        state = self.registry.remove(msg.worker_id)
+        if state is not None:
+            logger.info(
+                "worker %s (%s) drained; %d requests left on it move elsewhere",
+                msg.worker_id,
+                state.role,
+                len(state.inflight),
+            )
+            self._rehome(msg.worker_id, state.inflight, "drained")
+        self.send(msg.worker_id, LeaveAck(msg.worker_id))
 
     # -- internals -----------------------------------------------------------------------------
 

@@ -46,6 +46,8 @@ class WorkerState:
     num_free_pages: int = 0
     kv_usage: float = 0.0
     last_heartbeat_at: float | None = None
+    # Shutting down (WorkerDraining): it serves what it has, and nothing new is routed to it.
+    draining: bool = False
     # request id -> what its dispatch added before a heartbeat could report it
     unreported: dict[str, _Dispatch] = field(default_factory=dict)
     inflight: set[str] = field(default_factory=set)  # request ids this worker holds
@@ -75,6 +77,7 @@ class WorkerState:
             "page_size": self.page_size,
             "max_model_len": self.max_model_len,
             "deterministic_inference": self.deterministic,
+            "draining": self.draining,
             "load": {
                 "num_running": self.num_running,
                 "num_waiting": self.num_waiting,
@@ -208,6 +211,17 @@ class WorkerRegistry:
         held.update(msg.stored)
         held.difference_update(msg.removed)
 
+    def on_draining(self, worker_id: str, now: float) -> bool:
+        """The worker is shutting down: keep it (its requests still report here) but route
+        nothing new to it. Whether this is news."""
+        state = self.workers.get(worker_id)
+        if state is None:
+            return False
+        state.last_seen = now
+        news = not state.draining
+        state.draining = True
+        return news
+
     def cached_hashes(self, worker_id: str) -> set[int]:
         return self._held.get(worker_id, set())
 
@@ -242,7 +256,7 @@ class WorkerRegistry:
         prefill = []
         decode = []
         for w in self.workers.values():
-            if w.worker_id in exclude:
+            if w.worker_id in exclude or w.draining:
                 continue
             if w.role == ROLE_PREFILL:
                 prefill.append(

@@ -16,7 +16,6 @@ import argparse
 import logging
 import os
 import secrets
-import signal
 import socket
 import time
 from abc import ABC, abstractmethod
@@ -44,7 +43,6 @@ from common.metrics import (
     STEP_BATCH_SIZE,
     STEP_SECONDS,
     WAITING,
-    serve_metrics,
 )
 from common.protocol import (
     REREGISTER,
@@ -60,6 +58,8 @@ from common.protocol import (
     TokenSample,
 )
 from common.sampling_params import SamplingParams
+from common.service.drain import Drain, add_drain_args
+from common.service.health import Probes, serve_worker_http
 from common.service.router_link import RouterLink
 from common.service.step_io import StepIO
 from kvtransfer.ucx_interface import pin_ucx_to_host
@@ -91,6 +91,7 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     )
     cluster_auth.add_insecure_flag(parser)
     parser.add_argument("--log-level", default="INFO")
+    add_drain_args(parser)
     add_engine_args(parser)
 
 
@@ -155,7 +156,9 @@ class WorkerService(ABC):
             logger.info("UCX network devices: %s", pin_ucx_to_host(args.host) or "all")
         self.context = zmq.Context()
         self.link = RouterLink(self.context, args.router, self.worker_id, self.auth)
-        self.metrics_url = serve_metrics(args.host, args.metrics_port)
+        self.drain = Drain(self.worker_id, args.drain_timeout)
+        self.probes = Probes()
+        self.metrics_url = serve_worker_http(args.host, args.metrics_port, self.probes)
         self._stopping = False
         self._step_io: StepIO
         self._last_heartbeat = 0.0
@@ -189,6 +192,11 @@ class WorkerService(ABC):
         """Requests held outside the scheduler (e.g. waiting for their pages)."""
         return 0
 
+    def num_held(self) -> int:
+        """Requests this worker holds: running, waiting, or outside the scheduler. A drain
+        ends when none are left."""
+        return len(self.scheduler.running) + len(self.scheduler.waiting) + self.num_pending()
+
     def serve_during_step(self) -> tuple[Callable[[], None], list] | None:
         """What a helper thread should serve while a step runs (``common/service/step_io``):
         a function that answers peers without touching the engine, and the sockets whose
@@ -203,7 +211,7 @@ class WorkerService(ABC):
     # -- the loop -------------------------------------------------------------------------------
 
     def serve(self) -> None:
-        signal.signal(signal.SIGTERM, lambda *_: self.stop())
+        self.drain.install()  # SIGTERM: finish or hand off what this worker holds, then exit
         self.link.register(self.registration(), self.args.register_timeout)
         self._report_whole_cache()
         logger.info(
@@ -216,6 +224,9 @@ class WorkerService(ABC):
         try:
             while not self._stopping:
                 self.turn()
+                self.probes.turned(self.drain.draining)
+                if self.drain.poll(self.link, self.num_held()):
+                    break
         finally:
             self._step_io.close()  # before the sockets it serves are closed
             self.close()
