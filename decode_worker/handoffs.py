@@ -1,24 +1,29 @@
 """The decode side of a handoff: a prompt's pages reserved, fetched, then admitted or given up.
 
 A prompt prefilled elsewhere comes as ``HandoffPart``s (pages its earlier chunks completed), then
-its ``Handoff`` (the first token, and the pages no part brought). The whole prompt's pages are
-reserved when the first of these comes, and a ``PendingHandoff`` holds it until no fetch of its
-pages is running::
+its ``Handoff`` (the first token, and the pages no part brought). Each part reserves the pages it
+brings, no more: what a part claims of the rest of the prompt (``num_prompt_tokens``) only bounds
+where later parts may end, and the handoff reserves the pages no part brought. A
+``PendingHandoff`` holds the pages until no fetch of them is running::
 
     part 0 ──▶ PARTS ──handoff, parts add up──▶ HANDED OFF ──fetches end──▶ admitted
     handoff offering every page ──────────────▶ HANDED OFF ──a fetch failed──▶ prefilled here
     PARTS ──handoff, parts do not add up──▶ prefilled here
     PARTS, HANDED OFF ──discarded──▶ DISCARDED ──fetches end──▶ pages freed
 
-- Part k starts its fetch if it follows on from the parts before it; one out of order or that
-  cannot be fetched records an error, and the handoff then has the prompt prefilled here. A
-  part other than part 0 with none held, or a part 0 that finds no free pages, is ignored.
+- Part k starts its fetch if it follows on from the parts before it. One out of order, past
+  the prompt's end, without free pages, or whose fetch fails drops the parts at once (their
+  pages freed once no fetch writes them); the handoff then has the prompt prefilled here. A
+  part other than part 0 with none held is ignored.
 - A handoff offering every page (``first_page`` 0) discards the parts held and reserves afresh;
   with no free pages the prompt is prefilled here. Bad sampling params fail the request (not
   retryable), bad transfer params too (retryable).
 - Discarded: the router aborts the request or re-dispatches it here; before the handoff also
-  when the prefill worker withdraws the parts, or they wait ``PARTS_TIMEOUT_S`` for it. Running
-  fetches are aborted, and the pages freed only once the receiver reports the last one ended.
+  when the prefill worker withdraws the parts, or the handoff is overdue: it is due by the end
+  of the latest part's lease (the sender hands off within a chunk of its last part, long before
+  that), and never more than ``PARTS_TIMEOUT_S`` after the latest part, whatever lease a part
+  claims. Running fetches are aborted, and the pages freed only once the receiver reports the
+  last one ended.
 - A handoff or part 0 of a request known here (held, pending, aborted in the last
   ``ABORT_MEMORY_S``) is dropped before anything is reserved: an abort or a re-dispatch can
   overtake it. (The worker has checked each message against its own limits before all this.)
@@ -49,9 +54,10 @@ logger = logging.getLogger(__name__)
 # An abort can overtake its request's handoff (they travel on different sockets); aborted ids
 # are remembered this long so a late handoff is dropped, not served.
 ABORT_MEMORY_S = 120.0
-# Pages reserved by parts whose handoff never came (the prefill worker vanished and the router
-# did not re-dispatch the request here) are given back after this long without news.
-PARTS_TIMEOUT_S = 300.0
+# The longest a part's pages wait for their handoff, however long the part's lease (the sender
+# vanished, or a part came from no real prefill): the handoff follows the last part within one
+# prefill chunk.
+PARTS_TIMEOUT_S = 60.0
 
 
 class Reservations(Protocol):
@@ -70,8 +76,9 @@ class PendingHandoff:
     """A prompt whose pages are on their way; it joins the batch once every fetch has ended."""
 
     request_id: str
-    dst_page_ids: list[int]  # the whole prompt's pages, reserved when the first news came
-    updated: float  # the clock's time of the last news (a part, a fetch's end)
+    dst_page_ids: list[int]  # pages reserved so far: the parts' (in order), then the handoff's
+    num_prompt_pages: int  # the prompt's pages, as the parts claim (the handoff's own count wins)
+    handoff_due: float  # the clock's time by which the parts' handoff must come
     fetches: set[str] = field(default_factory=set)  # transfer ids still being fetched
     num_parts: int = 0  # parts whose fetch was started
     next_page: int = 0  # the first prompt page no part has brought
@@ -134,33 +141,38 @@ class Handoffs:
         if pending is None:
             if part.part_index != 0 or self._known(request_id):
                 return  # an earlier part was not taken: the handoff will say what to do
-            pages = self.scheduler.reserve(part.num_prompt_tokens)
-            if pages is None:
-                logger.info("no room for %s's %d-token prompt yet; waiting for its handoff",
-                            request_id, part.num_prompt_tokens)  # fmt: skip
-                return
-            pending = PendingHandoff(request_id, pages, self._clock())
-            self._pending[request_id] = pending
-        elif pending.handoff is not None or pending.error is not None:
-            return  # a part after the handoff, or after one went wrong: nothing to gain
-        pending.updated = self._clock()
-        try:
-            transfer = part.transfer
-            end = part.first_page + len(transfer.page_ids)
-            if part.part_index != pending.num_parts or part.first_page != pending.next_page:
-                raise TransferError(
-                    f"part {part.part_index} from page {part.first_page} arrived after "
-                    f"{pending.num_parts} parts and {pending.next_page} pages"
-                )
-            if not transfer.page_ids or end > len(pending.dst_page_ids):
-                raise TransferError(f"part ends at page {end} of {len(pending.dst_page_ids)}")
-        except TransferError as exc:
-            pending.error = f"bad handoff part: {exc}"
+            num_pages = ceil_div(part.num_prompt_tokens, self.scheduler.page_size)
+            pending = PendingHandoff(request_id, [], num_pages, self._clock())
+        elif pending.handoff is not None:
+            return  # a part after the handoff: nothing to gain
+        transfer = part.transfer
+        end = part.first_page + len(transfer.page_ids)
+        if part.part_index != pending.num_parts or part.first_page != pending.next_page:
+            problem = (f"part {part.part_index} from page {part.first_page} arrived after "
+                       f"{pending.num_parts} parts and {pending.next_page} pages")  # fmt: skip
+        elif not transfer.page_ids or end > pending.num_prompt_pages:
+            problem = f"part ends at page {end} of {pending.num_prompt_pages}"
+        else:
+            problem = None
+        pages = None if problem else self._reserve_pages(len(transfer.page_ids))
+        if pages is None:
+            logger.info("dropping %s's parts: %s", request_id, problem or "no free pages")
+            self._discard(pending)
             return
-        dst = pending.dst_page_ids[part.first_page : end]
-        if self._start_fetch(pending, part.transfer_id, transfer, dst):
+        self._pending[request_id] = pending
+        pending.dst_page_ids.extend(pages)
+        # The sender keeps a part's pages for its lease, and hands off within a chunk of its
+        # last part: the handoff is due by then, or after a fetch's timeout if that is longer,
+        # and never after PARTS_TIMEOUT_S (a lease of an hour holds nothing here for an hour).
+        lease_left = transfer.lease_deadline - time.time()
+        pending.handoff_due = self._clock() + min(
+            max(lease_left, self.fetch_timeout), PARTS_TIMEOUT_S
+        )
+        if self._start_fetch(pending, part.transfer_id, transfer, pages):
             pending.num_parts += 1
             pending.next_page = end
+        else:
+            self._discard(pending)
 
     def accept_handoff(self, handoff: Handoff) -> None:
         """The prefill worker's last word: fetch the pages no part brought and admit the prompt
@@ -205,15 +217,19 @@ class Handoffs:
                 self._discard(pending)
             self._fail(request_id, f"bad handoff: {exc}", True)  # retryable
             return
+        # The pages no part brought (all of them without parts).
+        pages = self._reserve_pages(num_pages - handoff.first_page)
+        if pages is None:
+            logger.warning("no room for %s's %d pages; prefilling it here", request_id,
+                           num_pages - handoff.first_page)  # fmt: skip
+            if pending is not None:
+                self._discard(pending)
+            self._prefill_locally(seq)
+            return
         if pending is None:
-            pages = self.scheduler.reserve(seq.num_prompt_tokens)
-            if pages is None:
-                logger.warning("no room for %s's %d pages; prefilling it here", request_id,
-                               num_pages)  # fmt: skip
-                self._prefill_locally(seq)
-                return
-            pending = PendingHandoff(request_id, pages, self._clock())
+            pending = PendingHandoff(request_id, [], num_pages, self._clock())
             self._pending[request_id] = pending
+        pending.dst_page_ids.extend(pages)
         pending.handoff, pending.seq = handoff, seq
         self._start_fetch(pending, request_id, transfer, pending.dst_page_ids[handoff.first_page :])
         self._settle(pending)
@@ -279,9 +295,13 @@ class Handoffs:
         if pending is None:
             return
         pending.fetches.discard(result.transfer_id)
-        pending.updated = self._clock()
         if not result.ok:
             pending.error = pending.error or f"fetching pages failed ({result.error})"
+            if pending.handoff is None and not pending.aborted:
+                # Parts only: their pages are not held for a handoff that will prefill here.
+                logger.info("dropping %s's parts: %s", pending.request_id, pending.error)
+                self._discard(pending)
+                return
         elif not pending.aborted:
             KV_PAGES_RECEIVED.inc(result.num_pages)
         self._settle(pending)
@@ -325,10 +345,15 @@ class Handoffs:
             return
         self._next_parts_check = now + 1.0
         for pending in list(self._pending.values()):
-            if pending.handoff is None and now - pending.updated > PARTS_TIMEOUT_S:
-                logger.warning("no handoff for %s's parts in %.0fs; dropping them",
-                               pending.request_id, PARTS_TIMEOUT_S)  # fmt: skip
+            if pending.handoff is None and now > pending.handoff_due:
+                logger.warning("%s's handoff is overdue; dropping its parts", pending.request_id)
                 self._discard(pending)
+
+    def _reserve_pages(self, num_pages: int) -> list[int] | None:
+        """``num_pages`` free pages reserved (none for 0), or None if they are not free."""
+        if num_pages == 0:
+            return []
+        return self.scheduler.reserve(num_pages * self.scheduler.page_size)
 
     def _prefill_locally(self, seq: Sequence) -> None:
         KV_TRANSFER_FALLBACKS.inc()
@@ -348,6 +373,6 @@ def _parts_problem(pending: PendingHandoff | None, handoff: Handoff, num_pages: 
             f"{pending.num_parts} parts up to page {pending.next_page} here, the handoff "
             f"counts {handoff.num_parts} up to page {handoff.first_page}"
         )
-    if len(pending.dst_page_ids) != num_pages:
-        return f"{len(pending.dst_page_ids)} pages reserved for a prompt of {num_pages}"
+    if pending.num_prompt_pages != num_pages:
+        return f"the parts claimed {pending.num_prompt_pages} pages for a prompt of {num_pages}"
     return None

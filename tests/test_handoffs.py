@@ -147,12 +147,13 @@ def test_a_handoff_without_parts_fetches_every_page_then_admits_the_prompt_compu
     assert decode.engine.scheduler.num_prompt_tokens_computed == 0
 
 
-def test_parts_reserve_at_part_0_fetch_one_by_one_and_settle_when_every_page_is_in(decode):
+def test_parts_reserve_their_own_pages_fetch_one_by_one_and_settle_when_every_page_is_in(decode):
     received = sample(RECEIVED)
     decode.handoffs.accept_part(part("r", 0, 0, 2))
-    assert decode.num_free == NUM_PAGES - 5  # the whole prompt's pages, at the first part
+    assert decode.num_free == NUM_PAGES - 2  # the pages the part brings, not the prompt's
     [(_, first_dst)] = decode.receiver.started
     decode.handoffs.accept_part(part("r", 1, 2, 1))
+    assert decode.num_free == NUM_PAGES - 3
     decode.handoffs.accept_handoff(handoff("r", first_page=3, num_parts=2))
     ids = [transfer_id for transfer_id, _ in decode.receiver.started]
     assert ids == ["r/part0", "r/part1", "r"]
@@ -228,7 +229,7 @@ def test_abort_while_parts_are_in_flight_withdraws_them_and_frees_the_pages(deco
     assert decode.receiver.aborted == ["r/part1"]
     assert decode.handoffs.num_pending() == 0
     # The pages stay reserved until the receiver says nothing writes them any more.
-    assert decode.num_free == NUM_PAGES - 5
+    assert decode.num_free == NUM_PAGES - 3
     decode.handoffs.poll()
     assert decode.num_free == NUM_PAGES
     # A part that straggles in after the withdrawal reserves nothing.
@@ -267,16 +268,15 @@ def test_aborted_ids_are_forgotten_after_a_while(decode):
     assert [transfer_id for transfer_id, _ in decode.receiver.started] == ["r"]
 
 
-def test_parts_whose_handoff_never_comes_expire(decode):
-    decode.handoffs.accept_part(part("r", 0, 0, 2))
-    decode.handoffs.accept_part(part("r", 1, 2, 1))
-    decode.clock.now += PARTS_TIMEOUT_S - 10
+def test_parts_whose_handoff_never_comes_expire_when_the_latest_parts_lease_ends(decode):
+    decode.handoffs.accept_part(part("r", 0, 0, 2))  # leases of 30 s (``transfer``)
+    decode.clock.now += 20
+    decode.handoffs.accept_part(part("r", 1, 2, 1))  # the handoff is due 30 s from here
     decode.receiver.complete("r/part0")
-    decode.handoffs.poll()  # news: the timeout starts again
-    decode.clock.now += PARTS_TIMEOUT_S - 10
+    decode.clock.now += 25
     decode.handoffs.poll()
     assert decode.receiver.aborted == [] and decode.handoffs.num_pending() == 1
-    decode.clock.now += 20
+    decode.clock.now += 10
     decode.handoffs.poll()
     assert decode.receiver.aborted == ["r/part1"] and decode.handoffs.num_pending() == 0
     decode.handoffs.poll()  # the aborted fetch is reported: only now are the pages free
@@ -287,6 +287,38 @@ def test_parts_whose_handoff_never_comes_expire(decode):
     decode.clock.now += 10 * PARTS_TIMEOUT_S
     decode.handoffs.poll()
     assert decode.handoffs.num_pending() == 1 and decode.receiver.aborted == ["r/part1"]
+
+
+def test_a_stray_part_holds_only_its_own_pages_and_not_for_its_claimed_lease(decode):
+    """A part from no prefill worker that expects it (a stranger on an open socket, a sender
+    gone astray): it claims a prompt as long as the context and an hour's lease. It reserves
+    the pages it offers, and gives them back after PARTS_TIMEOUT_S at the latest."""
+    claim = part("x", 0, 0, 2, prompt=[5] * 250)
+    claim.transfer = replace(claim.transfer, lease_deadline=time.time() + 3600)
+    decode.handoffs.accept_part(claim)
+    assert decode.num_free == NUM_PAGES - 2
+    decode.receiver.complete("x/part0")
+    decode.clock.now += PARTS_TIMEOUT_S - 1
+    decode.handoffs.poll()
+    assert decode.handoffs.num_pending() == 1
+    decode.clock.now += 2
+    decode.handoffs.poll()
+    assert decode.handoffs.num_pending() == 0 and decode.num_free == NUM_PAGES
+    # One that cannot be fetched gives its pages back when the fetch ends, not at its deadline.
+    decode.handoffs.accept_part(part("y", 0, 0, 2))
+    decode.receiver.fail("y/part0", "no sender answered")
+    decode.handoffs.poll()
+    assert decode.handoffs.num_pending() == 0 and decode.num_free == NUM_PAGES
+    # Its handoff, if one comes after all, has the prompt prefilled here.
+    decode.handoffs.accept_handoff(handoff("y", first_page=2, num_parts=1))
+    assert decode.waiting("y").num_computed_tokens == 0
+    # A part past the end its own part 0 claimed is refused, and the parts dropped.
+    decode.handoffs.accept_part(part("z", 0, 0, 2, prompt=PROMPT[:40]))  # three pages
+    decode.handoffs.accept_part(part("z", 1, 2, 2, prompt=PROMPT[:40]))
+    decode.handoffs.poll()
+    assert decode.receiver.aborted == ["z/part0"] and decode.handoffs.num_pending() == 0
+    decode.handoffs.poll()
+    assert decode.num_free == NUM_PAGES
 
 
 def test_a_duplicate_or_known_handoff_is_refused_before_anything_is_reserved(decode):
@@ -309,12 +341,14 @@ def test_a_prompt_with_no_room_is_prefilled_here_without_reserving(decode):
     decode.handoffs.accept_handoff(handoff("r"))
     fallbacks, free = sample(FALLBACKS), decode.num_free
     big = random_prompts(1, seed=2, min_len=16 * free + 1, max_len=16 * free + 1)[0]
-    decode.handoffs.accept_part(part("big", 0, 0, 2, prompt=big))  # waits for its handoff
-    assert decode.handoffs.num_pending() == 1 and decode.num_free == free
-    decode.handoffs.accept_handoff(handoff("big", prompt=big))
-    assert len(decode.receiver.started) == 1 and decode.num_free == free
+    decode.handoffs.accept_part(part("big", 0, 0, 2, prompt=big))  # its own two pages
+    assert decode.handoffs.num_pending() == 2 and decode.num_free == free - 2
+    decode.handoffs.accept_handoff(handoff("big", prompt=big, first_page=2, num_parts=1))
+    assert decode.receiver.aborted == ["big/part0"] and len(decode.receiver.started) == 2
     assert decode.waiting("big").num_computed_tokens == 0
     assert sample(FALLBACKS) == fallbacks + 1 and not decode.worker.failures
+    decode.handoffs.poll()
+    assert decode.num_free == free and decode.handoffs.num_pending() == 1
 
 
 def test_messages_beyond_the_workers_limits_are_refused_before_dispatch():
@@ -364,7 +398,7 @@ def test_a_handoff_offering_every_page_replaces_the_parts(decode):
     [(_, part_dst)] = decode.receiver.started
     decode.handoffs.accept_handoff(handoff("r"))  # first_page 0: the parts broke over there
     assert decode.receiver.aborted == ["r/part0"]
-    assert decode.num_free == NUM_PAGES - 10  # the parts' pages until their fetch ends
+    assert decode.num_free == NUM_PAGES - 7  # the part's pages until its fetch ends
     decode.handoffs.poll()
     assert decode.num_free == NUM_PAGES - 5
     decode.receiver.complete("r")
