@@ -63,6 +63,11 @@ WAITING = Gauge(
     "Requests waiting to be scheduled (decode: and those waiting for their KV pages)",
 )
 KV_USAGE = Gauge("pdserve_kv_cache_usage_perc", "Fraction of KV pages in use, 0 to 1")
+# What a prefill pool's autoscaler reads (deploy/kubernetes): the queue in prompt tokens, which
+# is what a new prompt waits behind, where a count of requests says little.
+PROMPT_TOKENS_QUEUED = Gauge(
+    "pdserve_num_prompt_tokens_queued", "Prompt tokens admitted here but not yet computed"
+)
 NUM_PREEMPTIONS = Counter(
     "pdserve_num_preemptions", "Sequences preempted (their KV freed, recomputed later)"
 )

@@ -39,6 +39,7 @@ from common.metrics import (
     NUM_PREEMPTIONS,
     PREFIX_CACHE_HIT_TOKENS,
     PROMPT_TOKENS_COMPUTED,
+    PROMPT_TOKENS_QUEUED,
     RUNNING,
     STEP_BATCH_SIZE,
     STEP_SECONDS,
@@ -317,6 +318,7 @@ class WorkerService(ABC):
         RUNNING.set(len(scheduler.running))
         WAITING.set(len(scheduler.waiting) + self.num_pending())
         KV_USAGE.set(pages.usage)
+        PROMPT_TOKENS_QUEUED.set(queued)
         return Heartbeat(
             self.worker_id,
             num_running=len(scheduler.running),
