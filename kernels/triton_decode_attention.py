@@ -23,6 +23,7 @@ from kernels.triton_paged import (
     check_cache,
     check_metadata,
     check_query,
+    check_softmax_scale,
     head_block,
 )
 from kernels.triton_tiles import DecodeTiles, decode_tiles
@@ -213,6 +214,7 @@ def decode_attention(
     args = check_cache(cache, query.device)
     group = check_query(query, args)
     check_metadata(meta, query.device)
+    check_softmax_scale(softmax_scale)
     num_seqs, num_heads, head_dim = query.shape
     if num_seqs != meta.num_seqs or meta.max_query_len != 1:
         raise ValueError(

@@ -177,6 +177,13 @@ def check_metadata(meta: AttentionMetadata, device: torch.device) -> None:
         raise ValueError("seq_lens must be contiguous")
 
 
+def check_softmax_scale(softmax_scale: float) -> None:
+    # attend_tile scales a row's max instead of every score, which is exact for a positive scale
+    # only (a negative one would turn the max into the min).
+    if not softmax_scale > 0:
+        raise ValueError(f"softmax_scale must be positive, got {softmax_scale}")
+
+
 def head_block(head_dim: int) -> int:
     # tl.dot needs every tile side >= 16; a head_dim of 80 or 96 pads to the next power of two.
     return max(16, triton.next_power_of_2(head_dim))
@@ -238,7 +245,21 @@ def attend_tile(
     MASKED: tl.constexpr,  # False: every key exists and every row may see it, so the K/V
     # loads and the scores skip their masks (``allowed`` is not read): same sums, fewer ops
 ):
-    """One FlashAttention-2 step: fold a tile of keys/values into the running softmax state."""
+    """One FlashAttention-2 step: fold a tile of keys/values into the running softmax state.
+
+    Both kinds of tile (``MASKED`` or not) do the same float arithmetic on every score, so a key
+    tile gives a row the same bits whichever kind it is, and a position's output does not
+    depend on how a step was cut. The mask only swaps a score for -inf before anything is
+    computed from it. The exponent is an explicit ``fma`` and the row max is scaled once per
+    row: left as ``scores * qk_scale - m``, the compiler fuses the multiply into the subtraction
+    wherever nothing stands between them (the unmasked tiles) and not where a select does (the
+    masked ones), and the two round differently (float32 queries showed it on an H200).
+    ``benchmarks.compiled_kernels --contraction`` checks that no such pair is left.
+
+    A row must see a key in the first tile it folds (both kernels see to it: prefill tiles start
+    at key 0, which every row sees, and a decode split's rows see every key it holds). A row that
+    had seen none would have ``m_new = -inf`` and turn NaN: ``exp2(fma(-inf, s, inf))``.
+    """
     kv_offsets = page * stride_kv_page + slot * stride_kv_slot
     tile_mask = kv_mask[:, None] & d_mask[None, :] if MASKED else d_mask[None, :]
     k = tl.load(k_cache_ptr + kv_offsets[:, None] + offs_d[None, :], mask=tile_mask, other=0.0)
@@ -250,19 +271,18 @@ def attend_tile(
         scale_offsets = page * stride_scale_page + slot * stride_scale_slot
         k_scale = _load_scale(k_scale_ptr + scale_offsets, kv_mask, KV_QUANT)
         scores = scores * k_scale[None, :]
-    scores = scores * qk_scale
     if MASKED:
         scores = tl.where(allowed, scores, float("-inf"))
 
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    # qk_scale > 0 and rounding is monotonic, so scaling the row's max scales its largest score
+    # exactly as scaling every score would: one multiply per row instead of one per score.
+    m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p = tl.exp2(tl.fma(scores, qk_scale, -m_new[:, None]))
+    l_i = tl.fma(l_i, alpha, tl.sum(p, 1))
 
     v = tl.load(v_cache_ptr + kv_offsets[:, None] + offs_d[None, :], mask=tile_mask, other=0.0)
-    if KV_QUANT == "none":
-        pv = tl.dot(p.to(q.dtype), v, input_precision="ieee")
-    else:
+    if KV_QUANT != "none":
         # V's scale varies along the reduction axis of p @ v. Folded into p it costs a multiply
         # per score instead of one per element of V, but with fp16 operands it would push small
         # probabilities into subnormals: there V is dequantised instead.
@@ -271,8 +291,8 @@ def attend_tile(
             v = v.to(tl.float32) * v_scale[:, None]
         else:
             p = p * v_scale[None, :]
-        pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
-    acc = acc * alpha[:, None] + pv
+    # The rescaled accumulator is the dot's own: the tensor cores add p @ v to it in place.
+    acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], input_precision="ieee")
     return acc, m_new, l_i
 
 

@@ -27,6 +27,7 @@ from kernels.triton_paged import (
     check_cache,
     check_metadata,
     check_query,
+    check_softmax_scale,
     head_block,
 )
 from kernels.triton_tiles import PrefillTiles, prefill_tiles
@@ -181,6 +182,7 @@ def prefill_attention(
     args = check_cache(cache, query.device)
     group = check_query(query, args)
     check_metadata(meta, query.device)
+    check_softmax_scale(softmax_scale)
     num_tokens, _, head_dim = query.shape
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_tokens == 0:

@@ -99,10 +99,24 @@ def _fit_decode(tiles: DecodeTiles, head_block: int) -> DecodeTiles:
 
 
 def prefill_tiles(device: torch.device, head_block: int, kv_quant: str) -> PrefillTiles:
-    tuned = TUNED_PREFILL.get((_capability(device), kv_quant), DEFAULT_PREFILL)
-    return _fit_prefill(tuned, head_block)
+    return prefill_tiles_for(_capability(device), head_block, kv_quant)
 
 
 def decode_tiles(device: torch.device, head_block: int, kv_quant: str) -> DecodeTiles:
-    tuned = TUNED_DECODE.get((_capability(device), kv_quant), DEFAULT_DECODE)
+    return decode_tiles_for(_capability(device), head_block, kv_quant)
+
+
+def prefill_tiles_for(
+    capability: tuple[int, int] | None, head_block: int, kv_quant: str
+) -> PrefillTiles:
+    """The prefill tiles of a GPU generation (None: the interpreter's, the defaults)."""
+    tuned = TUNED_PREFILL.get((capability, kv_quant), DEFAULT_PREFILL)
+    return _fit_prefill(tuned, head_block)
+
+
+def decode_tiles_for(
+    capability: tuple[int, int] | None, head_block: int, kv_quant: str
+) -> DecodeTiles:
+    """The decode tiles of a GPU generation (None: the interpreter's, the defaults)."""
+    tuned = TUNED_DECODE.get((capability, kv_quant), DEFAULT_DECODE)
     return _fit_decode(tuned, head_block)

@@ -15,6 +15,10 @@ CUDA the same tests run the compiled kernels, bf16 included.
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -83,6 +87,28 @@ def test_a_row_is_the_same_bits_in_any_batch(dtype):
         assert torch.equal(linear(x[start : start + 6], weight, bias), full[start : start + 6])
 
 
+def assert_same_bits(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """``got`` has ``expected``'s bits; if not, the failure names each position (row) that
+    differs, its heads that differ and by how much."""
+    differs = got.view(torch.uint8) != expected.view(torch.uint8)
+    differs = differs.view(*got.shape, -1).any(-1)  # [positions, heads, head_dim]
+    if not differs.any():
+        return
+    gap = (got.float() - expected.float()).abs()
+    rows = differs.flatten(1).any(1).nonzero().flatten().tolist()
+    lines = [
+        f"  position {row}: {int(differs[row].sum())} of {differs[row].numel()} values, heads "
+        f"{differs[row].any(1).nonzero().flatten().tolist()}, largest difference "
+        f"{gap[row].max().item():.3g}"
+        for row in rows
+    ]
+    pytest.fail(
+        f"{what}: {len(rows)} of {got.shape[0]} positions differ from the one-step prefill\n"
+        + "\n".join(lines),
+        pytrace=False,
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kv", ["model", "fp8"])
@@ -107,7 +133,8 @@ def test_deterministic_attention_gives_a_position_the_same_bits_however_it_is_ba
             max_query_len=max(lens),
             max_seq_len=75,
         )
-        assert torch.equal(backend.attention(batch.query, batch.cache, meta, scale), whole)
+        got = backend.attention(batch.query, batch.cache, meta, scale)
+        assert_same_bits(got, whole, f"cut at {cuts if len(cuts) < 10 else 'every token'}")
     one_by_one = AttentionMetadata(
         query_start_loc=torch.arange(76, dtype=torch.int32, device=DEVICE),
         seq_lens=torch.arange(1, 76, dtype=torch.int32, device=DEVICE),
@@ -119,6 +146,46 @@ def test_deterministic_attention_gives_a_position_the_same_bits_however_it_is_ba
     split = decode_attention(batch.query, batch.cache, one_by_one, scale, num_splits=4)
     torch.testing.assert_close(split.float(), whole.float(), rtol=1e-2, atol=1e-2)
     assert not torch.equal(split, whole)
+
+
+# Compiles the prefill kernel for a GPU (this machine's, else an H100/H200's sm_90) with the
+# compiler's FP contraction on and off, in a process of its own: Triton chooses between the
+# interpreter and the compiler when the kernels are decorated. Small tiles compile in seconds;
+# ``python -m benchmarks.compiled_kernels --contraction`` checks the table's.
+_CONTRACTION_SCRIPT = """
+import torch
+from benchmarks.compiled_kernels import Case, contraction_differs
+from kernels.triton_tiles import PrefillTiles
+
+major, minor = torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)
+for kv_quant in ("none", "fp8"):
+    case = Case("prefill", "fp32", kv_quant, head_dim=64, tiles=PrefillTiles(32, 32, 4, 2))
+    print(kv_quant, "differs" if contraction_differs(case, 10 * major + minor) else "same")
+"""
+
+
+@pytest.mark.slow
+def test_attention_machine_code_does_not_depend_on_fp_contraction():
+    """The cause of the compiled kernels' float32 defect, checked without a GPU. Where the
+    compiler may fuse ``scores * scale - max`` into one FMA, it did so in the unmasked key tiles
+    and not in the masked ones (a select stands between), so a position's output changed with
+    how its step was cut. With every FMA written out the machine code is the same whether the
+    compiler may fuse or not, so no tile rounds other than as written. (The previous kernel's
+    code differed here, under Triton 3.6 and 3.9 alike.)"""
+    nvidia = pytest.importorskip("triton.backends.nvidia")
+    if not (Path(nvidia.__file__).parent / "bin" / "cuobjdump").exists():
+        pytest.skip("this Triton has no NVIDIA toolchain to compile with")
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "-c", _CONTRACTION_SCRIPT],
+        cwd=Path(__file__).parent.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["none", "same", "fp8", "same"]
 
 
 def test_bad_operands_are_refused():

@@ -572,6 +572,9 @@ def test_decode_attention_rejects_prefill_metadata() -> None:
     )
     with pytest.raises(ValueError, match="query_start_loc"):
         prefill_attention(batch.query, batch.cache, bad, 0.125)
+    # The kernels scale a row's max score, not each score: exact only for a positive scale.
+    with pytest.raises(ValueError, match="softmax_scale must be positive"):
+        prefill_attention(batch.query, batch.cache, batch.meta, -0.125)
 
 
 # ---------------------------------------------------------------------------------------------
