@@ -9,7 +9,8 @@ Work is split into query tiles of ``BLOCK_Q`` tokens of one sequence for all ``G
 heads that share a KV head: the tile's ``BLOCK_M = BLOCK_Q * GROUP`` rows are (token, head)
 pairs, so each key/value tile is read once per KV head and a one-token chunk still fills
 ``GROUP`` rows. The grid is flat over query tiles (``N // BLOCK_Q + S`` bound, no host sync) and
-each program finds its sequence by binary search over ``query_start_loc``.
+each program finds its sequence by binary search over ``query_start_loc``. Programs take the
+tiles in reverse, so the heaviest tiles of a causal prompt (its last) are scheduled first.
 
 Twin: ``kernels.reference.paged_attention_reference``.
 """
@@ -85,7 +86,9 @@ def _prefill_kernel(
     KV_QUANT: tl.constexpr,  # "none", "fp8" or "int8"
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
-    tile = tl.program_id(0)
+    # Backwards: a sequence's last query tiles see the most keys, so they start first and the
+    # light ones fill in behind them, instead of a few heavy tiles running on alone at the end.
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
 
     seq = _find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q)
