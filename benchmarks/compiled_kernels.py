@@ -71,7 +71,8 @@ class Case:
         block_d = max(16, triton.next_power_of_2(self.head_dim))
         if self.kernel == "prefill":
             return prefill_tiles_for(capability, block_d, self.kv_quant)
-        return decode_tiles_for(capability, block_d, self.kv_quant)
+        page_bytes = 1 if self.kv_quant != "none" else 4 if self.query == "fp32" else 2
+        return decode_tiles_for(capability, block_d, self.kv_quant, page_bytes)
 
     def label(self, arch: int) -> str:
         return (

@@ -239,7 +239,7 @@ def decode_attention(
     lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
     block_d = head_block(head_dim)
     if tiles is None:
-        tiles = decode_tiles(query.device, block_d, args.kv_quant)
+        tiles = decode_tiles(query.device, block_d, args.kv_quant, args.key.element_size())
     _decode_kernel[(num_seqs, args.num_kv_heads, num_splits)](
         query,
         args.key,

@@ -41,8 +41,9 @@ class DecodeTiles:
 
 
 # The defaults, for heads of up to 128: a 128-row query tile keeps the tensor cores busy and its
-# float32 accumulator in registers; decode is bound by memory, and a 64-key tile keeps enough
-# loads in flight. Other head sizes adjust them (``_fit_prefill``, ``_fit_decode``).
+# float32 accumulator in registers; decode is bound by memory, and a 64-key tile of 2-byte pages
+# keeps enough bytes in flight (its key count follows the page's bytes: ``_by_bytes``). Other head
+# sizes adjust them (``_fit_prefill``, ``_fit_decode``).
 DEFAULT_PREFILL = PrefillTiles(block_m=128, block_n=64, num_warps=8, num_stages=2)
 DEFAULT_DECODE = DecodeTiles(block_n=64, num_warps=4, num_stages=2)
 
@@ -91,6 +92,13 @@ def _fit_prefill(tiles: PrefillTiles, head_block: int) -> PrefillTiles:
     return tiles
 
 
+def _by_bytes(tiles: DecodeTiles, page_bytes: int) -> DecodeTiles:
+    """Decode streams its pages, so a key tile is as long as its bytes allow: the default's 64
+    keys of 2-byte pages become 128 keys of 8-bit pages (FP8, int8) and 32 of float32 ones. A
+    tile of 8-bit pages as long as a bf16 one in keys would keep half the bytes in flight."""
+    return replace(tiles, block_n=max(16, tiles.block_n * 2 // page_bytes))
+
+
 def _fit_decode(tiles: DecodeTiles, head_block: int) -> DecodeTiles:
     """Heads of 256: half the keys per step, for the registers."""
     if head_block > 128:
@@ -102,8 +110,10 @@ def prefill_tiles(device: torch.device, head_block: int, kv_quant: str) -> Prefi
     return prefill_tiles_for(_capability(device), head_block, kv_quant)
 
 
-def decode_tiles(device: torch.device, head_block: int, kv_quant: str) -> DecodeTiles:
-    return decode_tiles_for(_capability(device), head_block, kv_quant)
+def decode_tiles(
+    device: torch.device, head_block: int, kv_quant: str, page_bytes: int
+) -> DecodeTiles:
+    return decode_tiles_for(_capability(device), head_block, kv_quant, page_bytes)
 
 
 def prefill_tiles_for(
@@ -115,8 +125,12 @@ def prefill_tiles_for(
 
 
 def decode_tiles_for(
-    capability: tuple[int, int] | None, head_block: int, kv_quant: str
+    capability: tuple[int, int] | None, head_block: int, kv_quant: str, page_bytes: int
 ) -> DecodeTiles:
-    """The decode tiles of a GPU generation (None: the interpreter's, the defaults)."""
-    tuned = TUNED_DECODE.get((capability, kv_quant), DEFAULT_DECODE)
+    """The decode tiles of a GPU generation (None: the interpreter's, the defaults) for pages of
+    ``page_bytes`` per element. A tuned entry was measured on its own kind of page and is kept
+    as it is; the default is sized by bytes."""
+    tuned = TUNED_DECODE.get((capability, kv_quant))
+    if tuned is None:
+        tuned = _by_bytes(DEFAULT_DECODE, page_bytes)
     return _fit_decode(tuned, head_block)

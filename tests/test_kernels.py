@@ -514,14 +514,19 @@ def test_decode_attention_every_tile_candidate(tiles: DecodeTiles, num_splits: i
 
 
 def test_tiles_fit_the_head_size() -> None:
-    """Heads of 256 halve the tiles, heads of 64 run on at most 4 warps; a GQA group wider than
-    the query tile widens it to the group."""
+    """Heads of 256 halve the tiles, heads of 64 run on at most 4 warps, decode tiles hold as
+    many bytes whatever the page's element size; a GQA group wider than the query tile widens it
+    to the group."""
     cpu = torch.device("cpu")
     assert prefill_tiles(cpu, 128, "none") == DEFAULT_PREFILL
     assert prefill_tiles(cpu, 256, "fp8") == PrefillTiles(64, 32, 8, DEFAULT_PREFILL.num_stages)
     assert prefill_tiles(cpu, 64, "none").num_warps == 4
-    assert decode_tiles(cpu, 128, "int8") == DEFAULT_DECODE
-    assert decode_tiles(cpu, 256, "none").block_n == 32
+    assert decode_tiles(cpu, 128, "none", 2) == DEFAULT_DECODE
+    assert decode_tiles(cpu, 256, "none", 2).block_n == 32
+    # Decode tiles hold a 64-key bf16 tile's bytes: 128 keys of 8-bit pages, 32 of float32.
+    assert decode_tiles(cpu, 128, "int8", 1).block_n == 2 * DEFAULT_DECODE.block_n
+    assert decode_tiles(cpu, 128, "fp8", 1).block_n == 2 * DEFAULT_DECODE.block_n
+    assert decode_tiles(cpu, 128, "none", 4).block_n == DEFAULT_DECODE.block_n // 2
     # MQA of 128 query heads over one KV head: a 64-row candidate still holds a whole group.
     batch = make_batch([2, 1], [5, 9], 1, 128, 16, torch.float32, torch.float32)
     out = prefill_attention(
