@@ -5,11 +5,14 @@ flash-attn / FlashInfer where installed) on the same shapes with contiguous K/V.
 the causally allowed scores (4 * head_dim per query-key pair and head), the same for every
 implementation.
 
-Decode: GB/s of paged decode attention (K/V pages, FP8 scales, queries and outputs read or
-written once) against the GPU's memory bandwidth: its specification where torch reports the
-memory clock and bus width, and what a device-to-device copy reaches.
+Decode: GB/s of paged decode attention (K/V pages, 8-bit pages' scales, queries and outputs
+read or written once) against the GPU's memory bandwidth: its specification where torch reports
+the memory clock and bus width, and what a device-to-device copy reaches.
 
-    python -m benchmarks.kernels [--kv-dtypes bf16,fp8]
+FP8 and int8 pages are also given as a multiple of bf16 pages' speed on the same shape (TFLOP/s
+for prefill, tokens/s for decode), where bf16 is measured too.
+
+    python -m benchmarks.kernels [--kv-dtypes bf16,fp8,int8]
 
 Without CUDA it says so and exits 0.
 """
@@ -26,8 +29,14 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-from kernels.interface import FP8_DTYPE, AttentionMetadata, KVCacheView
-from kernels.reference import quantize_fp8
+from kernels.interface import (
+    FP8_DTYPE,
+    INT8_DTYPE,
+    INT8_SCALE_DTYPE,
+    AttentionMetadata,
+    KVCacheView,
+)
+from kernels.reference import quantize_fp8, quantize_int8
 from kernels.sizes import ceil_div
 from kernels.triton_decode_attention import decode_attention, default_num_splits
 from kernels.triton_prefill_attention import prefill_attention
@@ -37,7 +46,16 @@ PAGE_SIZE = 16
 # gives pages the stride of a real multi-layer pool.
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS = 32, 8, 128, 2
 DTYPE = torch.bfloat16
-KV_DTYPES = {"bf16": torch.bfloat16, "fp8": FP8_DTYPE}
+KV_DTYPES = {"bf16": torch.bfloat16, "fp8": FP8_DTYPE, "int8": INT8_DTYPE}
+# The quantised pages' scales (one per token and head) and how their values are made.
+SCALES = {FP8_DTYPE: (torch.float32, quantize_fp8), INT8_DTYPE: (INT8_SCALE_DTYPE, quantize_int8)}
+
+
+def kv_bytes(kv_dtype: torch.dtype, tokens: int) -> int:
+    """Bytes of K and V pages, and their scales, that ``tokens`` tokens take (all KV heads)."""
+    scale_dtype = SCALES[kv_dtype][0] if kv_dtype in SCALES else None
+    per_value = HEAD_DIM * kv_dtype.itemsize + (scale_dtype.itemsize if scale_dtype else 0)
+    return 2 * tokens * NUM_KV_HEADS * per_value
 
 
 @dataclass(frozen=True)
@@ -84,14 +102,15 @@ def paged_inputs(
     # Only layer 0 is read: fill it alone, one half at a time, to keep the peak memory down.
     data = torch.empty(shape, dtype=kv_dtype, device="cuda")
     scales = None
-    if kv_dtype == FP8_DTYPE:
-        scales = torch.empty(shape[:-1], dtype=torch.float32, device="cuda")
+    if kv_dtype in SCALES:
+        scale_dtype, quantize = SCALES[kv_dtype]
+        scales = torch.empty(shape[:-1], dtype=scale_dtype, device="cuda")
     for half in (0, 1):
         values = torch.randn(data[:, 0, half].shape, dtype=DTYPE, device="cuda")
         if scales is None:
             data[:, 0, half] = values
         else:
-            quantized, scale = quantize_fp8(values)
+            quantized, scale = quantize(values)
             data[:, 0, half].copy_(quantized)
             scales[:, 0, half] = scale
         del values
@@ -188,12 +207,16 @@ def bench_prefill(kv_dtypes: list[str]) -> None:
     for case in PREFILL_CASES:
         results = []
         seq_lens = [case.prefix + case.chunk] * case.num_seqs
+        bf16_ms = None
         for name in kv_dtypes:
             query, cache, meta = paged_inputs(
                 [case.chunk] * case.num_seqs, seq_lens, KV_DTYPES[name]
             )
             ms = time_ms(functools.partial(prefill_attention, query, cache, meta, HEAD_DIM**-0.5))
-            results.append(f"triton {name} {case.flops / ms / 1e9:7.1f}")
+            bf16_ms = ms if name == "bf16" else bf16_ms
+            results.append(
+                f"triton {name} {case.flops / ms / 1e9:7.1f}{_versus(name, bf16_ms, ms)}"
+            )
             del query, cache, meta
         for name, fn in baselines(case).items():
             try:
@@ -241,20 +264,29 @@ def bench_decode(kv_dtypes: list[str]) -> None:
     for num_seqs, context in DECODE_CASES:
         results = []
         splits = default_num_splits(num_seqs, NUM_KV_HEADS, context, torch.device("cuda"))
+        bf16_ms = None
         for name in kv_dtypes:
             kv_dtype = KV_DTYPES[name]
             query, cache, meta = paged_inputs([1] * num_seqs, [context] * num_seqs, kv_dtype)
             ms = time_ms(functools.partial(decode_attention, query, cache, meta, HEAD_DIM**-0.5))
-            tokens = num_seqs * context
-            kv_bytes = 2 * tokens * NUM_KV_HEADS * HEAD_DIM * kv_dtype.itemsize
-            scale_bytes = 2 * tokens * NUM_KV_HEADS * 4 if kv_dtype == FP8_DTYPE else 0
             io_bytes = 2 * query.numel() * query.element_size()
-            rate = (kv_bytes + scale_bytes + io_bytes) / ms * 1e3
-            results.append(f"{name} {rate / 1e9:6.0f} GB/s ({100 * rate / reference:3.0f}%)")
+            rate = (kv_bytes(kv_dtype, num_seqs * context) + io_bytes) / ms * 1e3
+            bf16_ms = ms if name == "bf16" else bf16_ms
+            results.append(
+                f"{name} {rate / 1e9:6.0f} GB/s ({100 * rate / reference:3.0f}%)"
+                f"{_versus(name, bf16_ms, ms)}"
+            )
             del query, cache, meta
             torch.cuda.empty_cache()
         label = f"{num_seqs} x {context} tokens, {splits} split{'s' if splits > 1 else ''}"
         print(f"  {label:36} " + " | ".join(results))
+
+
+def _versus(name: str, bf16_ms: float | None, ms: float) -> str:
+    """`` (1.23x bf16)`` for an 8-bit page's figure where bf16 pages ran the same shape."""
+    if name == "bf16" or bf16_ms is None:
+        return ""
+    return f" ({bf16_ms / ms:.2f}x bf16)"
 
 
 def kv_dtype_names(parser: argparse.ArgumentParser, text: str) -> list[str]:
@@ -264,7 +296,7 @@ def kv_dtype_names(parser: argparse.ArgumentParser, text: str) -> list[str]:
     if unknown:
         parser.error(f"unknown KV dtypes {sorted(unknown)}; choose from {sorted(KV_DTYPES)}")
     if torch.cuda.get_device_capability() < (8, 9) and "fp8" in names:
-        print("FP8 KV needs compute capability 8.9 or newer; measuring bf16 only.")
+        print("FP8 KV needs compute capability 8.9 or newer; leaving FP8 pages out.")
         names.remove("fp8")
     return names
 
@@ -272,7 +304,7 @@ def kv_dtype_names(parser: argparse.ArgumentParser, text: str) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--kv-dtypes", default="bf16,fp8", help="comma-separated subset of bf16,fp8"
+        "--kv-dtypes", default="bf16,fp8,int8", help="comma-separated subset of bf16,fp8,int8"
     )
     args = parser.parse_args()
     if not torch.cuda.is_available():
