@@ -130,6 +130,11 @@ def resolve_dtype(name: str, checkpoint_dtype: torch.dtype, device: torch.device
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 
 
+# How weights are loaded: auto, the checkpoint's safetensors; dummy, random weights of the
+# config's shape (vLLM's names).
+LOAD_FORMATS = ("auto", "dummy")
+
+
 @dataclass(slots=True)
 class CacheConfig:
     page_size: int = 16
@@ -246,8 +251,14 @@ class EngineConfig:
     # Batch-invariant kernels: a request's tokens and logprobs are the same bits whatever else
     # is in the batch, however its prompt is chunked or cached, whichever worker serves it.
     enable_deterministic_inference: bool = False
+    # auto: the checkpoint's safetensors; dummy: random weights of the config's shape.
+    load_format: str = "auto"
 
     def validate(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}"
+            )
         self.cache.validate()
         self.scheduler.validate()
         self.speculative.validate()

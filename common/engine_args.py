@@ -6,6 +6,7 @@ import argparse
 
 from common.config import (
     KV_CACHE_DTYPES,
+    LOAD_FORMATS,
     SPECULATIVE_METHODS,
     CacheConfig,
     EngineConfig,
@@ -68,6 +69,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="run the plain torch model: no prepacked weights or fused CPU kernels, no CUDA graphs",
     )
     group.add_argument(
+        "--load-format",
+        default="auto",
+        choices=LOAD_FORMATS,
+        help="auto: the model folder's safetensors; dummy: random weights of its config's "
+        "shape, made on the device (benchmarks of a real model's speed without its weights)",
+    )
+    group.add_argument(
         "--enable-deterministic-inference",
         action="store_true",
         help="batch-invariant kernels: a request's tokens and logprobs do not depend on the "
@@ -119,6 +127,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         enforce_eager=args.enforce_eager,
         enable_deterministic_inference=args.enable_deterministic_inference,
+        load_format=args.load_format,
     )
     config.validate()
     return config

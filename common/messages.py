@@ -61,6 +61,9 @@ _TYPES: dict[str, type[Message]] = {}
 _Converter = Callable[[Any, str], Any]
 _FIELD_CONVERTERS: dict[type, dict[str, _Converter]] = {}
 _INT_KEYED_FIELDS: dict[type, frozenset[str]] = {}
+_WIRE_FIELDS: dict[type, tuple[tuple[str, bool], ...]] = {}
+# Values that travel as they are (exact types: a subclass goes the long way, to_wire or not).
+_SCALARS = frozenset({int, float, str, bool, bytes, type(None)})
 
 
 def message(type_name: str) -> Callable[[M], M]:
@@ -124,11 +127,13 @@ def decode(frame: bytes | bytearray | memoryview, max_size: int = MAX_FRAME_BYTE
 
 def to_wire(obj: Any) -> dict[str, Any]:
     """A dataclass as the plain map that travels on the wire (nested dataclasses included)."""
-    int_keyed = _int_keyed_fields(type(obj))
     wire = {}
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        wire[f.name] = _pairs(value) if f.name in int_keyed else _plain(value)
+    for name, int_keyed in _wire_fields(type(obj)):
+        value = getattr(obj, name)
+        if type(value) in _SCALARS:  # most fields: no conversion, and no call to find that out
+            wire[name] = value
+        else:
+            wire[name] = _pairs(value) if int_keyed else _plain(value)
     return wire
 
 
@@ -158,11 +163,23 @@ def _refuse_ext(code: int, data: bytes) -> Any:
 
 
 def _plain(value: Any) -> Any:
+    if type(value) in _SCALARS:
+        return value
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return to_wire(value)
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [v if type(v) in _SCALARS else _plain(v) for v in value]
     return value
+
+
+def _wire_fields(cls: type) -> tuple[tuple[str, bool], ...]:
+    """``cls``'s fields in order, each with whether it is an int-keyed map (sent as pairs)."""
+    fields = _WIRE_FIELDS.get(cls)
+    if fields is None:
+        int_keyed = _int_keyed_fields(cls)
+        fields = tuple((f.name, f.name in int_keyed) for f in dataclasses.fields(cls))
+        _WIRE_FIELDS[cls] = fields
+    return fields
 
 
 def _pairs(mapping: dict[int, Any]) -> list[list[Any]]:

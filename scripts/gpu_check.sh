@@ -7,16 +7,19 @@
 #   bench    python -m benchmarks.kernels: prefill TFLOP/s beside SDPA, decode GB/s beside a copy;
 #   serving  pdserve up with one prefill and one decode worker sharing the GPU, each given
 #            --gpu-memory-utilization 0.4 of it, then W1 of benchmarks.serving against it.
-# and two more that the default run leaves out (all six do not fit in one 10-minute command):
+# and three more that the default run leaves out (all seven do not fit in one 10-minute command):
 #   tune     python -m benchmarks.tune_kernels: every tile candidate on the bench's shapes, and
 #            the choice to record in kernels/triton_tiles.py;
-#   graphs   python -m benchmarks.cuda_graphs: decode steps with CUDA graphs against eager ones.
+#   graphs   python -m benchmarks.cuda_graphs: decode steps with CUDA graphs against eager ones;
+#   realshape python -m benchmarks.real_shape: Llama-3.1-8B's shape with random weights made on
+#            the device: its decode step at batch 1/8/32/64 beside the weight floor measured in
+#            the same run, and its prefill TFLOP/s beside the bf16 peak.
 # Each step has its own time limit, and one that fails does not stop the next. Logs go to $OUT
 # where it is set (else /tmp/gpu-check); a summary table ends the output, and the exit status is
 # 1 if any step did not pass.
 #
 #   bash scripts/gpu_check.sh [setup|kernels|engine|bench|serving|tune|graphs ...]
-#       # default: kernels engine bench serving; then, as a second command: tune graphs
+#       # default: kernels engine bench serving; then, as a second command: realshape tune graphs
 #
 # It first installs what `make gpu-carry` put in .gpu-carry/ (the wheels the image lacks, and
 # SmolLM2's config and tokenizer, served with random weights: the real ones do not fit) into
@@ -49,6 +52,7 @@ declare -A LIMIT_S=(
     [serving]=${GPU_CHECK_SERVING_S:-150}
     [tune]=${GPU_CHECK_TUNE_S:-240}
     [graphs]=${GPU_CHECK_GRAPHS_S:-200}
+    [realshape]=${GPU_CHECK_REALSHAPE_S:-120}
 )
 SERVING_PORT=18000
 W1_ARGS=${GPU_CHECK_W1_ARGS:---isl 256 --osl 64 --num-prompts 64 --concurrency 8}
@@ -111,6 +115,11 @@ step_graphs() {
     local model
     model=$(random_model) || return 1
     "$PY" -m benchmarks.cuda_graphs --model "$model"
+}
+
+step_realshape() {
+    # shellcheck disable=SC2086
+    "$PY" -m benchmarks.real_shape ${GPU_CHECK_REALSHAPE_ARGS:-}
 }
 
 step_serving() {
@@ -229,7 +238,7 @@ steps=("$@")
 if [[ ${#steps[@]} -eq 0 ]]; then steps=(kernels engine bench serving); fi
 for step in "${steps[@]}"; do
     if [[ $step != setup && -z ${LIMIT_S[$step]:-} ]]; then
-        echo "unknown step $step; choose from setup kernels engine bench serving tune graphs" >&2
+        echo "unknown step $step; choose from setup kernels engine bench serving tune graphs realshape" >&2
         exit 2
     fi
 done
@@ -289,6 +298,12 @@ for step in "${steps[@]}"; do
             figures="${figures}KV pages: ${pages:-?}${memory:+; GPU MiB by process: $memory}"
             ;;
         tune) figures=$(grep -aE '^  best:' "$LOGS/tune.log" | sed 's/^ *//' | paste -sd ';' -) ;;
+        realshape)
+            figures=$(awk '/^decode batch/ { sub(":", "", $3); printf "b%s %s ms (%s floor), ", $3, $4, $6 }
+                /^prefill / { sub(":", "", $2); sub("[(]", "", $7)
+                    printf "prefill %s %s TFLOP/s (%s), ", $2, $5, $7 }' "$LOGS/realshape.log")
+            figures="${figures%, }"
+            ;;
         graphs)
             figures=$(awk '$1 ~ /^[0-9]+$/ && NF == 6 { printf "b%s %s, ", $1, $4 }' \
                 "$LOGS/graphs.log")

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 
 from common.engine.sampler import SampledToken
@@ -60,50 +62,81 @@ class ForwardInputs:
     logits_indices: torch.Tensor  # [M]
 
 
-def flatten_runs(runs: Seq[TokenRun], page_size: int, device: torch.device) -> ForwardInputs:
-    """Flatten runs into token ids, positions and explicit attention metadata: Python per run,
-    then a handful of tensor ops for every token at once."""
-    input_ids: list[int] = []
-    query_lens: list[int] = []
-    starts: list[int] = []
-    logits_indices: list[int] = []
-    num_tokens = 0
-    for run in runs:
-        input_ids += run.token_ids
-        query_lens.append(len(run.token_ids))
-        starts.append(run.start)
-        num_tokens += len(run.token_ids)
-        logits_indices += range(num_tokens - run.num_logits, num_tokens)
-    width = max(len(run.page_ids) for run in runs)
-    page_tables = torch.tensor(
-        [list(run.page_ids) + [0] * (width - len(run.page_ids)) for run in runs],
-        dtype=torch.int32,
+def flatten_runs(
+    runs: Seq[TokenRun],
+    page_size: int,
+    device: torch.device,
+    staging: HostStaging | None = None,
+) -> ForwardInputs:
+    """Flatten runs into token ids, positions and explicit attention metadata: one pass over
+    the runs' Python lists into NumPy (``torch.tensor`` of a list costs tens of microseconds
+    even for a few ids), a handful of array ops for every token at once, then one copy to the
+    device (through ``staging``'s pinned buffer on CUDA)."""
+    num_runs = len(runs)
+    query_lens = np.fromiter((len(run.token_ids) for run in runs), np.int64, num_runs)
+    starts = np.fromiter((run.start for run in runs), np.int64, num_runs)
+    num_logits = np.fromiter((run.num_logits for run in runs), np.int64, num_runs)
+    num_pages = np.fromiter((len(run.page_ids) for run in runs), np.int64, num_runs)
+    num_tokens = int(query_lens.sum())
+    input_ids = np.fromiter(chain.from_iterable(run.token_ids for run in runs), np.int64)
+    page_tables = np.zeros((num_runs, int(num_pages.max())), np.int64)
+    page_tables[np.arange(page_tables.shape[1]) < num_pages[:, None]] = np.fromiter(
+        chain.from_iterable(run.page_ids for run in runs), np.int64
     )
-    lens = torch.tensor(query_lens)
-    first = torch.tensor(starts)
-    query_start_loc = torch.zeros(len(runs) + 1, dtype=torch.int32)
-    torch.cumsum(lens, 0, out=query_start_loc[1:])
+    ends = np.cumsum(query_lens)
+    query_start_loc = np.concatenate(([0], ends))
     # Each token's run, then its position: its offset in the run plus the run's first position.
-    owner = torch.repeat_interleave(torch.arange(len(runs)), lens)
-    positions = torch.arange(num_tokens) - query_start_loc[:-1][owner] + first[owner]
-    pages = page_tables[owner, positions // page_size].long()
-    slots = pages * page_size + positions % page_size
-    seq_lens = first + lens
-
-    def to_device(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return values.to(device, dtype, non_blocking=True)
-
+    owner = np.repeat(np.arange(num_runs), query_lens)
+    positions = np.arange(num_tokens) - query_start_loc[:-1][owner] + starts[owner]
+    slots = page_tables[owner, positions // page_size] * page_size + positions % page_size
+    seq_lens = starts + query_lens
+    # Each run's last num_logits positions: its end minus (num_logits .. 1).
+    logit_owner = np.repeat(np.arange(num_runs), num_logits)
+    logits_before = np.concatenate(([0], np.cumsum(num_logits)[:-1]))
+    logits_indices = (
+        ends[logit_owner]
+        - num_logits[logit_owner]
+        + np.arange(int(num_logits.sum()))
+        - logits_before[logit_owner]
+    )
+    ids, pos, qsl, lens, tables, slot_mapping, logits_at = (staging or HostStaging()).to_device(
+        [input_ids, positions, query_start_loc, seq_lens, page_tables, slots, logits_indices],
+        device,
+    )
     meta = AttentionMetadata(
-        query_start_loc=to_device(query_start_loc, torch.int32),
-        seq_lens=to_device(seq_lens, torch.int32),
-        page_tables=to_device(page_tables, torch.int32),
-        slot_mapping=to_device(slots, torch.int64),
-        max_query_len=max(query_lens),
-        max_seq_len=max(start + n for start, n in zip(starts, query_lens, strict=True)),
+        query_start_loc=qsl.to(torch.int32),
+        seq_lens=lens.to(torch.int32),
+        page_tables=tables.to(torch.int32),
+        slot_mapping=slot_mapping,
+        max_query_len=int(query_lens.max()),
+        max_seq_len=int(seq_lens.max()),
     )
-    return ForwardInputs(
-        to_device(torch.tensor(input_ids), torch.long),
-        to_device(positions, torch.long),
-        meta,
-        to_device(torch.tensor(logits_indices, dtype=torch.long), torch.long),
-    )
+    return ForwardInputs(ids, pos, meta, logits_at)
+
+
+class HostStaging:
+    """Moves a step's int64 arrays to the device in one copy: on CUDA they are packed into a
+    pinned buffer (two, used in turn, so a step's copy never races the next step's packing)
+    and sent with one non-blocking host-to-device copy; on the CPU they are wrapped, not
+    copied. (A pinned buffer is freed only once the copies from it are done: torch's host
+    allocator records them.)"""
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] = []
+        self._turn = 0
+
+    def to_device(self, arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+        if device.type != "cuda":
+            return [torch.from_numpy(array).to(device) for array in arrays]
+        sizes = [array.size for array in arrays]
+        total = sum(sizes)
+        self._turn ^= 1
+        if len(self._buffers) < 2 or self._buffers[self._turn].numel() < total:
+            capacity = max(total, 1 << 14) * 2
+            self._buffers = [torch.empty(capacity, dtype=torch.long).pin_memory() for _ in "ab"]
+        host = self._buffers[self._turn]
+        np.concatenate([array.ravel() for array in arrays], out=host.numpy()[:total])
+        packed = host[:total].to(device, non_blocking=True)
+        return [
+            part.view(array.shape) for part, array in zip(packed.split(sizes), arrays, strict=True)
+        ]

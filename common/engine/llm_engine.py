@@ -85,7 +85,7 @@ class LLMEngine:
             config.cache.kv_cache_dtype, self.dtype
         )
         self.backend = get_attention_backend(self.device, deterministic=deterministic)
-        self.model = load_model(self.model_config, self.dtype, self.device)
+        self.model = load_model(self.model_config, self.dtype, self.device, config.load_format)
         if kv_dtype == INT8_DTYPE:
             self.model.turn_kv_heads()
         self._prepare_kernels(self.model, log=True)
@@ -178,7 +178,8 @@ class LLMEngine:
     def _prepare_kernels(self, model: LlamaForCausalLM, log: bool) -> None:
         """Put the kernels this engine runs into ``model``: in deterministic mode on the Triton
         path, the batch-invariant Triton linears and norms; on a CPU, the packed C GEMMs
-        (batch-invariant tiles in deterministic mode); else torch's own modules."""
+        (batch-invariant tiles in deterministic mode); on CUDA, one-kernel norms, activation
+        and RoPE (16-bit models); else torch's own modules."""
         deterministic = self.config.enable_deterministic_inference
         if deterministic and self.backend.name == "triton":
             model.use_invariant_kernels()
@@ -188,6 +189,10 @@ class LLMEngine:
             gemm_plan = model.pack_for_cpu(deterministic)
             if log:
                 logger.info("linear layers: %s", gemm_plan.describe())
+        elif self.device.type == "cuda" and not self.config.enforce_eager:
+            swapped = model.use_cuda_ops()
+            if swapped and log:
+                logger.info("RMSNorm, SiLU-and-multiply and RoPE: one Triton kernel each")
 
     def _load_draft(self, folder: str, kv_dtype: torch.dtype) -> tuple[LlamaForCausalLM, KVLayout]:
         """The draft model, in the target's dtype, and the layout of its KV pages."""
@@ -197,7 +202,7 @@ class LLMEngine:
                 f"the draft model's vocabulary ({draft_config.vocab_size}) is not the target's "
                 f"({self.model_config.vocab_size}): a draft must share the target's tokenizer"
             )
-        draft = load_model(draft_config, self.dtype, self.device)
+        draft = load_model(draft_config, self.dtype, self.device, self.config.load_format)
         if kv_dtype == INT8_DTYPE:
             draft.turn_kv_heads()
         self._prepare_kernels(draft, log=False)

@@ -13,7 +13,13 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from common.engine.batch import ForwardInputs, ScheduledSequence, TokenRun, flatten_runs
+from common.engine.batch import (
+    ForwardInputs,
+    HostStaging,
+    ScheduledSequence,
+    TokenRun,
+    flatten_runs,
+)
 from common.engine.cuda_graphs import DecodeGraphs
 from common.engine.kv_pool import KVPool
 from common.engine.sampler import SampledToken, Sampler, SamplingRow, prompt_logprobs
@@ -37,6 +43,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.device = pool.device
         self.page_size = pool.layout.page_size
+        self.staging = HostStaging()
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSequence]) -> list[list[SampledToken]]:
@@ -88,7 +95,7 @@ class ModelRunner:
             num_logits = _prompt_positions_to_score(item)[1]
             num_logits += 1 + len(proposed) if item.samples else 0
             runs.append(TokenRun(known + list(proposed), start, seq.page_ids, num_logits))
-        return flatten_runs(runs, self.page_size, self.device)
+        return flatten_runs(runs, self.page_size, self.device, self.staging)
 
     def _score_prompts(
         self, batch: list[ScheduledSequence], proposals: Seq[Seq[int]], logits: torch.Tensor

@@ -144,12 +144,14 @@ class Sampler:
         _add_logit_bias(x, params)
         apply_penalties(x, rows)
 
-        token_ids = torch.empty(len(rows), dtype=torch.long, device=x.device)
         greedy = [i for i, p in enumerate(params) if p.is_greedy]
-        if greedy:
-            token_ids[greedy] = argmax_rows(_select(x, greedy))
         rest = [i for i, p in enumerate(params) if not p.is_greedy]
-        if rest:
+        if not rest:  # the usual decode step: no index tensor, no scatter, no copy
+            token_ids = argmax_rows(x)
+        else:
+            token_ids = torch.empty(len(rows), dtype=torch.long, device=x.device)
+            if greedy:
+                token_ids[greedy] = argmax_rows(_select(x, greedy))
             # x is not read after this, so the sampler may edit it in place.
             token_ids[rest] = self._sample_random(_select(x, rest), [rows[i] for i in rest])
 

@@ -9,6 +9,7 @@ tokens in float32 are identical.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -29,6 +30,7 @@ from kernels.cpu_linear import (
     probe_plan,
 )
 from kernels.cpu_ops import CpuRMSNorm, CpuRotaryApply, CpuSiluAndMul, cpu_ops_apply
+from kernels.cuda_ops import CudaRMSNorm, CudaRotaryApply, CudaSiluAndMul, cuda_ops_apply
 from kernels.interface import AttentionBackend, AttentionMetadata, KVCacheView
 from kernels.kv_turn import hadamard_turns
 from kernels.triton_invariant import InvariantLinear, InvariantRMSNorm
@@ -126,7 +128,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         # pack_for_cpu swaps in the C twins of these modules.
-        self.rotary: RotaryApply | CpuRotaryApply = RotaryApply()
+        self.rotary: RotaryApply | CpuRotaryApply | CudaRotaryApply = RotaryApply()
         self.softmax_scale = config.head_dim**-0.5
         # Set by LlamaForCausalLM.turn_kv_heads for pools of int8 pages (kernels/kv_turn.py).
         self.query_turn: nn.Module | None = None
@@ -173,7 +175,7 @@ class MLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.act: SiluAndMul | CpuSiluAndMul = SiluAndMul()
+        self.act: SiluAndMul | CpuSiluAndMul | CudaSiluAndMul = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -183,12 +185,12 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
         # pack_for_cpu swaps in the C twins of the norms.
-        self.input_layernorm: RMSNorm | CpuRMSNorm | InvariantRMSNorm = RMSNorm(
+        self.input_layernorm: RMSNorm | CpuRMSNorm | CudaRMSNorm | InvariantRMSNorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps
         )
         self.self_attn = Attention(config, layer_index)
-        self.post_attention_layernorm: RMSNorm | CpuRMSNorm | InvariantRMSNorm = RMSNorm(
-            config.hidden_size, config.rms_norm_eps
+        self.post_attention_layernorm: RMSNorm | CpuRMSNorm | CudaRMSNorm | InvariantRMSNorm = (
+            RMSNorm(config.hidden_size, config.rms_norm_eps)
         )
         self.mlp = MLP(config)
 
@@ -203,7 +205,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm: RMSNorm | CpuRMSNorm | InvariantRMSNorm = RMSNorm(
+        self.norm: RMSNorm | CpuRMSNorm | CudaRMSNorm | InvariantRMSNorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps
         )
         self.rotary = RotaryEmbedding(config)
@@ -303,6 +305,29 @@ class LlamaForCausalLM(nn.Module):
                 linear = getattr(parent, name)
                 if linear is not None:
                     setattr(parent, name, InvariantLinear(linear.weight, linear.bias))
+        self._replace_norms(InvariantRMSNorm)
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.head = InvariantLinear(head, None)
+        self.lm_head = None
+
+    def use_cuda_ops(self) -> bool:
+        """RMSNorm, SiLU-and-multiply and RoPE as one Triton kernel each
+        (``kernels/cuda_ops.py``), for 16-bit models on CUDA; whether they went in."""
+        if not cuda_ops_apply(self.embed_tokens.weight.dtype, self.config.head_dim):
+            return False
+        self._replace_norms(CudaRMSNorm)
+        for layer in self.decoder_layers():
+            layer.self_attn.rotary = CudaRotaryApply()
+            layer.mlp.act = CudaSiluAndMul()
+        return True
+
+    def _replace_norms(
+        self, make: Callable[[nn.Parameter, float], CudaRMSNorm | InvariantRMSNorm]
+    ) -> None:
+        """Every RMSNorm (the layers', q/k norms where the model has them, the final one) by
+        ``make(weight, eps)``, which shares the weight."""
+        for layer in self.decoder_layers():
+            attention = layer.self_attn
             norms: tuple[tuple[nn.Module, str], ...] = (
                 (layer, "input_layernorm"),
                 (layer, "post_attention_layernorm"),
@@ -312,11 +337,8 @@ class LlamaForCausalLM(nn.Module):
             for owner, name in norms:
                 norm = getattr(owner, name)
                 if norm is not None:
-                    setattr(owner, name, InvariantRMSNorm(norm.weight, norm.eps))
-        self.norm = InvariantRMSNorm(self.norm.weight, self.norm.eps)
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.head = InvariantLinear(head, None)
-        self.lm_head = None
+                    setattr(owner, name, make(norm.weight, norm.eps))
+        self.norm = make(self.norm.weight, self.norm.eps)
 
     def _swap_in_cpu_ops(self) -> None:
         """bf16 RMSNorm, SiLU-and-multiply and RoPE as single C passes (``kernels/cpu_ops``)."""

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from common.config import ModelConfig
+from common.config import LOAD_FORMATS, ModelConfig
 from common.model.llama import LlamaForCausalLM, rope_inverse_frequencies
 
 # Checkpoint names of tensors that pdserve stores fused: (checkpoint suffix, fused name, shard).
@@ -50,17 +50,30 @@ def _read_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
             raise ValueError(f"corrupt weight file {path}: {exc}") from exc
 
 
-def load_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    """Build the model on ``device`` in ``dtype`` and fill every parameter from the checkpoint.
+# The spread of dummy weights: the initialisation of most Hugging Face Llama configs.
+_DUMMY_STD = 0.02
+
+
+def load_model(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device, load_format: str = "auto"
+) -> LlamaForCausalLM:
+    """Build the model on ``device`` in ``dtype`` and fill every parameter from the checkpoint,
+    or, with ``load_format="dummy"`` (vLLM's name), with random weights drawn on the device:
+    a model's real shape, and so its real speed, with nothing but its config.json (an 8B
+    model's 16 GB are neither read nor copied).
 
     Raises ``ValueError`` naming the files or tensors at fault if a weight is missing, has the
     wrong shape, or a file cannot be read.
     """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}")
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model = model.to_empty(device=device).to(dtype)
     # .to(dtype) cast every buffer; the RoPE frequencies must stay float32 for exact positions.
     model.rotary.inv_freq = rope_inverse_frequencies(config).to(device)
+    if load_format == "dummy":
+        return _fill_randomly(model).eval()
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     fused_parts: dict[str, dict[int, torch.Tensor]] = {}
@@ -86,6 +99,21 @@ def load_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) ->
         shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
         raise ValueError(f"weights missing from {config.path}: {shown}")
     return model.eval()
+
+
+@torch.no_grad()
+def _fill_randomly(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """Norm weights 1, biases 0, every other weight normal(0, 0.02): logits of a sane spread,
+    so sampling and the attention see the numbers a trained model's would have in range."""
+    generator = torch.Generator(device=model.embed_tokens.weight.device).manual_seed(0)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith(".bias"):
+            param.zero_()
+        else:
+            param.normal_(0.0, _DUMMY_STD, generator=generator)
+    return model
 
 
 def _target_name(name: str) -> tuple[str | None, int | None]:

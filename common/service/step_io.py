@@ -18,7 +18,9 @@ inside the page, the main loop only outside it, with a lock between.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 from collections.abc import Callable
 
@@ -26,9 +28,11 @@ import zmq
 
 logger = logging.getLogger(__name__)
 
-# How long the helper sleeps in one poll: also the most a step's end waits for it to let go.
-_POLL_MS = 2
-# Without sockets to serve the helper only pulses, this often; a step's end wakes it at once.
+# How long the helper sleeps in one poll. A step's end cuts the poll short (a byte on a pipe),
+# so this bounds only how late a pulse can be.
+_POLL_MS = 50
+# How often the helper pulses inside a step: it wakes on this timer, never at a step's start,
+# so a short step (a GPU decode step is a millisecond) costs no thread switch at all.
 _PULSE_S = 0.05
 
 
@@ -45,6 +49,11 @@ class StepIO:
         self._poller = zmq.Poller()
         for sock in self._sockets:
             self._poller.register(sock, zmq.POLLIN)
+        # A step's end writes a byte here to cut the helper's poll short.
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
+        self._poller.register(self._wake_read, zmq.POLLIN)
         self._state = threading.Condition()
         self._active = False  # the main loop is inside a step
         self._busy = False  # the helper is polling or serving
@@ -55,14 +64,18 @@ class StepIO:
     def __enter__(self) -> StepIO:
         with self._state:
             self._active = True
-            self._state.notify_all()
+            if self._sockets:  # traffic may be waiting now; pulses can wait for the timer
+                self._state.notify_all()
         return self
 
     def __exit__(self, *exc_info) -> None:
         with self._state:
             self._active = False
-            while self._busy:
-                self._state.wait()
+            if self._busy:
+                with contextlib.suppress(BlockingIOError):  # full: a wake-up is there already
+                    os.write(self._wake_write, b"\0")
+                while self._busy:
+                    self._state.wait()
 
     def close(self) -> None:
         with self._state:
@@ -70,23 +83,30 @@ class StepIO:
             self._active = False
             self._state.notify_all()
         self._thread.join(timeout=5)
+        os.close(self._wake_read)
+        os.close(self._wake_write)
 
     def _run(self) -> None:
         while True:
             with self._state:
-                while not (self._active or self._closed):
-                    self._state.wait()
+                if self._sockets:
+                    while not (self._active or self._closed):
+                        self._state.wait()
+                else:
+                    # Nothing to poll: wake for pulses only, on the timer.
+                    self._state.wait(_PULSE_S)
                 if self._closed:
                     return
-                if not self._sockets:
-                    # Nothing to poll: wait for a pulse to be due, or for the step to end.
-                    self._state.wait(_PULSE_S)
-                    if not self._active or self._closed:
-                        continue
+                if not self._active:
+                    continue
                 self._busy = True
             try:
-                if self._sockets and self._poller.poll(_POLL_MS) and self._serve is not None:
-                    self._serve()
+                if self._sockets:
+                    ready = dict(self._poller.poll(_POLL_MS))
+                    if ready.pop(self._wake_read, None):
+                        self._drain_wake_ups()
+                    if ready and self._serve is not None:
+                        self._serve()
                 if self._pulse is not None:
                     self._pulse()
             except Exception:  # a socket error must not kill the helper; the loop sees it too
@@ -95,3 +115,8 @@ class StepIO:
                 with self._state:
                     self._busy = False
                     self._state.notify_all()
+
+    def _drain_wake_ups(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._wake_read, 4096):
+                pass

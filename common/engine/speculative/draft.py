@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from common.engine.batch import TokenRun, flatten_runs
+from common.engine.batch import HostStaging, TokenRun, flatten_runs
 from common.engine.kv_pool import KVPool
 from common.engine.sequence import Sequence
 from common.model.llama import LlamaForCausalLM
@@ -43,6 +43,7 @@ class DraftModelProposer:
         self.max_catch_up_tokens = max_catch_up_tokens
         self.page_size = pool.layout.page_size
         self.device = pool.device
+        self.staging = HostStaging()
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[list[int]]:
@@ -86,6 +87,6 @@ class DraftModelProposer:
                 proposals[i].append(token)
 
     def _greedy(self, runs: list[TokenRun]) -> list[int]:
-        inputs = flatten_runs(runs, self.page_size, self.device)
+        inputs = flatten_runs(runs, self.page_size, self.device, self.staging)
         logits = self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices)
         return argmax_rows(logits[:, : self.vocab_size]).tolist()

@@ -1,0 +1,164 @@
+"""RMSNorm, SiLU-and-multiply and RoPE as one Triton kernel each, for models on CUDA.
+
+Written as torch ops, a Llama layer's RMSNorm is 8 kernels (cast, square, mean, add, rsqrt,
+multiply, cast, multiply), RoPE 5 per tensor and SiLU-and-multiply 2: on a GPU a small model's
+decode step is mostly these launches, each reading and writing the whole activation. Here each
+is one pass over its rows. ``LlamaForCausalLM.use_cuda_ops`` swaps them in on CUDA (not in
+deterministic mode, which has its own norm, nor with ``--enforce-eager``).
+
+Every kernel rounds where its torch twin (``common/model/llama.py``) rounds: RoPE's two products
+are each rounded to the model's dtype before their sum, SiLU is rounded before the multiply, the
+normalised row before the weight's multiply. So RoPE gives the twin's bits; SiLU-and-multiply
+differs where its exp's last bit tips a rounding, RMSNorm by the order of its sum of squares.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+
+# 16-bit only: every kernel rounds between its products and sums, as its twin does, so no FMA
+# contraction can change a bit; in float32 a compiler would contract them, and float32 is the
+# dtype the engine is checked against transformers in.
+_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,  # [rows, size], unit stride along size
+    weight_ptr,  # [size]
+    out_ptr,  # [rows, size], contiguous
+    size,
+    stride_x,
+    eps,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < size
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    inverse = tl.rsqrt(tl.sum(x * x, 0) / size + eps)
+    normed = (x * inverse).to(out_ptr.dtype.element_ty)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    out = (weight.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * size + cols, out, mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    gate_up_ptr,  # [rows, 2 * size], unit stride along it
+    out_ptr,  # [rows, size], contiguous
+    size,
+    stride_gate_up,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < size
+    base = gate_up_ptr + row * stride_gate_up
+    gate = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(base + size + cols, mask=mask, other=0.0).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * size + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    x_ptr,  # [tokens, heads, head_dim], unit stride within a head; rotated in place
+    cos_ptr,  # [tokens, head_dim] (its two halves equal)
+    sin_ptr,
+    heads,
+    stride_token,
+    stride_head,
+    stride_angle,
+    HALF: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.arange(0, BLOCK_HEADS)
+    col = tl.arange(0, BLOCK_HALF)
+    mask = (head < heads)[:, None] & (col < HALF)[None, :]
+    cos = tl.load(cos_ptr + token * stride_angle + col, mask=col < HALF, other=0.0)
+    sin = tl.load(sin_ptr + token * stride_angle + col, mask=col < HALF, other=0.0)
+    cos, sin = cos.to(tl.float32)[None, :], sin.to(tl.float32)[None, :]
+    first = x_ptr + token * stride_token + head[:, None] * stride_head + col[None, :]
+    x1 = tl.load(first, mask=mask, other=0.0)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0)
+    dtype = x1.dtype
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    # The twin: x * cos + cat(-x2, x1) * sin, each product rounded to the dtype, then the sum.
+    out1 = (x1 * cos).to(dtype).to(tl.float32) + (-x2 * sin).to(dtype).to(tl.float32)
+    out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
+    tl.store(first, out1.to(dtype), mask=mask)
+    tl.store(first + HALF, out2.to(dtype), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``RMSNorm`` over the last dimension of ``x`` ([..., size], unit stride along it)."""
+    size = x.shape[-1]
+    rows = x.reshape(-1, size)
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        _rms_norm_kernel[(rows.shape[0],)](
+            rows, weight, out, size, rows.stride(0), eps, BLOCK=triton.next_power_of_2(size)
+        )
+    return out.view(x.shape)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up [rows, 2 * size]`` (gate first)."""
+    size = gate_up.shape[-1] // 2
+    out = torch.empty(gate_up.shape[0], size, dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, triton.next_power_of_2(size))
+    if gate_up.shape[0]:
+        grid = (gate_up.shape[0], triton.cdiv(size, block))
+        _silu_and_mul_kernel[grid](gate_up, out, size, gate_up.stride(0), BLOCK=block)
+    return out
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [tokens, heads, head_dim]`` in place by ``cos``/``sin [tokens, head_dim]``."""
+    tokens, heads, head_dim = x.shape
+    half = head_dim // 2
+    if tokens:
+        _rope_kernel[(tokens,)](
+            x, cos, sin, heads, x.stride(0), x.stride(1), cos.stride(0),
+            HALF=half,
+            BLOCK_HEADS=triton.next_power_of_2(heads),
+            BLOCK_HALF=triton.next_power_of_2(half),
+        )  # fmt: skip
+    return x
+
+
+class CudaRMSNorm(nn.Module):
+    def __init__(self, weight: nn.Parameter, eps: float) -> None:
+        super().__init__()
+        self.weight = weight
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        return rms_norm(x, self.weight, self.eps)
+
+
+class CudaSiluAndMul(nn.Module):
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous())
+
+
+class CudaRotaryApply(nn.Module):
+    """Rotates q and k in place (they may be strided views of one qkv buffer)."""
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_(q, cos, sin), rope_(k, cos, sin)
+
+
+def cuda_ops_apply(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether these modules can stand in for a model of ``dtype`` and ``head_dim``."""
+    return dtype in _DTYPES and head_dim % 2 == 0

@@ -1,0 +1,104 @@
+"""The one-kernel RMSNorm, SiLU-and-multiply and RoPE of ``kernels/cuda_ops.py`` against their
+torch twins (``common/model/llama.py``): RoPE and SiLU-and-multiply to the bit, RMSNorm to its
+dtype's rounding (its sum of squares is added in another order). On a CPU Triton interprets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engines import build_engine
+from tiny_models import build_tiny_model, random_prompts
+
+from common.model.llama import RMSNorm, RotaryApply, SiluAndMul
+from common.sampling_params import SamplingParams
+from kernels.cuda_ops import CudaRMSNorm, CudaRotaryApply, CudaSiluAndMul, cuda_ops_apply
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def assert_twins_bits(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal bits; except that Triton's interpreter rounds float32 to bfloat16 towards zero
+    (a GPU, and torch, to nearest), so there bf16 may differ by that rounding."""
+    if got.dtype == torch.bfloat16 and not torch.cuda.is_available():
+        # Two truncations where a sum cancels: within an ulp of the largest value.
+        atol = expected.float().abs().max().item() * 2**-7
+        torch.testing.assert_close(got, expected, atol=atol, rtol=2**-6)
+    else:
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_gives_the_twins_bits_on_strided_q_and_k(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    tokens, heads, kv_heads, head_dim = 7, 4, 2, 64
+    # q and k as the attention makes them: views of one qkv buffer.
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device=DEVICE).to(dtype)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.reshape(tokens, heads, head_dim), k.reshape(tokens, kv_heads, head_dim)
+    angles = torch.rand(tokens, head_dim // 2, device=DEVICE) * 100
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    expected_q, expected_k = RotaryApply()(q.clone(), k.clone(), cos, sin)
+    got_q, got_k = CudaRotaryApply()(q, k, cos, sin)
+    assert_twins_bits(got_q, expected_q)
+    assert_twins_bits(got_k, expected_k)
+    assert got_q.data_ptr() == q.data_ptr()  # rotated in place, in the qkv buffer
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("size", [64, 1536])  # one block, and several blocks a row
+def test_silu_and_mul_matches_the_twin(dtype: torch.dtype, size: int) -> None:
+    torch.manual_seed(1)
+    gate_up = (torch.randn(5, 2 * size, device=DEVICE) * 4).to(dtype)
+    expected = SiluAndMul()(gate_up)
+    got = CudaSiluAndMul()(gate_up)
+    # exp is not torch's own (nor, on a GPU, CUDA's expf): its last float32 bit may tip a
+    # rounding to 16 bits, twice (SiLU, then the product).
+    ulp = 2**-7 if dtype == torch.bfloat16 else 2**-10
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=3 * ulp)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(9, 576), (3, 4, 64)])  # hidden rows, and q_norm's heads
+def test_rms_norm_matches_the_twin(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    torch.manual_seed(2)
+    twin = RMSNorm(shape[-1], 1e-5).to(DEVICE, dtype)
+    with torch.no_grad():
+        twin.weight.copy_(torch.rand(shape[-1]) + 0.5)
+    x = (torch.randn(*shape, device=DEVICE) * 3).to(dtype)
+    expected = twin(x)
+    got = CudaRMSNorm(twin.weight, twin.eps)(x)
+    assert got.shape == expected.shape and got.dtype == dtype
+    # The sum of squares is added in another order: at most the dtype's last bit, times two
+    # for the interpreter's bf16 rounding.
+    torch.testing.assert_close(
+        got, expected, atol=0, rtol=2**-6 if dtype == torch.bfloat16 else 2**-9
+    )
+
+
+def test_empty_batches_and_which_models_they_serve() -> None:
+    empty = torch.empty(0, 128, device=DEVICE, dtype=torch.bfloat16)
+    assert CudaSiluAndMul()(empty).shape == (0, 64)
+    assert CudaRMSNorm(torch.ones(128, dtype=torch.bfloat16, device=DEVICE), 1e-6)(empty).shape == (
+        0,
+        128,
+    )
+    assert cuda_ops_apply(torch.bfloat16, 128)
+    # float32 models keep torch's ops: a GPU would contract RoPE's products into an FMA there,
+    # and float32 is the dtype the engine is compared with transformers in.
+    assert not cuda_ops_apply(torch.float32, 128)
+
+
+@pytest.mark.parametrize("family", ["llama3-rope", "qwen3-qknorm"])
+def test_a_model_with_them_swapped_in_gives_the_same_greedy_tokens(tmp_path, family) -> None:
+    """The engine's own forward with the kernels in its layers (q/k norms included), against
+    the same model on torch's ops; float16 (the interpreter's bfloat16 rounds differently)."""
+    folder = build_tiny_model(family, tmp_path / family)
+    prompts = random_prompts(3, seed=4)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    expected = build_engine(folder, dtype="float16", enforce_eager=True).generate(prompts, params)
+    engine = build_engine(folder, dtype="float16", enforce_eager=True)
+    assert engine.model.use_cuda_ops()
+    assert isinstance(engine.model.layers[0].mlp.act, CudaSiluAndMul)
+    assert engine.generate(prompts, params) == expected

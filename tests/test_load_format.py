@@ -1,0 +1,84 @@
+"""``--load-format dummy``: a model of a config's shape with random weights, no files read."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.config import EngineConfig
+from common.engine.llm_engine import LLMEngine
+from common.engine_args import engine_config_from_args
+from common.sampling_params import SamplingParams
+from decode_worker.worker import build_parser
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 300,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+}
+
+
+@pytest.fixture
+def config_only(tmp_path: Path) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    return tmp_path
+
+
+def test_a_dummy_model_needs_only_its_config_and_generates(config_only: Path) -> None:
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(config_only),
+            dtype="float32",
+            device="cpu",
+            load_format="dummy",
+            enforce_eager=True,  # the plain modules, whose weights the test reads
+        )
+    )
+    model = engine.model
+    assert all(torch.equal(p, torch.ones_like(p)) for n, p in model.named_parameters()
+               if n.endswith("norm.weight"))  # fmt: skip
+    weight = model.layers[0].mlp.down_proj.weight
+    assert 0.015 < weight.std().item() < 0.025 and weight.isfinite().all()
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    outputs = engine.generate([[1, 2, 3, 4]], params)
+    assert len(outputs[0]) == 5
+
+
+def test_the_same_folder_without_dummy_says_its_weights_are_missing(config_only: Path) -> None:
+    with pytest.raises(ValueError, match="safetensors"):
+        LLMEngine(EngineConfig(model=str(config_only), dtype="float32", device="cpu"))
+
+
+def test_load_format_is_a_worker_flag_and_refuses_unknown_formats() -> None:
+    args = build_parser().parse_args(["--router", "tcp://127.0.0.1:1", "--load-format", "dummy"])
+    assert engine_config_from_args(args).load_format == "dummy"
+    with pytest.raises(ValueError, match="load-format"):
+        EngineConfig(load_format="pt").validate()
+
+
+@pytest.mark.slow
+def test_the_host_overhead_benchmark_prints_a_line_per_batch_size() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.host_overhead", "--batch-sizes", "1,3",
+         "--steps", "5", "--prompt-len", "40", "--vocab", "500"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("batch ")]
+    assert [line.split(":")[0] for line in lines] == ["batch 1", "batch 3"]
+    assert all(float(line.split()[2]) > 0 for line in lines)
