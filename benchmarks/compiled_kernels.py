@@ -2,8 +2,9 @@
 
 Triton's NVIDIA backend carries its own ``ptxas`` and ``cuobjdump``, so a kernel compiles to
 machine code (SASS) for any architecture without a GPU. This prints, for each case: registers,
-spilled stack and shared memory per program, how many K/V loads the software pipeliner turned
-into asynchronous copies (``num_stages`` buys nothing without them), and whether the machine
+spilled stack and shared memory per program, how many loads the software pipeliner turned into
+asynchronous copies and how many of those a wait in the loop leaves in flight (``num_stages``
+buys nothing where every wait drains them all), and whether the machine
 code is the same with the compiler's floating-point contraction on and off. The last is what
 deterministic inference needs: a multiply and an add that the compiler fuses into one FMA
 (rounding once) in one kind of key tile and not in another (rounding twice) give a query row
@@ -20,10 +21,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import triton
@@ -86,11 +88,20 @@ class Compiled:
     ttgir: str
     sass: str
     resources: str  # cuobjdump's REG/STACK/SHARED line
+    shared_bytes: int  # dynamic shared memory per program (the pipeline's buffers)
 
     @property
     def async_copies(self) -> int:
         return self.ttgir.count("async_copy_global_to_local") + self.ttgir.count(
             "async_tma_copy_global_to_local"
+        )
+
+    @property
+    def copies_left_in_flight(self) -> int:
+        """The most copy groups any wait leaves in flight: 0 means every wait drains them all,
+        so no load runs more than one tile ahead of the math, whatever ``num_stages``."""
+        return max(
+            (int(n) for n in re.findall(r"async_wait [^{]*\{num = (\d+)", self.ttgir)), default=0
         )
 
 
@@ -150,7 +161,8 @@ def compile_case(case: Case, arch: int, fp_fusion: bool = True) -> Compiled:
             "enable_fp_fusion": fp_fusion,
         },
     )
-    return Compiled(kernel.asm["ttgir"], *_disassemble(kernel.asm["cubin"]))
+    sass, resources = _disassemble(kernel.asm["cubin"])
+    return Compiled(kernel.asm["ttgir"], sass, resources, kernel.metadata.shared)
 
 
 def _disassemble(cubin: bytes) -> tuple[str, str]:
@@ -207,6 +219,7 @@ def main() -> int:
     )
     parser.add_argument("--only", choices=("prefill", "decode"), help="one kernel's cases")
     parser.add_argument("--query", choices=tuple(_QUERY_TYPES), help="one query type's cases")
+    parser.add_argument("--num-stages", type=int, help="in place of the table's, for every case")
     args = parser.parse_args()
     # Triton decides between compiler and interpreter when a kernel is decorated.
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -217,9 +230,17 @@ def main() -> int:
     for case in CASES:
         if args.only not in (None, case.kernel) or args.query not in (None, case.query):
             continue
+        if args.num_stages is not None:
+            case = replace(
+                case, tiles=replace(case.tiles_for(args.arch), num_stages=args.num_stages)
+            )
         compiled = compile_case(case, args.arch)
-        line = f"  {case.label(args.arch):58} {compiled.resources.split(' TEXTURE')[0]}, "
-        line += f"{compiled.async_copies} async copies"
+        registers = compiled.resources.split(" SHARED")[0]
+        line = (
+            f"  {case.label(args.arch):52} {registers}, shared {compiled.shared_bytes // 1024} "
+            f"KiB, {compiled.async_copies} async copies, {compiled.copies_left_in_flight} left "
+            "in flight"
+        )
         if args.contraction:
             same = compiled.sass == compile_case(case, args.arch, fp_fusion=False).sass
             failed |= not same

@@ -326,11 +326,20 @@ def attend_span(
     """Fold keys ``[first, end)`` of one sequence into the softmax state, ``BLOCK_N`` at a time
     from ``first``. The tiles before ``unmasked_end`` skip the masks; the rest mask keys at or
     past ``end`` and, when ``CAUSAL``, past each row's query. The tiles and their order do not
-    depend on where the unmasked ones end, so neither do the sums."""
+    depend on where the unmasked ones end, so neither do the sums.
+
+    Each iteration reads the page ids of the next tile, not its own: its K/V loads take their
+    addresses from the iteration before. Where a tile's K/V loads wait on a page-table load of
+    their own iteration, Triton's software pipeliner keeps them only one tile ahead whatever
+    ``num_stages`` (compiled for sm_90, every wait in the loop is for all copies in flight); with
+    the ids a step ahead, ``num_stages`` 3 and 4 keep 2 and 3 tiles of K/V in flight
+    (``benchmarks.compiled_kernels`` shows the IR)."""
+    pos = first + tl.arange(0, BLOCK_N)
+    page, slot = page_slots(page_table_ptr, pos, pos < end, page_size)
     for start in range(first, unmasked_end, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        kv_mask = pos < end
-        page, slot = page_slots(page_table_ptr, pos, kv_mask, page_size)
+        kv_mask = start + tl.arange(0, BLOCK_N) < end
+        next_pos = start + BLOCK_N + tl.arange(0, BLOCK_N)
+        next_page, next_slot = page_slots(page_table_ptr, next_pos, next_pos < end, page_size)
         acc, m_i, l_i = attend_tile(
             q,
             acc,
@@ -354,10 +363,14 @@ def attend_span(
             KV_QUANT,
             MASKED=False,
         )
+        page, slot = next_page, next_slot
+    # The first loop leaves the ids of the tile at unmasked_end (or at first, where it ran no
+    # tile: then unmasked_end == first).
     for start in range(unmasked_end, end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         kv_mask = pos < end
-        page, slot = page_slots(page_table_ptr, pos, kv_mask, page_size)
+        next_pos = pos + BLOCK_N
+        next_page, next_slot = page_slots(page_table_ptr, next_pos, next_pos < end, page_size)
         causal = pos[None, :] <= query_pos[:, None]
         allowed = causal & kv_mask[None, :] if CAUSAL else kv_mask[None, :]
         acc, m_i, l_i = attend_tile(
@@ -383,4 +396,5 @@ def attend_span(
             KV_QUANT,
             MASKED=True,
         )
+        page, slot = next_page, next_slot
     return acc, m_i, l_i

@@ -44,6 +44,11 @@ class DecodeTiles:
 # float32 accumulator in registers; decode is bound by memory, and a 64-key tile of 2-byte pages
 # keeps enough bytes in flight (its key count follows the page's bytes: ``_by_bytes``). Other head
 # sizes adjust them (``_fit_prefill``, ``_fit_decode``).
+# num_stages: the kernels' K/V loads run num_stages - 1 tiles ahead of the math, but with 2 the
+# next tile's loads are issued only after this tile's math (compiled for sm_90, nothing is left
+# in flight across it: ``benchmarks.compiled_kernels``); 3 keeps a tile in flight behind it. Each
+# stage costs shared memory (this default takes 96 KiB at 2 stages and 128 KiB at 3, past an
+# sm_89 GPU's 99 KiB a program), so the default stays at 2 and the tuner chooses per generation.
 DEFAULT_PREFILL = PrefillTiles(block_m=128, block_n=64, num_warps=8, num_stages=2)
 DEFAULT_DECODE = DecodeTiles(block_n=64, num_warps=4, num_stages=2)
 
