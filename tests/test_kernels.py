@@ -40,7 +40,7 @@ from kernels.reference import (
 from kernels.registry import get_attention_backend
 from kernels.sizes import ceil_div
 from kernels.triton_backend import TritonAttentionBackend
-from kernels.triton_decode_attention import decode_attention
+from kernels.triton_decode_attention import decode_attention, splits_to_fill
 from kernels.triton_prefill_attention import prefill_attention
 from kernels.triton_store_kv import store_kv
 from kernels.triton_tiles import (
@@ -560,6 +560,16 @@ def test_decode_attention_split_k(num_splits: int, kv_dtype: torch.dtype) -> Non
     batch = make_batch([1] * 4, [1, 16, 17, 300], 2, 4, 64, torch.float32, kv_dtype)
     out = decode_attention(batch.query, batch.cache, batch.meta, 64**-0.5, num_splits=num_splits)
     assert_matches_reference(out, batch, torch.float32)
+
+
+def test_decode_splits_fill_the_gpu() -> None:
+    """Few sequences get splits enough for four programs per multiprocessor (132 on an H100 or
+    H200; 8 KV heads), none shorter than 256 tokens; a full batch gets none."""
+    assert splits_to_fill(1, 8, 32768, 132) == 66  # 528 programs of 497 keys each
+    assert splits_to_fill(16, 8, 4096, 132) == 5
+    assert splits_to_fill(1, 8, 300, 132) == 2  # by length
+    assert splits_to_fill(256, 8, 4096, 132) == 1
+    assert splits_to_fill(1, 1, 10**6, 132) == 128  # the most there may be
 
 
 def test_decode_attention_rejects_prefill_metadata() -> None:
