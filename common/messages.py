@@ -60,9 +60,8 @@ _TYPES: dict[str, type[Message]] = {}
 # One converter per dataclass, built on first use (annotations may name classes defined later).
 _Converter = Callable[[Any, str], Any]
 _FIELD_CONVERTERS: dict[type, dict[str, _Converter]] = {}
-_INT_KEYED_FIELDS: dict[type, frozenset[str]] = {}
-_WIRE_FIELDS: dict[type, tuple[tuple[str, bool], ...]] = {}
-# Values that travel as they are (exact types: a subclass goes the long way, to_wire or not).
+_WRITERS: dict[type, Callable[[Any], dict[str, Any]]] = {}
+# Values that travel as they are.
 _SCALARS = frozenset({int, float, str, bool, bytes, type(None)})
 
 
@@ -127,14 +126,7 @@ def decode(frame: bytes | bytearray | memoryview, max_size: int = MAX_FRAME_BYTE
 
 def to_wire(obj: Any) -> dict[str, Any]:
     """A dataclass as the plain map that travels on the wire (nested dataclasses included)."""
-    wire = {}
-    for name, int_keyed in _wire_fields(type(obj)):
-        value = getattr(obj, name)
-        if type(value) in _SCALARS:  # most fields: no conversion, and no call to find that out
-            wire[name] = value
-        else:
-            wire[name] = _pairs(value) if int_keyed else _plain(value)
-    return wire
+    return _writer(type(obj))(obj)
 
 
 def from_wire(cls: type[Any], raw: Any, where: str | None = None) -> Any:
@@ -172,30 +164,44 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _wire_fields(cls: type) -> tuple[tuple[str, bool], ...]:
-    """``cls``'s fields in order, each with whether it is an int-keyed map (sent as pairs)."""
-    fields = _WIRE_FIELDS.get(cls)
-    if fields is None:
-        int_keyed = _int_keyed_fields(cls)
-        fields = tuple((f.name, f.name in int_keyed) for f in dataclasses.fields(cls))
-        _WIRE_FIELDS[cls] = fields
-    return fields
+def _writer(cls: type) -> Callable[[Any], dict[str, Any]]:
+    """``cls``'s ``to_wire``, written once per class as one dict display over its fields (as
+    ``dataclasses`` writes ``__init__``): a worker encodes a delta per sequence per step, and a
+    generic walk over fields and values cost several microseconds a delta."""
+    writer = _WRITERS.get(cls)
+    if writer is None:
+        hints = typing.get_type_hints(cls)
+        items = ", ".join(
+            f"{f.name!r}: {_field_writer(hints[f.name], 'obj.' + f.name)}"
+            for f in dataclasses.fields(cls)
+        )
+        namespace = {"to_wire": to_wire, "_pairs": _pairs, "_plain": _plain}
+        exec(f"def write(obj):\n    return {{{items}}}\n", namespace)
+        writer = _WRITERS[cls] = namespace["write"]
+    return writer
+
+
+def _field_writer(hint: Any, value: str) -> str:
+    """The expression that turns ``value``, annotated ``hint``, into its wire form."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType) and len(args) == 2 and type(None) in args:
+        (inner,) = (a for a in args if a is not type(None))
+        return f"(None if {value} is None else {_field_writer(inner, value)})"
+    if hint in _SCALARS:
+        return value
+    if _is_int_keyed_dict(hint):
+        return f"_pairs({value})"
+    if origin is list and args and args[0] in _SCALARS:
+        return value  # msgpack writes a list (or tuple) of plain values as it is
+    if origin is list and args and dataclasses.is_dataclass(args[0]):
+        return f"[to_wire(item) for item in {value}]"
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return f"to_wire({value})"
+    return f"_plain({value})"
 
 
 def _pairs(mapping: dict[int, Any]) -> list[list[Any]]:
     return [[key, _plain(value)] for key, value in mapping.items()]
-
-
-def _int_keyed_fields(cls: type) -> frozenset[str]:
-    """The fields of ``cls`` annotated ``dict[int, X]``, which travel as pairs."""
-    names = _INT_KEYED_FIELDS.get(cls)
-    if names is None:
-        hints = typing.get_type_hints(cls)
-        names = frozenset(
-            f.name for f in dataclasses.fields(cls) if _is_int_keyed_dict(hints[f.name])
-        )
-        _INT_KEYED_FIELDS[cls] = names
-    return names
 
 
 def _is_int_keyed_dict(hint: Any) -> bool:

@@ -21,11 +21,13 @@ from common.protocol import (
     Handoff,
     HandoffPart,
     Heartbeat,
+    LeaveAck,
     PrefillRequest,
     RegisterAck,
     RegisterWorker,
     RequestFailed,
     TokenDelta,
+    WorkerDraining,
 )
 from common.sampling_params import SamplingParams
 
@@ -93,9 +95,14 @@ class FakeRouter:
         for process in self.processes:
             if process.poll() is None:
                 process.terminate()
+        # The workers drain: answer their leaving (LeaveAck) as a router does, so they need
+        # not wait out the ack's timeout.
+        deadline = time.monotonic() + 20
+        while any(p.poll() is None for p in self.processes) and time.monotonic() < deadline:
+            self.pump(0.05)
         for process in self.processes:
             try:
-                process.wait(timeout=20)
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 process.kill()
         self.context.destroy(linger=0)  # closes every socket a test opened on it, too
@@ -134,6 +141,8 @@ class FakeRouter:
             self.requests.setdefault(msg.request_id, RequestLog()).deltas.append(msg)
         elif isinstance(msg, RequestFailed):
             self.requests.setdefault(msg.request_id, RequestLog()).failures.append(msg)
+        elif isinstance(msg, WorkerDraining) and msg.leaving:
+            self.send(worker_id, LeaveAck(worker_id))
 
     def prefill(
         self,
