@@ -253,8 +253,15 @@ class EngineConfig:
     enable_deterministic_inference: bool = False
     # auto: the checkpoint's safetensors; dummy: random weights of the config's shape.
     load_format: str = "auto"
+    # Ranks the model is split over (Megatron-style, common/model/parallel.py), one process
+    # each; rank 0 is the engine, the others it spawns.
+    tensor_parallel_size: int = 1
 
     def validate(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}"
+            )
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(
                 f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}"

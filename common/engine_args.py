@@ -76,6 +76,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "shape, made on the device (benchmarks of a real model's speed without its weights)",
     )
     group.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="split the model over this many processes (one GPU each on CUDA, gloo on the CPU); "
+        "rank 0 schedules and samples, and alone speaks to the router",
+    )
+    group.add_argument(
         "--enable-deterministic-inference",
         action="store_true",
         help="batch-invariant kernels: a request's tokens and logprobs do not depend on the "
@@ -128,6 +136,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         enable_deterministic_inference=args.enable_deterministic_inference,
         load_format=args.load_format,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     config.validate()
     return config

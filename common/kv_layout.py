@@ -31,6 +31,10 @@ class KVLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    # Which of the model's KV heads the pool holds: ``num_kv_heads`` of them from this one. A
+    # tensor-parallel rank's pool holds a slice (common/model/parallel.py); None: all of them.
+    first_kv_head: int = 0
+    model_kv_heads: int | None = None
 
     def problem(self) -> str | None:
         """Why this layout cannot be served, or None. Not checked on construction: a layout off
@@ -42,7 +46,22 @@ class KVLayout:
             value = getattr(self, name)
             if value < 1:
                 return f"KV layout field {name} must be a positive int, got {value!r}"
+        total = self.model_kv_heads
+        if self.first_kv_head < 0 or (
+            total is not None and self.first_kv_head + self.num_kv_heads > total
+        ):
+            return f"KV layout holds {self.heads_held()}, which the model does not have"
         return None
+
+    @property
+    def holds_all_heads(self) -> bool:
+        return self.model_kv_heads is None or self.num_kv_heads == self.model_kv_heads
+
+    def heads_held(self) -> str:
+        """Which KV heads the pool holds, in words: ``KV heads 2-3 of 4``."""
+        last = self.first_kv_head + self.num_kv_heads - 1
+        total = self.model_kv_heads if self.model_kv_heads is not None else self.num_kv_heads
+        return f"KV heads {self.first_kv_head}-{last} of {total}"
 
     @property
     def is_fp8(self) -> bool:
@@ -95,11 +114,21 @@ class KVLayout:
         return self.dtype
 
     def mismatch(self, other: KVLayout) -> str | None:
-        """A human-readable description of how ``other`` differs, or None if compatible."""
+        """A human-readable description of how ``other`` differs, or None if compatible.
+
+        Pages move whole, every head of them, so both pools must hold all the model's heads:
+        a tensor-parallel rank's pool, which holds a slice, is refused here (sending each rank
+        its heads from the ranks that hold them is not built yet)."""
         diffs = [
             f"{name}: {getattr(self, name)!r} here vs {getattr(other, name)!r} there"
             for name in ("dtype", "page_size", "num_layers", "num_kv_heads", "head_dim")
             if getattr(self, name) != getattr(other, name)
+        ]
+        diffs += [
+            f"the pool {where} holds {layout.heads_held()} (a tensor-parallel rank's), and "
+            "KV moves only between workers at --tensor-parallel-size 1"
+            for layout, where in ((self, "here"), (other, "there"))
+            if not layout.holds_all_heads
         ]
         return "; ".join(diffs) or None
 

@@ -2,17 +2,23 @@
 
 It is both a user-facing command (``pdserve generate``) and the reference the disaggregated
 path is checked against. The loop is ``schedule() -> run() -> postprocess()``.
+
+With ``--tensor-parallel-size N`` the engine the caller builds is rank 0 of N: it spawns the
+other ranks (``common/engine/tp_group.py``), each an ``LLMEngine`` of its own shard whose
+runner only runs the forwards rank 0 sends it; rank 0 alone schedules and samples.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import time
 from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 import torch
 
@@ -35,10 +41,12 @@ from common.engine.sequence import FinishReason, Sequence, first_output_prompt_l
 from common.engine.speculative.draft import DraftModelProposer
 from common.engine.speculative.ngram import NgramProposer
 from common.engine.speculative.speculator import Proposer, Speculator
+from common.engine.tp_group import FollowerRanks, ignore_stop_signals, serve_steps
 from common.kv_layout import KVLayout
 from common.model.default_model import resolve_model_path
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
+from common.model.parallel import TensorParallel, check_shardable, connect
 from common.sampling_params import SamplingParams
 from kernels.interface import FP8_DTYPE, INT8_DTYPE
 from kernels.registry import get_attention_backend
@@ -61,15 +69,56 @@ class RequestOutput:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, role: str | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        role: str | None = None,
+        tp_rank: int = 0,
+        tp_port: int | None = None,
+    ) -> None:
         """``role``: "prefill" or "decode" for a worker's engine (each has its own scheduler,
-        see ``common/engine/scheduler``), None for the one-process engine."""
+        see ``common/engine/scheduler``), None for the one-process engine. ``tp_rank`` and
+        ``tp_port``: set only in the ranks rank 0 spawns (their rank, rank 0's rendezvous)."""
         if role not in (None, "prefill", "decode"):
             raise ValueError(f"unknown engine role {role!r}")
         started = time.monotonic()
         config.validate()
-        self.device = config.resolve_device()
+        self.device = _rank_device(config.resolve_device(), tp_rank)
+        self.model_path = resolve_model_path(config.model)
+        self.model_config = ModelConfig.from_pretrained(self.model_path)
+        tp_size = config.tensor_parallel_size
+        check_shardable(self.model_config, tp_size)
+        if tp_size > 1 and config.speculative.model is not None:
+            raise ValueError(
+                "a draft model (--speculative-model) does not run under tensor parallelism "
+                "yet; n-gram speculation does (--speculative-method ngram)"
+            )
+        # Rank 0 spawns the others before the rendezvous, which waits for all of them.
+        self.followers: FollowerRanks | None = None
+        if tp_size > 1 and tp_rank == 0:
+            self.followers = FollowerRanks(functools.partial(_serve_as_rank, config, role), tp_size)
+            tp_port = self.followers.port
+        try:
+            self._build(config, role, tp_rank, tp_port, started)
+        except BaseException:
+            self.close()  # the other ranks leave rather than wait for a rank 0 that failed
+            raise
+
+    def _build(
+        self,
+        config: EngineConfig,
+        role: str | None,
+        tp_rank: int,
+        tp_port: int | None,
+        started: float,
+    ) -> None:
+        """Everything after the other ranks are spawned: see ``__init__``."""
         deterministic = config.enable_deterministic_inference
+        tp_size = config.tensor_parallel_size
+        self.tp = TensorParallel()
+        if tp_size > 1:
+            assert tp_port is not None, "a rank other than 0 is given rank 0's port"
+            self.tp = connect(tp_rank, tp_size, tp_port, self.device, deterministic)
         if config.scheduler.max_num_batched_tokens is None:
             budget = default_token_budget(self.device)
             config = dataclasses.replace(
@@ -77,15 +126,15 @@ class LLMEngine:
                 scheduler=dataclasses.replace(config.scheduler, max_num_batched_tokens=budget),
             )
         self.config = config
-        self.model_path = resolve_model_path(config.model)
-        self.model_config = ModelConfig.from_pretrained(self.model_path)
         self.dtype = resolve_dtype(config.dtype, self.model_config.checkpoint_dtype, self.device)
         torch.manual_seed(config.seed)
         kv_dtype = {"fp8": FP8_DTYPE, "int8": INT8_DTYPE}.get(
             config.cache.kv_cache_dtype, self.dtype
         )
         self.backend = get_attention_backend(self.device, deterministic=deterministic)
-        self.model = load_model(self.model_config, self.dtype, self.device, config.load_format)
+        self.model = load_model(
+            self.model_config, self.dtype, self.device, config.load_format, self.tp
+        )
         if kv_dtype == INT8_DTYPE:
             self.model.turn_kv_heads()
         self._prepare_kernels(self.model, log=True)
@@ -97,9 +146,15 @@ class LLMEngine:
             kv_dtype,
             config.cache.page_size,
             self.model_config.num_layers,
-            self.model_config.num_kv_heads,
+            len(self.tp.kv_heads(self.model_config.num_kv_heads)),  # this rank's heads only
             self.model_config.head_dim,
         )
+        if self.tp.size > 1:
+            self.kv_layout = dataclasses.replace(
+                self.kv_layout,
+                first_kv_head=self.tp.kv_heads(self.model_config.num_kv_heads).start,
+                model_kv_heads=self.model_config.num_kv_heads,
+            )
         self.sampler = Sampler(self.model_config.vocab_size, self.model_config.eos_token_ids)
         # The prefill worker only ever samples a first token: nothing to speculate on.
         speculative = config.speculative if role != "prefill" else SpeculativeConfig()
@@ -115,6 +170,8 @@ class LLMEngine:
             extra_bytes_per_page=draft[1].bytes_per_page if draft else 0,
             graph_batch=max(graph_sizes, default=0),
         )
+        # Every rank holds the same page ids: the pool is as big as the smallest rank's.
+        num_pages = self.tp.agree_min(num_pages, self.device)
         self.pool = KVPool(self.kv_layout, num_pages, self.device)
         self.model.bind_kv(self.pool, self.backend)
         self.page_manager = PageManager(
@@ -130,12 +187,13 @@ class LLMEngine:
             scheduler_class = DecodeScheduler if role == "decode" else Scheduler
             self.scheduler = scheduler_class(*scheduling, eos, self.speculator)
         self.runner = ModelRunner(self.model, self.pool, self.sampler, self.speculator)
+        self.runner.followers = self.followers
         if graph_sizes:
             self.runner.graphs = self._capture_decode_graphs(graph_sizes)
         self._ids = itertools.count()
         logger.info(
             "engine ready in %.1f s: %s on %s in %s, %d KV pages of %d tokens (%s), "
-            "%s attention%s%s%s",
+            "%s attention%s%s%s%s",
             time.monotonic() - started,
             self.model_config.architecture,
             self.device,
@@ -147,14 +205,17 @@ class LLMEngine:
             ", eager" if config.enforce_eager else "",
             ", CUDA graphs for decode" if self.runner.graphs is not None else "",
             ", deterministic inference (batch-invariant kernels)" if deterministic else "",
+            f", tensor-parallel rank {tp_rank} of {tp_size}" if tp_size > 1 else "",
         )
 
     def _cuda_graph_sizes(self, role: str | None) -> list[int]:
         """The decode batch sizes to capture CUDA graphs for: on CUDA with the Triton kernels
         (the torch backend reads its metadata on the host), unless --enforce-eager; a prefill
-        worker never decodes."""
+        worker never decodes. Not under tensor parallelism: every rank would have to replay
+        its graphs, collectives included, in step with rank 0."""
         if (
-            self.device.type != "cuda"
+            self.tp.size > 1
+            or self.device.type != "cuda"
             or self.backend.name != "triton"
             or self.config.enforce_eager
             or role == "prefill"
@@ -245,6 +306,11 @@ class LLMEngine:
         )
         return Speculator(config, proposer)
 
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel group (nothing to do otherwise)."""
+        if self.followers is not None:
+            self.followers.close()
+
     def add_request(
         self,
         prompt_token_ids: list[int],
@@ -306,3 +372,22 @@ class LLMEngine:
                 if output.request_id in tokens:
                     tokens[output.request_id].extend(s.token_id for s in output.new_samples)
         return [tokens[request_id] for request_id in ids]
+
+
+def _rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank ``rank``'s device: the ``rank``-th GPU from the one configured, or the CPU."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+def _serve_as_rank(
+    config: EngineConfig, role: str | None, rank: int, port: int, pipe: Connection
+) -> None:
+    """A spawned rank's whole life: build its shard of the engine, then run rank 0's steps."""
+    ignore_stop_signals()
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s tp-rank-{rank} %(levelname)s %(message)s"
+    )
+    engine = LLMEngine(config, role, tp_rank=rank, tp_port=port)
+    serve_steps(pipe, engine.runner.run_forward)

@@ -4,6 +4,9 @@ With a ``Speculator`` the runner first asks it for proposed tokens, appends them
 sequences' runs, and samples every position from the proposal's first on: the target's own
 choice at each position decides how many proposals are accepted (see
 ``common/engine/speculative/speculator.py``).
+
+In a tensor-parallel group rank 0's runner sends each step's token runs to the other ranks
+before its forward (``common/engine/tp_group.py``), and theirs run them in ``run_forward``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from common.engine.cuda_graphs import DecodeGraphs
 from common.engine.kv_pool import KVPool
 from common.engine.sampler import SampledToken, Sampler, SamplingRow, prompt_logprobs
 from common.engine.speculative.speculator import Speculator
+from common.engine.tp_group import FollowerRanks
 from common.model.llama import LlamaForCausalLM
 
 
@@ -44,6 +48,8 @@ class ModelRunner:
         self.device = pool.device
         self.page_size = pool.layout.page_size
         self.staging = HostStaging()
+        # Set by a tensor-parallel group's rank 0: the ranks that run each step beside it.
+        self.followers: FollowerRanks | None = None
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSequence]) -> list[list[SampledToken]]:
@@ -54,7 +60,10 @@ class ModelRunner:
         proposals = (
             self.speculator.propose(batch) if self.speculator is not None else [[]] * len(batch)
         )
-        inputs = self.prepare(batch, proposals)
+        runs = self.token_runs(batch, proposals)
+        if self.followers is not None:
+            self.followers.send_step(runs)
+        inputs = flatten_runs(runs, self.page_size, self.device, self.staging)
         started = time.perf_counter()
         logits = self.graphs.run(inputs) if self.graphs is not None else None
         if logits is None:
@@ -84,10 +93,25 @@ class ModelRunner:
             self.speculator.costs.observe(len(inputs.input_ids), time.perf_counter() - started)
         return self.speculator.accept(batch, proposals, sampled)
 
+    @torch.inference_mode()
+    def run_forward(self, runs: list[TokenRun]) -> None:
+        """A tensor-parallel rank other than 0: the forward rank 0 runs over ``runs``, for its
+        collectives and this rank's KV pages; the logits are rank 0's to sample."""
+        inputs = flatten_runs(runs, self.page_size, self.device, self.staging)
+        self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices)
+
     def prepare(self, batch: list[ScheduledSequence], proposals: Seq[Seq[int]]) -> ForwardInputs:
         """The forward's inputs: each sequence's next known tokens, then its proposals, with
         logits for every position from its last known token on (and, for prompt logprobs, for
         the chunk's prompt positions before it)."""
+        return flatten_runs(
+            self.token_runs(batch, proposals), self.page_size, self.device, self.staging
+        )
+
+    def token_runs(
+        self, batch: list[ScheduledSequence], proposals: Seq[Seq[int]]
+    ) -> list[TokenRun]:
+        """Each sequence's run of tokens for the forward (see ``prepare``)."""
         runs = []
         for item, proposed in zip(batch, proposals, strict=True):
             seq, start = item.seq, item.seq.num_computed_tokens
@@ -95,7 +119,7 @@ class ModelRunner:
             num_logits = _prompt_positions_to_score(item)[1]
             num_logits += 1 + len(proposed) if item.samples else 0
             runs.append(TokenRun(known + list(proposed), start, seq.page_ids, num_logits))
-        return flatten_runs(runs, self.page_size, self.device, self.staging)
+        return runs
 
     def _score_prompts(
         self, batch: list[ScheduledSequence], proposals: Seq[Seq[int]], logits: torch.Tensor

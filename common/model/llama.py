@@ -1,7 +1,9 @@
 """One implementation for the Llama family: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
 
 The model computes over a flattened batch of new tokens; where each token sits is given by
-explicit ``AttentionMetadata``, and keys and values live in the paged ``KVPool``. The numerics
+explicit ``AttentionMetadata``, and keys and values live in the paged ``KVPool``. Under tensor
+parallelism each rank builds the model with its own slices of heads, MLP width and vocabulary
+(``common/model/parallel.py``) and its KV pool holds only its KV heads. The numerics
 follow Hugging Face ``transformers`` (RMSNorm in float32, RoPE tables in float32) so that greedy
 tokens in float32 are identical.
 """
@@ -19,6 +21,7 @@ from torch import nn
 
 from common.config import ModelConfig
 from common.engine.kv_pool import KVPool
+from common.model.parallel import TensorParallel
 from kernels.cpu_backend import SHORT_QUERY_MAX, CpuAttentionBackend, CpuAttentionPlan
 from kernels.cpu_layer import FusedDecoderLayer
 from kernels.cpu_linear import (
@@ -112,14 +115,16 @@ class SiluAndMul(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, tp: TensorParallel) -> None:
         super().__init__()
         self.layer_index = layer_index
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.tp = tp
+        # This rank's heads: QKV is split by columns, O by rows (one all-reduce).
+        self.num_heads = len(tp.heads(config.num_heads))
+        self.num_kv_heads = len(tp.kv_heads(config.num_kv_heads))
         self.head_dim = config.head_dim
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
+        self.q_size = self.num_heads * config.head_dim
+        self.kv_size = self.num_kv_heads * config.head_dim
         # q, k and v share one GEMM: one pass over the activations instead of three.
         self.qkv_proj = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
@@ -160,7 +165,7 @@ class Attention(nn.Module):
         out = kv.backend.attention(q, cache, meta, self.softmax_scale)
         if query_turn is not None:
             out = self._turn(query_turn, out).to(hidden.dtype)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
     def _turn(self, turn: nn.Module, heads: torch.Tensor) -> torch.Tensor:
         """Every head vector of ``heads [N, num_heads, head_dim]`` through ``turn``, in float32:
@@ -170,29 +175,48 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.tp = tp
+        # This rank's slice of the width: gate/up split by columns, down by rows (one all-reduce).
+        self.intermediate_size = len(tp.part(config.intermediate_size))
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=False)
         self.act: SiluAndMul | CpuSiluAndMul | CudaSiluAndMul = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(self.act(self.gate_up_proj(x))))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows of the embedding table: each token is looked up on the rank holding
+    its row, zeros elsewhere, and the all-reduce puts every row in place on every rank."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.tp = tp
+        self.rows = tp.vocab_rows(vocab_size)
+        self.weight = nn.Parameter(torch.empty(len(self.rows), hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.rows.start
+        elsewhere = (local < 0) | (local >= len(self.rows))
+        hidden = F.embedding(local.masked_fill(elsewhere, 0), self.weight)
+        return self.tp.all_reduce(hidden.masked_fill(elsewhere[:, None], 0.0))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, tp: TensorParallel) -> None:
         super().__init__()
         # pack_for_cpu swaps in the C twins of the norms.
         self.input_layernorm: RMSNorm | CpuRMSNorm | CudaRMSNorm | InvariantRMSNorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps
         )
-        self.self_attn = Attention(config, layer_index)
+        self.self_attn = Attention(config, layer_index, tp)
         self.post_attention_layernorm: RMSNorm | CpuRMSNorm | CudaRMSNorm | InvariantRMSNorm = (
             RMSNorm(config.hidden_size, config.rms_norm_eps)
         )
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp)
 
     def forward(self, hidden, rope, kv: BoundKV, meta: AttentionMetadata) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, kv, meta)
@@ -200,11 +224,17 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
+        """``tp``: this rank's place in a tensor-parallel group; None, the whole model."""
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.tp = tp = tp or TensorParallel()
+        self.embed_tokens: nn.Embedding | VocabParallelEmbedding = (
+            nn.Embedding(config.vocab_size, config.hidden_size)
+            if tp.size == 1
+            else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        )
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_layers))
         self.norm: RMSNorm | CpuRMSNorm | CudaRMSNorm | InvariantRMSNorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps
         )
@@ -212,7 +242,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else nn.Linear(config.hidden_size, len(tp.vocab_rows(config.vocab_size)), bias=False)
         )
         # Set by pack_for_cpu and use_invariant_kernels: the output projection as its own
         # module, tied weights included.
@@ -236,7 +266,12 @@ class LlamaForCausalLM(nn.Module):
     def _fuse_layers(self) -> None:
         """Build ``fused_layers`` for the bound pool, if every layer qualifies."""
         self.fused_layers = None
-        if self.kv is None or not isinstance(self.kv.backend, CpuAttentionBackend):
+        # The C layer runs O and down to the residual add with no all-reduce between.
+        if (
+            self.kv is None
+            or not isinstance(self.kv.backend, CpuAttentionBackend)
+            or self.tp.size > 1
+        ):
             return
         pairs = list(zip(self.decoder_layers(), self.kv.layers, strict=True))
         if all(FusedDecoderLayer.fusable(layer, cache) for layer, cache in pairs):
@@ -353,13 +388,13 @@ class LlamaForCausalLM(nn.Module):
 
     def linear_shapes(self) -> list[tuple[int, int]]:
         """``(out, in)`` of one decoder layer's linear layers, for choosing GEMM kernels."""
-        config = self.config
-        q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        attention, mlp = self.decoder_layers()[0].self_attn, self.decoder_layers()[0].mlp
+        hidden, q_size, kv_size = self.config.hidden_size, attention.q_size, attention.kv_size
         return [
-            (q_size + 2 * kv_size, config.hidden_size),
-            (config.hidden_size, q_size),
-            (2 * config.intermediate_size, config.hidden_size),
-            (config.hidden_size, config.intermediate_size),
+            (q_size + 2 * kv_size, hidden),
+            (hidden, q_size),
+            (2 * mlp.intermediate_size, hidden),
+            (hidden, mlp.intermediate_size),
         ]
 
     def forward(
@@ -390,9 +425,14 @@ class LlamaForCausalLM(nn.Module):
                 hidden = layer(hidden, rope, self.kv, meta)
         hidden = self.norm(hidden[logits_indices])
         if self.head is not None:
-            return self.head(hidden).float()
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, head).float()
+            logits = self.head(hidden)
+        else:
+            head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            logits = F.linear(hidden, head)
+        if self.tp.size > 1:
+            # Each rank scored its rows of the vocabulary; the last one's padding goes.
+            logits = self.tp.all_gather_columns(logits)[:, : self.config.vocab_size]
+        return logits.float()
 
     def _runs_fused(self, meta: AttentionMetadata) -> bool:
         """Whether this step's layers run as single C calls: a step of short runs only, whose

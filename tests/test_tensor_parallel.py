@@ -1,0 +1,267 @@
+"""Tensor parallelism inside one engine (``--tensor-parallel-size``): the slices each rank holds,
+and a group of processes over gloo whose greedy tokens are the one-process engine's.
+
+A TP group sums each row-parallel layer's output in another order than one process does, so
+float32 logits differ in their last bits; the tiny models are built with a wide initialisation
+(peaked logits), and where two tokens still nearly tie ``assert_greedy_equal_up_to_near_ties``
+lets them part only there, both within a small gap of the best logit by transformers in fp32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import (
+    VOCAB_SIZE,
+    assert_greedy_equal_up_to_near_ties,
+    build_tiny_model,
+    random_prompts,
+)
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from common.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from common.engine.llm_engine import LLMEngine
+from common.engine.tp_group import RANK_LOST_EXIT_CODE
+from common.kv_layout import KVLayout
+from common.model.loader import load_model
+from common.model.parallel import TensorParallel, check_shardable
+from common.sampling_params import SamplingParams
+
+REPO = Path(__file__).resolve().parent.parent
+NEW_TOKENS = 16
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+
+
+def engine_config(folder: Path, tp: int, **changes) -> EngineConfig:
+    config = EngineConfig(
+        model=str(folder),
+        dtype="float32",
+        device="cpu",
+        cache=CacheConfig(num_pages=64),
+        # Small steps: the prompts arrive in several chunks, decodes ride beside prefills.
+        scheduler=SchedulerConfig(max_num_batched_tokens=48, max_model_len=256),
+        tensor_parallel_size=tp,
+    )
+    return dataclasses.replace(config, **changes)
+
+
+def greedy(config: EngineConfig, prompts: list[list[int]]) -> list[list[int]]:
+    engine = LLMEngine(config)
+    try:
+        return engine.generate(prompts, GREEDY)
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def two_kv_heads(tmp_path_factory) -> Path:
+    """2 query heads over 2 KV heads, untied head, llama3 RoPE scaling."""
+    return build_tiny_model("llama3-rope", tmp_path_factory.mktemp("llama3-rope"))
+
+
+@pytest.fixture(scope="module")
+def four_heads(tmp_path_factory) -> Path:
+    """4 query heads over 2 KV heads and a vocabulary no TP size divides (the last rank's
+    rows are padding): at TP 4 each KV head is held by two ranks."""
+    folder = tmp_path_factory.mktemp("four-heads")
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE - 1,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        max_position_embeddings=512,
+        initializer_range=0.1,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+    )
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    return folder
+
+
+# -- what each rank holds (no processes) ---------------------------------------------------------
+
+
+def test_every_query_head_reads_a_kv_head_its_rank_holds():
+    for num_heads, num_kv_heads, size in [(4, 2, 2), (4, 2, 4), (8, 2, 8), (6, 2, 2), (4, 1, 4)]:
+        group = num_heads // num_kv_heads
+        held = []
+        for rank in range(size):
+            tp = TensorParallel(rank, size)
+            kv = tp.kv_heads(num_kv_heads)
+            assert all(head // group in kv for head in tp.heads(num_heads))
+            held.append(kv)
+        assert sorted({head for kv in held for head in kv}) == list(range(num_kv_heads))
+
+
+def test_a_size_that_does_not_divide_the_model_is_refused(four_heads):
+    config = ModelConfig.from_pretrained(four_heads)
+    check_shardable(config, 4)
+    with pytest.raises(ValueError, match="does not divide its 4 attention heads"):
+        check_shardable(config, 3)
+    with pytest.raises(ValueError, match="does not divide its 4 attention heads"):
+        LLMEngine(engine_config(four_heads, 8))
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_ranks_load_slices_that_make_up_the_whole_model(four_heads, size):
+    """Each rank reads its slices; put side by side (the row-parallel ones by columns, KV
+    heads held twice counted once) they are the whole checkpoint."""
+    config = ModelConfig.from_pretrained(four_heads)
+    whole = load_model(config, torch.float32, torch.device("cpu"))
+    ranks = [
+        load_model(config, torch.float32, torch.device("cpu"), tp=TensorParallel(rank, size))
+        for rank in range(size)
+    ]
+    embed = torch.cat([model.embed_tokens.weight for model in ranks])
+    assert torch.equal(embed[: config.vocab_size], whole.embed_tokens.weight)
+    assert not embed[config.vocab_size :].any()  # the last rank's padding rows
+    q_size, head_dim = config.num_heads * config.head_dim // size, config.head_dim
+    for layer, parts in zip(
+        whole.decoder_layers(), zip(*(m.decoder_layers() for m in ranks), strict=True), strict=True
+    ):
+        qkv = [part.self_attn.qkv_proj.weight for part in parts]
+        assert torch.equal(
+            torch.cat([w[:q_size] for w in qkv]), layer.self_attn.qkv_proj.weight[:64]
+        )
+        keys = {}
+        for rank, weight in enumerate(qkv):
+            for i, head in enumerate(TensorParallel(rank, size).kv_heads(config.num_kv_heads)):
+                keys[head] = weight[q_size + i * head_dim : q_size + (i + 1) * head_dim]
+        whole_keys = layer.self_attn.qkv_proj.weight[64:96]
+        assert torch.equal(torch.cat([keys[h] for h in sorted(keys)]), whole_keys)
+        o = torch.cat([part.self_attn.o_proj.weight for part in parts], dim=1)
+        assert torch.equal(o, layer.self_attn.o_proj.weight)
+        down = torch.cat([part.mlp.down_proj.weight for part in parts], dim=1)
+        assert torch.equal(down, layer.mlp.down_proj.weight)
+
+
+def test_dummy_weights_are_drawn_in_each_ranks_shape(four_heads):
+    config = ModelConfig.from_pretrained(four_heads)
+    model = load_model(config, torch.float32, torch.device("cpu"), "dummy", TensorParallel(1, 2))
+    attention = model.decoder_layers()[0].self_attn
+    assert (attention.num_heads, attention.num_kv_heads) == (2, 1)
+    assert attention.qkv_proj.weight.shape == ((2 + 2 * 1) * config.head_dim, 64)
+    assert model.embed_tokens.weight.shape == ((VOCAB_SIZE - 1 + 1) // 2, 64)
+    assert attention.qkv_proj.weight.std() > 0.01
+
+
+def test_a_pool_of_some_heads_is_refused_by_the_kv_handshake():
+    """Pages move whole between pools of all the model's heads; a rank's slice is refused,
+    naming its heads, even against an equal slice (the other ranks' heads would be missing)."""
+    whole = KVLayout("bfloat16", 16, 2, 2, 64)
+    rank1 = KVLayout("bfloat16", 16, 2, 1, 64, first_kv_head=1, model_kv_heads=2)
+    assert whole.mismatch(whole) is None
+    assert rank1.problem() is None  # such a worker registers, and prefills what it decodes
+    problem = whole.mismatch(rank1)
+    assert problem is not None and "there holds KV heads 1-1 of 2" in problem
+    problem = rank1.mismatch(rank1)
+    assert problem is not None and "here holds KV heads 1-1 of 2" in problem
+    assert "not have" in (dataclasses.replace(rank1, first_kv_head=2).problem() or "")
+
+
+# -- groups of processes over gloo ---------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_tp2_greedy_tokens_equal_one_process_with_int8_pages(two_kv_heads):
+    """Two ranks, one KV head each, each rank's pool of int8 pages (the packed CPU GEMMs on
+    every rank, gloo's own all-reduce). Float32 pages: the deterministic test below."""
+    changes = {"cache": CacheConfig(num_pages=64, kv_cache_dtype="int8")}
+    prompts = random_prompts(4, seed=5)
+    expected = greedy(engine_config(two_kv_heads, 1, **changes), prompts)
+    got = greedy(engine_config(two_kv_heads, 2, **changes), prompts)
+    assert_greedy_equal_up_to_near_ties(two_kv_heads, prompts, got, expected)
+
+
+@pytest.mark.slow
+def test_tp2_deterministic_mode_gives_one_process_tokens_in_any_batch(two_kv_heads):
+    """Deterministic inference under TP: the all-reduce sums in rank order, so a prompt's
+    tokens alone and in a batch of others are the same."""
+    prompts = random_prompts(4, seed=6)
+    config = engine_config(two_kv_heads, 2, enable_deterministic_inference=True)
+    engine = LLMEngine(config)
+    try:
+        together = engine.generate(prompts, GREEDY)
+        alone = [engine.generate([prompt], GREEDY)[0] for prompt in prompts[:2]]
+    finally:
+        engine.close()
+    assert alone == together[:2]
+    expected = greedy(engine_config(two_kv_heads, 1), prompts)
+    assert_greedy_equal_up_to_near_ties(two_kv_heads, prompts, together, expected)
+
+
+@pytest.mark.slow
+def test_tp4_with_replicated_kv_heads_equals_one_process(four_heads):
+    """Four ranks over two KV heads (each held by two ranks), a padded vocabulary, tied head."""
+    prompts = random_prompts(3, seed=7)
+    expected = greedy(engine_config(four_heads, 1), prompts)
+    got = greedy(engine_config(four_heads, 4), prompts)
+    assert_greedy_equal_up_to_near_ties(four_heads, prompts, got, expected)
+
+
+_HOLD_A_GROUP = """
+import sys, time
+from common.config import CacheConfig, EngineConfig
+from common.engine.llm_engine import LLMEngine
+if __name__ == "__main__":
+    config = EngineConfig(model=sys.argv[1], dtype="float32", device="cpu",
+                          cache=CacheConfig(num_pages=32), tensor_parallel_size=2)
+    engine = LLMEngine(config)
+    print(engine.followers.pids[0], flush=True)
+    time.sleep(600)
+"""
+
+
+def _start_group(folder: Path) -> tuple[subprocess.Popen, int]:
+    """A process holding a TP 2 engine, and its other rank's pid."""
+    rank0 = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_A_GROUP, str(folder)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert rank0.stdout is not None
+    return rank0, int(rank0.stdout.readline())
+
+
+def _gone(pid: int, deadline_s: float) -> bool:
+    """Whether ``pid`` ends within the deadline (a zombie nobody reaps yet has ended)."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.slow
+def test_a_dead_rank_takes_its_whole_group_down(two_kv_heads):
+    """Killing rank 1 ends rank 0 (which cannot run without it); killing rank 0 ends rank 1."""
+    rank0, rank1 = _start_group(two_kv_heads)
+    try:
+        os.kill(rank1, signal.SIGKILL)
+        assert rank0.wait(timeout=60) == RANK_LOST_EXIT_CODE
+    finally:
+        rank0.kill()
+    rank0, rank1 = _start_group(two_kv_heads)
+    try:
+        rank0.kill()
+        rank0.wait(timeout=60)
+        assert _gone(rank1, 60)
+    finally:
+        rank0.kill()
