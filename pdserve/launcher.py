@@ -119,9 +119,21 @@ def build_parser() -> argparse.ArgumentParser:
     # Flags of one role only; the rest of the unknown flags go to every worker.
     prefill = parser.add_argument_group("prefill workers")
     prefill.add_argument("--kv-lease-seconds", type=float, default=None)
+    prefill.add_argument(
+        "--prefill-tp",
+        type=int,
+        default=1,
+        help="each prefill worker's --tensor-parallel-size (processes it splits the model over)",
+    )
     prefill.add_argument("--ship-chunks", action=argparse.BooleanOptionalAction, default=None)
     decode = parser.add_argument_group("decode workers")
     decode.add_argument("--kv-fetch-timeout", type=float, default=None)
+    decode.add_argument(
+        "--decode-tp",
+        type=int,
+        default=1,
+        help="each decode worker's --tensor-parallel-size (processes it splits the model over)",
+    )
     decode.add_argument(
         "--max-prefill-tokens-while-decoding",
         type=int,
@@ -155,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def role_flags(args: argparse.Namespace, role: str) -> list[str]:
     """The flags given to ``pdserve up`` that belong to workers of ``role`` only."""
-    flags: list[str] = []
+    tp = args.prefill_tp if role == "prefill" else args.decode_tp
+    flags: list[str] = ["--tensor-parallel-size", str(tp)] if tp != 1 else []
     if role == "prefill":
         if args.kv_lease_seconds is not None:
             flags += ["--kv-lease-seconds", str(args.kv_lease_seconds)]
@@ -287,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     args, worker_flags = build_parser().parse_known_args(argv)
     if args.prefill < 0 or args.decode < 1:
         print("pdserve up: needs --decode >= 1 and --prefill >= 0", file=sys.stderr)
+        return 2
+    if args.prefill_tp < 1 or args.decode_tp < 1:
+        print("pdserve up: --prefill-tp and --decode-tp must be >= 1", file=sys.stderr)
         return 2
     from common.model.default_model import resolve_model_path
 
