@@ -4,7 +4,9 @@ A real ``DecodeWorker`` (its sockets, scheduler, sampler, page tables, deltas to
 its own loop (``turn()``) against a router played here on loopback, with the model's forward
 replaced by this benchmark's no-op: it returns rows of a preallocated random logits tensor of the
 right shape. So every millisecond printed is host work a GPU would wait on between two steps:
-scheduling, building the step's inputs, sampling, bookkeeping, encoding and sending the deltas.
+scheduling, building the step's inputs, sampling, bookkeeping. (A step's token deltas are encoded
+and sent while the next forward runs: with ``--forward-ms`` the no-op waits as long as a GPU's
+step would, and what the host adds beyond that wait is what a GPU would idle for.)
 One thing in it is not host work on a GPU: the sampler's pass over the logits (an argmax over
 batch x vocabulary floats) runs on the device there. It is timed alone in the same run and
 given beside the total, with the rest: the host's own share.
@@ -17,6 +19,7 @@ per batch size::
     batch 64: 2.310 ms/step (1.950 of it the greedy argmax over 64 x 49152 logits, ...: host 0.360)
 
     python -m benchmarks.host_overhead [--batch-sizes 1,8,64] [--steps 300] [--vocab 49152]
+                                       [--forward-ms 0]
 """
 
 from __future__ import annotations
@@ -66,13 +69,18 @@ def build_model(folder: Path, vocab_size: int) -> Path:
 
 
 class NoOpForward:
-    """Stands in for the model: one row of logits per position asked for, no work at all."""
+    """Stands in for the model: one row of logits per position asked for, no work at all, or
+    (``seconds``) a wait as long as a device's step, which, as a wait on a GPU does, leaves the
+    CPU to whatever the worker does meanwhile."""
 
-    def __init__(self, max_rows: int, vocab_size: int) -> None:
+    def __init__(self, max_rows: int, vocab_size: int, seconds: float = 0.0) -> None:
         generator = torch.Generator().manual_seed(0)
         self.logits = torch.randn(max_rows, vocab_size, generator=generator)
+        self.seconds = seconds
 
     def __call__(self, input_ids, positions, meta, logits_indices) -> torch.Tensor:
+        if self.seconds:
+            time.sleep(self.seconds)
         return self.logits[: len(logits_indices)]
 
 
@@ -216,6 +224,13 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=49152, help="SmolLM2's by default")
+    parser.add_argument(
+        "--forward-ms",
+        type=float,
+        default=0.0,
+        help="make the forward wait this long, as for a GPU's step: what the host does beside "
+        "it (sending the previous step's tokens) then costs the step nothing",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -224,17 +239,19 @@ def main() -> int:
         model = build_model(Path(tmp), args.vocab)
         router = LoopbackRouter()
         worker = start_worker(model, router, max(batch_sizes))
-        forward = NoOpForward(max(batch_sizes), args.vocab)
+        forward = NoOpForward(max(batch_sizes), args.vocab, args.forward_ms / 1e3)
         worker.engine.runner.model = forward
         try:
             for batch in batch_sizes:
                 ids = start_batch(worker, router, batch, args.prompt_len)
                 ms = time_steps(worker, args.steps)
                 reading = time_logits_read(forward.logits[:batch], args.steps)
+                host = ms - reading - args.forward_ms
+                wait = f", {args.forward_ms:g} the forward's wait" if args.forward_ms else ""
                 print(
                     f"batch {batch}: {ms:.3f} ms/step ({reading:.3f} of it the greedy argmax "
-                    f"over {batch} x {args.vocab} logits, device work on a GPU: host "
-                    f"{ms - reading:.3f})",
+                    f"over {batch} x {args.vocab} logits, device work on a GPU{wait}: host "
+                    f"{host:.3f})",
                     flush=True,
                 )
                 for request_id in ids:

@@ -70,6 +70,7 @@ class DecodeWorker(WorkerService):
     """pdserve decode worker"""
 
     role = "decode"
+    output_beside_forward = True
 
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)

@@ -7,19 +7,22 @@
 #   bench    python -m benchmarks.kernels: prefill TFLOP/s beside SDPA, decode GB/s beside a copy;
 #   serving  pdserve up with one prefill and one decode worker sharing the GPU, each given
 #            --gpu-memory-utilization 0.4 of it, then W1 of benchmarks.serving against it.
-# and three more that the default run leaves out (all seven do not fit in one 10-minute command):
+# and four more that the default run leaves out (all eight do not fit in one 10-minute command):
 #   tune     python -m benchmarks.tune_kernels: every tile candidate on the bench's shapes, and
 #            the choice to record in kernels/triton_tiles.py;
 #   graphs   python -m benchmarks.cuda_graphs: decode steps with CUDA graphs against eager ones;
 #   realshape python -m benchmarks.real_shape: Llama-3.1-8B's shape with random weights made on
 #            the device: its decode step at batch 1/8/32/64 beside the weight floor measured in
-#            the same run, and its prefill TFLOP/s beside the bf16 peak.
+#            the same run, and its prefill TFLOP/s beside the bf16 peak;
+#   realserving  W1 as in serving, on Llama-3.1-8B's layers (SmolLM2's vocabulary, the carried
+#            tokenizer's), each worker given 0.45 of the GPU and drawing its weights there.
 # Each step has its own time limit, and one that fails does not stop the next. Logs go to $OUT
 # where it is set (else /tmp/gpu-check); a summary table ends the output, and the exit status is
 # 1 if any step did not pass.
 #
 #   bash scripts/gpu_check.sh [setup|kernels|engine|bench|serving|tune|graphs ...]
-#       # default: kernels engine bench serving; then, as a second command: realshape tune graphs
+#       # default: kernels engine bench serving; then, as a second command:
+#       #   realshape realserving graphs; and where tiles are to be tuned, a third: tune
 #
 # It first installs what `make gpu-carry` put in .gpu-carry/ (the wheels the image lacks, and
 # SmolLM2's config and tokenizer, served with random weights: the real ones do not fit) into
@@ -53,6 +56,7 @@ declare -A LIMIT_S=(
     [tune]=${GPU_CHECK_TUNE_S:-240}
     [graphs]=${GPU_CHECK_GRAPHS_S:-200}
     [realshape]=${GPU_CHECK_REALSHAPE_S:-120}
+    [realserving]=${GPU_CHECK_REALSERVING_S:-200}
 )
 SERVING_PORT=18000
 W1_ARGS=${GPU_CHECK_W1_ARGS:---isl 256 --osl 64 --num-prompts 64 --concurrency 8}
@@ -124,11 +128,41 @@ step_realshape() {
 
 step_serving() {
     local model
-    local url="http://127.0.0.1:$SERVING_PORT"
-    local share=${GPU_CHECK_GPU_SHARE:-0.4}
     model=$(random_model) || return 1
+    serve_w1 "$model" "${GPU_CHECK_GPU_SHARE:-0.4}"
+}
+
+# Llama-3.1-8B's layers with the vocabulary of the tokenizer the check carries (SmolLM2's 49152
+# tokens: the router must detokenize what the model samples), weights drawn on the device by
+# each worker (--load-format dummy): nothing is written or carried. Prints the folder.
+real_shape_model() {
+    local model="$WORK/Llama-3.1-8B-layers-SmolLM2-vocabulary"
+    rm -rf "$model" && mkdir -p "$model" || return 1
+    "$PY" -c 'import json, sys
+config = json.load(open(sys.argv[1]))
+config.update(vocab_size=49152, bos_token_id=1, eos_token_id=2)
+json.dump(config, open(sys.argv[2], "w"), indent=2)' \
+        "${GPU_CHECK_REAL_CONFIG:-benchmarks/shapes/Llama-3.1-8B/config.json}" "$model/config.json" ||
+        return 1
+    cp "$CARRY"/SmolLM2-135M-Instruct/{tokenizer.json,tokenizer_config.json} "$model"/ || return 1
+    cp "$CARRY"/SmolLM2-135M-Instruct/special_tokens_map.json "$model"/ 2>/dev/null
+    echo "$model"
+}
+
+step_realserving() {
+    local model
+    model=$(real_shape_model) || return 1
+    serve_w1 "$model" "${GPU_CHECK_REAL_SHARE:-0.45}" --load-format dummy
+}
+
+# pdserve up on MODEL with one prefill and one decode worker, each given SHARE of the GPU (and
+# any further worker flags), then W1 of benchmarks.serving against it.
+serve_w1() {
+    local model=$1 share=$2
+    shift 2
+    local url="http://127.0.0.1:$SERVING_PORT"
     "$PY" -m pdserve.cli up --model "$model" --prefill 1 --decode 1 --port "$SERVING_PORT" \
-        --gpu-memory-utilization "$share" --log-level WARNING &
+        --gpu-memory-utilization "$share" --log-level WARNING "$@" &
     local up=$!
     # shellcheck disable=SC2064
     trap "kill -TERM $up 2>/dev/null; wait $up" EXIT
@@ -238,7 +272,7 @@ steps=("$@")
 if [[ ${#steps[@]} -eq 0 ]]; then steps=(kernels engine bench serving); fi
 for step in "${steps[@]}"; do
     if [[ $step != setup && -z ${LIMIT_S[$step]:-} ]]; then
-        echo "unknown step $step; choose from setup kernels engine bench serving tune graphs realshape" >&2
+        echo "unknown step $step; choose from setup kernels engine bench serving tune graphs realshape realserving" >&2
         exit 2
     fi
 done
@@ -288,12 +322,12 @@ for step in "${steps[@]}"; do
                 sort -k2 -g | tail -n 1 | tr -s " ")
             figures="prefill bf16 best ${prefill:-?} TFLOP/s (SDPA ${sdpa:-?}); decode best ${decode:-?}"
             ;;
-        serving)
+        serving | realserving)
             figures=$(awk '$1 ~ /^(output_tok_s|ttft_p50_ms|tpot_mean_ms|itl_p99_ms|errors)$/ {
-                printf "%s %s, ", $1, $2 }' "$LOGS/serving.log")
-            pages=$(grep -aoE '^(prefill|decode) worker [^:]*: [0-9]+' "$LOGS/serving.log" |
+                printf "%s %s, ", $1, $2 }' "$LOGS/$step.log")
+            pages=$(grep -aoE '^(prefill|decode) worker [^:]*: [0-9]+' "$LOGS/$step.log" |
                 awk '{ printf "%s %s ", $1, $4 }')
-            memory=$(grep -aoE '^GPU process .*, [0-9]+ MiB$' "$LOGS/serving.log" |
+            memory=$(grep -aoE '^GPU process .*, [0-9]+ MiB$' "$LOGS/$step.log" |
                 awk '{ printf "%s ", $(NF - 1) }')
             figures="${figures}KV pages: ${pages:-?}${memory:+; GPU MiB by process: $memory}"
             ;;

@@ -7,6 +7,11 @@ import time
 
 import zmq
 
+import common.service.step_io as step_io_module
+from common.cluster_auth import ClusterAuth
+from common.messages import decode
+from common.protocol import RequestFailed
+from common.service.router_link import RouterLink
 from common.service.step_io import StepIO
 
 # Generous: a loaded 2-core machine may take a while to schedule the helper thread.
@@ -117,3 +122,47 @@ def test_pulses_go_on_inside_a_long_step_only() -> None:
         assert len(pulses) == count  # none outside a step
     finally:
         step_io.close()
+
+
+def test_output_waiting_at_a_steps_start_is_sent_beside_the_forward(monkeypatch) -> None:
+    """With ``pulse_now`` true at a step's start the helper is woken for it at once, not at its
+    next timer (made an hour here, so only the wake-up can run the pulse within the step)."""
+    monkeypatch.setattr(step_io_module, "_PULSE_S", 3600.0)
+    waiting = True
+    pulsed = threading.Event()
+    step_io = StepIO(None, [], pulse=pulsed.set, pulse_now=lambda: waiting)
+    try:
+        time.sleep(0.1)  # the helper is asleep on its (hour-long) timer
+        with step_io:
+            assert pulsed.wait(DEADLINE_S)
+        waiting, pulsed = False, threading.Event()
+        step_io._pulse = pulsed.set
+        with step_io:
+            time.sleep(0.2)
+        assert not pulsed.is_set()  # nothing waiting: no wake-up
+    finally:
+        step_io.close()
+
+
+def test_router_link_sends_queued_messages_first_and_in_order() -> None:
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    link = RouterLink(context, f"tcp://127.0.0.1:{port}", "w-1", ClusterAuth(None, lambda _: None))
+    try:
+        link.send_soon(RequestFailed("a", "x", False))
+        link.send_soon(RequestFailed("b", "x", False))
+        assert link.has_deferred()
+        link.send(RequestFailed("c", "x", False))  # the queued ones go first
+        link.send_soon(RequestFailed("d", "x", False))
+        link.flush()
+        assert not link.has_deferred()
+        received = []
+        while len(received) < 4 and router.poll(int(DEADLINE_S * 1000)):
+            received.append(decode(router.recv_multipart()[1]).request_id)
+        assert received == ["a", "b", "c", "d"]
+    finally:
+        link.close()
+        router.close()
+        context.term()

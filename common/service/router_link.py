@@ -36,6 +36,11 @@ class RouterLink:
         self.socket.connect(router_address)
         self.router_address = router_address
         self.heartbeat_interval = 1.0
+        # Messages that may wait for the next step's forward to be encoded and sent (see
+        # send_soon). Whichever thread holds the link (StepIO: the main loop outside a step,
+        # its helper inside one) sends them, before anything else, so the router reads every
+        # message in the order the worker produced it.
+        self._deferred: list[Message] = []
 
     def register(self, registration: RegisterWorker, timeout: float) -> None:
         """Register and wait for the router's acknowledgement, re-sending every second (the
@@ -58,6 +63,26 @@ class RouterLink:
         )
 
     def send(self, msg: Message) -> None:
+        self.flush()
+        self._send_now(msg)
+
+    def send_soon(self, msg: Message) -> None:
+        """Queue ``msg`` to go out with the link's next send or flush: a step's token deltas
+        are encoded and sent by the step helper while the next step's forward runs, not
+        between the two steps, where the device would wait for them."""
+        self._deferred.append(msg)
+
+    def has_deferred(self) -> bool:
+        return bool(self._deferred)
+
+    def flush(self) -> None:
+        """Send every queued message, oldest first."""
+        while self._deferred:
+            deferred, self._deferred = self._deferred, []
+            for msg in deferred:
+                self._send_now(msg)
+
+    def _send_now(self, msg: Message) -> None:
         try:
             self.socket.send(encode(msg), zmq.NOBLOCK)
         except zmq.Again:
@@ -80,6 +105,7 @@ class RouterLink:
                 self._drop(str(exc))
 
     def close(self) -> None:
+        self.flush()
         self.socket.close(linger=0)
 
     @staticmethod

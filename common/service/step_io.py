@@ -42,9 +42,13 @@ class StepIO:
         serve: Callable[[], None] | None,
         sockets: list[zmq.Socket],
         pulse: Callable[[], None] | None = None,
+        pulse_now: Callable[[], bool] | None = None,
     ) -> None:
         self._serve = serve
         self._pulse = pulse
+        # Whether the pulse has work at a step's start (output to send): then the helper is
+        # woken to do it beside the forward instead of at its next timer.
+        self._pulse_now = pulse_now
         self._sockets = list(sockets)
         self._poller = zmq.Poller()
         for sock in self._sockets:
@@ -64,7 +68,8 @@ class StepIO:
     def __enter__(self) -> StepIO:
         with self._state:
             self._active = True
-            if self._sockets:  # traffic may be waiting now; pulses can wait for the timer
+            # Traffic may be waiting now, or output to send; plain pulses wait for the timer.
+            if self._sockets or (self._pulse_now is not None and self._pulse_now()):
                 self._state.notify_all()
         return self
 

@@ -135,6 +135,11 @@ def stage_times(seq: Sequence, num_new: int) -> StageTimes | None:
 
 class WorkerService(ABC):
     role: str
+    # Whether a step's token deltas (and cache events) go out beside the next step's forward
+    # rather than at once: the decode worker's choice, whose device would otherwise wait for
+    # them every step. A prefill worker's first token is its request's TTFT, and must reach
+    # the router before the handoff does: it goes at once.
+    output_beside_forward = False
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -236,7 +241,8 @@ class WorkerService(ABC):
         """Start the helper that serves peers and heartbeats while a step runs."""
         serve, sockets = self.serve_during_step() or (None, [])
         # Heartbeats go on during a step: liveness must not depend on how long a step takes.
-        self._step_io = StepIO(serve, sockets, pulse=self._heartbeat_if_due)
+        # And the previous step's output is sent then, while the forward runs.
+        self._step_io = StepIO(serve, sockets, pulse=self._pulse, pulse_now=self.link.has_deferred)
 
     def turn(self) -> None:
         """One pass of the main loop: sleep on the sockets if idle, handle what arrived, serve
@@ -252,6 +258,8 @@ class WorkerService(ABC):
         if self.scheduler.has_work:
             self.step()
         self._report()
+        if not self.scheduler.has_work:
+            self.link.flush()  # no forward to send them beside: the last step's output goes now
 
     def stop(self) -> None:
         self._stopping = True
@@ -290,7 +298,7 @@ class WorkerService(ABC):
     def _report(self) -> None:
         events = self.page_manager.drain_events()
         if events:
-            self.link.send(CacheEvents(self.worker_id, events.stored, events.removed))
+            self._send_output(CacheEvents(self.worker_id, events.stored, events.removed))
         computed = self.scheduler.num_prompt_tokens_computed
         if computed > self._prompt_tokens_seen:
             PROMPT_TOKENS_COMPUTED.inc(computed - self._prompt_tokens_seen)
@@ -299,6 +307,12 @@ class WorkerService(ABC):
         if preempted > self._preemptions_seen:
             NUM_PREEMPTIONS.inc(preempted - self._preemptions_seen)
             self._preemptions_seen = preempted
+        self._heartbeat_if_due()
+
+    def _pulse(self) -> None:
+        """What the step helper does inside a step: send the previous step's output, and a
+        heartbeat if one is due."""
+        self.link.flush()
         self._heartbeat_if_due()
 
     def _heartbeat_if_due(self) -> None:
@@ -372,9 +386,17 @@ class WorkerService(ABC):
     def send_deltas(self, deltas: list[TokenDelta]) -> None:
         """One frame for a step's deltas, however many sequences the step advanced."""
         if len(deltas) == 1:
-            self.link.send(deltas[0])
+            self._send_output(deltas[0])
         elif deltas:
-            self.link.send(TokenDeltas(deltas))
+            self._send_output(TokenDeltas(deltas))
+
+    def _send_output(self, msg: Message) -> None:
+        """Send what a step produced: at once, or (``output_beside_forward``) encoded and sent
+        by the step helper while the next forward runs, or at the turn's end if none follows."""
+        if self.output_beside_forward:
+            self.link.send_soon(msg)
+        else:
+            self.link.send(msg)
 
     def base_registration(self, **extra) -> RegisterWorker:
         return RegisterWorker(
