@@ -265,3 +265,20 @@ def test_a_dead_rank_takes_its_whole_group_down(two_kv_heads):
         assert _gone(rank1, 60)
     finally:
         rank0.kill()
+
+
+def test_each_rank_keeps_its_slice_of_the_cores():
+    """Ranks of a CPU group split their process's cores instead of each spinning on all."""
+    script = (
+        "import os, torch\n"
+        "from common.engine.tp_group import take_share_of_cores\n"
+        "take_share_of_cores(1, 2)\n"
+        "print(sorted(os.sched_getaffinity(0)), torch.get_num_threads())\n"
+    )
+    cores = sorted(os.sched_getaffinity(0))
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    expected = cores[len(cores) // 2 :] if len(cores) >= 2 else cores
+    threads = len(expected) if len(cores) >= 2 else torch.get_num_threads()
+    assert result.stdout.split() == [*str(expected).split(), str(threads)]

@@ -41,7 +41,12 @@ from common.engine.sequence import FinishReason, Sequence, first_output_prompt_l
 from common.engine.speculative.draft import DraftModelProposer
 from common.engine.speculative.ngram import NgramProposer
 from common.engine.speculative.speculator import Proposer, Speculator
-from common.engine.tp_group import FollowerRanks, ignore_stop_signals, serve_steps
+from common.engine.tp_group import (
+    FollowerRanks,
+    ignore_stop_signals,
+    serve_steps,
+    take_share_of_cores,
+)
 from common.kv_layout import KVLayout
 from common.model.default_model import resolve_model_path
 from common.model.llama import LlamaForCausalLM
@@ -98,6 +103,10 @@ class LLMEngine:
         if tp_size > 1 and tp_rank == 0:
             self.followers = FollowerRanks(functools.partial(_serve_as_rank, config, role), tp_size)
             tp_port = self.followers.port
+        # Each rank its slice of the worker's cores, rank 0 once the others have started (they
+        # inherit its affinity); the one-process engine leaves its caller's process as it is.
+        if tp_size > 1 and self.device.type == "cpu" and (tp_rank > 0 or role is not None):
+            take_share_of_cores(tp_rank, tp_size)
         try:
             self._build(config, role, tp_rank, tp_port, started)
         except BaseException:

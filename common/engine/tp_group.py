@@ -25,6 +25,8 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
+import torch
+
 from common.engine.batch import TokenRun
 
 logger = logging.getLogger(__name__)
@@ -111,6 +113,19 @@ class FollowerRanks:
         )
         logging.shutdown()
         os._exit(RANK_LOST_EXIT_CODE)
+
+
+def take_share_of_cores(rank: int, size: int) -> None:
+    """On a CPU the ranks of a group would each run as many threads as the group's cores
+    (``pdserve up`` pins a worker to its share and sets ``OMP_NUM_THREADS`` to its size), so
+    every core would run ``size`` spinning threads; each rank keeps its own slice instead
+    (where there are fewer cores than ranks, they share)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < size:
+        return
+    mine = cores[rank * len(cores) // size : (rank + 1) * len(cores) // size]
+    os.sched_setaffinity(0, mine)
+    torch.set_num_threads(len(mine))
 
 
 def ignore_stop_signals() -> None:
