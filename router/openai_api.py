@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, TypeGuard, TypeVar
+from typing import Any, Literal, TypeGuard, TypeVar
 
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field
@@ -39,7 +39,8 @@ class _SamplingBody(BaseModel):
     # Extra fields are kept (``model_extra``) so that ``refuse_unsupported`` can look at them.
     model_config = ConfigDict(extra="allow")
 
-    model: str
+    # Absent: the served model, as in vLLM (the route fills it in).
+    model: str | None = None
     n: int = 1
     max_tokens: int | None = None
     temperature: float | None = None
@@ -65,10 +66,14 @@ class _SamplingBody(BaseModel):
     # in logprobs written as "token_id:N" (a token's text may not name it uniquely).
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
+    # vLLM's: keep only this many of the prompt's tokens (-1: as many as the context holds),
+    # dropping the others from the left (the default) or the right.
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    truncation_side: Literal["left", "right"] = "left"
 
 
 class CompletionBody(_SamplingBody):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[int] | list[str] | list[list[int]] | None = None
     logprobs: int | None = None
     echo: bool = False
 
@@ -124,7 +129,7 @@ class GenerationRequest:
     """One OpenAI request, checked: each prompt is answered by ``n`` choices."""
 
     chat: bool
-    model: str
+    model: str | None  # as the request named it; None: the served model
     prompts: list[Prompt]
     params: SamplingParams
     n: int
@@ -215,10 +220,10 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "guided_choice": _off,
     "guided_grammar": _off,
     "use_beam_search": _off,
+    "prompt_embeds": _off,
     "length_penalty": _unit,
     "allowed_token_ids": _off,
     "bad_words": _off,
-    "truncate_prompt_tokens": lambda value: value is None,
     "include_stop_str_in_output": _off,
     "prediction": _off,
     "audio": _off,
@@ -267,6 +272,11 @@ def to_generation(
             raise BadRequest(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         max_tokens_param = "max_tokens"
+    if body.truncate_prompt_tokens is not None:
+        prompts = [
+            _truncated(p, body.truncate_prompt_tokens, body.truncation_side, max_model_len)
+            for p in prompts
+        ]
     for prompt in prompts:
         if not prompt.token_ids:
             raise BadRequest("the prompt is empty", "messages" if chat else "prompt")
@@ -380,14 +390,13 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, flo
     """Token id -> bias added to its logit, clamped to [-100, 100] as in OpenAI's API."""
     if not bias:
         return {}
+    not_ids = [key for key in bias if not _is_int(key)]
+    if not_ids:  # every one named, as vLLM does
+        shown = ", ".join(f"{key!r:.40}" for key in not_ids[:16])
+        raise BadRequest(f"logit_bias keys must be token ids, got {shown}", "logit_bias")
     out: dict[int, float] = {}
     for key, value in bias.items():
-        try:
-            token_id = int(key)
-        except ValueError:
-            raise BadRequest(
-                f"logit_bias keys must be token ids, got {key!r:.40}", "logit_bias"
-            ) from None
+        token_id = int(key)
         if not 0 <= token_id < vocab_size:
             raise BadRequest(
                 f"token_id(s) [{token_id}] in logit_bias contain out-of-vocab token ids "
@@ -398,6 +407,26 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, flo
             raise BadRequest(f"logit_bias values must be finite, got {value}", "logit_bias")
         out[token_id] = min(100.0, max(-100.0, float(value)))
     return out
+
+
+def _is_int(text: str) -> bool:
+    try:
+        int(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _truncated(prompt: Prompt, keep: int, side: str, max_model_len: int) -> Prompt:
+    """``prompt`` with only ``keep`` of its tokens (-1: what the context holds, less one for
+    an output token), the rest dropped from ``side``; its text goes (echo then shows the ids
+    that were kept, decoded)."""
+    if keep == -1:
+        keep = max_model_len - 1
+    if len(prompt.token_ids) <= keep:
+        return prompt
+    kept = prompt.token_ids[-keep:] if side == "left" else prompt.token_ids[:keep]
+    return Prompt(kept if keep else [], None)
 
 
 def chat_messages(body: ChatBody | TokenizeBody) -> list[dict]:
@@ -453,8 +482,10 @@ def _chat_logprobs(body: ChatBody) -> int | None:
 
 
 def _completion_prompts(
-    prompt: str | list[int] | list[str] | list[list[int]], codec: TextCodec
+    prompt: str | list[int] | list[str] | list[list[int]] | None, codec: TextCodec
 ) -> list[Prompt]:
+    if prompt is None:  # vLLM's wording (pdserve takes no prompt_embeds: they are refused)
+        raise BadRequest("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
     if isinstance(prompt, str):
         return [Prompt(codec.encode(prompt), prompt)]
     if not prompt:

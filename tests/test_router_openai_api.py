@@ -119,7 +119,7 @@ def test_context_limit_message_names_the_limit():
 
 def test_schema_errors_are_pydantic_errors():
     with pytest.raises(ValidationError):
-        CompletionBody.model_validate({"model": "m"})
+        CompletionBody.model_validate({"model": "m", "prompt": 5})
     with pytest.raises(ValidationError):
         ChatBody.model_validate({"model": "m", "messages": []})
 
@@ -145,3 +145,52 @@ def test_an_out_of_vocabulary_prompt_token_says_so():
     assert info.value.param == "prompt"
     with pytest.raises(APIError, match="Token id -1 is out of vocabulary"):
         parse({"model": "m", "prompt": [[5], [-1]]})
+
+
+def test_a_request_without_a_model_is_for_the_served_one():
+    """vLLM serves a request that names no model with the one it serves (its test_server_load
+    sends such requests)."""
+    g = parse({"prompt": "ab"})
+    assert g.model is None and g.prompts[0].token_ids == [97, 98]
+
+
+@pytest.mark.parametrize(
+    "side, keep, expected",
+    [("left", 4, [4, 5, 6, 7]), ("right", 4, [0, 1, 2, 3]), ("left", 9, list(range(8)))],
+)
+def test_truncate_prompt_tokens_keeps_that_many_from_the_side_asked(side, keep, expected):
+    g = parse({"prompt": list(range(8)), "truncate_prompt_tokens": keep, "truncation_side": side})
+    assert g.prompts[0].token_ids == expected
+    text = parse({"prompt": "abcdef", "truncate_prompt_tokens": 2})
+    assert text.prompts[0].token_ids == [101, 102] and text.prompts[0].text is None
+    chat = parse({"messages": [{"role": "user", "content": "abc"}], "truncate_prompt_tokens": 3})
+    assert chat.prompts[0].token_ids == [98, 99, 2]
+
+
+def test_truncate_prompt_tokens_minus_one_is_what_the_context_holds():
+    g = parse(
+        {"prompt": list(range(150)), "truncate_prompt_tokens": -1, "max_tokens": 1}, max_len=100
+    )
+    assert g.prompts[0].token_ids == list(range(51, 150))  # 99 tokens: one left to generate
+    with pytest.raises(ValidationError):
+        CompletionBody.model_validate({"prompt": "a", "truncate_prompt_tokens": -2})
+    with pytest.raises(ValidationError):
+        CompletionBody.model_validate({"prompt": "a", "truncation_side": "middle"})
+
+
+def test_every_logit_bias_key_that_is_not_a_token_id_is_named():
+    with pytest.raises(APIError) as info:
+        parse({"prompt": "a", "logit_bias": {"bad1": 50.0, "7": 1.0, "bad2": 20.0}})
+    assert "bad1" in info.value.message and "bad2" in info.value.message
+
+
+def test_a_null_or_missing_prompt_gets_vllms_words():
+    for body in ({"prompt": None}, {"model": "m"}):
+        with pytest.raises(APIError, match="Either prompt or prompt_embeds must be provided"):
+            parse(body)
+
+
+def test_prompt_embeds_are_refused_unless_empty():
+    with pytest.raises(APIError, match="prompt_embeds is not supported"):
+        parse({"prompt": "a", "prompt_embeds": [[0.5]]})
+    assert parse({"prompt": "a", "prompt_embeds": []}).prompts[0].token_ids == [97]
