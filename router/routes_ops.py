@@ -1,7 +1,9 @@
-"""The routes around generation: the model and worker lists, /health, /metrics, /load, and
+"""The routes around generation: the model and worker lists, /health, /version, /metrics, /load, and
 /tokenize and /detokenize with the served model's tokenizer."""
 
 from __future__ import annotations
+
+import importlib.metadata
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -17,6 +19,8 @@ from router.openai_api import (
     encode_conversation,
 )
 from router.state import RouterState
+
+PDSERVE_VERSION = importlib.metadata.version("pdserve")
 
 
 def add_routes(app: FastAPI, state: RouterState) -> None:
@@ -60,6 +64,11 @@ def add_routes(app: FastAPI, state: RouterState) -> None:
             "decode_workers": decode,
         }
         return JSONResponse(body, status_code=200 if decode else 503)
+
+    @app.get("/version")
+    async def version() -> dict:
+        # vLLM answers {"version": ...} here; clients probe it to learn what they talk to.
+        return {"version": PDSERVE_VERSION, "server": "pdserve"}
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import random
 import socket
 import threading
@@ -119,6 +120,10 @@ def test_models_tokenize_detokenize_health_metrics_workers(cluster):
         tokens = h.post("/tokenize", json={"prompt": "héllo 👋"}).json()["tokens"]
         assert h.post("/detokenize", json={"tokens": tokens}).json()["prompt"] == "héllo 👋"
         assert h.get("/health").status_code == 200
+        assert h.get("/version").json() == {
+            "version": importlib.metadata.version("pdserve"),
+            "server": "pdserve",
+        }
         workers = h.get("/v1/workers").json()
         assert {w["id"] for w in workers["prefill"]} == {"p0", "p1"}
         assert workers["decode"][0]["endpoint"] == "inproc://d0"
