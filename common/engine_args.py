@@ -40,7 +40,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-memory",
         type=parse_memory_size,
         default=None,
-        help="memory for the KV pool, e.g. 4GiB (default: derived from the device)",
+        help="memory for the KV pool, e.g. 4GiB (default: derived from the device); on a CPU "
+        "all tensor-parallel ranks share it, on GPUs each rank has it",
     )
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     group.add_argument(

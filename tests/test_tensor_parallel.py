@@ -189,9 +189,13 @@ def test_tp2_deterministic_mode_gives_one_process_tokens_in_any_batch(two_kv_hea
     """Deterministic inference under TP: the all-reduce sums in rank order, so a prompt's
     tokens alone and in a batch of others are the same."""
     prompts = random_prompts(4, seed=6)
-    config = engine_config(two_kv_heads, 2, enable_deterministic_inference=True)
+    # 1 MiB for the pool: 64 float32 pages of all heads (16 KiB each) at TP 1, and as many at
+    # TP 2, where the two ranks' pages of one head each share the host's MiB.
+    cache = CacheConfig(kv_cache_memory=1 << 20)
+    config = engine_config(two_kv_heads, 2, cache=cache, enable_deterministic_inference=True)
     engine = LLMEngine(config)
     try:
+        assert engine.pool.num_pages == 64
         together = engine.generate(prompts, GREEDY)
         alone = [engine.generate([prompt], GREEDY)[0] for prompt in prompts[:2]]
     finally:

@@ -179,6 +179,17 @@ class LLMEngine:
             extra_bytes_per_page=draft[1].bytes_per_page if draft else 0,
             graph_batch=max(graph_sizes, default=0),
         )
+        if self.tp.size > 1 and self.device.type == "cpu" and config.cache.num_pages is None:
+            # The ranks share the host's memory (a GPU rank has its own): together they take
+            # the one budget a worker would, each a size-th of it.
+            num_pages //= self.tp.size
+            if num_pages * config.cache.page_size < self.max_model_len:
+                raise ValueError(
+                    f"split over {self.tp.size} ranks, the KV cache holds "
+                    f"{num_pages * config.cache.page_size} tokens, less than one sequence of "
+                    f"the maximum model length {self.max_model_len}: give it more memory "
+                    "(--kv-cache-memory) or lower --max-model-len"
+                )
         # Every rank holds the same page ids: the pool is as big as the smallest rank's.
         num_pages = self.tp.agree_min(num_pages, self.device)
         self.pool = KVPool(self.kv_layout, num_pages, self.device)
