@@ -41,8 +41,8 @@ import torch
 
 from benchmarks.fp8_kv import build_qwen2_with_outliers
 from common.config import CacheConfig, EngineConfig, SchedulerConfig
+from common.engine.batch import TokenRun, flatten_runs
 from common.engine.llm_engine import LLMEngine
-from common.engine.model_runner import TokenRun, flatten_runs
 from common.tokenizer import Tokenizer
 from kernels.reference import TorchAttentionBackend
 from kernels.sizes import ceil_div
