@@ -1,15 +1,16 @@
-"""RMSNorm, SiLU-and-multiply and RoPE as one Triton kernel each, for models on CUDA.
+"""SiLU-and-multiply and RoPE as one Triton kernel each, for models on CUDA (RMSNorm's one kernel
+is ``kernels/triton_invariant.py``'s, which rounds where the torch module does).
 
 Written as torch ops, a Llama layer's RMSNorm is 8 kernels (cast, square, mean, add, rsqrt,
 multiply, cast, multiply), RoPE 5 per tensor and SiLU-and-multiply 2: on a GPU a small model's
 decode step is mostly these launches, each reading and writing the whole activation. Here each
-is one pass over its rows. ``LlamaForCausalLM.use_cuda_ops`` swaps them in on CUDA (not in
-deterministic mode, which has its own norm, nor with ``--enforce-eager``).
+is one pass over its rows. ``LlamaForCausalLM.use_cuda_ops`` swaps them, and the one-kernel
+RMSNorm, in on CUDA (not in deterministic mode, which has its own kernels, nor with
+``--enforce-eager``).
 
 Every kernel rounds where its torch twin (``common/model/llama.py``) rounds: RoPE's two products
-are each rounded to the model's dtype before their sum, SiLU is rounded before the multiply, the
-normalised row before the weight's multiply. So RoPE gives the twin's bits; SiLU-and-multiply
-differs where its exp's last bit tips a rounding, RMSNorm by the order of its sum of squares.
+are each rounded to the model's dtype before their sum, SiLU is rounded before the multiply. So
+RoPE gives the twin's bits; SiLU-and-multiply differs where its exp's last bit tips a rounding.
 """
 
 from __future__ import annotations
@@ -23,27 +24,6 @@ from torch import nn
 # contraction can change a bit; in float32 a compiler would contract them, and float32 is the
 # dtype the engine is checked against transformers in.
 _DTYPES = (torch.float16, torch.bfloat16)
-
-
-@triton.jit
-def _rms_norm_kernel(
-    x_ptr,  # [rows, size], unit stride along size
-    weight_ptr,  # [size]
-    out_ptr,  # [rows, size], contiguous
-    size,
-    stride_x,
-    eps,
-    BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < size
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    inverse = tl.rsqrt(tl.sum(x * x, 0) / size + eps)
-    normed = (x * inverse).to(out_ptr.dtype.element_ty)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    out = (weight.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * size + cols, out, mask=mask)
 
 
 @triton.jit
@@ -96,18 +76,6 @@ def _rope_kernel(
     tl.store(first + HALF, out2.to(dtype), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``RMSNorm`` over the last dimension of ``x`` ([..., size], unit stride along it)."""
-    size = x.shape[-1]
-    rows = x.reshape(-1, size)
-    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-    if rows.shape[0]:
-        _rms_norm_kernel[(rows.shape[0],)](
-            rows, weight, out, size, rows.stride(0), eps, BLOCK=triton.next_power_of_2(size)
-        )
-    return out.view(x.shape)
-
-
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of ``gate_up [rows, 2 * size]`` (gate first)."""
     size = gate_up.shape[-1] // 2
@@ -131,18 +99,6 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
             BLOCK_HALF=triton.next_power_of_2(half),
         )  # fmt: skip
     return x
-
-
-class CudaRMSNorm(nn.Module):
-    def __init__(self, weight: nn.Parameter, eps: float) -> None:
-        super().__init__()
-        self.weight = weight
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        return rms_norm(x, self.weight, self.eps)
 
 
 class CudaSiluAndMul(nn.Module):

@@ -1,6 +1,7 @@
-"""The one-kernel RMSNorm, SiLU-and-multiply and RoPE of ``kernels/cuda_ops.py`` against their
-torch twins (``common/model/llama.py``): RoPE and SiLU-and-multiply to the bit, RMSNorm to its
-dtype's rounding (its sum of squares is added in another order). On a CPU Triton interprets."""
+"""The one-kernel SiLU-and-multiply and RoPE of ``kernels/cuda_ops.py``, and the RMSNorm they go
+in with (``kernels/triton_invariant.py``), against their torch twins (``common/model/llama.py``):
+RoPE to the bit, SiLU-and-multiply and RMSNorm to their dtype's rounding. On a CPU Triton
+interprets."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from tiny_models import build_tiny_model, random_prompts
 
 from common.model.llama import RMSNorm, RotaryApply, SiluAndMul
 from common.sampling_params import SamplingParams
-from kernels.cuda_ops import CudaRMSNorm, CudaRotaryApply, CudaSiluAndMul, cuda_ops_apply
+from kernels.cuda_ops import CudaRotaryApply, CudaSiluAndMul, cuda_ops_apply
+from kernels.triton_invariant import InvariantRMSNorm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.bfloat16, torch.float16]
@@ -68,7 +70,7 @@ def test_rms_norm_matches_the_twin(dtype: torch.dtype, shape: tuple[int, ...]) -
         twin.weight.copy_(torch.rand(shape[-1]) + 0.5)
     x = (torch.randn(*shape, device=DEVICE) * 3).to(dtype)
     expected = twin(x)
-    got = CudaRMSNorm(twin.weight, twin.eps)(x)
+    got = InvariantRMSNorm(twin.weight, twin.eps)(x)
     assert got.shape == expected.shape and got.dtype == dtype
     # The sum of squares is added in another order: at most the dtype's last bit, times two
     # for the interpreter's bf16 rounding.
@@ -80,7 +82,9 @@ def test_rms_norm_matches_the_twin(dtype: torch.dtype, shape: tuple[int, ...]) -
 def test_empty_batches_and_which_models_they_serve() -> None:
     empty = torch.empty(0, 128, device=DEVICE, dtype=torch.bfloat16)
     assert CudaSiluAndMul()(empty).shape == (0, 64)
-    assert CudaRMSNorm(torch.ones(128, dtype=torch.bfloat16, device=DEVICE), 1e-6)(empty).shape == (
+    assert InvariantRMSNorm(torch.ones(128, dtype=torch.bfloat16, device=DEVICE), 1e-6)(
+        empty
+    ).shape == (
         0,
         128,
     )

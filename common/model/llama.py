@@ -33,7 +33,7 @@ from kernels.cpu_linear import (
     probe_plan,
 )
 from kernels.cpu_ops import CpuRMSNorm, CpuRotaryApply, CpuSiluAndMul, cpu_ops_apply
-from kernels.cuda_ops import CudaRMSNorm, CudaRotaryApply, CudaSiluAndMul, cuda_ops_apply
+from kernels.cuda_ops import CudaRotaryApply, CudaSiluAndMul, cuda_ops_apply
 from kernels.interface import AttentionBackend, AttentionMetadata, KVCacheView
 from kernels.kv_turn import hadamard_turns
 from kernels.triton_invariant import InvariantLinear, InvariantRMSNorm
@@ -209,12 +209,12 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int, tp: TensorParallel) -> None:
         super().__init__()
         # pack_for_cpu swaps in the C twins of the norms.
-        self.input_layernorm: RMSNorm | CpuRMSNorm | CudaRMSNorm | InvariantRMSNorm = RMSNorm(
+        self.input_layernorm: RMSNorm | CpuRMSNorm | InvariantRMSNorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps
         )
         self.self_attn = Attention(config, layer_index, tp)
-        self.post_attention_layernorm: RMSNorm | CpuRMSNorm | CudaRMSNorm | InvariantRMSNorm = (
-            RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm: RMSNorm | CpuRMSNorm | InvariantRMSNorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps
         )
         self.mlp = MLP(config, tp)
 
@@ -235,7 +235,7 @@ class LlamaForCausalLM(nn.Module):
             else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         )
         self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_layers))
-        self.norm: RMSNorm | CpuRMSNorm | CudaRMSNorm | InvariantRMSNorm = RMSNorm(
+        self.norm: RMSNorm | CpuRMSNorm | InvariantRMSNorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps
         )
         self.rotary = RotaryEmbedding(config)
@@ -346,19 +346,19 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None
 
     def use_cuda_ops(self) -> bool:
-        """RMSNorm, SiLU-and-multiply and RoPE as one Triton kernel each
-        (``kernels/cuda_ops.py``), for 16-bit models on CUDA; whether they went in."""
+        """RMSNorm, SiLU-and-multiply and RoPE as one Triton kernel each (``kernels/cuda_ops.py``;
+        the norm ``kernels/triton_invariant.py``'s), for 16-bit models on CUDA; whether they went
+        in."""
         if not cuda_ops_apply(self.embed_tokens.weight.dtype, self.config.head_dim):
             return False
-        self._replace_norms(CudaRMSNorm)
+        # The batch-invariant norm is one kernel that rounds where the torch module does.
+        self._replace_norms(InvariantRMSNorm)
         for layer in self.decoder_layers():
             layer.self_attn.rotary = CudaRotaryApply()
             layer.mlp.act = CudaSiluAndMul()
         return True
 
-    def _replace_norms(
-        self, make: Callable[[nn.Parameter, float], CudaRMSNorm | InvariantRMSNorm]
-    ) -> None:
+    def _replace_norms(self, make: Callable[[nn.Parameter, float], InvariantRMSNorm]) -> None:
         """Every RMSNorm (the layers', q/k norms where the model has them, the final one) by
         ``make(weight, eps)``, which shares the weight."""
         for layer in self.decoder_layers():
