@@ -77,8 +77,9 @@ class StepIO:
         with self._state:
             self._active = False
             if self._busy:
-                with contextlib.suppress(BlockingIOError):  # full: a wake-up is there already
-                    os.write(self._wake_write, b"\0")
+                if self._sockets:  # the helper is in its poll: cut it short
+                    with contextlib.suppress(BlockingIOError):  # full: a wake-up is there
+                        os.write(self._wake_write, b"\0")
                 while self._busy:
                     self._state.wait()
 
