@@ -132,7 +132,6 @@ def test_output_waiting_at_a_steps_start_is_sent_beside_the_forward(monkeypatch)
     pulsed = threading.Event()
     step_io = StepIO(None, [], pulse=pulsed.set, pulse_now=lambda: waiting)
     try:
-        time.sleep(0.1)  # the helper is asleep on its (hour-long) timer
         with step_io:
             assert pulsed.wait(DEADLINE_S)
         waiting, pulsed = False, threading.Event()

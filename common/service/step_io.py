@@ -62,6 +62,9 @@ class StepIO:
         self._active = False  # the main loop is inside a step
         self._busy = False  # the helper is polling or serving
         self._closed = False
+        # Set at a step's start that has output to send: the helper pulses at once. A flag, not
+        # only a notify, so a start that comes while the helper is not yet waiting is not lost.
+        self._pulse_due = False
         self._thread = threading.Thread(target=self._run, name="step-io", daemon=True)
         self._thread.start()
 
@@ -69,7 +72,9 @@ class StepIO:
         with self._state:
             self._active = True
             # Traffic may be waiting now, or output to send; plain pulses wait for the timer.
-            if self._sockets or (self._pulse_now is not None and self._pulse_now()):
+            if self._pulse_now is not None and self._pulse_now():
+                self._pulse_due = True
+            if self._sockets or self._pulse_due:
                 self._state.notify_all()
         return self
 
@@ -100,7 +105,9 @@ class StepIO:
                         self._state.wait()
                 else:
                     # Nothing to poll: wake for pulses only, on the timer.
-                    self._state.wait(_PULSE_S)
+                    if not self._pulse_due:
+                        self._state.wait(_PULSE_S)
+                self._pulse_due = False
                 if self._closed:
                     return
                 if not self._active:
