@@ -1,22 +1,28 @@
 """Linear layers on the CPU: weights stored the way this machine's fastest GEMMs want them.
 
-Two kernels compete, and which is faster depends on the processor and on the row count:
+Three kernels compete, and which is faster depends on the processor and on the row count:
 
 - **tiles** (``kernels/cpu/linear_tiles.c``): the weight prepacked, in the model's dtype (bf16
   or float32), into tiles of 32 output columns, each one sequential stream (bf16 widened to
   float32 as it is read). A decode step is a stream over the weights, and bf16 tiles read half
   the bytes of fp32 at memory speed; every output is summed in one fixed order, whatever the
   row count, so a row's result does not depend on the rows beside it;
-- **BLAS** (MKL): the weight widened once to float32 and stored transposed (``[in, out]``), the
-  layout MKL runs fastest. With many rows (prefill) it can beat the tiles on some processors,
-  but it blocks its sums by the shape of the call.
+- **float32 BLAS** (MKL): the weight widened once to float32 and stored transposed
+  (``[in, out]``), the layout MKL runs fastest. With many rows (prefill) it can beat the tiles
+  on some processors, but it blocks its sums by the shape of the call;
+- **bf16 BLAS** (oneDNN, through torch's bf16 GEMM): the processor's own bf16 arithmetic, AMX
+  tiles or ``vdpbf16ps``, two products per 32-bit lane, where it has them. On a Xeon with AMX it
+  runs prefill-sized GEMMs 5-8x faster than float32 MKL; where a processor has no bf16 units
+  oneDNN emulates them at half MKL's speed, and the probe keeps float32.
 
-Both multiply exactly (a bf16 value widened to float32 is exact), sum in float32 and round the
-output to the model's dtype once, so the choice changes the summation order, not the
-computation: a bf16 model's hidden states are bf16 either way. ``choose_gemm_plan`` times both
-over the model's own weights at start-up and picks, per row count, the faster; only the forms
-the chosen plan uses are kept in memory. Deterministic inference takes the tiles at every row
-count (``TILES_ONLY``), whatever the probe would say.
+All three multiply exactly (a product of two bf16 values is exact in float32), sum in float32
+and round the output to the model's dtype once, so the choice changes the summation order, not
+the computation: a bf16 model's hidden states are bf16 either way. ``choose_gemm_plan`` times
+them over the model's own weights at start-up: first which BLAS (at a prefill-sized row count),
+then, per row count, the tiles against it; only the forms the chosen plan uses are kept in
+memory. Deterministic inference takes the tiles at every row count (``TILES_ONLY``), whatever
+the probe would say. Float32 layers (a bf16 model's int8 turns) never take the bf16 BLAS: that
+would round their inputs.
 
 The choice is made once per machine and model shape and kept on disk beside the kernels: a
 different summation order rounds some bf16 outputs differently, so two processes that chose
@@ -56,13 +62,21 @@ PROBE_LINEARS_MANY_ROWS = 8
 TILE = 32
 
 
+# The BLAS a plan's rows past the tiles run, for bf16 layers (float32 layers run float32's);
+# EITHER_BLAS is the probe's: a layer packed with it holds both forms, and runs bf16's.
+FLOAT32_BLAS = "float32"
+BF16_BLAS = "bfloat16"
+EITHER_BLAS = "either"
+
+
 @dataclass(frozen=True, slots=True)
 class GemmPlan:
-    """Rows up to ``tile_max_rows`` run the tile kernel, the rest BLAS.
+    """Rows up to ``tile_max_rows`` run the tile kernel, the rest BLAS in ``blas_dtype``.
 
     ``tile_max_rows`` is 0 when the tiles are never used and None when they always are."""
 
     tile_max_rows: int | None
+    blas_dtype: str = FLOAT32_BLAS
 
     @property
     def uses_tiles(self) -> bool:
@@ -72,12 +86,22 @@ class GemmPlan:
     def uses_blas(self) -> bool:
         return self.tile_max_rows is not None
 
+    @property
+    def uses_bf16_blas(self) -> bool:
+        return self.uses_blas and self.blas_dtype in (BF16_BLAS, EITHER_BLAS)
+
+    @property
+    def uses_float32_blas(self) -> bool:
+        return self.uses_blas and self.blas_dtype in (FLOAT32_BLAS, EITHER_BLAS)
+
     def describe(self) -> str:
+        blas = {FLOAT32_BLAS: "BLAS", BF16_BLAS: "bf16 BLAS", EITHER_BLAS: "either BLAS"}
+        blas = blas[self.blas_dtype]
         if not self.uses_blas:
             return "tile GEMMs at every row count"
         if not self.uses_tiles:
-            return "BLAS GEMMs at every row count"
-        return f"tile GEMMs up to {self.tile_max_rows} rows, BLAS beyond"
+            return f"{blas} GEMMs at every row count"
+        return f"tile GEMMs up to {self.tile_max_rows} rows, {blas} beyond"
 
 
 class StepShape:
@@ -97,7 +121,8 @@ class StepShape:
 
 BLAS_ONLY = GemmPlan(tile_max_rows=0)
 TILES_ONLY = GemmPlan(tile_max_rows=None)
-BOTH = GemmPlan(tile_max_rows=PROBE_ROWS[-1])
+# What a layer is packed with while the probe runs: every form, so that it can time each.
+BOTH = GemmPlan(tile_max_rows=PROBE_ROWS[-1], blas_dtype=EITHER_BLAS)
 # Weight dtypes the tile kernel reads.
 TILE_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -163,9 +188,15 @@ class CpuLinear(nn.Module):
             self.bias_tiles = None if bias is None else bias.detach().to(torch.float32)
         self.weight_t32 = None
         self.bias32 = None
-        if plan.uses_blas:
+        if plan.uses_float32_blas or (plan.uses_blas and self.dtype != torch.bfloat16):
             self.weight_t32 = weight.detach().to(torch.float32).t().contiguous()
             self.bias32 = None if bias is None else bias.detach().to(torch.float32)
+        self.weight_bf16 = None
+        self.bias_bf16 = None
+        if plan.uses_bf16_blas and self.dtype == torch.bfloat16:
+            # [out, in], the layout torch's bf16 linear hands oneDNN without a copy.
+            self.weight_bf16 = weight.detach().contiguous()
+            self.bias_bf16 = None if bias is None else bias.detach().to(torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         limit = self.plan.tile_max_rows
@@ -204,6 +235,18 @@ class CpuLinear(nn.Module):
         return out
 
     def forward_blas(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_bf16 is not None and self.plan.blas_dtype != FLOAT32_BLAS:
+            return self.forward_bf16_blas(x)
+        return self.forward_float32_blas(x)
+
+    def forward_bf16_blas(self, x: torch.Tensor) -> torch.Tensor:
+        """oneDNN's bf16 GEMM: products of bf16 values summed in float32 by the processor's
+        bf16 units (AMX, ``vdpbf16ps``), the output rounded to bf16 once."""
+        if x.dtype != torch.bfloat16:
+            raise ValueError(f"this layer takes bf16 inputs, got {x.dtype}")
+        return F.linear(x, self.weight_bf16, self.bias_bf16)
+
+    def forward_float32_blas(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.to(torch.float32)
         if self.bias32 is None:
             out = torch.mm(x32, self.weight_t32)
@@ -215,12 +258,17 @@ class CpuLinear(nn.Module):
         """Switch to ``plan`` (which may use fewer kernels) and drop the forms it does not use."""
         if plan.uses_tiles and self.packed_tiles is None:
             raise ValueError("this layer holds no prepacked tiles")
-        if plan.uses_blas and self.weight_t32 is None:
+        bf16_blas = plan.uses_bf16_blas and self.dtype == torch.bfloat16
+        if bf16_blas and self.weight_bf16 is None:
+            raise ValueError("this layer holds no bf16 weight for the bf16 BLAS")
+        if plan.uses_blas and not bf16_blas and self.weight_t32 is None:
             raise ValueError("this layer holds no fp32 weight")
         self.plan = plan
         if not plan.uses_tiles:
             self.packed_tiles = self.bias_tiles = None
-        if not plan.uses_blas:
+        if not bf16_blas:
+            self.weight_bf16 = self.bias_bf16 = None
+        if not plan.uses_blas or (bf16_blas and plan.blas_dtype == BF16_BLAS):
             self.weight_t32 = self.bias32 = None
 
     def extra_repr(self) -> str:
@@ -262,7 +310,8 @@ def _plan_path(linears: list[CpuLinear]) -> Path:
     digest = hashlib.sha256(cpu_library.build_digest().encode())
     for linear in linears:
         digest.update(f"{linear.out_features}x{linear.in_features};".encode())
-    digest.update(repr(PROBE_ROWS).encode())
+    # The kernels a plan chooses between: a plan probed before bf16's BLAS competed is stale.
+    digest.update(repr((PROBE_ROWS, FLOAT32_BLAS, BF16_BLAS)).encode())
     return cpu_library.cache_dir() / f"gemm-plan-{digest.hexdigest()[:16]}.json"
 
 
@@ -272,7 +321,7 @@ def _publish(path: Path, plan: GemmPlan) -> GemmPlan:
     handle, private = tempfile.mkstemp(prefix=path.stem, dir=path.parent)
     try:
         with os.fdopen(handle, "w") as file:
-            json.dump({"tile_max_rows": plan.tile_max_rows}, file)
+            json.dump({"tile_max_rows": plan.tile_max_rows, "blas_dtype": plan.blas_dtype}, file)
         os.link(private, path)  # fails if the plan exists: the first one written stays
     except FileExistsError:
         stored = _read_plan(path)
@@ -289,33 +338,37 @@ def _publish(path: Path, plan: GemmPlan) -> GemmPlan:
 def _read_plan(path: Path) -> GemmPlan | None:
     """The plan stored at ``path``; None if there is none or it is not a plan."""
     try:
-        limit = json.loads(path.read_text())["tile_max_rows"]
-    except (OSError, ValueError, KeyError, TypeError):
+        stored = json.loads(path.read_text())
+        limit = stored["tile_max_rows"]
+        blas_dtype = stored.get("blas_dtype", FLOAT32_BLAS)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     if limit is not None and (not isinstance(limit, int) or limit < 0):
         return None
-    return GemmPlan(tile_max_rows=limit)
+    if blas_dtype not in (FLOAT32_BLAS, BF16_BLAS):
+        return None
+    return GemmPlan(tile_max_rows=limit, blas_dtype=blas_dtype)
 
 
 def _probe_plan(linears: list[CpuLinear]) -> GemmPlan:
-    """Time both kernels over the model's own linear layers (packed with ``BOTH``), in order,
-    at each of ``PROBE_ROWS``, and return the plan of the faster one per row count.
+    """Time the kernels over the model's own linear layers (packed with ``BOTH``), in order, and
+    return the plan of the fastest: first which BLAS, at the largest of ``PROBE_ROWS`` (where
+    BLAS is at its best against the tiles); then the tiles against that BLAS at each of them.
 
     Real weights matter: one layer's matrices would sit in cache and flatter the kernel that
     reads more bytes. Past the largest probed row count, whichever won there keeps winning;
     below it, rows past the last count the tiles won at run BLAS."""
+    blas_dtype = _probe_blas_dtype(linears)
     tiles_win: list[bool] = []
     for rows in PROBE_ROWS:
-        # Each layer in its own dtype: the int8 pool's turns stay float32 in a bf16 model.
-        probed = linears if rows <= PROBE_ALL_LINEARS_UP_TO else linears[:PROBE_LINEARS_MANY_ROWS]
-        inputs = {
-            (size, dtype): torch.randn(rows, size, dtype=dtype)
-            for size, dtype in {(linear.in_features, linear.dtype) for linear in probed}
-        }
+        probed, inputs = _probe_inputs(linears, rows)
 
         def run(kernel: str, inputs=inputs, probed=probed) -> None:
             for linear in probed:
-                getattr(linear, kernel)(inputs[linear.in_features, linear.dtype])
+                kind = kernel
+                if kernel == "forward_blas":
+                    kind = _blas_kernel(linear, blas_dtype)
+                getattr(linear, kind)(inputs[linear.in_features, linear.dtype])
 
         tiles_win.append(
             cpu_library.first_is_faster(lambda: run("forward_tiles"), lambda: run("forward_blas"))
@@ -327,4 +380,41 @@ def _probe_plan(linears: list[CpuLinear]) -> GemmPlan:
         if not wins:
             break
         limit = rows
-    return GemmPlan(tile_max_rows=limit)
+    return GemmPlan(tile_max_rows=limit, blas_dtype=blas_dtype)
+
+
+def _probe_blas_dtype(linears: list[CpuLinear]) -> str:
+    """bf16's BLAS where it beats float32's over the bf16 layers at prefill-sized rows (the
+    processor has bf16 units: AMX, ``vdpbf16ps``), else float32's."""
+    bf16_linears = [linear for linear in linears if linear.weight_bf16 is not None]
+    if not bf16_linears:
+        return FLOAT32_BLAS
+    probed, inputs = _probe_inputs(bf16_linears, PROBE_ROWS[-1])
+
+    def run(kernel: str) -> None:
+        for linear in probed:
+            getattr(linear, kernel)(inputs[linear.in_features, linear.dtype])
+
+    bf16_wins = cpu_library.first_is_faster(
+        lambda: run("forward_bf16_blas"), lambda: run("forward_float32_blas")
+    )
+    return BF16_BLAS if bf16_wins else FLOAT32_BLAS
+
+
+def _blas_kernel(linear: CpuLinear, blas_dtype: str) -> str:
+    if blas_dtype == BF16_BLAS and linear.weight_bf16 is not None:
+        return "forward_bf16_blas"
+    return "forward_float32_blas"
+
+
+def _probe_inputs(
+    linears: list[CpuLinear], rows: int
+) -> tuple[list[CpuLinear], dict[tuple[int, torch.dtype], torch.Tensor]]:
+    """The layers a probe at ``rows`` rows times, and an input for each (in, dtype) they take:
+    each layer in its own dtype, since an int8 pool's turns stay float32 in a bf16 model."""
+    probed = linears if rows <= PROBE_ALL_LINEARS_UP_TO else linears[:PROBE_LINEARS_MANY_ROWS]
+    inputs = {
+        (size, dtype): torch.randn(rows, size, dtype=dtype)
+        for size, dtype in {(linear.in_features, linear.dtype) for linear in probed}
+    }
+    return probed, inputs

@@ -21,8 +21,10 @@ from kernels import cpu_library
 from kernels.cpu_backend import SHORT_QUERY_MAX, CpuAttentionBackend
 from kernels.cpu_library import CpuKernelsUnavailable
 from kernels.cpu_linear import (
+    BF16_BLAS,
     BLAS_ONLY,
     BOTH,
+    FLOAT32_BLAS,
     TILES_ONLY,
     CpuLinear,
     GemmPlan,
@@ -262,12 +264,18 @@ def test_packed_tiles_hold_the_weight_in_the_order_the_kernel_reads(backend, dty
         assert torch.equal(linear(one_hot[:rows]), weight.t()[:rows])
 
 
-@pytest.mark.parametrize("plan", [TILES_ONLY, BLAS_ONLY, BOTH], ids=lambda p: p.describe())
+BF16_BLAS_ONLY = GemmPlan(tile_max_rows=0, blas_dtype=BF16_BLAS)
+
+
+@pytest.mark.parametrize(
+    "plan", [TILES_ONLY, BLAS_ONLY, BF16_BLAS_ONLY, BOTH], ids=lambda p: p.describe()
+)
 def test_cpu_linear_keeps_only_what_its_plan_uses(backend, plan) -> None:
     linear = CpuLinear(torch.randn(64, 32).to(torch.bfloat16), None, BOTH)
     linear.restrict(plan)
     assert (linear.packed_tiles is not None) == plan.uses_tiles
-    assert (linear.weight_t32 is not None) == plan.uses_blas
+    assert (linear.weight_t32 is not None) == plan.uses_float32_blas
+    assert (linear.weight_bf16 is not None) == plan.uses_bf16_blas
     x = torch.randn(200, 32).to(torch.bfloat16)
     expected = F.linear(x.float(), linear_weight(linear)).bfloat16()
     for rows in (1, 8, 200):
@@ -277,9 +285,81 @@ def test_cpu_linear_keeps_only_what_its_plan_uses(backend, plan) -> None:
 
 
 def linear_weight(linear: CpuLinear) -> torch.Tensor:
+    if linear.weight_bf16 is not None:
+        return linear.weight_bf16.float()
     if linear.weight_t32 is not None:
         return linear.weight_t32.t()
     return unpack_tiles(linear.packed_tiles, linear.out_features).float()
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_blas_equals_an_fp32_gemm_rounded_once(backend, rows, bias) -> None:
+    """oneDNN's bf16 GEMM (AMX or ``vdpbf16ps`` where the processor has them, emulated where
+    not): exact products summed in float32, rounded once, so within a bf16 step of the float32
+    GEMM of the same values, and the same values whichever rows share the call's block."""
+    weight = torch.randn(96, 320).to(torch.bfloat16)
+    bias_values = torch.randn(96).to(torch.bfloat16) if bias else None
+    x = torch.randn(rows, 320).to(torch.bfloat16)
+    linear = CpuLinear(weight, bias_values, BF16_BLAS_ONLY)
+    assert linear.weight_t32 is None and linear.packed_tiles is None
+    out = linear(x)
+    expected = F.linear(
+        x.float(), weight.float(), None if bias_values is None else bias_values.float()
+    )
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 96)
+    torch.testing.assert_close(out.float(), expected.bfloat16().float(), atol=1e-2, rtol=8e-3)
+    assert (out != expected.bfloat16()).float().mean() < 0.05
+
+
+def test_a_float32_layer_never_takes_the_bf16_blas(backend) -> None:
+    """An int8 pool's turns stay float32 inside a bf16 model: a plan whose BLAS is bf16's runs
+    them through float32's, bit for bit, rather than rounding their inputs to bf16."""
+    weight, x = torch.randn(40, 40), torch.randn(300, 40)
+    linear = CpuLinear(weight, None, BOTH)
+    linear.restrict(BF16_BLAS_ONLY)
+    assert linear.weight_bf16 is None and linear.weight_t32 is not None
+    assert torch.equal(linear(x), torch.mm(x, weight.t().contiguous()))
+
+
+@pytest.mark.parametrize("bf16_faster", [True, False])
+def test_the_probe_takes_bf16_blas_only_where_it_is_faster(
+    backend, tmp_path, monkeypatch, bf16_faster
+) -> None:
+    """Which BLAS is the first question the probe asks, at a prefill-sized row count: bf16's
+    where the processor's bf16 units beat float32 MKL, float32's where bf16 is emulated. The
+    answer is stored with the plan and every later process reads it back."""
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    timed: list[str] = []
+
+    def first_is_faster(first, second, rounds: int = 4) -> bool:
+        timed.clear()
+        first()
+        second()
+        if {"forward_bf16_blas", "forward_float32_blas"} <= set(timed):  # BLAS against BLAS
+            return bf16_faster
+        return False  # the tiles lose at every row count
+
+    def record(kernel):
+        def run(self, x):
+            timed.append(kernel.__name__)
+            return kernel(self, x)
+
+        return run
+
+    for kernel in (CpuLinear.forward_bf16_blas, CpuLinear.forward_float32_blas):
+        monkeypatch.setattr(CpuLinear, kernel.__name__, record(kernel))
+    monkeypatch.setattr(cpu_library, "first_is_faster", first_is_faster)
+    linears = [CpuLinear(torch.randn(64, 32).to(torch.bfloat16), None, BOTH) for _ in range(2)]
+    plan = choose_gemm_plan(linears)
+    expected = BF16_BLAS if bf16_faster else FLOAT32_BLAS
+    assert plan == GemmPlan(tile_max_rows=0, blas_dtype=expected)
+    monkeypatch.setattr(cpu_library, "first_is_faster", None)  # never probed again
+    assert choose_gemm_plan(linears) == plan
+    for linear in linears:
+        linear.restrict(plan)
+        assert (linear.weight_bf16 is not None) == bf16_faster
+        assert (linear.weight_t32 is not None) != bf16_faster
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 12, 40])
@@ -344,7 +424,10 @@ def test_the_machine_keeps_the_first_plan_it_chose(backend, tmp_path, monkeypatc
     assert choose_gemm_plan(linears) == GemmPlan(tile_max_rows=7)
     stored.write_text("{not json")
     probed = choose_gemm_plan(linears)
-    assert json.loads(stored.read_text()) == {"tile_max_rows": probed.tile_max_rows}
+    assert json.loads(stored.read_text()) == {
+        "tile_max_rows": probed.tile_max_rows,
+        "blas_dtype": probed.blas_dtype,
+    }
     # Other shapes are another plan.
     other = [CpuLinear(torch.randn(32, 64).to(torch.bfloat16), None, BOTH)]
     choose_gemm_plan(other)
