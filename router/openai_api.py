@@ -16,6 +16,7 @@ from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field
 
 from common.sampling_params import MAX_LOGPROBS, SamplingParams
+from router.beam_search import MAX_BEAM_WIDTH
 from router.errors import BadRequest
 
 MAX_N = 128
@@ -70,6 +71,10 @@ class _SamplingBody(BaseModel):
     # dropping the others from the left (the default) or the right.
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     truncation_side: Literal["left", "right"] = "left"
+    # vLLM's beam search: n beams, each step keeping the n best by cumulative logprob, and the
+    # finished ones ranked by cumulative logprob / length ** length_penalty.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
 
 class CompletionBody(_SamplingBody):
@@ -145,6 +150,8 @@ class GenerationRequest:
     tokens_as_ids: bool = False  # logprobs name tokens "token_id:N"
     role: str = "assistant"  # the chat answer's role
     echo_text: str = ""  # what a chat answer starts with (echo)
+    use_beam_search: bool = False  # n is the beam width (router/beam_search.py)
+    length_penalty: float = 1.0
 
     def params_for_choice(self, index: int) -> SamplingParams:
         """Choice ``index`` of a prompt: a seeded request uses seed + index per choice."""
@@ -157,6 +164,8 @@ class TextCodec:
     """What parsing needs of the tokenizer (a small seam the tests can fill)."""
 
     vocab_size: int
+    # The tokens that end a sequence (beam search ends beams on them itself).
+    eos_token_ids: tuple[int, ...] = ()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         raise NotImplementedError
@@ -219,9 +228,7 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "guided_regex": _off,
     "guided_choice": _off,
     "guided_grammar": _off,
-    "use_beam_search": _off,
     "prompt_embeds": _off,
-    "length_penalty": _unit,
     "allowed_token_ids": _off,
     "bad_words": _off,
     "include_stop_str_in_output": _off,
@@ -245,6 +252,43 @@ def refuse_unsupported(body: CompletionBody | ChatBody) -> None:
         raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
 
 
+def refuse_with_beam_search(body: CompletionBody | ChatBody) -> None:
+    """A 400 for what beam search cannot honour: its beams are ranked by the model's raw
+    logprobs, so anything that would change the scores is refused rather than ignored (vLLM
+    ignores them); the sampling knobs (temperature, top_p, top_k, min_p, seed) choose nothing
+    here and pass, as in vLLM."""
+    if not 1 <= body.n <= MAX_BEAM_WIDTH:
+        raise BadRequest(
+            f"n is the beam width with use_beam_search and must be in [1, {MAX_BEAM_WIDTH}] "
+            f"(each step asks for 2 * n logprobs, at most {MAX_LOGPROBS}), got {body.n}",
+            "n",
+        )
+    if body.stream and isinstance(body, CompletionBody):  # vLLM's words
+        raise BadRequest("Streaming is not currently supported with beam search", "stream")
+    if isinstance(body, CompletionBody) and body.echo and body.logprobs is not None:
+        raise BadRequest(
+            "`echo` with `logprobs` is not supported with beam search because beam search "
+            "does not compute prompt logprobs.",
+            "echo",
+        )
+    if not math.isfinite(body.length_penalty):
+        raise BadRequest(
+            f"length_penalty must be finite, got {body.length_penalty}", "length_penalty"
+        )
+    neutral = {
+        "prompt_logprobs": None,
+        "presence_penalty": (None, 0),
+        "frequency_penalty": (None, 0),
+        "repetition_penalty": (None, 1),
+        "logit_bias": (None, {}),
+        "min_tokens": 0,
+    }
+    for name, allowed in neutral.items():
+        value = getattr(body, name)
+        if value not in (allowed if isinstance(allowed, tuple) else (allowed,)):
+            raise BadRequest(f"{name} is not supported with beam search (got {value!r:.80})", name)
+
+
 def to_generation(
     body: CompletionBody | ChatBody,
     codec: TextCodec,
@@ -258,6 +302,14 @@ def to_generation(
     refuse_unsupported(body)
     if not 1 <= body.n <= MAX_N:
         raise BadRequest(f"n must be in [1, {MAX_N}], got {body.n}", "n")
+    if body.use_beam_search:
+        refuse_with_beam_search(body)
+    elif body.length_penalty != 1:
+        raise BadRequest(
+            f"length_penalty applies to beam search only (use_beam_search), got "
+            f"{body.length_penalty}",
+            "length_penalty",
+        )
     messages: list[dict] = []
     if isinstance(body, ChatBody):
         messages = chat_messages(body)
@@ -356,6 +408,8 @@ def to_generation(
         ),
         return_token_ids=bool(body.return_token_ids),
         tokens_as_ids=bool(body.return_tokens_as_token_ids),
+        use_beam_search=body.use_beam_search,
+        length_penalty=body.length_penalty,
         **(_chat_answer(body, messages) if isinstance(body, ChatBody) else {}),
     )
 

@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
+from router.beam_serving import BeamSearchRun
 from router.edge import DirectRoute, body_schema, id_header, off_the_loop_if_large
 from router.errors import APIError
 from router.openai_api import ChatBody, CompletionBody, to_generation
@@ -83,15 +84,12 @@ async def _generate_counted(
             f"(limit {config.max_inflight}); retry later",
             code="rate_limit_exceeded",
         )
-    run = Run(
-        gen_request,
-        rid,
-        config.served_model_name,
-        dispatcher,
-        state.token_text,
-        state.metrics,
-        arrived,
-    )
+    args = (gen_request, rid, config.served_model_name, dispatcher, state.token_text,
+            state.metrics, arrived)  # fmt: skip
+    if gen_request.use_beam_search:
+        run: Run = BeamSearchRun(*args, eos_token_ids=frozenset(state.codec.eos_token_ids))
+    else:
+        run = Run(*args)
     try:
         run.submit()
     except NoWorkerError as exc:

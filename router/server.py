@@ -35,6 +35,7 @@ class ModelText(TextCodec):
         config = _read_config(Path(model_path))
         self.vocab_size = int(config.get("vocab_size") or len(self._tokenizer))
         self.max_position_embeddings = int(config.get("max_position_embeddings") or 4096)
+        self.eos_token_ids = eos_token_ids(Path(model_path), config, self._tokenizer.eos_token_id)
         # Every prompt is encoded and every token decoded here, on the event loop: call the
         # Rust tokenizer directly where that gives transformers' own result.
         self.backend = _plain_backend(self._tokenizer.hf_tokenizer)
@@ -101,6 +102,30 @@ def _plain_backend(tokenizer: object) -> Any:
     ):
         return None
     return backend
+
+
+def eos_token_ids(path: Path, config: dict, tokenizer_eos: int | None) -> tuple[int, ...]:
+    """The tokens that end a sequence: config.json's ``eos_token_id`` (what the workers stop
+    on) and generation_config.json's; the tokenizer's EOS where neither names one."""
+    ids: list[int] = []
+    generation = _optional_json(path / "generation_config.json")
+    for source in (config, generation):
+        value = source.get("eos_token_id")
+        for token_id in value if isinstance(value, list) else [value]:
+            if isinstance(token_id, int) and token_id not in ids:
+                ids.append(token_id)
+    if not ids and tokenizer_eos is not None:
+        ids.append(tokenizer_eos)
+    return tuple(ids)
+
+
+def _optional_json(file: Path) -> dict:
+    """A JSON object from ``file``, or {} where it is missing or is no JSON object."""
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def _read_config(path: Path) -> dict:

@@ -279,7 +279,7 @@ REFUSED = [
     ("/v1/completions", {"suffix": " the end"}, "suffix"),
     ("/v1/completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
-    ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
+    ("/v1/completions", {"length_penalty": 2.0}, "length_penalty"),  # beam search only
     ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
 ]
 # Values of the same fields that change nothing, and fields that never change the answer.
