@@ -113,24 +113,45 @@ class KVLayout:
             return f"FP8 e4m3, a float32 scale per token and head, {capacity}"
         return self.dtype
 
-    def mismatch(self, other: KVLayout) -> str | None:
-        """A human-readable description of how ``other`` differs, or None if compatible.
+    @property
+    def heads(self) -> range:
+        """The model's KV heads this pool holds."""
+        return range(self.first_kv_head, self.first_kv_head + self.num_kv_heads)
 
-        Pages move whole, every head of them, so both pools must hold all the model's heads:
-        a tensor-parallel rank's pool, which holds a slice, is refused here (sending each rank
-        its heads from the ranks that hold them is not built yet)."""
+    @property
+    def total_kv_heads(self) -> int:
+        """The model's KV heads, all of them (a slice's pool knows them from model_kv_heads)."""
+        return self.model_kv_heads if self.model_kv_heads is not None else self.num_kv_heads
+
+    def slice_nbytes(self, num_heads: int) -> tuple[int, int]:
+        """Bytes of one page's data and of its scales for ``num_heads`` of its heads: what a
+        fetch of a head slice moves per page."""
+        sliced = dataclasses.replace(self, num_kv_heads=num_heads)
+        return sliced.page_nbytes, sliced.scale_page_nbytes
+
+    def mismatch(self, other: KVLayout) -> str | None:
+        """How ``other``'s pages differ from these in format (dtype, sizes, the model's KV
+        heads), or None if heads can move between the two pools.
+
+        Which heads each pool holds is not compared: a tensor-parallel rank's pool holds a
+        slice, and each fetch names the heads it moves (``head_slice_problem``)."""
         diffs = [
             f"{name}: {getattr(self, name)!r} here vs {getattr(other, name)!r} there"
-            for name in ("dtype", "page_size", "num_layers", "num_kv_heads", "head_dim")
+            for name in ("dtype", "page_size", "num_layers", "head_dim", "total_kv_heads")
             if getattr(self, name) != getattr(other, name)
         ]
-        diffs += [
-            f"the pool {where} holds {layout.heads_held()} (a tensor-parallel rank's), and "
-            "KV moves only between workers at --tensor-parallel-size 1"
-            for layout, where in ((self, "here"), (other, "there"))
-            if not layout.holds_all_heads
-        ]
         return "; ".join(diffs) or None
+
+    def head_slice_problem(self, heads: range, where: str) -> str | None:
+        """Why the pool ``where`` cannot serve (or take) model KV heads ``heads``, or None."""
+        if not heads or heads.step != 1:
+            return f"an empty or strided head range {heads!r}"
+        if heads.start < self.first_kv_head or heads.stop > self.heads.stop:
+            return (
+                f"KV heads {heads.start}-{heads.stop - 1} asked of the pool {where}, which "
+                f"holds {self.heads_held()}"
+            )
+        return None
 
 
 def _product(sizes: tuple[int, ...]) -> int:

@@ -61,6 +61,21 @@ class PromptTokenLogprob:
 
 
 @dataclass(slots=True, frozen=True)
+class RankSender:
+    """One rank of a tensor-parallel prefill worker: its sender's side channel, and the run of
+    the model's KV heads its pages hold."""
+
+    endpoint: str  # tcp://HOST:PORT
+    engine_id: str
+    first_kv_head: int
+    num_kv_heads: int
+
+    @property
+    def heads(self) -> range:
+        return range(self.first_kv_head, self.first_kv_head + self.num_kv_heads)
+
+
+@dataclass(slots=True)
 class TransferParams:
     """How a decode worker fetches one transfer's pages (``kvtransfer/base.py``): the sender's
     part of a handoff, read by the decode worker's receiver."""
@@ -70,6 +85,10 @@ class TransferParams:
     engine_id: str  # the sender's identity; receivers cache handshakes under it
     page_ids: list[int]  # source pages, in context order
     lease_deadline: float  # time.time() until which the sender keeps the pages
+    # A tensor-parallel prefill worker's ranks, rank 0 (``endpoint`` above, which holds the
+    # lease) first: each published the same pages of its own pool under the same transfer id.
+    # Empty: one process whose pages hold every KV head.
+    ranks: list[RankSender] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -5,10 +5,15 @@
                                 ◀─────────    HandshakeReply: version, layout, NIXL agent
     FetchRequest(tid)           ─────────▶
       zmq:                      ◀─────────    PageData header + one frame per page (+ scales),
-                                              in messages of a few MB
+                                              in messages of a few MB; of the heads asked
+                                              for, when that is not every head
       nixl:                     ◀─────────    FetchReady, then the receiver READs the pages
                                 ◀─────────    TransferFailed(tid, reason) if it cannot serve
     ReleasePages(tid, ok)       ─────────▶    the sender may free the pages
+
+Between tensor-parallel workers each decode rank fetches its heads from the prefill ranks that
+hold them, and only the decode group's rank 0 sends ReleasePages, to prefill rank 0, once every
+decode rank holds its copy (``kvtransfer/tp_group.py``).
 
 The handshake messages must keep their shape across protocol versions, their ``KVLayout``
 included: they are what tells two workers of different versions apart with a clear error.
@@ -58,9 +63,13 @@ class HandshakeReply(Message):
 @message("kv.fetch_request")
 @dataclass(slots=True)
 class FetchRequest(Message):
-    """Asks for every page published under ``transfer_id``."""
+    """Asks for every page published under ``transfer_id``: model KV heads ``first_kv_head``
+    onwards, ``num_kv_heads`` of them (a tensor-parallel rank's share), or every head the
+    sender's pages hold (None)."""
 
     transfer_id: str
+    first_kv_head: int | None = None
+    num_kv_heads: int | None = None
 
 
 @message("kv.fetch_ready")

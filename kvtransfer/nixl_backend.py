@@ -12,6 +12,14 @@ CMA transports used on one host, the READ itself is carried out by the reading p
 (process_vm_readv) once the connection is up; the sender's ``poll`` only has to run for the
 connection set-up.
 
+Between tensor-parallel ranks that hold different KV heads, a page's share of heads is strided
+(``head_slices.py``): as descriptors it would be one per layer, K/V and token, thousands per
+page of a few hundred bytes. The receiver instead READs the sender's whole pages (its pool holds
+only its own rank's heads, so that is at most the heads it serves) into staging memory that it
+registers for that READ, and copies its heads out of them once the READ is done. Where both
+pools hold exactly the heads moved (equal tensor-parallel sizes), pages are read in place as
+between whole pools.
+
 A receiver with more than one core to run on gives its UCX backend up to ``MAX_READ_THREADS``
 threads of its own that split a READ's descriptors between them: a single thread cannot reach
 memory bandwidth (process_vm_readv pins and copies one page table entry at a time; one reader
@@ -29,10 +37,12 @@ import time
 import uuid
 
 import numpy as np
+import torch
 from nixl._api import nixl_agent, nixl_agent_config
 
 from common.engine.kv_pool import KVPool
 from common.kv_layout import KVLayout
+from kvtransfer.head_slices import as_pages, scatter_heads
 from kvtransfer.messages import FetchReady, HandshakeReply, NixlAgentInfo
 from kvtransfer.metrics import Failure
 from kvtransfer.receiver import DRAINING, READING, REQUESTED, Fetch, Peer, SideChannelReceiver
@@ -82,15 +92,15 @@ def create_agent(name: str, read_threads: int = 0) -> nixl_agent:
 
 
 class _RegisteredPool:
-    """A pool's tensors registered with an agent, and the descriptors of its pages."""
+    """A pool's tensors (or a fetch's staging) registered with an agent: where its pages are."""
 
-    def __init__(self, agent: nixl_agent, pool: KVPool) -> None:
+    def __init__(self, agent: nixl_agent, data: torch.Tensor, scales: torch.Tensor | None) -> None:
         self.agent = agent
-        self.mem_type = "DRAM" if pool.device.type == "cpu" else "VRAM"
-        self.device_id = pool.device.index or 0
-        self.data_addr = pool.data.data_ptr()
-        self.scale_addr = pool.scales.data_ptr() if pool.scales is not None else None
-        tensors = [pool.data] if pool.scales is None else [pool.data, pool.scales]
+        self.mem_type = "DRAM" if data.device.type == "cpu" else "VRAM"
+        self.device_id = data.device.index or 0
+        self.data_addr = data.data_ptr()
+        self.scale_addr = scales.data_ptr() if scales is not None else None
+        tensors = [data] if scales is None else [data, scales]
         self._registrations = [agent.register_memory(t) for t in tensors]
 
     def deregister(self) -> None:
@@ -100,6 +110,37 @@ class _RegisteredPool:
             except Exception:  # the agent may already be torn down at shutdown
                 logger.exception("NIXL deregistration failed")
         self._registrations = []
+
+
+class _StagedPages(_RegisteredPool):
+    """A READ's landing place for whole pages of a sender whose heads differ from this pool's:
+    its pages, registered for that one READ, then their heads copied into the pool."""
+
+    def __init__(
+        self,
+        agent: nixl_agent,
+        data: torch.Tensor,
+        scales: torch.Tensor | None,
+        layout: KVLayout,  # the sender's
+    ) -> None:
+        super().__init__(agent, data, scales)
+        self.tensors = [data] if scales is None else [data, scales]
+        self.layout = layout
+
+    def copy_heads_into(self, pool: KVPool, dst_page_ids: list[int], heads: range) -> None:
+        """Write model KV heads ``heads`` of the staged pages into those of ``dst_page_ids``."""
+        theirs = range(
+            heads.start - self.layout.first_kv_head, heads.stop - self.layout.first_kv_head
+        )
+        ours = range(
+            heads.start - pool.layout.first_kv_head, heads.stop - pool.layout.first_kv_head
+        )
+        pool_tensors = [pool.data] if pool.scales is None else [pool.data, pool.scales]
+        for pool_tensor, rows in zip(pool_tensors, self.tensors, strict=True):
+            pages = as_pages(rows, pool_tensor, self.layout.num_kv_heads)
+            scatter_heads(
+                pool_tensor, dst_page_ids, ours, pages.narrow(4, theirs.start, len(theirs))
+            )
 
 
 def page_runs(src: list[int], dst: list[int], max_run: int = MAX_RUN_PAGES) -> np.ndarray:
@@ -148,7 +189,7 @@ class NixlSender(SideChannelSender):
         agent_name = f"{engine_id}.sender.{self.instance_id}"
         try:
             self._agent = create_agent(agent_name)
-            self._registered = _RegisteredPool(self._agent, pool)
+            self._registered = _RegisteredPool(self._agent, pool.data, pool.scales)
         except Exception:
             self._channel.close()
             raise
@@ -164,7 +205,8 @@ class NixlSender(SideChannelSender):
     def _nixl_info(self) -> NixlAgentInfo:
         return self._info
 
-    def _serve(self, identity: bytes, lease: Lease) -> None:
+    def _serve(self, identity: bytes, lease: Lease, heads: range) -> None:
+        # The receiver READs whole pages and keeps the heads it asked for.
         if self._channel.send(FetchReady(lease.transfer_id, self.instance_id), identity):
             lease.in_flight = True
 
@@ -192,7 +234,7 @@ class NixlReceiver(SideChannelReceiver):
         if read_threads is None:
             read_threads = default_read_threads()
         self._agent = create_agent(f"{engine_id}.receiver.{uuid.uuid4().hex[:12]}", read_threads)
-        self._registered = _RegisteredPool(self._agent, pool)
+        self._registered = _RegisteredPool(self._agent, pool.data, pool.scales)
         self._abandoned: list[object] = []  # READs that never stopped; kept so they stay valid
 
     def _connect(self, peer: Peer, reply: HandshakeReply) -> str | None:
@@ -234,9 +276,19 @@ class NixlReceiver(SideChannelReceiver):
         reply = fetch.peer.reply
         assert reply is not None and reply.nixl is not None
         info = reply.nixl
-        runs = page_runs(fetch.params.page_ids, fetch.dst_page_ids)
-        layout, lengths = self.pool.layout, runs[:, 2]
-        registered = self._registered
+        in_place = fetch.heads == self.pool.layout.heads == reply.layout.heads
+        try:
+            if in_place:
+                registered, dst = self._registered, fetch.dst_page_ids
+            else:
+                registered = fetch.staging = self._staging(len(fetch.dst_page_ids), reply)
+                dst = list(range(len(fetch.dst_page_ids)))
+        except Exception as exc:
+            self._fail(fetch, f"NIXL could not register staging: {exc}", Failure.TRANSPORT)
+            return
+        runs = page_runs(fetch.params.page_ids, dst)
+        # Both sides' pages are the sender's (in place, the two layouts are the same size).
+        layout, lengths = reply.layout, runs[:, 2]
         local = run_descs(
             registered.data_addr,
             registered.scale_addr,
@@ -252,7 +304,7 @@ class NixlReceiver(SideChannelReceiver):
         try:
             fetch.handle = agent.initialize_xfer(
                 "READ",
-                agent.get_xfer_descs(local, self._registered.mem_type),
+                agent.get_xfer_descs(local, registered.mem_type),
                 agent.get_xfer_descs(remote, info.mem_type),
                 fetch.peer.remote,
             )
@@ -263,8 +315,21 @@ class NixlReceiver(SideChannelReceiver):
             return
         self._settle(fetch, state)
 
+    def _staging(self, num_pages: int, reply: HandshakeReply) -> _StagedPages:
+        """Memory for ``num_pages`` of the sender's pages, registered for one READ."""
+        layout, device = reply.layout, self.pool.device
+        data = torch.empty((num_pages, layout.page_nbytes), dtype=torch.uint8, device=device)
+        scales = None
+        if layout.scale_page_nbytes:
+            scales = torch.empty(
+                (num_pages, layout.scale_page_nbytes), dtype=torch.uint8, device=device
+            )
+        return _StagedPages(self._agent, data, scales, layout)
+
     def _settle(self, fetch: Fetch, state: str) -> None:
         if state == "DONE":
+            if isinstance(fetch.staging, _StagedPages):
+                fetch.staging.copy_heads_into(self.pool, fetch.dst_page_ids, fetch.heads)
             self._release_handle(fetch)
             self._complete(fetch)
         elif state == "ERR":
@@ -284,8 +349,8 @@ class NixlReceiver(SideChannelReceiver):
                         fetch.transfer_id,
                         DRAIN_GRACE_S,
                     )
-                    self._abandoned.append(fetch.handle)
-                    fetch.handle = None
+                    self._abandoned.append((fetch.handle, fetch.staging))
+                    fetch.handle = fetch.staging = None
                     self._end_drained(fetch)
 
     def progressing_silently(self) -> bool:
@@ -307,14 +372,16 @@ class NixlReceiver(SideChannelReceiver):
             return "ERR"
 
     def _release_handle(self, fetch: Fetch) -> bool:
-        if fetch.handle is None:
-            return True
-        try:
-            self._agent.release_xfer_handle(fetch.handle)
-        except Exception as exc:
-            logger.info("NIXL could not release the READ of %s yet: %s", fetch.transfer_id, exc)
-            return False
-        fetch.handle = None
+        if fetch.handle is not None:
+            try:
+                self._agent.release_xfer_handle(fetch.handle)
+            except Exception as exc:
+                logger.info("NIXL could not release the READ of %s yet: %s", fetch.transfer_id, exc)
+                return False
+            fetch.handle = None
+        if isinstance(fetch.staging, _StagedPages):  # nothing writes it any more
+            fetch.staging.deregister()
+            fetch.staging = None
         return True
 
     def _remove_agent(self, name: str) -> None:

@@ -5,6 +5,10 @@ A fetch moves through ``HANDSHAKE`` (waiting for its sender's handshake, done on
 fetch's READ cannot be cancelled at once, ``DRAINING`` (waiting for the READ to stop writing).
 It ends with exactly one TransferResult. A backend supplies what happens between the request
 and the pages being in place.
+
+A fetch may bring only some of the pages' KV heads (``start_read``: a tensor-parallel rank's
+share, from one rank of the prefill worker); such a read sends no ReleasePages at its end, as
+the lease is its group's, which ``release`` ends once every rank holds its copy.
 """
 
 from __future__ import annotations
@@ -64,20 +68,24 @@ class Peer:
     channel: SideChannel
     reply: HandshakeReply | None = None
     remote: object | None = None  # the backend's handle on the sender (a NIXL agent name)
-    fetches: set[str] = field(default_factory=set)
+    fetches: dict[str, str] = field(default_factory=dict)  # sender's transfer id -> fetch id
     suspect: bool = False  # a fetch timed out: handshake afresh once this peer is idle
 
 
 @dataclass(slots=True, eq=False)
 class Fetch:
-    transfer_id: str
+    transfer_id: str  # what this receiver's caller calls it (its TransferResult's id)
     params: TransferParams
     dst_page_ids: list[int]
     peer: Peer
     started: float  # time.monotonic()
     deadline: float  # time.monotonic()
+    remote_id: str  # what the sender calls it
+    heads: range  # the model's KV heads it brings (all of this pool's for a whole fetch)
+    releases: bool  # whether its end sends ReleasePages (a read of a group's share does not)
     state: str = HANDSHAKE
     handle: object | None = None  # the backend's in-flight operation (a NIXL transfer)
+    staging: object | None = None  # where the backend lands pages before they go in place
     pages_done: int = 0  # pages already in place (ZMQ answers arrive in several messages)
     failure: tuple[str, str] | None = None  # (error, reason) held while DRAINING
 
@@ -99,10 +107,47 @@ class SideChannelReceiver(KVReceiver):
         dst_page_ids: list[int],
         timeout: float,
     ) -> None:
-        if not transfer_id:
+        self._start(transfer_id, transfer_id, params, self.pool.layout.heads, dst_page_ids, timeout)
+
+    def start_read(
+        self,
+        read_id: str,
+        transfer_id: str,
+        params: TransferParams,
+        heads: range,
+        dst_page_ids: list[int],
+        timeout: float,
+    ) -> None:
+        """Like ``start_fetch``, for one rank's share of a group's transfer: fetch the model's
+        KV heads ``heads`` of transfer ``transfer_id``'s pages from the sender ``params`` names
+        into those heads of ``dst_page_ids``, reported by ``poll`` under ``read_id``. Its end
+        sends no ReleasePages: the group's rank 0 ``release``s the transfer once every rank
+        has its copy. Raises TransferError for heads this pool does not hold."""
+        self._start(read_id, transfer_id, params, heads, dst_page_ids, timeout, releases=False)
+
+    def release(self, params: TransferParams, transfer_id: str, ok: bool) -> None:
+        """Tell the sender ``params`` names that its group's reads of ``transfer_id`` are over
+        (``ok``: every rank holds its copy), so that it may free the pages."""
+        if not self._peer_for(params).channel.send(ReleasePages(transfer_id, ok=ok)):
+            logger.warning("could not release %s at %s", transfer_id, params.endpoint)
+
+    def _start(
+        self,
+        transfer_id: str,
+        remote_id: str,
+        params: TransferParams,
+        heads: range,
+        dst_page_ids: list[int],
+        timeout: float,
+        releases: bool = True,
+    ) -> None:
+        if not transfer_id or not remote_id:
             raise TransferError("transfer_id must be non-empty")
         if transfer_id in self._fetches:
             raise TransferError(f"transfer {transfer_id!r} is already being fetched")
+        problem = self.pool.layout.head_slice_problem(heads, "here")
+        if problem is not None:
+            raise TransferError(problem)
         if params.backend != self.backend:
             raise TransferError(
                 f"params are for the {params.backend!r} backend; this receiver is {self.backend!r}"
@@ -118,6 +163,8 @@ class SideChannelReceiver(KVReceiver):
         now = time.monotonic()
         lease_left = params.lease_deadline - LEASE_SAFETY_MARGIN_S - time.time()
         peer = self._peer_for(params)
+        if remote_id in peer.fetches:
+            raise TransferError(f"transfer {remote_id!r} is already being read from this sender")
         fetch = Fetch(
             transfer_id,
             params,
@@ -125,9 +172,12 @@ class SideChannelReceiver(KVReceiver):
             peer,
             started=now,
             deadline=now + min(timeout, lease_left),
+            remote_id=remote_id,
+            heads=heads,
+            releases=releases,
         )
         self._fetches[transfer_id] = fetch
-        peer.fetches.add(transfer_id)
+        peer.fetches[remote_id] = transfer_id
         if lease_left <= 0:
             self._fail(fetch, "the sender's lease was already over", Failure.LEASE_EXPIRED)
         elif peer.reply is not None:
@@ -157,8 +207,8 @@ class SideChannelReceiver(KVReceiver):
 
     def close(self) -> None:
         for fetch in list(self._fetches.values()):
-            if fetch.state != DRAINING:
-                fetch.peer.channel.send(ReleasePages(fetch.transfer_id, ok=False))
+            if fetch.state != DRAINING and fetch.releases:
+                fetch.peer.channel.send(ReleasePages(fetch.remote_id, ok=False))
             self._stop_writes(fetch)
         self._fetches.clear()
         self._results.clear()
@@ -219,7 +269,7 @@ class SideChannelReceiver(KVReceiver):
         self._disconnect(peer)
         peer.reply = None
         peer.remote = None
-        for transfer_id in peer.fetches:
+        for transfer_id in peer.fetches.values():
             fetch = self._fetches[transfer_id]
             if fetch.state == REQUESTED:
                 fetch.state = HANDSHAKE
@@ -272,8 +322,8 @@ class SideChannelReceiver(KVReceiver):
         if not isinstance(msg, (TransferFailed, PageData, FetchReady)):
             self._reject(peer, f"a receiver does not take {type(msg).__name__}")
             return
-        fetch = self._fetches.get(msg.transfer_id)
-        if fetch is None or fetch.peer is not peer or fetch.state not in (REQUESTED, READING):
+        fetch = self._fetches.get(peer.fetches.get(msg.transfer_id, ""))
+        if fetch is None or fetch.state not in (REQUESTED, READING):
             # A late answer to a fetch that has ended (timed out, aborted): nothing to do.
             logger.debug("dropped %s for inactive fetch %s", type(msg).__name__, msg.transfer_id)
             return
@@ -293,12 +343,12 @@ class SideChannelReceiver(KVReceiver):
         if problem is not None:
             error = f"handshake with {peer.engine_id} at {peer.endpoint} refused: {problem}"
             logger.warning(error)
-            for transfer_id in list(peer.fetches):
+            for transfer_id in list(peer.fetches.values()):
                 self._fail(self._fetches[transfer_id], error, Failure.HANDSHAKE)
             self._drop_peer(peer)
             return
         peer.reply = reply
-        for transfer_id in list(peer.fetches):
+        for transfer_id in list(peer.fetches.values()):
             fetch = self._fetches[transfer_id]
             if fetch.state == HANDSHAKE:
                 self._request(fetch)
@@ -322,25 +372,37 @@ class SideChannelReceiver(KVReceiver):
         reply = fetch.peer.reply
         assert reply is not None
         beyond = [b for b in fetch.params.page_ids if b >= reply.num_pages]
+        heads_problem = reply.layout.head_slice_problem(fetch.heads, "there")
         if beyond:
             self._fail(
                 fetch,
                 f"source pages {beyond[:8]} outside the sender's pool of {reply.num_pages}",
                 Failure.HANDSHAKE,
             )
-        elif fetch.peer.channel.send(FetchRequest(fetch.transfer_id)):
+        elif heads_problem is not None:
+            self._fail(fetch, f"KV layout mismatch: {heads_problem}", Failure.HANDSHAKE)
+        elif fetch.peer.channel.send(self._fetch_request(fetch, reply)):
             fetch.state = REQUESTED
         else:
             self._fail(fetch, "could not send the fetch request", Failure.TRANSPORT)
 
+    def _fetch_request(self, fetch: Fetch, reply: HandshakeReply) -> FetchRequest:
+        """Names the heads only where they are not every head the sender holds: a fetch
+        between whole pools asks as it always has."""
+        if fetch.heads == reply.layout.heads:
+            return FetchRequest(fetch.remote_id)
+        return FetchRequest(fetch.remote_id, fetch.heads.start, len(fetch.heads))
+
     def _end(self, fetch: Fetch, ok: bool, error: str | None, reason: str | None) -> None:
         del self._fetches[fetch.transfer_id]
         peer = fetch.peer
-        peer.fetches.discard(fetch.transfer_id)
-        # Acknowledges a success; after a failure, lets the sender free its pages early.
-        peer.channel.send(ReleasePages(fetch.transfer_id, ok=ok))
+        peer.fetches.pop(fetch.remote_id, None)
+        if fetch.releases:
+            # Acknowledges a success; after a failure, lets the sender free its pages early.
+            peer.channel.send(ReleasePages(fetch.remote_id, ok=ok))
         elapsed = time.monotonic() - fetch.started
-        nbytes = len(fetch.dst_page_ids) * self.pool.layout.bytes_per_page if ok else 0
+        page_nbytes, scale_nbytes = self.pool.layout.slice_nbytes(len(fetch.heads))
+        nbytes = len(fetch.dst_page_ids) * (page_nbytes + scale_nbytes) if ok else 0
         if ok:
             TRANSFER_BYTES.labels(self.backend, RECEIVER).inc(nbytes)
             TRANSFER_PAGES.labels(self.backend, RECEIVER).inc(len(fetch.dst_page_ids))

@@ -2,6 +2,9 @@
 
 A backend supplies how a fetch is served (ZMQ: page frames; NIXL: a go-ahead for a READ) and
 how to tell whether a served fetch may still be reading the pages.
+
+A transfer may be read by several receivers, each for some of the pages' KV heads (the ranks of
+a tensor-parallel decode worker); the one ReleasePages of the group's rank 0 ends the lease.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import logging
 import time
 import uuid
 from abc import abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.engine.kv_pool import KVPool
 from common.messages import PROTOCOL_VERSION
@@ -43,7 +46,7 @@ class Lease:
     transfer_id: str
     page_ids: list[int]
     expires: float  # time.monotonic()
-    fetcher: bytes | None = None  # routing id of the receiver served last
+    fetchers: set[bytes] = field(default_factory=set)  # routing ids of the receivers served
     fetch_started: float | None = None  # time.monotonic() of the first fetch served
     aborted: bool = False
     in_flight: object | None = None  # backend's handle on a served fetch (e.g. a ZMQ tracker)
@@ -105,8 +108,14 @@ class SideChannelSender(KVSender):
             return
         lease.aborted = True
         TRANSFER_FAILURES.labels(self.backend, SENDER, Failure.ABORTED).inc()
-        if lease.fetcher is not None:
-            self._channel.send(TransferFailed(transfer_id, "aborted by the sender"), lease.fetcher)
+        for fetcher in lease.fetchers:
+            self._channel.send(TransferFailed(transfer_id, "aborted by the sender"), fetcher)
+
+    def end_lease(self, transfer_id: str) -> None:
+        """Forget a publication at once, without reporting it from ``poll``: for a rank of a
+        tensor-parallel prefill worker, whose rank 0 owns the pages and has seen the group's
+        release (nothing reads them any more). Unknown ids are ignored."""
+        self._leases.pop(transfer_id, None)
 
     def close(self) -> None:
         self._leases.clear()
@@ -116,8 +125,9 @@ class SideChannelSender(KVSender):
     # --- backend hooks -------------------------------------------------------------------
 
     @abstractmethod
-    def _serve(self, identity: bytes, lease: Lease) -> None:
-        """Answer a fetch of ``lease``'s pages; may set ``lease.in_flight``."""
+    def _serve(self, identity: bytes, lease: Lease, heads: range) -> None:
+        """Answer a fetch of ``lease``'s pages, the model's KV heads ``heads`` of them (this
+        pool holds them); may set ``lease.in_flight``."""
 
     @abstractmethod
     def _still_reading(self, lease: Lease) -> bool:
@@ -140,7 +150,7 @@ class SideChannelSender(KVSender):
         if isinstance(msg, HandshakeRequest):
             self._handshake(identity, msg)
         elif isinstance(msg, FetchRequest):
-            self._fetch(identity, msg.transfer_id)
+            self._fetch(identity, msg)
         elif isinstance(msg, ReleasePages):
             self._release_by_receiver(msg)
         else:
@@ -168,21 +178,36 @@ class SideChannelSender(KVSender):
         )
         self._channel.send(reply, identity)
 
-    def _fetch(self, identity: bytes, transfer_id: str) -> None:
+    def _fetch(self, identity: bytes, msg: FetchRequest) -> None:
+        transfer_id = msg.transfer_id
         lease = self._leases.get(transfer_id)
-        if lease is None:
+        heads, heads_problem = self._heads_asked(msg)
+        if heads_problem is not None:
+            reason = heads_problem
+        elif lease is None:
             reason = "unknown transfer (never published, expired or released)"
         elif lease.aborted:
             reason = "aborted by the sender"
         elif time.monotonic() >= lease.expires:
             reason = "lease expired"
         else:
-            lease.fetcher = identity
+            lease.fetchers.add(identity)
             if lease.fetch_started is None:
                 lease.fetch_started = time.monotonic()
-            self._serve(identity, lease)
+            self._serve(identity, lease, heads)
             return
         self._channel.send(TransferFailed(transfer_id, reason), identity)
+
+    def _heads_asked(self, msg: FetchRequest) -> tuple[range, str | None]:
+        """The model KV heads ``msg`` asks for (every one held, unless it names some), and
+        why they cannot be served or None."""
+        held = self.pool.layout.heads
+        if msg.first_kv_head is None and msg.num_kv_heads is None:
+            return held, None
+        if msg.first_kv_head is None or msg.num_kv_heads is None:
+            return held, "a fetch must name both its first KV head and their number"
+        heads = range(msg.first_kv_head, msg.first_kv_head + msg.num_kv_heads)
+        return heads, self.pool.layout.head_slice_problem(heads, "there")
 
     def _release_by_receiver(self, msg: ReleasePages) -> None:
         lease = self._leases.pop(msg.transfer_id, None)

@@ -15,6 +15,11 @@ over loopback, 256 MB moved ~1.5x faster in 2 MB messages than in 128 MB ones.
 
 One frame per page, not per run of adjacent pages: pages of a request are rarely adjacent in a
 pool that has been in use, and a frame costs little next to a page.
+
+A fetch of some of the pages' KV heads (between tensor-parallel ranks) gets frames of just those
+heads: the sender gathers them into a contiguous copy (``head_slices.py``), which is then what
+the frames point into; a receiver whose pages hold other heads besides takes the frames into
+staging rows and writes them into its heads with one strided copy per tensor.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 import zmq
 
 from common.engine.kv_pool import KVPool
+from kvtransfer.head_slices import as_pages, gather_heads, scatter_heads
 from kvtransfer.messages import PageData
 from kvtransfer.metrics import Failure
 from kvtransfer.receiver import REQUESTED, Fetch, SideChannelReceiver
@@ -38,19 +44,25 @@ class ZmqSender(SideChannelSender):
 
     def __init__(self, pool: KVPool, engine_id: str, host: str = "127.0.0.1", port: int = 0):
         super().__init__(pool, engine_id, host, port)
-        self._pages_per_message = max(1, MESSAGE_BYTES // pool.layout.bytes_per_page)
+        self._tensors = [t for t in (pool.data, pool.scales) if t is not None]
         # Row i is page i's bytes: frames of a host pool are cut straight from these rows.
         self._host_rows = [
             _rows(t) for t in (pool.data, pool.scales) if t is not None and t.device.type == "cpu"
         ]
 
-    def _serve(self, identity: bytes, lease: Lease) -> None:
+    def _serve(self, identity: bytes, lease: Lease, heads: range) -> None:
         layout = self.pool.layout
-        step = self._pages_per_message
+        page_nbytes, scale_nbytes = layout.slice_nbytes(len(heads))
+        step = max(1, MESSAGE_BYTES // (page_nbytes + scale_nbytes))
         num_pages = len(lease.page_ids)
+        local = range(heads.start - layout.first_kv_head, heads.stop - layout.first_kv_head)
         for first in range(0, num_pages, step):
             chunk = lease.page_ids[first : first + step]
-            buffers = [row for rows in self._page_rows(chunk) for row in rows]
+            if len(local) == layout.num_kv_heads:
+                page_rows = self._page_rows(chunk)
+            else:
+                page_rows = [list(gather_heads(t, chunk, local).numpy()) for t in self._tensors]
+            buffers = [row for rows in page_rows for row in rows]
             frames = [zmq.Frame(b, copy=False) for b in buffers[:-1]]
             # Only the very last frame of the answer is tracked: ZMQ releases frames in the
             # order they were queued, so once it is released no page is read any more.
@@ -60,8 +72,8 @@ class ZmqSender(SideChannelSender):
                 instance_id=self.instance_id,
                 first_page=first,
                 num_pages=len(chunk),
-                page_nbytes=layout.page_nbytes,
-                scale_nbytes=layout.scale_page_nbytes,
+                page_nbytes=page_nbytes,
+                scale_nbytes=scale_nbytes,
             )
             if not self._channel.send(header, identity, frames):
                 return  # the receiver is gone or not reading; its fetch will time out
@@ -81,8 +93,7 @@ class ZmqSender(SideChannelSender):
             return [[rows[b] for b in page_ids] for rows in self._host_rows]
         # Device pools are staged through host memory: one gather and one copy per tensor.
         index = torch.tensor(page_ids, device=self.pool.device)
-        tensors = [self.pool.data] + ([self.pool.scales] if self.pool.scales is not None else [])
-        return [list(_rows(t.index_select(0, index).cpu())) for t in tensors]
+        return [list(_rows(t.index_select(0, index).cpu())) for t in self._tensors]
 
 
 class ZmqReceiver(SideChannelReceiver):
@@ -108,7 +119,10 @@ class ZmqReceiver(SideChannelReceiver):
         problem = self._page_data_problem(fetch, msg)
         if problem is None:
             dst = fetch.dst_page_ids[msg.first_page : msg.first_page + msg.num_pages]
-            problem = self._receive_pages(incoming, dst)
+            if fetch.heads == self.pool.layout.heads:
+                problem = self._receive_pages(incoming, dst)
+            else:
+                problem = self._receive_heads(incoming, dst, fetch.heads)
         if problem is not None:
             self._reject(fetch.peer, f"dropped malformed page data: {problem}")
             # The sender answers a fetch once; a bad answer will not be followed by a good one.
@@ -133,6 +147,20 @@ class ZmqReceiver(SideChannelReceiver):
                 flat.index_copy_(0, index, rows.to(self.pool.device))
         return problem
 
+    def _receive_heads(self, incoming: Incoming, dst: list[int], heads: range) -> str | None:
+        """Frames of some of this pool's heads: staged, then written into those heads."""
+        layout = self.pool.layout
+        local = range(heads.start - layout.first_kv_head, heads.stop - layout.first_kv_head)
+        sizes = layout.slice_nbytes(len(heads))
+        staged = [
+            torch.empty((len(dst), n), dtype=torch.uint8) for n in sizes[: len(self._tensors)]
+        ]
+        problem = incoming.read_frames_into([row.numpy() for rows in staged for row in rows])
+        if problem is None:
+            for tensor, rows in zip(self._tensors, staged, strict=True):
+                scatter_heads(tensor, dst, local, as_pages(rows, tensor, len(heads)))
+        return problem
+
     def _page_data_problem(self, fetch: Fetch, msg: PageData) -> str | None:
         layout = self.pool.layout
         total = len(fetch.dst_page_ids)
@@ -141,9 +169,11 @@ class ZmqReceiver(SideChannelReceiver):
                 f"pages {msg.first_page}..{msg.first_page + msg.num_pages} arrived after "
                 f"{fetch.pages_done} of {total}"
             )
-        if msg.page_nbytes != layout.page_nbytes or msg.scale_nbytes != layout.scale_page_nbytes:
-            return f"page of {msg.page_nbytes}+{msg.scale_nbytes} bytes, expected " + (
-                f"{layout.page_nbytes}+{layout.scale_page_nbytes}"
+        page_nbytes, scale_nbytes = layout.slice_nbytes(len(fetch.heads))
+        if (msg.page_nbytes, msg.scale_nbytes) != (page_nbytes, scale_nbytes):
+            return (
+                f"page of {msg.page_nbytes}+{msg.scale_nbytes} bytes, expected "
+                f"{page_nbytes}+{scale_nbytes}"
             )
         return None
 

@@ -216,7 +216,7 @@ def test_handshake_refuses_layout_mismatch(senders, receivers, backend):
     receiver.start_fetch(f"mismatch-{backend}", params, [0, 1], timeout=10)
     result = wait_result(receiver, f"mismatch-{backend}")
     assert not result.ok
-    assert "KV layout mismatch" in result.error and "num_kv_heads" in result.error
+    assert "KV layout mismatch" in result.error and "kv_heads" in result.error
     senders.wait_released(spec, f"mismatch-{backend}", timeout=10)
 
 

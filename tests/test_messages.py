@@ -90,7 +90,7 @@ def frame(**fields) -> bytes:
 
 
 def test_protocol_version():
-    assert PROTOCOL_VERSION == 6
+    assert PROTOCOL_VERSION == 7
 
 
 def test_round_trip_of_a_step_of_token_deltas():

@@ -156,17 +156,15 @@ def test_dummy_weights_are_drawn_in_each_ranks_shape(four_heads):
     assert attention.qkv_proj.weight.std() > 0.01
 
 
-def test_a_pool_of_some_heads_is_refused_by_the_kv_handshake():
-    """Pages move whole between pools of all the model's heads; a rank's slice is refused,
-    naming its heads, even against an equal slice (the other ranks' heads would be missing)."""
+def test_a_rank_pool_layout_names_its_heads():
+    """A rank's pool holds a slice of the model's KV heads: its layout says which, moves pages
+    with a whole pool of the same model (each fetch names its heads, tests/test_kv_head_slices.py)
+    and refuses heads it does not hold."""
     whole = KVLayout("bfloat16", 16, 2, 2, 64)
     rank1 = KVLayout("bfloat16", 16, 2, 1, 64, first_kv_head=1, model_kv_heads=2)
-    assert whole.mismatch(whole) is None
-    assert rank1.problem() is None  # such a worker registers, and prefills what it decodes
-    problem = whole.mismatch(rank1)
-    assert problem is not None and "there holds KV heads 1-1 of 2" in problem
-    problem = rank1.mismatch(rank1)
-    assert problem is not None and "here holds KV heads 1-1 of 2" in problem
+    assert rank1.problem() is None and rank1.heads == range(1, 2)
+    assert whole.mismatch(rank1) is None and rank1.mismatch(whole) is None
+    assert "holds KV heads 1-1 of 2" in (rank1.head_slice_problem(range(0, 2), "there") or "")
     assert "not have" in (dataclasses.replace(rank1, first_kv_head=2).problem() or "")
 
 
