@@ -10,11 +10,13 @@ fp32 (``torch.mm``; the faster of the two on this machine is the floor).
     python -m benchmarks.step [--model PATH] [--dtype bfloat16] [--core 0] [--repeats 5]
         [--baseline]   # also the plain torch path (--enforce-eager, torch attention), same run
         [--kv-cache-dtypes auto,int8,fp8]   # a column per KV page format, same run
+        [--bf16-tiles fma,dpbf16]   # a column per other bf16 tile kernel, same run
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 from common.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.engine.llm_engine import LLMEngine
 from common.sampling_params import SamplingParams
+from kernels import cpu_library
 from kernels.cpu_library import best_seconds
 from kernels.registry import ENV_VAR as ENV_BACKEND
 
@@ -145,6 +148,12 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory", type=int, default=1 << 30)
     parser.add_argument("--baseline", action="store_true", help="also the plain torch path")
     parser.add_argument("--kv-cache-dtypes", default="auto", help="comma-separated, a column each")
+    parser.add_argument(
+        "--bf16-tiles",
+        default="",
+        help="comma-separated bf16 tile kernels (fma, dpbf16, amx) beside this machine's own, "
+        "a column each",
+    )
     args = parser.parse_args()
     os.sched_setaffinity(0, {args.core})
     torch.set_num_threads(1)
@@ -157,11 +166,25 @@ def main() -> None:
         )
         for kv in kv_dtypes
     }
+    # An engine packed its tiles for the bf16 tile kernel that ran then, and runs only with it.
+    kernels_of = dict.fromkeys(engines, contextlib.nullcontext)
+    for tiles in filter(None, args.bf16_tiles.split(",")):
+        name = f"pdserve tiles={tiles}"
+        kernels_of[name] = lambda tiles=tiles: cpu_library.running_bf16_tiles(tiles)
+        with kernels_of[name]():
+            engines[name] = make_engine(args, max_batched=2048, max_model_len=2048)
     if args.baseline:
         engines["plain torch"] = make_engine(args, 2048, 2048, eager=True)
+        kernels_of["plain torch"] = contextlib.nullcontext
+
+    def timed(name: str, measure, *measure_args) -> float:
+        with kernels_of[name]():
+            return measure(engines[name], *measure_args)
+
     engine = next(iter(engines.values()))
     weight_bytes = model_weight_bytes(engine)
     print(f"model {engine.model_path.name}, {engine.dtype}, one core (#{args.core})")
+    print(f"bf16 tiles: {cpu_library.bf16_tiles()} (this machine's own)")
     print(f"weights {weight_bytes / 1e6:.0f} MB")
     names = list(engines)
     # The floor is read again beside every case and the fastest read of the run is the floor:
@@ -174,7 +197,7 @@ def main() -> None:
             for batch in (1, 8, 32):
                 floors.append(weight_read_floor(weight_bytes, args.repeats))
                 steps[batch, context] = [
-                    decode_step_seconds(engines[name], batch, context, args.steps) for name in names
+                    timed(name, decode_step_seconds, batch, context, args.steps) for name in names
                 ]
     floor = min(floors)
     print(
@@ -195,7 +218,7 @@ def main() -> None:
         )
         for num_tokens in (512, 2048):
             rates = [
-                prefill_tokens_per_second(engines[name], num_tokens, args.repeats) for name in names
+                timed(name, prefill_tokens_per_second, num_tokens, args.repeats) for name in names
             ]
             bf16 = num_tokens / bare_gemm_seconds(engine, num_tokens, torch.bfloat16, 2)
             fp32 = num_tokens / bare_gemm_seconds(engine, num_tokens, torch.float32, 2)

@@ -9,6 +9,7 @@ private file and rename it into place, so nobody loads a half-written library.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -40,6 +41,13 @@ CFLAGS = [
     "-fno-trapping-math",
 ]
 ENV_CC = "CC"
+# Which kernel multiplies bf16 weight tiles (kernels/cpu/exports.h's bf16_tiles_kind): float32
+# FMAs over widened weights, AVX512_BF16's vdpbf16ps, or AMX tiles.
+BF16_TILES = {"fma": 0, "dpbf16": 1, "amx": 2}
+# Names one of BF16_TILES to run instead of the default: AMX where the processor has it, else
+# FMAs. vdpbf16ps ran no faster than AVX-512 FMAs on a Xeon (Sapphire Rapids issues one a
+# cycle, FMAs two), so it is taken only when asked for, on processors where it pays.
+ENV_BF16_TILES = "PDSERVE_CPU_BF16_TILES"
 
 
 class CpuKernelsUnavailable(RuntimeError):
@@ -125,7 +133,51 @@ def _load_once() -> ctypes.CDLL | CpuKernelsUnavailable:
     library = ctypes.CDLL(str(path))
     _declare(library)
     library.pdserve_init()
+    library.pdserve_use_bf16_tiles(BF16_TILES[_default_bf16_tiles(library)])
     return library
+
+
+def _default_bf16_tiles(library: ctypes.CDLL) -> str:
+    """The bf16 tile kernel a process runs: ``ENV_BF16_TILES``'s where it names one this
+    machine runs, else AMX where there is AMX, else FMAs. Fixed at load, before anything packs
+    tiles (their layout follows the kernel); every process on a machine chooses alike, so they
+    round alike."""
+    wanted = os.environ.get(ENV_BF16_TILES, "")
+    if wanted:
+        if wanted in BF16_TILES and library.pdserve_bf16_tiles_available(BF16_TILES[wanted]):
+            return wanted
+        logger.error(
+            "%s=%s: this machine runs bf16 tiles with %s only; taking the default",
+            ENV_BF16_TILES,
+            wanted,
+            ", ".join(k for k, v in BF16_TILES.items() if library.pdserve_bf16_tiles_available(v)),
+        )
+    return "amx" if library.pdserve_bf16_tiles_available(BF16_TILES["amx"]) else "fma"
+
+
+def bf16_tiles() -> str:
+    """The name (a key of ``BF16_TILES``) of the kernel this process multiplies bf16 tiles with."""
+    code = load().pdserve_bf16_tiles()
+    return next(name for name, value in BF16_TILES.items() if value == code)
+
+
+def bf16_tiles_available(name: str) -> bool:
+    return bool(load().pdserve_bf16_tiles_available(BF16_TILES[name]))
+
+
+@contextlib.contextmanager
+def running_bf16_tiles(name: str):
+    """Run bf16 tiles with kernel ``name`` inside the block (tests and benchmarks that compare
+    kernels in one process). Tiles packed inside the block are laid out for it and must not be
+    used outside it, nor tiles packed before it inside."""
+    library = load()
+    previous = library.pdserve_bf16_tiles()
+    if library.pdserve_use_bf16_tiles(BF16_TILES[name]) != 0:
+        raise ValueError(f"this machine does not run bf16 tiles with {name}")
+    try:
+        yield
+    finally:
+        library.pdserve_use_bf16_tiles(previous)
 
 
 def available() -> bool:
@@ -199,6 +251,12 @@ def _declare(library: ctypes.CDLL) -> None:
     library.pdserve_decoder_layer_bf16.restype = ctypes.c_int
     library.pdserve_bf16_tile_order.argtypes = []
     library.pdserve_bf16_tile_order.restype = ctypes.c_int
+    library.pdserve_bf16_tiles_available.argtypes = [i32]
+    library.pdserve_bf16_tiles_available.restype = ctypes.c_int
+    library.pdserve_use_bf16_tiles.argtypes = [i32]
+    library.pdserve_use_bf16_tiles.restype = ctypes.c_int
+    library.pdserve_bf16_tiles.argtypes = []
+    library.pdserve_bf16_tiles.restype = ctypes.c_int
     library.pdserve_store_kv.argtypes = [
         ptr, i64, ptr, i64, ptr, ptr,  # key, its row stride, value, its row stride, caches
         i64, i64, i64, i32, i32,  # page, token, head strides; element bytes; page size

@@ -131,22 +131,44 @@ TILE_DTYPES = (torch.bfloat16, torch.float32)
 # (groups, words) per row, word i of a group holding the group's column i in its low half and
 # column i + words in its high half, so that a shift and a mask widen a vector of them.
 BF16_COLUMN_PAIRS = {1: (2, 8), 2: (1, 16)}
+# The order of the kernels on the processor's bf16 units (kernels/cpu/bf16_pair_tiles.c): k-rows
+# in pairs, K padded to a multiple of PAIR_K_BLOCK, word j of a pair holding column j of its
+# first k-row in its low half and of its second in its high half, the operand AMX's and
+# AVX512_BF16's dot products multiply.
+BF16_K_ROW_PAIRS = 3
+# k of one AMX tile; must match PAIR_K_BLOCK in bf16_pair_tiles.c.
+PAIR_K_BLOCK = 32
+
+
+def bf16_tile_order() -> int:
+    """This machine's tile kernel's order of bf16 weights (``pdserve_bf16_tile_order``)."""
+    return cpu_library.load().pdserve_bf16_tile_order()
 
 
 def bf16_column_pairs() -> tuple[int, int] | None:
     """(groups, words) of this machine's tile kernel's paired bf16 columns (``BF16_COLUMN_PAIRS``),
     or None where it reads the columns in order."""
-    return BF16_COLUMN_PAIRS.get(cpu_library.load().pdserve_bf16_tile_order())
+    return BF16_COLUMN_PAIRS.get(bf16_tile_order())
 
 
 def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
     """``[N, K]`` -> ``[ceil(N / TILE), K, TILE]`` contiguous, columns past N zero, each tile's
-    columns in the order the kernel reads them (``bf16_column_pairs``)."""
+    weights in the order the kernel reads them (``bf16_tile_order``; K padded with zero rows to
+    a multiple of PAIR_K_BLOCK where it reads k-rows in pairs)."""
     out_features, in_features = weight.shape
     padded = ceil_div(out_features, TILE) * TILE
     transposed = F.pad(weight.detach().t(), (0, padded - out_features))
     tiles = transposed.reshape(in_features, padded // TILE, TILE).permute(1, 0, 2)
-    pairs = bf16_column_pairs() if weight.dtype == torch.bfloat16 else None
+    if weight.dtype != torch.bfloat16:
+        return tiles.contiguous()
+    order = bf16_tile_order()
+    if order == BF16_K_ROW_PAIRS:
+        # [tile, k, column] -> [tile, pair, column, k of the pair]: word j holds both k-rows.
+        tiles = F.pad(
+            tiles, (0, 0, 0, ceil_div(in_features, PAIR_K_BLOCK) * PAIR_K_BLOCK - in_features)
+        )
+        return tiles.unflatten(1, (-1, 2)).transpose(-1, -2).reshape(tiles.shape).contiguous()
+    pairs = BF16_COLUMN_PAIRS.get(order)
     if pairs is not None:
         # [.., group, half, word] -> [.., group, word, half]: word i holds columns i, i + words.
         groups, words = pairs
@@ -154,13 +176,19 @@ def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
     return tiles.contiguous()
 
 
-def unpack_tiles(tiles: torch.Tensor, out_features: int) -> torch.Tensor:
+def unpack_tiles(tiles: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
     """The ``[N, K]`` weight that ``pack_tiles`` packed into ``tiles``."""
-    pairs = bf16_column_pairs() if tiles.dtype == torch.bfloat16 else None
-    if pairs is not None:
-        groups, words = pairs
-        tiles = tiles.unflatten(-1, (groups, words, 2)).transpose(-1, -2).flatten(-3)
-    num_tiles, in_features, _ = tiles.shape
+    if tiles.dtype == torch.bfloat16:
+        order = bf16_tile_order()
+        if order == BF16_K_ROW_PAIRS:
+            num_tiles = tiles.shape[0]
+            tiles = tiles.reshape(num_tiles, -1, TILE, 2).transpose(-1, -2).flatten(1, 2)
+        pairs = BF16_COLUMN_PAIRS.get(order)
+        if pairs is not None:
+            groups, words = pairs
+            tiles = tiles.unflatten(-1, (groups, words, 2)).transpose(-1, -2).flatten(-3)
+    num_tiles = tiles.shape[0]
+    tiles = tiles[:, :in_features]
     return tiles.permute(1, 0, 2).reshape(in_features, num_tiles * TILE)[:, :out_features].t()
 
 
@@ -310,8 +338,10 @@ def _plan_path(linears: list[CpuLinear]) -> Path:
     digest = hashlib.sha256(cpu_library.build_digest().encode())
     for linear in linears:
         digest.update(f"{linear.out_features}x{linear.in_features};".encode())
-    # The kernels a plan chooses between: a plan probed before bf16's BLAS competed is stale.
-    digest.update(repr((PROBE_ROWS, FLOAT32_BLAS, BF16_BLAS)).encode())
+    # The kernels a plan chooses between: a plan probed before bf16's BLAS competed, or with
+    # another bf16 tile kernel, is stale.
+    kernels = (PROBE_ROWS, FLOAT32_BLAS, BF16_BLAS, cpu_library.bf16_tiles())
+    digest.update(repr(kernels).encode())
     return cpu_library.cache_dir() / f"gemm-plan-{digest.hexdigest()[:16]}.json"
 
 

@@ -56,6 +56,16 @@ def backend() -> CpuAttentionBackend:
         pytest.skip(f"no C compiler here: {exc}")
 
 
+@pytest.fixture(params=list(cpu_library.BF16_TILES))
+def bf16_tiles(request, backend) -> str:
+    """Each bf16 tile kernel this machine runs (FMAs everywhere; AVX512_BF16 and AMX where the
+    processor has them), for the test's whole body: tiles packed inside are laid out for it."""
+    if not cpu_library.bf16_tiles_available(request.param):
+        pytest.skip(f"this processor does not run bf16 tiles with {request.param}")
+    with cpu_library.running_bf16_tiles(request.param):
+        yield request.param
+
+
 # ---------------------------------------------------------------------------------------------
 # Attention
 
@@ -234,7 +244,7 @@ def test_a_failed_build_is_tried_once(monkeypatch, tmp_path) -> None:
 @pytest.mark.parametrize("out_features, in_features", [(96, 64), (50, 160), (33, 7)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_tiles_equal_an_fp32_gemm_rounded_once(
-    backend, rows, out_features, in_features, bias
+    bf16_tiles, rows, out_features, in_features, bias
 ) -> None:
     """Exact products, float32 sums, one rounding: the fp32 GEMM of the same values rounded to
     bf16, up to the last bit where the two sum in another order."""
@@ -252,13 +262,13 @@ def test_bf16_tiles_equal_an_fp32_gemm_rounded_once(
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=dtype_id)
-def test_packed_tiles_hold_the_weight_in_the_order_the_kernel_reads(backend, dtype) -> None:
+def test_packed_tiles_hold_the_weight_in_the_order_the_kernel_reads(bf16_tiles, dtype) -> None:
     """Packing is a permutation (plus zero columns past N): unpacking gives the weight back, and
     a one-hot row of x reads back one k-row of the weight, so the kernel finds every column where
     the packing put it."""
     weight = torch.randn(70, 40).to(dtype)
     linear = CpuLinear(weight, None, TILES_ONLY)
-    assert torch.equal(unpack_tiles(linear.packed_tiles, 70), weight)
+    assert torch.equal(unpack_tiles(linear.packed_tiles, 70, 40), weight)
     one_hot = torch.eye(40, dtype=dtype)
     for rows in (1, 2, 5, 40):  # each of the kernel's register blocks
         assert torch.equal(linear(one_hot[:rows]), weight.t()[:rows])
@@ -289,7 +299,7 @@ def linear_weight(linear: CpuLinear) -> torch.Tensor:
         return linear.weight_bf16.float()
     if linear.weight_t32 is not None:
         return linear.weight_t32.t()
-    return unpack_tiles(linear.packed_tiles, linear.out_features).float()
+    return unpack_tiles(linear.packed_tiles, linear.out_features, linear.in_features).float()
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
@@ -362,6 +372,46 @@ def test_the_probe_takes_bf16_blas_only_where_it_is_faster(
         assert (linear.weight_t32 is not None) != bf16_faster
 
 
+def spread_bf16(*shape: int) -> torch.Tensor:
+    """bf16 values over twenty binades: sums of their products round at every step, so two
+    summation orders give different bits and a twin must follow the kernel's own."""
+    scales = torch.exp2(torch.randint(-10, 10, shape).float())
+    return (torch.randn(shape) * scales).to(torch.bfloat16)
+
+
+def sequential_twin(x: torch.Tensor, weight: torch.Tensor, k_order) -> torch.Tensor:
+    """x W^T summed one product at a time in float32 (each product exact) in ``k_order``'s
+    order, rounded to bf16 once."""
+    x32, w32 = x.float(), weight.float()
+    acc = torch.zeros(x.shape[0], weight.shape[0])
+    for k in k_order:
+        acc = acc + x32[:, k : k + 1] * w32[:, k]
+    return acc.bfloat16()
+
+
+def test_each_bf16_tile_kernel_sums_in_its_own_order(bf16_tiles) -> None:
+    """Each kernel against its twin, bit for bit where its order is one product at a time:
+    FMAs k = 0, 1, 2, ...; vdpbf16ps each pair's second product, then its first. AMX sums a
+    block of sixteen pairs in the hardware's own way (the manual leaves it open) and adds it to
+    the float32 sum once, so its twin is the exact block sum: within a rounding, rarely off."""
+    weight, x = spread_bf16(256, 256), spread_bf16(24, 256)
+    out = CpuLinear(weight, None, TILES_ONLY)(x)
+    if bf16_tiles == "amx":
+        x64, w64 = x.double(), weight.double()
+        acc = torch.zeros(24, 256)
+        for k0 in range(0, 256, 32):
+            block = x64[:, k0 : k0 + 32] @ w64[:, k0 : k0 + 32].t()
+            acc = (acc.double() + block).float()
+        twin = acc.bfloat16()
+        torch.testing.assert_close(out.float(), twin.float(), atol=0, rtol=8e-3)
+        assert (out != twin).float().mean() < 0.005
+        return
+    order = range(256)
+    if bf16_tiles == "dpbf16":
+        order = [k for pair in range(0, 256, 2) for k in (pair + 1, pair)]
+    assert torch.equal(out, sequential_twin(x, weight, order))
+
+
 @pytest.mark.parametrize("rows", [1, 2, 5, 12, 40])
 @pytest.mark.parametrize("bias", [False, True])
 def test_float32_tiles_equal_an_fp32_gemm(backend, rows, bias) -> None:
@@ -373,7 +423,7 @@ def test_float32_tiles_equal_an_fp32_gemm(backend, rows, bias) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=dtype_id)
-def test_tiles_give_a_row_the_same_bits_whatever_rows_share_the_call(backend, dtype) -> None:
+def test_tiles_give_a_row_the_same_bits_whatever_rows_share_the_call(bf16_tiles, dtype) -> None:
     """A row's output must not depend on how many rows the step has, nor on where the row sits
     among them: that is what keeps a sequence's tokens independent of the batch (and of
     speculation, which adds rows). K spans several of the kernel's chunks."""

@@ -16,6 +16,17 @@ void pdserve_silu_mul_bf16(const uint16_t *gate_up, int64_t gate_up_stride, uint
 void pdserve_rope_bf16(uint16_t *x, int64_t row_stride, int64_t head_stride, int rows, int heads,
                        int head_dim, const uint16_t *cos, const uint16_t *sin,
                        int64_t trig_stride);
+/* Which kernel multiplies bf16 tiles (bf16_pair_tiles.c): float32 FMAs over widened weights
+ * (linear_tiles.c), or the processor's bf16 pairs, AVX512_BF16 or AMX; kernels/cpu_library.py's
+ * BF16_TILES mirrors the codes. */
+enum bf16_tiles_kind { BF16_TILES_FMA = 0, BF16_TILES_DPBF16 = 1, BF16_TILES_AMX = 2 };
+
+int pdserve_bf16_tiles_available(int kind);
+int pdserve_use_bf16_tiles(int kind);
+int pdserve_bf16_tiles(void);
+int pdserve_linear_bf16_pairs(const uint16_t *x, int64_t x_stride, const uint32_t *packed,
+                              const float *bias, uint16_t *y, int64_t y_stride, int M, int N,
+                              int K, int num_threads);
 int pdserve_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
                         const float *bias, uint16_t *y, int64_t y_stride, int M, int N, int K,
                         int num_threads);

@@ -443,8 +443,10 @@ static int linear_tiles(const float *x, int64_t x_stride, const void *packed, in
  * order (what the portable kernel reads); 1, each 16 columns as eight 32-bit words, word i
  * holding column i in its low half and column i + 8 in its high half (the AVX2 kernel, see
  * weight16); 2, each k-row's 32 columns as sixteen words, word i holding columns i and i + 16
- * (the AVX-512 kernel). */
+ * (the AVX-512 kernel); 3, k-rows in pairs (bf16_pair_tiles.c), where the processor's bf16
+ * units multiply the tiles. */
 int pdserve_bf16_tile_order(void) {
+    if (pdserve_bf16_tiles() != BF16_TILES_FMA) return 3;
 #ifdef HAVE_AVX2_TILES
     return 1;
 #elif defined(__AVX512F__)
@@ -458,6 +460,9 @@ int pdserve_bf16_tile_order(void) {
 int pdserve_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
                         const float *bias, uint16_t *y, int64_t y_stride, int M, int N, int K,
                         int num_threads) {
+    if (pdserve_bf16_tiles() != BF16_TILES_FMA)
+        return pdserve_linear_bf16_pairs(x, x_stride, (const uint32_t *)packed, bias, y, y_stride,
+                                         M, N, K, num_threads);
     /* x widened once: every tile reads all of it. */
     float *x32 = malloc((size_t)M * K * sizeof(float));
     if (!x32) return -1;
