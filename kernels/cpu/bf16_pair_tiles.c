@@ -41,6 +41,8 @@
 #define PAIR_K_BLOCK 32
 /* Rows of x an AMX tile holds. */
 #define AMX_ROWS 16
+/* Floats between rows of a block's sums: room for the two tiles AMX runs at a time. */
+#define SUMS_WIDTH (2 * TILE)
 /* Rows of x the AVX512_BF16 kernel keeps in registers at a time. */
 #define DP_ROWS 8
 /* Bytes of weights fetched ahead of use into L1, and eight times further into L2: the stream
@@ -87,46 +89,83 @@ struct tile_config {
     uint8_t rows[16];
 };
 
-/* tmm0, tmm1: the sums of 16 rows by columns 0-15 and 16-31 (float32); tmm2: 16 rows of x by
- * 16 pairs of k; tmm3, tmm4: 16 pairs of k by columns 0-15 and 16-31. Per thread: the tile
- * registers are a thread's state. */
+/* tmm0, tmm1 (tmm5, tmm6): the sums of 16 rows by a tile's columns 0-15 and 16-31 (the next
+ * tile's), float32; tmm2: 16 rows of x by 16 pairs of k; tmm3, tmm4, tmm7: 16 pairs of k by 16
+ * columns. Per thread: the tile registers are a thread's state. */
 static void configure_tiles(void) {
     struct tile_config config;
     memset(&config, 0, sizeof config);
     config.palette = 1;
-    for (int t = 0; t < 5; t++) {
+    for (int t = 0; t < 8; t++) {
         config.rows[t] = 16;
         config.bytes_per_row[t] = 64;
     }
     _tile_loadconfig(&config);
 }
 
-/* sums[16][TILE] = rows of xp (AMX_ROWS rows, `k_padded` bf16 each) by one tile's pairs. */
+/* The weights PREFETCH_BYTES past one block of `pairs` into L1, and eight
+ * times further into L2. */
+static inline void amx_prefetch(const uint32_t *pairs) {
+    const char *ahead = (const char *)pairs + PREFETCH_BYTES;
+    for (int line = 0; line < PAIR_K_BLOCK / 2 * TILE * 4; line += 64) {
+        _mm_prefetch(ahead + line, _MM_HINT_T0);
+        _mm_prefetch(ahead + 7 * PREFETCH_BYTES + line, _MM_HINT_T1);
+    }
+}
+
+/* sums[16][SUMS_WIDTH] = rows of xp (AMX_ROWS rows, `k_padded` bf16 each) by two neighbouring
+ * tiles' pairs, `tile` and the one after it: each block of x loaded once serves both, and twice
+ * the weights are in flight (a decode step streams them from memory). */
+static inline void amx_two_tiles_rows(const uint16_t *xp, int64_t k_padded, const uint32_t *tile,
+                                      float *sums) {
+    const uint32_t *next = tile + k_padded / 2 * TILE;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(5);
+    _tile_zero(6);
+    for (int64_t k0 = 0; k0 < k_padded; k0 += PAIR_K_BLOCK) {
+        const uint32_t *pairs = tile + k0 / 2 * TILE;
+        const uint32_t *next_pairs = next + k0 / 2 * TILE;
+        amx_prefetch(pairs);
+        amx_prefetch(next_pairs);
+        _tile_loadd(2, xp + k0, k_padded * sizeof(uint16_t));
+        _tile_loadd(3, pairs, TILE * sizeof(uint32_t));
+        _tile_loadd(4, pairs + 16, TILE * sizeof(uint32_t));
+        _tile_loadd(7, next_pairs, TILE * sizeof(uint32_t));
+        _tile_dpbf16ps(0, 2, 3);
+        _tile_dpbf16ps(1, 2, 4);
+        _tile_dpbf16ps(5, 2, 7);
+        _tile_loadd(3, next_pairs + 16, TILE * sizeof(uint32_t));
+        _tile_dpbf16ps(6, 2, 3);
+    }
+    _tile_stored(0, sums, SUMS_WIDTH * sizeof(float));
+    _tile_stored(1, sums + 16, SUMS_WIDTH * sizeof(float));
+    _tile_stored(5, sums + TILE, SUMS_WIDTH * sizeof(float));
+    _tile_stored(6, sums + TILE + 16, SUMS_WIDTH * sizeof(float));
+}
+
+/* The same for one tile (the last of an odd count): sums[16][SUMS_WIDTH]'s first TILE columns. */
 static inline void amx_tile_rows(const uint16_t *xp, int64_t k_padded, const uint32_t *tile,
                                  float *sums) {
     _tile_zero(0);
     _tile_zero(1);
     for (int64_t k0 = 0; k0 < k_padded; k0 += PAIR_K_BLOCK) {
         const uint32_t *pairs = tile + k0 / 2 * TILE;
-        const char *ahead = (const char *)pairs + PREFETCH_BYTES;
-        for (int line = 0; line < PAIR_K_BLOCK / 2 * TILE * 4; line += 64) {
-            _mm_prefetch(ahead + line, _MM_HINT_T0);
-            _mm_prefetch(ahead + 7 * PREFETCH_BYTES + line, _MM_HINT_T1);
-        }
+        amx_prefetch(pairs);
         _tile_loadd(2, xp + k0, k_padded * sizeof(uint16_t));
         _tile_loadd(3, pairs, TILE * sizeof(uint32_t));
         _tile_loadd(4, pairs + 16, TILE * sizeof(uint32_t));
         _tile_dpbf16ps(0, 2, 3);
         _tile_dpbf16ps(1, 2, 4);
     }
-    _tile_stored(0, sums, TILE * sizeof(float));
-    _tile_stored(1, sums + 16, TILE * sizeof(float));
+    _tile_stored(0, sums, SUMS_WIDTH * sizeof(float));
+    _tile_stored(1, sums + 16, SUMS_WIDTH * sizeof(float));
 }
 #endif
 
 #ifdef __AVX512BF16__
-/* sums[r][0..TILE) for `rows` <= DP_ROWS rows of pair words (a compile-time count after
- * inlining: the accumulators stay in registers). */
+/* sums[r][0..TILE) (rows SUMS_WIDTH floats apart) for `rows` <= DP_ROWS rows of pair words (a
+ * compile-time count after inlining: the accumulators stay in registers). */
 static inline __attribute__((always_inline)) void dp_tile_rows(const uint32_t *xp,
                                                                int64_t pairs_per_row,
                                                                const uint32_t *tile,
@@ -151,8 +190,8 @@ static inline __attribute__((always_inline)) void dp_tile_rows(const uint32_t *x
     }
 #pragma GCC unroll 8
     for (int r = 0; r < rows; r++) {
-        _mm512_storeu_ps(sums + r * TILE, lo[r]);
-        _mm512_storeu_ps(sums + r * TILE + 16, hi[r]);
+        _mm512_storeu_ps(sums + r * SUMS_WIDTH, lo[r]);
+        _mm512_storeu_ps(sums + r * SUMS_WIDTH + 16, hi[r]);
     }
 }
 
@@ -171,12 +210,29 @@ static void dp_tile_any_rows(const uint32_t *xp, int64_t pairs_per_row, const ui
 #undef DP_ROWS_CASE
 #endif
 
+/* One row block's sums (`sums`, rows SUMS_WIDTH floats apart) for its `tiles` tiles from `n0`
+ * on, plus the bias, rounded to bf16 into y. */
+static void store_rows(const float *sums, const float *bias, int rows, int n0, int N, int tiles,
+                       uint16_t *y, int64_t y_stride) {
+    const int end = n0 + tiles * TILE < N ? n0 + tiles * TILE : N;
+    for (int r = 0; r < rows; r++) {
+        uint16_t *out = y + r * y_stride;
+        for (int n = n0; n < end; n++) {
+            const float sum = sums[r * SUMS_WIDTH + n - n0];
+            out[n] = float_to_bf16(bias ? sum + bias[n] : sum);
+        }
+    }
+}
+
 int pdserve_linear_bf16_pairs(const uint16_t *x, int64_t x_stride, const uint32_t *packed,
                               const float *bias, uint16_t *y, int64_t y_stride, int M, int N,
                               int K, int num_threads) {
     const int kind = bf16_tiles;
     const int64_t k_padded = (K + PAIR_K_BLOCK - 1) / PAIR_K_BLOCK * PAIR_K_BLOCK;
+    const int64_t tile_words = k_padded / 2 * TILE;
     const int block = kind == BF16_TILES_AMX ? AMX_ROWS : DP_ROWS;
+    /* AMX runs two tiles at a time (amx_two_tiles_rows). */
+    const int group = kind == BF16_TILES_AMX ? 2 : 1;
     const int m_padded = (M + block - 1) / block * block;
     const int num_tiles = (N + TILE - 1) / TILE;
     /* x's rows as pairs, zero past K and past M (an AMX tile reads 16 whole rows). */
@@ -187,7 +243,7 @@ int pdserve_linear_bf16_pairs(const uint16_t *x, int64_t x_stride, const uint32_
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
-        float *sums = malloc((size_t)block * TILE * sizeof(float));
+        float *sums = malloc((size_t)block * SUMS_WIDTH * sizeof(float));
         if (!sums) {
 #pragma omp atomic write
             failed = 1;
@@ -196,29 +252,27 @@ int pdserve_linear_bf16_pairs(const uint16_t *x, int64_t x_stride, const uint32_
         if (kind == BF16_TILES_AMX) configure_tiles();
 #endif
 #pragma omp for schedule(static)
-        for (int t = 0; t < num_tiles; t++) {
+        for (int t = 0; t < num_tiles; t += group) {
             if (!sums) continue;
-            const uint32_t *tile = packed + (int64_t)t * (k_padded / 2) * TILE;
-            const int n0 = t * TILE;
-            const int width = N - n0 < TILE ? N - n0 : TILE;
+            const uint32_t *tile = packed + (int64_t)t * tile_words;
+            const int tiles = num_tiles - t < group ? num_tiles - t : group;
             for (int m0 = 0; m0 < M; m0 += block) {
                 const int rows = M - m0 < block ? M - m0 : block;
                 const uint16_t *rows_x = xp + (int64_t)m0 * k_padded;
 #ifdef __AMX_BF16__
-                if (kind == BF16_TILES_AMX) amx_tile_rows(rows_x, k_padded, tile, sums);
+                if (kind == BF16_TILES_AMX) {
+                    if (tiles == 2)
+                        amx_two_tiles_rows(rows_x, k_padded, tile, sums);
+                    else
+                        amx_tile_rows(rows_x, k_padded, tile, sums);
+                }
 #endif
 #ifdef __AVX512BF16__
                 if (kind == BF16_TILES_DPBF16)
                     dp_tile_any_rows((const uint32_t *)rows_x, k_padded / 2, tile, rows, sums);
 #endif
-                for (int r = 0; r < rows; r++) {
-                    uint16_t *out = y + (int64_t)(m0 + r) * y_stride + n0;
-                    for (int j = 0; j < width; j++) {
-                        const float value = bias ? sums[r * TILE + j] + bias[n0 + j]
-                                                 : sums[r * TILE + j];
-                        out[j] = float_to_bf16(value);
-                    }
-                }
+                store_rows(sums, bias, rows, t * TILE, N, tiles, y + (int64_t)m0 * y_stride,
+                           y_stride);
             }
         }
 #ifdef __AMX_BF16__
