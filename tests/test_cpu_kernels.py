@@ -412,6 +412,17 @@ def test_each_bf16_tile_kernel_sums_in_its_own_order(bf16_tiles) -> None:
     assert torch.equal(out, sequential_twin(x, weight, order))
 
 
+def test_amx_tiles_survive_onednn_loading_its_own_tile_shapes(bf16_tiles) -> None:
+    """A thread keeps the AMX kernel's tile configuration between calls; oneDNN's bf16 GEMMs
+    (prefill's BLAS) load their own on the same thread, and the next tile call must notice."""
+    weight, x = torch.randn(96, 320).to(torch.bfloat16), torch.randn(20, 320).to(torch.bfloat16)
+    linear = CpuLinear(weight, None, TILES_ONLY)
+    before = linear(x)
+    big = torch.randn(512, 512).to(torch.bfloat16)
+    F.linear(big, big)  # oneDNN: AMX where there is AMX, with tiles of its own shapes
+    assert torch.equal(linear(x), before)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 5, 12, 40])
 @pytest.mark.parametrize("bias", [False, True])
 def test_float32_tiles_equal_an_fp32_gemm(backend, rows, bias) -> None:

@@ -91,16 +91,19 @@ struct tile_config {
 
 /* tmm0, tmm1 (tmm5, tmm6): the sums of 16 rows by a tile's columns 0-15 and 16-31 (the next
  * tile's), float32; tmm2: 16 rows of x by 16 pairs of k; tmm3, tmm4, tmm7: 16 pairs of k by 16
- * columns. Per thread: the tile registers are a thread's state. */
+ * columns. The tile registers are a thread's state, and loading a configuration costs more than
+ * a decode step's small GEMM is worth: a thread keeps ours loaded between calls, and loads it
+ * again only where something else (oneDNN's GEMMs run on the same threads) loaded another. */
 static void configure_tiles(void) {
-    struct tile_config config;
+    struct tile_config config, current;
     memset(&config, 0, sizeof config);
     config.palette = 1;
     for (int t = 0; t < 8; t++) {
         config.rows[t] = 16;
         config.bytes_per_row[t] = 64;
     }
-    _tile_loadconfig(&config);
+    _tile_storeconfig(&current);
+    if (memcmp(&config, &current, sizeof config) != 0) _tile_loadconfig(&config);
 }
 
 /* The weights PREFETCH_BYTES past one block of `pairs` into L1, and eight
@@ -236,10 +239,13 @@ int pdserve_linear_bf16_pairs(const uint16_t *x, int64_t x_stride, const uint32_
     const int m_padded = (M + block - 1) / block * block;
     const int num_tiles = (N + TILE - 1) / TILE;
     /* x's rows as pairs, zero past K and past M (an AMX tile reads 16 whole rows). */
-    uint16_t *xp = calloc((size_t)m_padded * k_padded, sizeof(uint16_t));
+    uint16_t *xp = malloc((size_t)m_padded * k_padded * sizeof(uint16_t));
     if (!xp) return -1;
-    for (int m = 0; m < M; m++)
+    for (int m = 0; m < M; m++) {
         memcpy(xp + m * k_padded, x + m * x_stride, (size_t)K * sizeof(uint16_t));
+        memset(xp + m * k_padded + K, 0, (size_t)(k_padded - K) * sizeof(uint16_t));
+    }
+    memset(xp + (int64_t)M * k_padded, 0, (size_t)(m_padded - M) * k_padded * sizeof(uint16_t));
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
@@ -275,9 +281,6 @@ int pdserve_linear_bf16_pairs(const uint16_t *x, int64_t x_stride, const uint32_
                            y_stride);
             }
         }
-#ifdef __AMX_BF16__
-        if (kind == BF16_TILES_AMX) _tile_release();
-#endif
         free(sums);
     }
     free(xp);
