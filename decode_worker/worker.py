@@ -21,6 +21,7 @@ import logging
 
 import zmq
 
+from common import cluster_auth
 from common.engine.batch import ScheduledSequence, SequenceOutput
 from common.engine.scheduler import DecodeScheduler
 from common.engine.sequence import Sequence
@@ -35,7 +36,7 @@ from common.protocol import (
 )
 from common.service.worker_base import WorkerService, run_worker, worker_parser
 from decode_worker.handoffs import Handoffs
-from kvtransfer import create_receiver
+from kvtransfer.tp_group import group_receiver
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,15 @@ class DecodeWorker(WorkerService):
 
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
-        self.receiver = create_receiver(args.kv_transfer, self.engine.pool, self.worker_id)
+        # Takes pages from prefill workers of any tensor-parallel size; at size > 1 here, every
+        # rank fetches its own KV heads (kvtransfer/tp_group.py).
+        self.receiver = group_receiver(
+            args.kv_transfer,
+            self.engine.pool,
+            self.worker_id,
+            self.engine.followers,
+            cluster_auth.load_secret(args.cluster_secret_file),
+        )
         self.handoff_socket = self.context.socket(zmq.PULL)
         self.auth.server(self.handoff_socket, "handoff")
         self.handoff_socket.setsockopt(zmq.LINGER, 0)

@@ -24,6 +24,7 @@ import time
 
 import zmq
 
+from common import cluster_auth
 from common.engine.batch import ScheduledSequence, SequenceOutput
 from common.engine.scheduler import PrefillScheduler
 from common.engine.sequence import Sequence
@@ -31,7 +32,7 @@ from common.messages import Message, encode
 from common.metrics import REQUESTS
 from common.protocol import AbortRequest, PrefillRequest, RegisterWorker
 from common.service.worker_base import WorkerService, run_worker, worker_parser
-from kvtransfer import create_sender
+from kvtransfer.tp_group import group_sender
 from prefill_worker.shipments import Shipments
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,15 @@ class PrefillWorker(WorkerService):
 
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
-        self.sender = create_sender(args.kv_transfer, self.engine.pool, self.worker_id, args.host)
+        # At tensor-parallel size > 1 every rank sends its own KV heads (kvtransfer/tp_group.py).
+        self.sender = group_sender(
+            args.kv_transfer,
+            self.engine.pool,
+            self.worker_id,
+            args.host,
+            self.engine.followers,
+            cluster_auth.load_secret(args.cluster_secret_file),
+        )
         self.ship_chunks = args.ship_chunks
         scheduler = self.engine.scheduler
         assert isinstance(scheduler, PrefillScheduler)  # what LLMEngine(role="prefill") builds

@@ -42,6 +42,7 @@ from common.engine.speculative.draft import DraftModelProposer
 from common.engine.speculative.ngram import NgramProposer
 from common.engine.speculative.speculator import Proposer, Speculator
 from common.engine.tp_group import (
+    FollowerRank,
     FollowerRanks,
     ignore_stop_signals,
     serve_steps,
@@ -410,4 +411,4 @@ def _serve_as_rank(
         level=logging.INFO, format=f"%(asctime)s tp-rank-{rank} %(levelname)s %(message)s"
     )
     engine = LLMEngine(config, role, tp_rank=rank, tp_port=port)
-    serve_steps(pipe, engine.runner.run_forward)
+    serve_steps(pipe, engine.runner.run_forward, FollowerRank(rank, engine.pool, pipe))

@@ -9,6 +9,12 @@ life: a rank whose pipe reads end-of-file has lost rank 0 and exits; rank 0 watc
 ranks' processes and, if one ends while the group is open, logs which and exits at once (its
 collectives could never complete), so the router sees the whole worker go and migrates its
 requests as it does for any dead worker.
+
+Between steps the pipes also carry ``RankCommand``s: work rank 0 has a rank do besides forwards
+(its share of a KV transfer, ``kvtransfer/tp_group.py``). A follower runs each as it reads it,
+and answers, when the command asks for it, with a report back up the same (duplex) pipe, which
+rank 0 reads with ``reports`` / ``wait_report``. These are pickled: a pipe between the processes
+of one worker, never the network.
 """
 
 from __future__ import annotations
@@ -21,13 +27,16 @@ import os
 import signal
 import socket
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
 import torch
 
 from common.engine.batch import TokenRun
+from common.engine.kv_pool import KVPool
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +47,32 @@ RANK_LOST_EXIT_CODE = 70
 
 # A rank's entry point: (rank, rendezvous port, its end of rank 0's pipe).
 FollowerMain = Callable[[int, int, Connection], None]
+
+
+@dataclass(slots=True, eq=False)
+class FollowerRank:
+    """What a ``RankCommand`` may use on the follower that runs it: its rank, its KV pool, the
+    services earlier commands started (by name), and ``report`` to answer rank 0."""
+
+    rank: int
+    pool: KVPool
+    pipe: Connection
+    services: dict[str, object] = field(default_factory=dict)
+    _send_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def report(self, message: object) -> None:
+        """Send ``message`` up to rank 0 (from any thread of this rank)."""
+        with self._send_lock, contextlib.suppress(OSError):  # rank 0 gone: the loop leaves
+            self.pipe.send(message)
+
+
+class RankCommand(ABC):
+    """Work rank 0 sends a follower besides steps; run on the follower's main thread, between
+    its forwards, in the order sent. It must not block: anything long goes to a service
+    thread of the rank's own."""
+
+    @abstractmethod
+    def run(self, rank: FollowerRank) -> None: ...
 
 
 def free_loopback_port() -> int:
@@ -71,6 +106,36 @@ class FollowerRanks:
         # Before multiprocessing's own exit hook (registered earlier, so run later) terminates
         # the ranks, which the watch would take for a rank lost.
         atexit.register(self.close)
+
+    @property
+    def size(self) -> int:
+        """The group's size, rank 0 included."""
+        return len(self._pipes) + 1
+
+    @property
+    def report_pipes(self) -> list[Connection]:
+        """Rank 0's ends of the pipes, ranks 1.. in order: readable when a report is waiting
+        (a ``zmq.Poller`` takes them beside sockets)."""
+        return list(self._pipes)
+
+    def command(self, rank: int, command: RankCommand) -> None:
+        """Have rank ``rank`` (1..N-1) run ``command`` between its steps."""
+        self._pipes[rank - 1].send(command)
+
+    def reports(self, rank: int) -> list[object]:
+        """The reports rank ``rank`` has sent since the last call; never blocks."""
+        pipe, found = self._pipes[rank - 1], []
+        with contextlib.suppress(EOFError, OSError):  # a lost rank: the watch ends the group
+            while pipe.poll():
+                found.append(pipe.recv())
+        return found
+
+    def wait_report(self, rank: int, timeout: float) -> object:
+        """The next report of rank ``rank``; TimeoutError if none comes within ``timeout``."""
+        pipe = self._pipes[rank - 1]
+        if not pipe.poll(timeout):
+            raise TimeoutError(f"tensor-parallel rank {rank} did not answer in {timeout:.0f}s")
+        return pipe.recv()
 
     @property
     def pids(self) -> list[int | None]:
@@ -135,14 +200,26 @@ def ignore_stop_signals() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def serve_steps(pipe: Connection, run_forward: Callable[[list[TokenRun]], None]) -> None:
-    """A follower rank's loop: run each step rank 0 sends until it says to stop or is gone."""
-    while True:
-        try:
-            runs = pipe.recv()
-        except (EOFError, OSError):
-            logger.warning("rank 0 of the tensor-parallel group is gone: leaving")
-            return
-        if runs is None:
-            return
-        run_forward(runs)
+def serve_steps(
+    pipe: Connection, run_forward: Callable[[list[TokenRun]], None], rank: FollowerRank
+) -> None:
+    """A follower rank's loop: run each step (and command) rank 0 sends until it says to stop
+    or is gone; then close the services its commands started."""
+    try:
+        while True:
+            try:
+                message = pipe.recv()
+            except (EOFError, OSError):
+                logger.warning("rank 0 of the tensor-parallel group is gone: leaving")
+                return
+            if message is None:
+                return
+            if isinstance(message, RankCommand):
+                message.run(rank)
+            else:
+                run_forward(message)
+    finally:
+        for service in rank.services.values():
+            close = getattr(service, "close", None)
+            if close is not None:
+                close()
