@@ -16,9 +16,17 @@ request:
   overlap the prefill when chunks are shipped as they finish.
 
 The first request of each backend also pays for the side channel's handshake and is reported
-apart. Usage::
+apart.
+
+``--tp-pairs 1x1 1x2 2x1 2x2 1x4`` runs each (prefill TP, decode TP) pair in turn: handoff is
+then the time from the prompt's last chunk to all its pages on the decode group (every decode
+rank holding its heads), and fetches / fetch time count decode rank 0's reads only. The default
+model has 3 KV heads, which 2 ranks cannot split: with TP pairs and no ``--model`` the benchmark
+builds a random model with 4 KV heads (``--tp-model-layers`` layers of 8 query heads of 64,
+SmolLM2's tokenizer). Usage::
 
     python -m benchmarks.handoff [--backends zmq nixl] [--requests 5] [--prompt-tokens 4096]
+    python -m benchmarks.handoff --tp-pairs 1x1 1x2 2x1 2x2 1x4 --ship chunks
 """
 
 from __future__ import annotations
@@ -28,9 +36,12 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
+import torch
 
 from benchmarks.serving import wait_for_cluster
 from common.metrics import parse_exposition
@@ -68,13 +79,41 @@ def wait_for_workers(base_url: str, timeout: float) -> dict:
     raise RuntimeError("the prefill worker never registered")
 
 
-def run_backend(args, backend: str, ship_chunks: bool, folder: str) -> dict[str, list[float]]:
+def build_tp_model(dest: Path, num_layers: int) -> Path:
+    """A random Llama with 4 KV heads of 64 (8 query heads), bf16, SmolLM2's tokenizer: a model
+    every pair of 1, 2 and 4 ranks can split."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from benchmarks.random_model import TOKENIZER_FILES
+    from common.model.default_model import ensure_default_model
+
+    source = ensure_default_model(progress=False)
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=512, num_attention_heads=8, num_key_value_heads=4,
+        head_dim=64, intermediate_size=1024, num_hidden_layers=num_layers,
+        max_position_embeddings=16384, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(dest)
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            (dest / name).write_bytes((source / name).read_bytes())
+    return dest
+
+
+def run_backend(
+    args, backend: str, ship_chunks: bool, folder: str, pair: tuple[int, int] = (1, 1)
+) -> dict[str, list[float]]:
     base_url = f"http://127.0.0.1:{args.port}"
     process = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cli", "up", "--model", folder, "--port", str(args.port),
          "--kv-transfer", backend, "--remote-prefill-min-tokens", "1",
+         # Every prompt to the prefill worker, even while a heartbeat still shows the last one
+         # queued there.
+         "--local-prefill-overflow-tokens", "1000000000",
          "--ship-chunks" if ship_chunks else "--no-ship-chunks",
          "--max-num-batched-tokens", str(args.chunk),
+         "--prefill-tp", str(pair[0]), "--decode-tp", str(pair[1]),
          "--max-model-len", str(args.prompt_tokens + 64), "--log-level", "WARNING"]
     )  # fmt: skip
     rng = random.Random(args.seed)
@@ -124,12 +163,24 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="model folder (default: SmolLM2)")
     parser.add_argument("--port", type=int, default=8300)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument(
+        "--tp-pairs", nargs="+", default=["1x1"], help="PREFILLxDECODE tensor-parallel sizes"
+    )
+    parser.add_argument("--ship", choices=["both", "chunks", "last"], default="both")
+    parser.add_argument("--tp-model-layers", type=int, default=8)
     args = parser.parse_args()
-    folder = str(resolve_model_path(args.model))
+    pairs = [tuple(int(n) for n in pair.split("x")) for pair in args.tp_pairs]
+    if args.model is None and any(size > 1 for pair in pairs for size in pair):
+        scratch = Path(tempfile.mkdtemp(prefix="handoff-tp-model-"))
+        folder = str(build_tp_model(scratch / "tp-model", args.tp_model_layers))
+    else:
+        folder = str(resolve_model_path(args.model))
+    ships = {"both": (True, False), "chunks": (True,), "last": (False,)}[args.ship]
     results = {
-        (backend, ship): run_backend(args, backend, ship, folder)
+        (backend, ship, pair): run_backend(args, backend, ship, folder, pair)
         for backend in args.backends
-        for ship in (True, False)
+        for pair in pairs
+        for ship in ships
     }
 
     print(
@@ -137,12 +188,13 @@ def main() -> None:
         f"{folder.rsplit('/', 1)[-1]}; median of {args.requests} requests (ms)"
     )
     print(
-        f"{'backend':>8} {'pages shipped':>22} {'handoff':>9} {'fetches':>8} "
+        f"{'backend':>8} {'TP':>5} {'pages shipped':>22} {'handoff':>9} {'fetches':>8} "
         f"{'fetch time':>11} {'first handoff':>14}"
     )
-    for (backend, ship), figures in results.items():
+    for (backend, ship, pair), figures in results.items():
         print(
-            f"{backend:>8} {'as each chunk ends' if ship else 'after the last chunk':>22} "
+            f"{backend:>8} {f'{pair[0]}->{pair[1]}':>5} "
+            f"{'as each chunk ends' if ship else 'after the last chunk':>22} "
             f"{1e3 * statistics.median(figures['handoff']):9.1f} "
             f"{statistics.median(figures['fetches']):8.0f} "
             f"{1e3 * statistics.median(figures['fetch']):11.1f} "

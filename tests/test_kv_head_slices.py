@@ -15,8 +15,10 @@ from optional_backends import backend_params
 from common.engine.kv_pool import KVPool
 from common.kv_layout import KVLayout
 from common.model.parallel import TensorParallel
-from kvtransfer import TransferError, create_receiver, create_sender
+from common.protocol import RankSender
+from kvtransfer import TransferError, TransferParams, create_receiver, create_sender
 from kvtransfer.head_map import HeadSource, plan_heads
+from kvtransfer.tp_group import group_receiver
 
 DTYPES = {"f32": "float32", "fp8": "float8_e4m3fn", "int8": "int8_hadamard"}
 MODEL_KV_HEADS = 4
@@ -159,3 +161,53 @@ def test_a_read_of_heads_the_sender_lacks_fails_with_the_reason(backend):
     finally:
         receiver.close()
         sender.close()
+
+
+def whole_pool(dtype: str) -> KVPool:
+    return KVPool(KVLayout(DTYPES[dtype], 8, 3, MODEL_KV_HEADS, 16), NUM_PAGES, "cpu")
+
+
+@pytest.mark.parametrize("backend", backend_params("zmq", "nixl"))
+def test_a_whole_decode_pool_takes_each_head_from_its_prefill_rank(backend):
+    """A decode worker at TP 1 (no followers) fetching from a prefill worker at TP 2: one read
+    per prefill rank, then the one release, to rank 0 alone, once both reads are in."""
+    ranks = [make_pool("fp8", range(0, 2)), make_pool("fp8", range(2, 4))]
+    for seed, pool in enumerate(ranks):
+        fill_pool(pool, seed=seed + 3)
+    target = whole_pool("fp8")
+    senders = [create_sender(backend, pool, f"prefill.rank{i}") for i, pool in enumerate(ranks)]
+    receiver = group_receiver(backend, target, "decode", followers=None, secret=None)
+    try:
+        src_pages, dst_pages = [1, 2, 3], [6, 4, 5]
+        params, _ = (s.publish("req", src_pages, lease_seconds=30) for s in senders)
+        params.ranks = [
+            RankSender(s.endpoint, f"prefill.rank{i}", 2 * i, 2) for i, s in enumerate(senders)
+        ]
+        receiver.start_fetch("req", params, dst_pages, timeout=20)
+        deadline, results, released = time.monotonic() + 30, [], [[], []]
+        while not (results and released[0]) and time.monotonic() < deadline:
+            for sender, freed in zip(senders, released, strict=True):
+                freed += sender.poll()
+            results += receiver.poll()
+            time.sleep(0.001)
+        assert [(r.transfer_id, r.ok, r.num_pages) for r in results] == [("req", True, 3)]
+        assert released == [["req"], []]  # rank 1's lease is rank 0's to end
+        for i, got in enumerate(tensors(target)):
+            sent = torch.cat([tensors(pool)[i][src_pages] for pool in ranks], dim=4)
+            assert torch.equal(got[dst_pages], sent)
+    finally:
+        receiver.close()
+        for sender in senders:
+            sender.close()
+
+
+def test_a_decode_group_no_prefill_rank_can_serve_is_refused():
+    target = make_pool("f32", range(2, 4))  # a rank's pool: fetches go through the group path
+    receiver = group_receiver("zmq", target, "decode", followers=None, secret=None)
+    try:
+        params = TransferParams("zmq", "tcp://127.0.0.1:1", "prefill", [1], time.time() + 30)
+        params.ranks = [RankSender("tcp://127.0.0.1:1", "prefill", 0, 2)]
+        with pytest.raises(TransferError, match=r"cannot be served: KV heads \[2, 3\]"):
+            receiver.start_fetch("req", params, [0], timeout=10)
+    finally:
+        receiver.close()
