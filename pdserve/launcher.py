@@ -126,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="each prefill worker's --tensor-parallel-size (processes it splits the model over)",
     )
     prefill.add_argument("--ship-chunks", action=argparse.BooleanOptionalAction, default=None)
+    prefill.add_argument(
+        "--prefill-max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="each prefill worker's --max-num-batched-tokens (prompt tokens a step; default: "
+        "2048 on a GPU, 256 without one)",
+    )
     decode = parser.add_argument_group("decode workers")
     decode.add_argument("--kv-fetch-timeout", type=float, default=None)
     decode.add_argument(
@@ -174,6 +181,8 @@ def role_flags(args: argparse.Namespace, role: str) -> list[str]:
             flags += ["--kv-lease-seconds", str(args.kv_lease_seconds)]
         if args.ship_chunks is not None:
             flags.append("--ship-chunks" if args.ship_chunks else "--no-ship-chunks")
+        if args.prefill_max_num_batched_tokens is not None:
+            flags += ["--max-num-batched-tokens", str(args.prefill_max_num_batched_tokens)]
     else:
         if args.kv_fetch_timeout is not None:
             flags += ["--kv-fetch-timeout", str(args.kv_fetch_timeout)]

@@ -20,15 +20,19 @@ def test_role_flags_go_to_their_role_only():
         [
             *("--no-ship-chunks", "--kv-lease-seconds", "5", "--kv-fetch-timeout", "3"),
             *("--max-prefill-tokens-while-decoding", "32", "--seed", "2"),
+            *("--prefill-max-num-batched-tokens", "1024"),
         ]
     )
     assert rest == ["--seed", "2"]  # for every worker
-    assert role_flags(args, "prefill") == ["--kv-lease-seconds", "5.0", "--no-ship-chunks"]
+    assert role_flags(args, "prefill") == [
+        *("--kv-lease-seconds", "5.0", "--no-ship-chunks", "--max-num-batched-tokens", "1024")
+    ]
     assert role_flags(args, "decode") == [
         *("--kv-fetch-timeout", "3.0", "--max-prefill-tokens-while-decoding", "32")
     ]
     prefill = prefill_parser().parse_args([*BASE, *role_flags(args, "prefill")])
     assert (prefill.ship_chunks, prefill.kv_lease_seconds) == (False, 5.0)
+    assert prefill.max_num_batched_tokens == 1024
     decode = decode_parser().parse_args([*BASE, *role_flags(args, "decode")])
     assert (decode.kv_fetch_timeout, decode.max_prefill_tokens_while_decoding) == (3.0, 32)
 
