@@ -18,7 +18,7 @@ from router.beam_search import Beam, BeamSearch, BeamSearchParams
 from router.dispatcher import Generation
 from router.errors import APIError
 from router.policy import NoWorkerError
-from router.serving import _INTERRUPT, Run, _Update
+from router.serving import INTERRUPT, Choice, Run, Update
 
 
 class BeamSearchRun(Run):
@@ -52,7 +52,7 @@ class BeamSearchRun(Run):
                 self.dispatcher.finish_early(gen, cause)  # a no-op for finished ones
         self.in_flight = []
 
-    async def updates(self) -> AsyncIterator[_Update]:
+    async def updates(self) -> AsyncIterator[Update]:
         while True:
             if not await self._step_answered():
                 return  # interrupted: the client is gone
@@ -104,7 +104,7 @@ class BeamSearchRun(Run):
         """Wait until every beam of the step in flight has its token; False if interrupted."""
         waiting = [gen for _, group in self.in_flight for gen in group]
         while waiting:
-            if await self.sink.get() == _INTERRUPT:
+            if await self.sink.get() == INTERRUPT:
                 return False
             for gen in waiting:
                 if gen.error is not None:
@@ -114,13 +114,13 @@ class BeamSearchRun(Run):
             waiting = [gen for gen in waiting if not gen.done]
         return True
 
-    def _finish(self, choice, beam: Beam) -> _Update:
+    def _finish(self, choice: Choice, beam: Beam) -> Update:
         text = beam.text if beam.text is not None else self._decode(beam.tokens)
         choice.text = text
         choice.consumed = len(beam.tokens)
         choice.finish_reason = beam.finish_reason
         choice.stop_reason = beam.stop_reason
-        return _Update(choice, text, beam.samples, True)
+        return Update(choice, text, beam.samples, True)
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokens.text(token_ids, self.request.skip_special_tokens)

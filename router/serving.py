@@ -27,7 +27,8 @@ from router.openai_api import GenerationRequest
 
 # JSON has no -inf; vLLM reports impossible tokens with this instead.
 _MIN_LOGPROB = -9999.0
-_INTERRUPT = -1
+# On a run's sink instead of a choice's index: end its updates (the client is gone).
+INTERRUPT = -1
 
 
 class TokenText:
@@ -45,7 +46,7 @@ class TokenText:
 
 
 @dataclass(slots=True)
-class _Choice:
+class Choice:
     gen: Generation
     detok: IncrementalDetokenizer
     prompt_index: int
@@ -65,8 +66,8 @@ class _Choice:
 
 
 @dataclass(slots=True)
-class _Update:
-    choice: _Choice
+class Update:
+    choice: Choice
     text: str
     samples: list[TokenSample]
     finished: bool
@@ -92,7 +93,7 @@ class Run:
         self.arrived_at = arrived_at
         self.created = int(time.time())
         self.sink: asyncio.Queue[int] = asyncio.Queue()
-        self.choices: list[_Choice] = []
+        self.choices: list[Choice] = []
         skip = frozenset(request.params.stop_token_ids)
         for p, prompt in enumerate(request.prompts):
             for c in range(request.n):
@@ -111,7 +112,7 @@ class Run:
                     request.stop,
                     skip,
                 )
-                self.choices.append(_Choice(gen, detok, p))
+                self.choices.append(Choice(gen, detok, p))
 
     def submit(self) -> None:
         """Dispatch every choice; raises ``NoWorkerError`` (nothing dispatched then)."""
@@ -126,14 +127,14 @@ class Run:
 
     def interrupt(self) -> None:
         """End ``updates`` early (the client is gone)."""
-        self.sink.put_nowait(_INTERRUPT)
+        self.sink.put_nowait(INTERRUPT)
 
-    async def updates(self) -> AsyncIterator[_Update]:
+    async def updates(self) -> AsyncIterator[Update]:
         """Text and tokens as they arrive, per choice, until every choice is finished."""
         remaining = len(self.choices)
         while remaining:
             index = await self.sink.get()
-            if index == _INTERRUPT:
+            if index == INTERRUPT:
                 return
             choice = self.choices[index]
             if choice.done:
@@ -162,7 +163,7 @@ class Run:
                         time.monotonic() - gen.finished_at
                     )
             if text or new or choice.done:
-                yield _Update(choice, text, new, choice.done)
+                yield Update(choice, text, new, choice.done)
 
     # -- bodies --------------------------------------------------------------------------------
 
@@ -268,7 +269,7 @@ class Run:
 
     def _chunk(
         self,
-        c: _Choice,
+        c: Choice,
         payload: dict | str,
         logprobs: dict | None,
         finish: str | None,
@@ -317,10 +318,10 @@ class Run:
             **extra,
         }
 
-    def _prompt_ids(self, c: _Choice) -> list[int]:
+    def _prompt_ids(self, c: Choice) -> list[int]:
         return self.request.prompts[c.prompt_index].token_ids
 
-    def _echo(self, c: _Choice) -> str:
+    def _echo(self, c: Choice) -> str:
         if self.request.return_token_ids:
             return ""  # the prompt comes back as ids instead (vLLM's rule)
         prompt = self.request.prompts[c.prompt_index]
@@ -383,7 +384,7 @@ class Run:
             "text_offset": offsets,
         }
 
-    def _echo_logprobs(self, c: _Choice) -> tuple[dict, int]:
+    def _echo_logprobs(self, c: Choice) -> tuple[dict, int]:
         """The legacy logprobs of an echoed prompt, each token scored given those before it (the
         first one has nothing before it), and the text offset after it."""
         k = self.request.logprobs or 0
@@ -397,7 +398,7 @@ class Run:
         end = page["text_offset"][-1] + len(page["tokens"][-1])
         return page, end
 
-    def _prompt_logprobs(self, c: _Choice) -> list[dict | None] | None:
+    def _prompt_logprobs(self, c: Choice) -> list[dict | None] | None:
         """vLLM's ``prompt_logprobs``: per prompt token (none for the first), the token and its
         alternatives by id, each with its logprob, rank and text."""
         scored = c.gen.prompt_logprobs
