@@ -54,6 +54,19 @@ def check_page_ids(page_ids: list[int], num_pages: int | None, what: str) -> Non
         raise TransferError(f"{what} repeats a page")
 
 
+def check_fetch(backend: str, params: TransferParams, dst_page_ids: list[int]) -> None:
+    """Raise TransferError unless ``params`` are for ``backend`` and offer as many pages as
+    ``dst_page_ids`` holds."""
+    if params.backend != backend:
+        raise TransferError(
+            f"params are for the {params.backend!r} backend; this receiver is {backend!r}"
+        )
+    if len(dst_page_ids) != len(params.page_ids):
+        raise TransferError(
+            f"{len(params.page_ids)} source pages but {len(dst_page_ids)} destination pages"
+        )
+
+
 @dataclass(slots=True, frozen=True)
 class TransferResult:
     """How one fetch ended; ``error`` says why when ``ok`` is false."""

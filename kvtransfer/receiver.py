@@ -26,6 +26,7 @@ from kvtransfer.base import (
     TransferError,
     TransferParams,
     TransferResult,
+    check_fetch,
     check_page_ids,
 )
 from kvtransfer.messages import (
@@ -148,14 +149,7 @@ class SideChannelReceiver(KVReceiver):
         problem = self.pool.layout.head_slice_problem(heads, "here")
         if problem is not None:
             raise TransferError(problem)
-        if params.backend != self.backend:
-            raise TransferError(
-                f"params are for the {params.backend!r} backend; this receiver is {self.backend!r}"
-            )
-        if len(dst_page_ids) != len(params.page_ids):
-            raise TransferError(
-                f"{len(params.page_ids)} source pages but {len(dst_page_ids)} destination pages"
-            )
+        check_fetch(self.backend, params, dst_page_ids)
         if not timeout > 0:
             raise TransferError(f"timeout must be positive, got {timeout}")
         check_page_ids(dst_page_ids, self.pool.num_pages, "dst_page_ids")

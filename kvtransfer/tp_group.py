@@ -53,6 +53,7 @@ from kvtransfer.base import (
     TransferError,
     TransferParams,
     TransferResult,
+    check_fetch,
     check_page_ids,
 )
 from kvtransfer.head_map import plan_heads
@@ -438,14 +439,7 @@ class GroupReceiver(KVReceiver):
             return
         if transfer_id in self._groups:
             raise TransferError(f"transfer {transfer_id!r} is already being fetched")
-        if params.backend != self.backend:
-            raise TransferError(
-                f"params are for the {params.backend!r} backend; this receiver is {self.backend!r}"
-            )
-        if len(dst_page_ids) != len(params.page_ids):
-            raise TransferError(
-                f"{len(params.page_ids)} source pages but {len(dst_page_ids)} destination pages"
-            )
+        check_fetch(self.backend, params, dst_page_ids)
         check_page_ids(dst_page_ids, self._own.pool.num_pages, "dst_page_ids")
         sources = params.ranks or [
             RankSender(params.endpoint, params.engine_id, 0, self._own.pool.layout.total_kv_heads)
