@@ -15,7 +15,8 @@ A request admitted here is *expected* by the decode worker the router chose for 
 - EXPECTED → HANDED OFF (``on_first_token``): the pages no part shipped (all of them if the parts
   broke) are published and a ``Handoff`` is pushed; the sequence keeps its pages until the
   sender returns the lease's id. If that push fails, the handoff's lease is aborted, the parts
-  withdrawn, and the router told the request failed (retryable).
+  withdrawn, and the router told the request failed (retryable); if publishing fails (a
+  tensor-parallel rank did not answer), likewise, and the pages are released at once.
 - EXPECTED → WITHDRAWN (``on_first_token`` of a finished sequence, ``withdraw`` on abort): each
   part's lease is aborted and, if any part went out, the decode worker is pushed an
   ``AbortRequest`` so it frees what it reserved.
@@ -200,7 +201,17 @@ class Shipments:
         else:
             first_page, num_parts = parts.num_pages, len(parts.transfer_ids)
         pages = list(seq.page_ids[first_page:])
-        transfer = self.sender.publish(seq.request_id, pages, self.lease_seconds)
+        try:
+            transfer = self.sender.publish(seq.request_id, pages, self.lease_seconds)
+        except ValueError as exc:
+            # A tensor-parallel rank that did not publish (kvtransfer/tp_group.py): nothing is
+            # leased, so the pages go back now, and another pair can serve the request.
+            logger.warning("cannot hand %s off: %s", seq.request_id, exc)
+            if parts is not None:
+                self._withdraw(seq.request_id, parts, target)
+            self._release(seq)
+            self._fail(seq.request_id, f"its KV pages could not be published: {exc}", True)
+            return
         self._shipped[seq.request_id] = seq
         handoff = Handoff(
             request_id=seq.request_id,

@@ -249,6 +249,21 @@ def test_a_part_that_cannot_be_published_stops_the_parts(prefill):
     assert sorted(prefill.sender.published) == ["r", "r/part0"]
 
 
+def test_a_handoff_that_cannot_be_published_fails_retryable_and_frees_the_pages(prefill):
+    """A tensor-parallel rank that does not publish makes publish raise: the parts are taken
+    back, the request fails retryable, and its pages come back."""
+    prefill.sender.publish("r", [NUM_PAGES - 1], 30.0)  # an id that collides
+    prefill.submit("r")
+    for _ in range(3):
+        prefill.step()
+    [failure] = prefill.failures
+    assert failure.retryable and "could not be published" in failure.error
+    assert [type(msg) for msg in prefill.messages()] == [HandoffPart, HandoffPart, AbortRequest]
+    assert prefill.sender.aborted == ["r/part0", "r/part1"]
+    prefill.shipments.poll()
+    assert prefill.engine.page_manager.num_free_pages == NUM_PAGES
+
+
 def test_pages_shipped_in_parts_decode_to_the_tokens_of_one_process(prefill, model):
     """Both sides' books together: a prompt shipped in parts and a handoff, its pages copied by
     the fake transfer into a decode engine, decodes to the one-process engine's tokens."""
