@@ -22,6 +22,7 @@ from kvtransfer.tp_group import group_receiver
 
 DTYPES = {"f32": "float32", "fp8": "float8_e4m3fn", "int8": "int8_hadamard"}
 MODEL_KV_HEADS = 4
+CUDA = torch.cuda.is_available()
 NUM_PAGES = 12
 
 
@@ -72,12 +73,12 @@ def test_layouts_compare_format_and_model_heads_not_which_heads():
     assert whole.slice_nbytes(1) == (whole.page_nbytes // 2, 0)
 
 
-def make_pool(dtype: str, heads: range) -> KVPool:
+def make_pool(dtype: str, heads: range, device: str = "cpu") -> KVPool:
     layout = KVLayout(
         DTYPES[dtype], 8, 3, len(heads), 16, first_kv_head=heads.start,
         model_kv_heads=MODEL_KV_HEADS,
     )  # fmt: skip
-    return KVPool(layout, NUM_PAGES, "cpu")
+    return KVPool(layout, NUM_PAGES, device)
 
 
 def run_until_done(sender, receiver, read_id: str, timeout: float = 30.0):
@@ -101,7 +102,15 @@ def tensors(pool: KVPool) -> list[torch.Tensor]:
     return [t.view(BITS[t.element_size()]) for t in (pool.data, pool.scales) if t is not None]
 
 
-@pytest.mark.parametrize("backend", backend_params("zmq", "nixl"))
+@pytest.mark.parametrize(
+    "backend",
+    [
+        *backend_params("zmq", "nixl"),
+        # Device pools: the ZMQ sender stages its gather through host memory, the receiver
+        # scatters the frames on the device.
+        pytest.param("zmq:cuda", marks=pytest.mark.skipif(not CUDA, reason="needs CUDA")),
+    ],
+)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize(
     ("sender_heads", "receiver_heads", "heads"),
@@ -113,7 +122,9 @@ def tensors(pool: KVPool) -> list[torch.Tensor]:
     ],
 )
 def test_a_read_writes_exactly_its_heads(backend, dtype, sender_heads, receiver_heads, heads):
-    source, target = make_pool(dtype, sender_heads), make_pool(dtype, receiver_heads)
+    backend, _, device = backend.partition(":")
+    source = make_pool(dtype, sender_heads, device or "cpu")
+    target = make_pool(dtype, receiver_heads, device or "cpu")
     fill_pool(source, seed=1)
     fill_pool(target, seed=2)
     before = [t.clone() for t in tensors(target)]
