@@ -37,6 +37,7 @@ import os
 import queue
 import threading
 import time
+from abc import abstractmethod
 from dataclasses import dataclass, field
 
 import zmq
@@ -123,26 +124,91 @@ class OpenKV(RankCommand):
         rank.services[_SERVICE] = RankKV(self, rank)
 
 
-@dataclass(slots=True)
 class KVCommand(RankCommand):
-    """A command for the follower's KV thread: ``publish`` / ``abort`` / ``end_lease`` on its
-    sender, ``read`` / ``abort_read`` on its receiver."""
+    """A command for a follower's KV thread (``RankKV``), which runs ``apply`` there."""
 
-    action: str
-    transfer_id: str
-    page_ids: list[int] = field(default_factory=list)
-    lease_seconds: float = 0.0
-    read_id: str = ""
-    params: TransferParams | None = None
-    heads: range = range(0)
-    timeout: float = 0.0
+    __slots__ = ()
 
     def run(self, rank: FollowerRank) -> None:
         service = rank.services.get(_SERVICE)
         if isinstance(service, RankKV):
             service.submit(self)
         else:
-            logger.error("a KV command (%s) reached a rank whose KV transfer is not open", self)
+            logger.error("%r reached a rank whose KV transfer is not open", self)
+
+    @abstractmethod
+    def apply(self, kv: RankKV) -> None: ...
+
+
+@dataclass(slots=True)
+class Publish(KVCommand):
+    """Publish the same pages of this rank's pool; answered by ``Published``."""
+
+    transfer_id: str
+    page_ids: list[int]
+    lease_seconds: float
+
+    def apply(self, kv: RankKV) -> None:
+        error = None
+        try:
+            kv.sender_of(self).publish(self.transfer_id, self.page_ids, self.lease_seconds)
+        except ValueError as exc:
+            error = f"rank {kv.rank.rank}: {exc}"
+        kv.rank.report(Published(self.transfer_id, error))
+
+
+@dataclass(slots=True)
+class AbortLease(KVCommand):
+    """Rank 0 aborted the transfer: refuse and stop its readers here too."""
+
+    transfer_id: str
+
+    def apply(self, kv: RankKV) -> None:
+        kv.sender_of(self).abort(self.transfer_id)
+
+
+@dataclass(slots=True)
+class EndLease(KVCommand):
+    """Rank 0's lease is over (released or expired): nothing reads the pages any more."""
+
+    transfer_id: str
+
+    def apply(self, kv: RankKV) -> None:
+        kv.sender_of(self).end_lease(self.transfer_id)
+
+
+@dataclass(slots=True)
+class Read(KVCommand):
+    """Fetch this rank's share of a transfer; ``ReadDone`` reports its end."""
+
+    read_id: str
+    transfer_id: str
+    params: TransferParams  # names the prefill rank that serves the share
+    heads: range
+    dst_page_ids: list[int]
+    timeout: float
+
+    def apply(self, kv: RankKV) -> None:
+        receiver = kv.receiver_of(self)
+        try:
+            receiver.start_read(self.read_id, self.transfer_id, self.params, self.heads,
+                                self.dst_page_ids, self.timeout)  # fmt: skip
+        except TransferError as exc:
+            kv.rank.report(ReadDone(self.read_id, False, str(exc), 0))
+
+
+@dataclass(slots=True)
+class AbortRead(KVCommand):
+    """Stop a read; it still reports its end (``ReadDone``, failed)."""
+
+    read_id: str
+
+    def apply(self, kv: RankKV) -> None:
+        kv.receiver_of(self).abort(self.read_id)
+
+
+class WrongRole(RuntimeError):
+    """A command for a sender reached a receiver's rank, or the other way round."""
 
 
 class RankKV:
@@ -151,7 +217,9 @@ class RankKV:
     its sockets, and reports to rank 0."""
 
     def __init__(self, spec: OpenKV, rank: FollowerRank) -> None:
-        self._spec, self._rank = spec, rank
+        self.spec, self.rank = spec, rank
+        self.sender: SideChannelSender | None = None
+        self.receiver: SideChannelReceiver | None = None
         self._commands: queue.SimpleQueue[KVCommand | None] = queue.SimpleQueue()
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
@@ -159,6 +227,7 @@ class RankKV:
         self._thread.start()
 
     def submit(self, command: KVCommand | None) -> None:
+        """Queue ``command`` for the thread (None: close and stop)."""
         self._commands.put(command)
         os.write(self._wake_write, b"\0")
 
@@ -166,42 +235,52 @@ class RankKV:
         self.submit(None)
         self._thread.join(10.0)
 
+    def sender_of(self, command: KVCommand) -> SideChannelSender:
+        if self.sender is None:
+            raise WrongRole(f"{command!r} reached a rank without a KV sender")
+        return self.sender
+
+    def receiver_of(self, command: KVCommand) -> SideChannelReceiver:
+        if self.receiver is None:
+            raise WrongRole(f"{command!r} reached a rank without a KV receiver")
+        return self.receiver
+
     def _main(self) -> None:
-        spec, pool = self._spec, self._rank.pool
+        spec, pool = self.spec, self.rank.pool
         if spec.secret is not None:
             cluster_auth.install(ClusterAuth(spec.secret, lambda name: None, quiet=True))
         if spec.ucx_net_devices is not None:
             os.environ.setdefault(UCX_NET_DEVICES, spec.ucx_net_devices)
+        endpoint: KVSender | KVReceiver
         try:
             if spec.sender:
                 endpoint = create_sender(spec.backend, pool, spec.engine_id, spec.host)
             else:
                 endpoint = create_receiver(spec.backend, pool, spec.engine_id)
         except Exception as exc:
-            logger.exception("tensor-parallel rank %d could not open KV transfer", self._rank.rank)
-            self._rank.report(Opened(None, None, f"rank {self._rank.rank}: {exc}"))
+            logger.exception("tensor-parallel rank %d could not open KV transfer", self.rank.rank)
+            self.rank.report(Opened(None, None, f"rank {self.rank.rank}: {exc}"))
             return
-        sender = endpoint if isinstance(endpoint, SideChannelSender) else None
-        receiver = endpoint if isinstance(endpoint, SideChannelReceiver) else None
-        self._rank.report(Opened(sender.endpoint if sender else None, pool.layout))
+        if isinstance(endpoint, SideChannelSender):
+            self.sender = endpoint
+        elif isinstance(endpoint, SideChannelReceiver):
+            self.receiver = endpoint
+        self.rank.report(Opened(self.sender.endpoint if self.sender else None, pool.layout))
         try:
-            while self._serve_once(sender, receiver):
+            while self._serve_once(endpoint):
                 pass
         finally:
             endpoint.close()
             os.close(self._wake_read)
             os.close(self._wake_write)
 
-    def _serve_once(
-        self, sender: SideChannelSender | None, receiver: SideChannelReceiver | None
-    ) -> bool:
+    def _serve_once(self, endpoint: KVSender | KVReceiver) -> bool:
         """One wait and one round of work; False once told to stop."""
-        endpoint: KVSender | KVReceiver = sender if sender is not None else receiver  # type: ignore[assignment]
         poller = zmq.Poller()
         poller.register(self._wake_read, zmq.POLLIN)
         for socket in endpoint.poll_sockets():
             poller.register(socket, zmq.POLLIN)
-        busy = receiver is not None and receiver.progressing_silently()
+        busy = self.receiver is not None and self.receiver.progressing_silently()
         poller.poll(1000 * (_BUSY_POLL_S if busy else _IDLE_POLL_S))
         with contextlib.suppress(BlockingIOError):  # woken by its sockets, not a command
             os.read(self._wake_read, 4096)
@@ -212,51 +291,18 @@ class RankKV:
                 break
             if command is None:
                 return False
-            self._apply(command, sender, receiver)
-        if sender is not None:
-            sender.poll()  # the pages are rank 0's: its lease says when they are free
-        if receiver is not None:
-            for result in receiver.poll():
-                self._rank.report(
+            try:
+                command.apply(self)
+            except WrongRole as exc:
+                logger.error("%s", exc)
+        if self.sender is not None:
+            self.sender.poll()  # the pages are rank 0's: its lease says when they are free
+        if self.receiver is not None:
+            for result in self.receiver.poll():
+                self.rank.report(
                     ReadDone(result.transfer_id, result.ok, result.error, result.nbytes)
                 )
         return True
-
-    def _apply(
-        self,
-        command: KVCommand,
-        sender: SideChannelSender | None,
-        receiver: SideChannelReceiver | None,
-    ) -> None:
-        action = command.action
-        if sender is not None and action == "publish":
-            error = None
-            try:
-                sender.publish(command.transfer_id, command.page_ids, command.lease_seconds)
-            except ValueError as exc:
-                error = f"rank {self._rank.rank}: {exc}"
-            self._rank.report(Published(command.transfer_id, error))
-        elif sender is not None and action == "abort":
-            sender.abort(command.transfer_id)
-        elif sender is not None and action == "end_lease":
-            sender.end_lease(command.transfer_id)
-        elif receiver is not None and action == "read":
-            assert command.params is not None
-            try:
-                receiver.start_read(
-                    command.read_id,
-                    command.transfer_id,
-                    command.params,
-                    command.heads,
-                    command.page_ids,
-                    command.timeout,
-                )
-            except TransferError as exc:
-                self._rank.report(ReadDone(command.read_id, False, str(exc), 0))
-        elif receiver is not None and action == "abort_read":
-            receiver.abort(command.read_id)
-        else:
-            logger.error("a KV command %r does not fit this rank's KV transfer", action)
 
 
 def open_followers(
@@ -326,7 +372,7 @@ class GroupSender(KVSender):
         params = self._own.publish(transfer_id, page_ids, lease_seconds)
         # Every follower publishes before the handoff can leave, so that no decode rank asks
         # a rank for a transfer it has not heard of yet.
-        command = KVCommand("publish", transfer_id, list(page_ids), lease_seconds)
+        command = Publish(transfer_id, list(page_ids), lease_seconds)
         for rank in range(1, self._followers.size):
             self._followers.command(rank, command)
         errors = []
@@ -356,7 +402,7 @@ class GroupSender(KVSender):
     def poll(self) -> list[str]:
         released = self._own.poll()
         for transfer_id in released:
-            self._tell_followers("end_lease", transfer_id)
+            self._tell_followers(EndLease(transfer_id))
         return released
 
     def serve_requests(self) -> None:
@@ -367,15 +413,15 @@ class GroupSender(KVSender):
 
     def abort(self, transfer_id: str) -> None:
         self._own.abort(transfer_id)
-        self._tell_followers("abort", transfer_id)
+        self._tell_followers(AbortLease(transfer_id))
 
     def close(self) -> None:
         self._own.close()
 
-    def _tell_followers(self, action: str, transfer_id: str) -> None:
+    def _tell_followers(self, command: KVCommand) -> None:
         for rank in range(1, self._followers.size):
             try:
-                self._followers.command(rank, KVCommand(action, transfer_id))
+                self._followers.command(rank, command)
             except OSError:  # a rank gone: the group is ending
                 return
 
@@ -516,8 +562,7 @@ class GroupReceiver(KVReceiver):
     ) -> None:
         if rank > 0:
             assert self._followers is not None
-            command = KVCommand("read", transfer_id, dst_page_ids, read_id=read_id,
-                                params=params, heads=heads, timeout=timeout)  # fmt: skip
+            command = Read(read_id, transfer_id, params, heads, dst_page_ids, timeout)
             self._followers.command(rank, command)
             return
         try:
@@ -542,7 +587,7 @@ class GroupReceiver(KVReceiver):
                 self._own.abort(read_id)
             else:
                 assert self._followers is not None
-                self._followers.command(rank, KVCommand("abort_read", "", read_id=read_id))
+                self._followers.command(rank, AbortRead(read_id))
 
     def _end(self, group: GroupFetch) -> TransferResult:
         """Every read has ended: release the lease (prefill rank 0's) and report."""
