@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from kernels.cpu_library import cpu_flags
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -160,13 +162,20 @@ class CacheConfig:
             raise ValueError("num_pages must be >= 1")
 
 
-def default_token_budget(device: torch.device) -> int:
-    """Tokens per step when not given. A GPU needs big steps to fill its cores. A CPU core
-    reaches its GEMM peak at a few hundred rows already, so bigger steps only delay every first
-    token in them: with 256, a prefill worker hands each 256-token prompt to decode as soon as
-    it is done instead of holding it for a batch of eight, and a decode worker's local prefill
-    stalls its running batch for at most one such chunk."""
-    return 2048 if device.type == "cuda" else 256
+def default_token_budget(device: torch.device, dtype: torch.dtype = torch.float32) -> int:
+    """Tokens per step when not given. A GPU needs big steps to fill its cores. A CPU core's
+    float32 FMAs reach their GEMM peak at a few hundred rows already, so bigger steps only delay
+    every first token in them: with 256, a prefill worker hands each 256-token prompt to decode
+    as soon as it is done instead of holding it for a batch of eight, and a decode worker's local
+    prefill stalls its running batch for at most one such chunk. bf16 GEMMs on AMX tiles are
+    another matter: 1.8x faster at 2048 rows than at 256, so a bf16 model on such a processor
+    takes steps of 1024 (on a 2-core AMX Xeon W1 ran at 200 against 133 out tok/s, TTFT p50 193
+    against 423 ms, and a 1800-token prompt's TTFT fell from 2.1 to 1.3 s)."""
+    if device.type == "cuda":
+        return 2048
+    if dtype == torch.bfloat16 and "amx_bf16" in cpu_flags():
+        return 1024
+    return 256
 
 
 @dataclass(slots=True)

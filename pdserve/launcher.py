@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="each prefill worker's --max-num-batched-tokens (prompt tokens a step; default: "
-        "2048 on a GPU, 256 without one)",
+        "2048 on a GPU, 1024 for a bf16 model on a CPU with AMX, else 256)",
     )
     decode = parser.add_argument_group("decode workers")
     decode.add_argument("--kv-fetch-timeout", type=float, default=None)

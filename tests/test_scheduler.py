@@ -10,7 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import pytest
+import torch
 
+from common import config as config_module
 from common.config import SchedulerConfig
 from common.engine.batch import ScheduledSequence, SequenceOutput
 from common.engine.page_manager import PageManager
@@ -348,3 +350,19 @@ def test_abort_frees_pages_wherever_the_sequence_is():
     # Its computed pages are free but still filed: a later prompt can use them.
     assert pages.match_prefix(prompt(10, 8)) == filed
     assert all(pages.ref_count(b) == 0 for b in filed)
+
+
+@pytest.mark.parametrize(
+    "device, dtype, flags, budget",
+    [
+        ("cuda", torch.bfloat16, set(), 2048),
+        ("cpu", torch.float32, {"amx_bf16"}, 256),
+        ("cpu", torch.bfloat16, {"avx512f", "avx512_bf16"}, 256),
+        ("cpu", torch.bfloat16, {"avx512f", "amx_bf16"}, 1024),
+    ],
+)
+def test_default_step_budget_follows_the_gemm_units(monkeypatch, device, dtype, flags, budget):
+    """256 tokens fill a CPU core's float32 FMAs; bf16 GEMMs on AMX keep gaining to 2048 rows,
+    so a bf16 model there takes steps of 1024; a GPU takes 2048."""
+    monkeypatch.setattr(config_module, "cpu_flags", lambda: frozenset(flags))
+    assert config_module.default_token_budget(torch.device(device), dtype) == budget

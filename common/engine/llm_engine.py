@@ -129,14 +129,14 @@ class LLMEngine:
         if tp_size > 1:
             assert tp_port is not None, "a rank other than 0 is given rank 0's port"
             self.tp = connect(tp_rank, tp_size, tp_port, self.device, deterministic)
+        self.dtype = resolve_dtype(config.dtype, self.model_config.checkpoint_dtype, self.device)
         if config.scheduler.max_num_batched_tokens is None:
-            budget = default_token_budget(self.device)
+            budget = default_token_budget(self.device, self.dtype)
             config = dataclasses.replace(
                 config,
                 scheduler=dataclasses.replace(config.scheduler, max_num_batched_tokens=budget),
             )
         self.config = config
-        self.dtype = resolve_dtype(config.dtype, self.model_config.checkpoint_dtype, self.device)
         torch.manual_seed(config.seed)
         kv_dtype = {"fp8": FP8_DTYPE, "int8": INT8_DTYPE}.get(
             config.cache.kv_cache_dtype, self.dtype
