@@ -91,23 +91,27 @@ struct tile_config {
 
 /* tmm0, tmm1 (tmm5, tmm6): the sums of 16 rows by a tile's columns 0-15 and 16-31 (the next
  * tile's), float32; tmm2: 16 rows of x by 16 pairs of k; tmm3, tmm4, tmm7: 16 pairs of k by 16
- * columns. The tile registers are a thread's state, and loading a configuration costs more than
- * a decode step's small GEMM is worth: a thread keeps ours loaded between calls, and loads it
- * again only where something else (oneDNN's GEMMs run on the same threads) loaded another. */
+ * columns. The tile registers are a thread's state, and loading a configuration costs more
+ * than a decode step's small GEMM is worth: a thread keeps ours loaded between calls, and loads
+ * it again only where something else (oneDNN's GEMMs run on the same threads) loaded another. */
 static void configure_tiles(void) {
-    struct tile_config config, current;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        config.rows[t] = 16;
-        config.bytes_per_row[t] = 64;
-    }
+    /* A constant, not a local filled in here: gcc 12 does not see that ldtilecfg reads its
+     * operand and dropped the stores of the row counts, so the instruction faulted on a
+     * configuration of empty tiles. For the same reason the compiler is told that sttilecfg
+     * wrote `current` before it is compared. */
+    static const struct tile_config ours = {
+        .palette = 1,
+        .bytes_per_row = {64, 64, 64, 64, 64, 64, 64, 64},
+        .rows = {16, 16, 16, 16, 16, 16, 16, 16},
+    };
+    struct tile_config current;
     _tile_storeconfig(&current);
-    if (memcmp(&config, &current, sizeof config) != 0) _tile_loadconfig(&config);
+    __asm__ volatile("" : : "m"(current) : "memory");
+    if (memcmp(&ours, &current, sizeof current) != 0) _tile_loadconfig(&ours);
 }
 
-/* The weights PREFETCH_BYTES past one block of `pairs` into L1, and eight
- * times further into L2. */
+/* The weights PREFETCH_BYTES past one block of `pairs` into L1, and eight times further into
+ * L2. */
 static inline void amx_prefetch(const uint32_t *pairs) {
     const char *ahead = (const char *)pairs + PREFETCH_BYTES;
     for (int line = 0; line < PAIR_K_BLOCK / 2 * TILE * 4; line += 64) {
