@@ -5,6 +5,7 @@ Each service runs as its own process, exactly as docker-compose runs them (``pyt
 are passed to every worker (engine flags such as ``--kv-cache-memory`` or ``--max-model-len``).
 Without a GPU, the machine's cores are split between the workers and each worker's threads are
 pinned to its share: two workers spinning on the same cores slow each other down many times over.
+With GPUs, each worker sees its own through CUDA_VISIBLE_DEVICES, one per tensor-parallel rank.
 A worker that dies is started again; the router re-dispatches or migrates its requests meanwhile.
 """
 
@@ -44,16 +45,25 @@ CPU_DECODE_WORKER_PREFILL_TOKENS = 16
 
 
 @dataclass(slots=True)
+class Placement:
+    """Where a worker's processes run: its cores (None: wherever the OS puts them) and its GPUs
+    (None: every GPU the launcher sees), the first for rank 0, the next for rank 1, ..."""
+
+    cores: set[int] | None = None
+    gpus: list[str] | None = None
+
+
+@dataclass(slots=True)
 class Service:
     name: str
     module: str
     args: list[str]
-    cores: set[int] | None
+    placement: Placement
     process: subprocess.Popen
     restarts: int = 0
 
     def start_again(self) -> None:
-        self.process = _start(self.module, self.args, self.cores)
+        self.process = _start(self.module, self.args, self.placement)
         self.restarts += 1
 
 
@@ -149,6 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default: {CPU_DECODE_WORKER_PREFILL_TOKENS} without a GPU, the whole step with one)",
     )
     parser.add_argument(
+        "--gpus",
+        default=None,
+        help="comma-separated GPUs for the workers, as CUDA_VISIBLE_DEVICES names them: each "
+        "worker takes as many as its tensor-parallel size, in order, and the list is reused "
+        "when it runs out (default: every GPU this process sees)",
+    )
+    parser.add_argument(
         "--pin-cores",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -192,6 +209,22 @@ def role_flags(args: argparse.Namespace, role: str) -> list[str]:
     return flags
 
 
+def worker_placements(args: argparse.Namespace, roles: list[str], on_gpu: bool) -> list[Placement]:
+    """Each worker's cores and GPUs: on GPUs (or with ``--gpus``), GPUs of its own per rank as
+    far as they go; without, cores of its own per rank (``--pin-cores``, the default there)."""
+    sizes = [args.prefill_tp if role == "prefill" else args.decode_tp for role in roles]
+    pin = args.pin_cores if args.pin_cores is not None else not on_gpu
+    cores = core_shares(sizes) if pin else [None] * len(roles)
+    gpus: list[list[str] | None] = [None] * len(roles)
+    if args.gpus is not None or on_gpu:
+        listed = args.gpus.split(",") if args.gpus is not None else visible_gpus()
+        listed = [gpu.strip() for gpu in listed if gpu.strip()]
+        if not listed:
+            raise ValueError("--gpus names no GPU")
+        gpus = list(gpu_shares(sizes, listed))
+    return [Placement(c, g) for c, g in zip(cores, gpus, strict=True)]
+
+
 def local_prefill_flags(args: argparse.Namespace, on_gpu: bool) -> list[str]:
     """The router's flags for which prompts a decode worker prefills itself, with the CPU
     defaults where the user gave none; sets the decode workers' cap on prompt tokens a step
@@ -212,32 +245,77 @@ def local_prefill_flags(args: argparse.Namespace, on_gpu: bool) -> list[str]:
     return flags
 
 
-def core_shares(num_workers: int) -> list[set[int]]:
-    """Split this process's cores into ``num_workers`` disjoint, near-equal sets (or, with more
-    workers than cores, give each worker one core round-robin)."""
+def core_shares(sizes: list[int]) -> list[set[int]]:
+    """Split this process's cores among workers of ``sizes`` ranks each, disjoint and
+    near-equal per rank, a worker taking its ranks' shares (its ranks then split them, see
+    ``common/engine/tp_group.take_share_of_cores``). With fewer cores than ranks, per worker
+    instead, its ranks sharing its cores (a rank spinning on another worker's core would slow
+    that worker down many times over); with no more cores than workers, one core each,
+    round-robin."""
     cores = sorted(os.sched_getaffinity(0))
-    if num_workers >= len(cores):
-        return [{cores[i % len(cores)]} for i in range(num_workers)]
+    if sum(sizes) > len(cores):
+        sizes = [1] * len(sizes)
+    if len(sizes) >= len(cores):
+        return [{cores[index % len(cores)]} for index in range(len(sizes))]
+    ranks = sum(sizes)
+    per_rank = [len(cores) // ranks + (rank < len(cores) % ranks) for rank in range(ranks)]
     shares: list[set[int]] = []
-    start = 0
-    for index in range(num_workers):
-        size = len(cores) // num_workers + (index < len(cores) % num_workers)
-        shares.append(set(cores[start : start + size]))
-        start += size
+    start = rank = 0
+    for size in sizes:
+        count = sum(per_rank[rank : rank + size])
+        shares.append(set(cores[start : start + count]))
+        start, rank = start + count, rank + size
     return shares
 
 
-def _start(module: str, args: list[str], cores: set[int] | None) -> subprocess.Popen:
+def gpu_shares(sizes: list[int], gpus: list[str]) -> list[list[str]]:
+    """Each worker's GPUs, one per rank: the next ``size`` of ``gpus`` in order, going round the
+    list again when the ranks outnumber them (workers then share GPUs, as they do on one GPU);
+    a worker's own ranks never share one."""
+    shares: list[list[str]] = []
+    first = 0
+    for size in sizes:
+        if size > len(gpus):
+            raise ValueError(
+                f"a worker of tensor-parallel size {size} needs {size} GPUs, and only "
+                f"{len(gpus)} are given ({','.join(gpus)})"
+            )
+        shares.append([gpus[(first + rank) % len(gpus)] for rank in range(size)])
+        first += size
+    return shares
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process sees, as CUDA_VISIBLE_DEVICES would name them to a child."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [gpu.strip() for gpu in listed.split(",") if gpu.strip()]
+    import torch
+
+    return [str(index) for index in range(torch.cuda.device_count())]
+
+
+def worker_env(placement: Placement) -> dict[str, str]:
     env = dict(os.environ)
+    if placement.cores is not None:
+        env["OMP_NUM_THREADS"] = str(len(placement.cores))
+    if placement.gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(placement.gpus)
+    return env
+
+
+def _start(module: str, args: list[str], placement: Placement) -> subprocess.Popen:
+    cores = placement.cores
     preexec = None
     if cores is not None:
-        env["OMP_NUM_THREADS"] = str(len(cores))
         preexec = lambda: os.sched_setaffinity(0, cores)  # noqa: E731 - runs in the child
-    return subprocess.Popen([sys.executable, "-m", module, *args], env=env, preexec_fn=preexec)
+    return subprocess.Popen(
+        [sys.executable, "-m", module, *args], env=worker_env(placement), preexec_fn=preexec
+    )
 
 
-def _spawn(name: str, module: str, args: list[str], cores: set[int] | None) -> Service:
-    return Service(name, module, args, cores, _start(module, args, cores))
+def _spawn(name: str, module: str, args: list[str], placement: Placement) -> Service:
+    return Service(name, module, args, placement, _start(module, args, placement))
 
 
 def supervise(services: list[Service]) -> str | None:
@@ -378,9 +456,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_model_len is not None:
         router_args += ["--max-model-len", str(args.max_model_len)]
         shared += ["--max-model-len", str(args.max_model_len)]
-    pin = args.pin_cores if args.pin_cores is not None else not torch.cuda.is_available()
     roles = ["prefill"] * args.prefill + ["decode"] * args.decode
-    shares = core_shares(len(roles)) if pin else [None] * len(roles)
+    try:
+        placements = worker_placements(args, roles, torch.cuda.is_available())
+    except ValueError as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr)
+        return 2
     services: list[Service] = []
     stopping = False
 
@@ -391,15 +472,15 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     try:
-        services.append(_spawn("router", "router", router_args, None))
-        for index, (role, cores) in enumerate(zip(roles, shares, strict=True)):
+        services.append(_spawn("router", "router", router_args, Placement()))
+        for index, (role, placement) in enumerate(zip(roles, placements, strict=True)):
             worker_id = ["--worker-id", f"{role}-{index}"]
             services.append(
                 _spawn(
                     f"{role} worker {index}",
                     f"{role}_worker",
                     [*shared, *worker_id, *role_flags(args, role), *worker_flags],
-                    cores,
+                    placement,
                 )
             )
         wait_until_ready(services, base_url, args)

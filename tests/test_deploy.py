@@ -35,6 +35,24 @@ def commands() -> dict[str, list[str]]:
     return result
 
 
+def without_tensor_parallelism(argv: list[str]) -> list[str]:
+    if "--tensor-parallel-size" not in argv:
+        return argv
+    at = argv.index("--tensor-parallel-size")
+    return argv[:at] + argv[at + 2 :]
+
+
+def test_the_gpu_decode_pool_is_tensor_parallel_over_gpus_of_its_own():
+    """The GPU profile shows pools sized apart: prefill on GPU 0, decode at TP 2 on 1 and 2."""
+    services = compose()["services"]
+    argv = commands()["decode-0"]
+    size = int(argv[argv.index("--tensor-parallel-size") + 1])
+    [devices] = services["decode-0"]["deploy"]["resources"]["reservations"]["devices"]
+    [prefill_devices] = services["prefill-0"]["deploy"]["resources"]["reservations"]["devices"]
+    assert size == len(devices["device_ids"]) == 2
+    assert not set(devices["device_ids"]) & set(prefill_devices["device_ids"])
+
+
 def test_every_service_command_parses():
     found = commands()
     assert {
@@ -90,10 +108,11 @@ def test_profiles_split_gpu_and_cpu_services_and_prometheus_loads_the_alert_rule
     for name, argv in commands().items():
         profile = services[name]["profiles"]
         assert profile == (["cpu"] if "-cpu" in name else ["gpu"]), name
-        # A CPU service is its GPU twin without the GPU: same command, same address.
+        # A CPU service is its GPU twin without the GPU: same command, same address (the GPU
+        # decode worker alone is tensor-parallel, over two GPUs).
         if "-cpu" in name:
             twin = services[name.replace("-cpu", "")]
-            assert argv == commands()[name.replace("-cpu", "")]
+            assert argv == without_tensor_parallelism(commands()[name.replace("-cpu", "")])
             assert "deploy" not in services[name]
             assert "deploy" in twin or name == "router-cpu"
             assert services[name]["build"]["args"]["TORCH_INDEX_URL"].endswith("/whl/cpu}")

@@ -8,7 +8,16 @@ import os
 import pytest
 
 from decode_worker.worker import build_parser as decode_parser
-from pdserve.launcher import build_parser, core_shares, local_prefill_flags, role_flags
+from pdserve.launcher import (
+    Placement,
+    build_parser,
+    core_shares,
+    gpu_shares,
+    local_prefill_flags,
+    role_flags,
+    worker_env,
+    worker_placements,
+)
 from prefill_worker.worker import build_parser as prefill_parser
 
 ROLE_PARSERS = {"prefill": prefill_parser, "decode": decode_parser}
@@ -64,7 +73,7 @@ def test_local_prefill_defaults_without_a_gpu_only():
 def test_core_shares_are_disjoint_and_cover_the_cores(monkeypatch, cores, num_workers):
     """Whatever this machine has: the launcher's view of the cores is replaced by each case."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(cores))
-    shares = core_shares(num_workers)
+    shares = core_shares([1] * num_workers)
     assert len(shares) == num_workers and all(shares)
     assert set().union(*shares) == cores
     if num_workers <= len(cores):
@@ -75,3 +84,55 @@ def test_core_shares_are_disjoint_and_cover_the_cores(monkeypatch, cores, num_wo
         assert all(len(share) == 1 for share in shares)
         load = [sum(core in share for share in shares) for core in cores]
         assert max(load) - min(load) <= 1
+
+
+@pytest.mark.parametrize(
+    "cores, sizes, expected",
+    [
+        # A core per rank where there are enough: a TP-2 worker gets two, its ranks one each.
+        (range(3), [1, 2], [{0}, {1, 2}]),
+        (range(4), [1, 2], [{0, 1}, {2, 3}]),
+        (range(8), [2, 2], [{0, 1, 2, 3}, {4, 5, 6, 7}]),
+        (range(6), [1, 2], [{0, 1}, {2, 3, 4, 5}]),
+        # Fewer cores than ranks: per worker, so no rank spins on another worker's core.
+        (range(2), [1, 2], [{0}, {1}]),
+        (range(3), [2, 2], [{0, 1}, {2}]),
+    ],
+)
+def test_core_shares_give_every_rank_cores_of_its_own(monkeypatch, cores, sizes, expected):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(cores))
+    assert core_shares(sizes) == expected
+
+
+def test_gpu_shares_give_every_rank_a_gpu_of_its_own_as_far_as_they_go():
+    assert gpu_shares([1, 2], ["0", "1", "2"]) == [["0"], ["1", "2"]]
+    assert gpu_shares([1, 1, 2], ["0", "1", "2", "3"]) == [["0"], ["1"], ["2", "3"]]
+    # More ranks than GPUs: round the list again, workers sharing, a worker's ranks never.
+    assert gpu_shares([1, 1], ["0"]) == [["0"], ["0"]]
+    assert gpu_shares([2, 2], ["a", "b", "c"]) == [["a", "b"], ["c", "a"]]
+    with pytest.raises(ValueError, match="tensor-parallel size 2 needs 2 GPUs"):
+        gpu_shares([1, 2], ["0"])
+
+
+def test_up_places_each_worker_on_its_gpus_and_cores(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(6)))
+    args, _ = build_parser().parse_known_args(
+        ["--decode-tp", "2", "--gpus", "4,5,6", "--pin-cores"]
+    )
+    placements = worker_placements(args, ["prefill", "decode"], on_gpu=True)
+    assert placements == [Placement({0, 1}, ["4"]), Placement({2, 3, 4, 5}, ["5", "6"])]
+    env = worker_env(placements[1])
+    assert (env["CUDA_VISIBLE_DEVICES"], env["OMP_NUM_THREADS"]) == ("5,6", "4")
+    # Without a GPU and without --gpus: cores only, and no CUDA_VISIBLE_DEVICES of ours.
+    args, _ = build_parser().parse_known_args([])
+    [placement] = worker_placements(args, ["decode"], on_gpu=False)
+    assert placement.gpus is None and placement.cores == set(range(6))
+    assert worker_env(placement).get("CUDA_VISIBLE_DEVICES") == os.environ.get(
+        "CUDA_VISIBLE_DEVICES"
+    )
+    # On GPUs by default: every GPU this process sees, as CUDA_VISIBLE_DEVICES names them.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-a, GPU-b")
+    args, _ = build_parser().parse_known_args(["--prefill", "2"])
+    placements = worker_placements(args, ["prefill", "prefill", "decode"], on_gpu=True)
+    assert [p.gpus for p in placements] == [["GPU-a"], ["GPU-b"], ["GPU-a"]]
+    assert all(p.cores is None for p in placements)
