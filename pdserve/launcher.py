@@ -25,11 +25,17 @@ from dataclasses import dataclass
 
 from common import cluster_auth
 from common.service.drain import DEFAULT_DRAIN_TIMEOUT_S, positive_seconds
+from kernels.cpu_library import cpu_flags
 
 # A worker that dies is started again (the router re-dispatches its requests meanwhile), at
 # most this many times, so a worker that cannot start does not loop for ever.
 MAX_RESTARTS = 5
 CPU_LOCAL_PREFILL_OVERFLOW_TOKENS = 1024
+# The same wait on a processor with AMX, where a bf16 prefill worker runs ~1,500 tokens/s a
+# core: at 1024, W3's 1800-token prompts overflowed to the decode worker behind the previous
+# one (still counted queued), which prefilled it 16 tokens a step beside its decodes: TTFT p99
+# 5.6 s against a p50 of 1.3 s.
+CPU_AMX_LOCAL_PREFILL_OVERFLOW_TOKENS = 4096
 # Without a GPU a decode worker prefills prompts shorter than this itself: 16 prompt rows beside
 # its decodes cost little (below), while a prefill worker's queue and 256-token steps (~0.45 s
 # each) come first there. W3's short chats (64 tokens) beside long prompts on the AVX-512 Xeon:
@@ -233,7 +239,12 @@ def local_prefill_flags(args: argparse.Namespace, on_gpu: bool) -> list[str]:
     if not on_gpu:
         # A CPU prefill worker runs ~500 tokens/s a core: a prompt behind 1024 queued tokens
         # waits two seconds, longer than its decode worker takes to prefill it in place.
-        overflow = CPU_LOCAL_PREFILL_OVERFLOW_TOKENS if overflow is None else overflow
+        if overflow is None:
+            overflow = (
+                CPU_AMX_LOCAL_PREFILL_OVERFLOW_TOKENS
+                if "amx_bf16" in cpu_flags()
+                else CPU_LOCAL_PREFILL_OVERFLOW_TOKENS
+            )
         remote_min = CPU_REMOTE_PREFILL_MIN_TOKENS if remote_min is None else remote_min
         if args.max_prefill_tokens_while_decoding is None:
             args.max_prefill_tokens_while_decoding = CPU_DECODE_WORKER_PREFILL_TOKENS

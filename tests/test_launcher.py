@@ -8,6 +8,7 @@ import os
 import pytest
 
 from decode_worker.worker import build_parser as decode_parser
+from pdserve import launcher
 from pdserve.launcher import (
     Placement,
     build_parser,
@@ -53,12 +54,16 @@ def test_no_role_flags_by_default(role):
     assert ROLE_PARSERS[role]().parse_args(BASE).kv_transfer == "zmq"
 
 
-def test_local_prefill_defaults_without_a_gpu_only():
+@pytest.mark.parametrize("flags, overflow", [(set(), "1024"), ({"avx512f", "amx_bf16"}, "4096")])
+def test_local_prefill_defaults_without_a_gpu_only(monkeypatch, flags, overflow):
+    """A prompt overflows to its decode worker behind ~2 s of queued prefill: 1024 tokens on a
+    core's FMAs, 4096 where AMX runs the prefill GEMMs."""
+    monkeypatch.setattr(launcher, "cpu_flags", lambda: frozenset(flags))
     args, _ = build_parser().parse_known_args([])
     assert local_prefill_flags(args, on_gpu=True) == []
     assert args.max_prefill_tokens_while_decoding is None
     assert local_prefill_flags(args, on_gpu=False) == [
-        *("--local-prefill-overflow-tokens", "1024", "--remote-prefill-min-tokens", "128")
+        *("--local-prefill-overflow-tokens", overflow, "--remote-prefill-min-tokens", "128")
     ]
     assert role_flags(args, "decode") == ["--max-prefill-tokens-while-decoding", "16"]
     given = ["--remote-prefill-min-tokens", "32", "--max-prefill-tokens-while-decoding", "8"]
