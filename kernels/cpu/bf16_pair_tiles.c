@@ -281,6 +281,7 @@ int pdserve_linear_bf16_pairs(const uint16_t *x, int64_t x_stride, const uint32_
                 if (kind == BF16_TILES_DPBF16)
                     dp_tile_any_rows((const uint32_t *)rows_x, k_padded / 2, tile, rows, sums);
 #endif
+                (void)tile, (void)rows_x; /* where the processor has neither, never reached */
                 store_rows(sums, bias, rows, t * TILE, N, tiles, y + (int64_t)m0 * y_stride,
                            y_stride);
             }
