@@ -27,7 +27,14 @@ from tiny_models import (
 )
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from common.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from common import metrics
+from common.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from common.engine.llm_engine import LLMEngine
 from common.engine.tp_group import RANK_LOST_EXIT_CODE
 from common.kv_layout import KVLayout
@@ -201,6 +208,22 @@ def test_tp2_deterministic_mode_gives_one_process_tokens_in_any_batch(two_kv_hea
     assert alone == together[:2]
     expected = greedy(engine_config(two_kv_heads, 1), prompts)
     assert_greedy_equal_up_to_near_ties(two_kv_heads, prompts, together, expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_tp2_speculative_decoding_gives_one_process_tokens(two_kv_heads, method):
+    """Rank 0 proposes (a draft model unsharded beside its shard of the target, or n-grams) and
+    every rank verifies in the target's forward: the greedy tokens are those of one process
+    without speculation, and proposals are accepted (the draft is the target itself)."""
+    prompts = [p + p for p in random_prompts(3, seed=8)]  # repeats for the n-grams to find
+    model = str(two_kv_heads) if method == "draft" else None
+    speculative = SpeculativeConfig(method=method, model=model, num_speculative_tokens=3)
+    accepted = metrics.SPEC_ACCEPTED._value.get()
+    got = greedy(engine_config(two_kv_heads, 2, speculative=speculative), prompts)
+    assert metrics.SPEC_ACCEPTED._value.get() > accepted
+    expected = greedy(engine_config(two_kv_heads, 1), prompts)
+    assert_greedy_equal_up_to_near_ties(two_kv_heads, prompts, got, expected)
 
 
 @pytest.mark.slow

@@ -94,11 +94,6 @@ class LLMEngine:
         self.model_config = ModelConfig.from_pretrained(self.model_path)
         tp_size = config.tensor_parallel_size
         check_shardable(self.model_config, tp_size)
-        if tp_size > 1 and config.speculative.model is not None:
-            raise ValueError(
-                "a draft model (--speculative-model) does not run under tensor parallelism "
-                "yet; n-gram speculation does (--speculative-method ngram)"
-            )
         # Rank 0 spawns the others before the rendezvous, which waits for all of them.
         self.followers: FollowerRanks | None = None
         if tp_size > 1 and tp_rank == 0:
@@ -166,8 +161,13 @@ class LLMEngine:
                 model_kv_heads=self.model_config.num_kv_heads,
             )
         self.sampler = Sampler(self.model_config.vocab_size, self.model_config.eos_token_ids)
-        # The prefill worker only ever samples a first token: nothing to speculate on.
-        speculative = config.speculative if role != "prefill" else SpeculativeConfig()
+        # The prefill worker only ever samples a first token: nothing to speculate on. Under
+        # tensor parallelism rank 0 alone proposes (with a draft model, unsharded, beside its
+        # shard of the target): the other ranks verify the proposals in the target's forward,
+        # as any run rank 0 sends them.
+        speculative = config.speculative
+        if role == "prefill" or tp_rank > 0:
+            speculative = SpeculativeConfig()
         draft = self._load_draft(speculative.model, kv_dtype) if speculative.model else None
         graph_sizes = self._cuda_graph_sizes(role)
         num_pages = plan_num_pages(
