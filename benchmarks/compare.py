@@ -267,13 +267,14 @@ def box_slug(box: str) -> str:
 def write_results(summaries: list[dict]) -> None:
     """RESULTS.md with one section per box type, and each box's plots."""
     PLOTS.mkdir(exist_ok=True)
+    summaries = sorted(summaries, key=lambda summary: summary["box"])
     sections = []
-    for summary in sorted(summaries, key=lambda summary: summary["box"]):
+    for summary in summaries:
         slug = box_slug(summary["box"])
         plot_latency_cdfs(summary, PLOTS / f"latency_cdf-{slug}.png")
         plot_rate_sweep(summary, PLOTS / f"rate_sweep-{slug}.png")
         sections += box_section(summary, slug)
-    boxes = ", ".join(summary["box"] for summary in sorted(summaries, key=lambda s: s["box"]))
+    boxes = ", ".join(summary["box"] for summary in summaries)
     text = [
         "# pdserve against vLLM",
         "",

@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -392,17 +393,9 @@ def _probe_plan(linears: list[CpuLinear]) -> GemmPlan:
     tiles_win: list[bool] = []
     for rows in PROBE_ROWS:
         probed, inputs = _probe_inputs(linears, rows)
-
-        def run(kernel: str, inputs=inputs, probed=probed) -> None:
-            for linear in probed:
-                kind = kernel
-                if kernel == "forward_blas":
-                    kind = _blas_kernel(linear, blas_dtype)
-                getattr(linear, kind)(inputs[linear.in_features, linear.dtype])
-
-        tiles_win.append(
-            cpu_library.first_is_faster(lambda: run("forward_tiles"), lambda: run("forward_blas"))
-        )
+        tiles = _runner(probed, inputs, lambda linear: "forward_tiles")
+        blas = _runner(probed, inputs, lambda linear: _blas_kernel(linear, blas_dtype))
+        tiles_win.append(cpu_library.first_is_faster(tiles, blas))
     if all(tiles_win):
         return TILES_ONLY
     limit = 0
@@ -420,15 +413,26 @@ def _probe_blas_dtype(linears: list[CpuLinear]) -> str:
     if not bf16_linears:
         return FLOAT32_BLAS
     probed, inputs = _probe_inputs(bf16_linears, PROBE_ROWS[-1])
-
-    def run(kernel: str) -> None:
-        for linear in probed:
-            getattr(linear, kernel)(inputs[linear.in_features, linear.dtype])
-
     bf16_wins = cpu_library.first_is_faster(
-        lambda: run("forward_bf16_blas"), lambda: run("forward_float32_blas")
+        _runner(probed, inputs, lambda linear: "forward_bf16_blas"),
+        _runner(probed, inputs, lambda linear: "forward_float32_blas"),
     )
     return BF16_BLAS if bf16_wins else FLOAT32_BLAS
+
+
+def _runner(
+    probed: list[CpuLinear],
+    inputs: dict[tuple[int, torch.dtype], torch.Tensor],
+    kernel_of: Callable[[CpuLinear], str],
+) -> Callable[[], None]:
+    """A call that runs every probed layer, each through the kernel ``kernel_of`` names, over
+    the input of its width and dtype: what the probe times."""
+
+    def run() -> None:
+        for linear in probed:
+            getattr(linear, kernel_of(linear))(inputs[linear.in_features, linear.dtype])
+
+    return run
 
 
 def _blas_kernel(linear: CpuLinear, blas_dtype: str) -> str:
