@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_library import cpu_flags
+from kernels.cpu_library import has_amx_bf16
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -173,7 +173,7 @@ def default_token_budget(device: torch.device, dtype: torch.dtype = torch.float3
     against 423 ms, and a 1800-token prompt's TTFT fell from 2.1 to 1.3 s)."""
     if device.type == "cuda":
         return 2048
-    if dtype == torch.bfloat16 and "amx_bf16" in cpu_flags():
+    if dtype == torch.bfloat16 and has_amx_bf16():
         return 1024
     return 256
 

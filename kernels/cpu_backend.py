@@ -240,7 +240,7 @@ def _float32_sdpa_is_faster() -> bool:
     and 9 heads on a Xeon without AMX). Decided by the processor's flags, not by timing it: the
     two paths round differently, and every process on a machine must choose alike to give the
     same tokens."""
-    return "amx_bf16" not in cpu_library.cpu_flags()
+    return not cpu_library.has_amx_bf16()
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:

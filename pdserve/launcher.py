@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from common import cluster_auth
 from common.service.drain import DEFAULT_DRAIN_TIMEOUT_S, positive_seconds
-from kernels.cpu_library import cpu_flags
+from kernels.cpu_library import has_amx_bf16
 
 # A worker that dies is started again (the router re-dispatches its requests meanwhile), at
 # most this many times, so a worker that cannot start does not loop for ever.
@@ -242,7 +242,7 @@ def local_prefill_flags(args: argparse.Namespace, on_gpu: bool) -> list[str]:
         if overflow is None:
             overflow = (
                 CPU_AMX_LOCAL_PREFILL_OVERFLOW_TOKENS
-                if "amx_bf16" in cpu_flags()
+                if has_amx_bf16()
                 else CPU_LOCAL_PREFILL_OVERFLOW_TOKENS
             )
         remote_min = CPU_REMOTE_PREFILL_MIN_TOKENS if remote_min is None else remote_min

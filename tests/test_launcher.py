@@ -58,7 +58,7 @@ def test_no_role_flags_by_default(role):
 def test_local_prefill_defaults_without_a_gpu_only(monkeypatch, flags, overflow):
     """A prompt overflows to its decode worker behind ~2 s of queued prefill: 1024 tokens on a
     core's FMAs, 4096 where AMX runs the prefill GEMMs."""
-    monkeypatch.setattr(launcher, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(launcher, "has_amx_bf16", lambda: "amx_bf16" in flags)
     args, _ = build_parser().parse_known_args([])
     assert local_prefill_flags(args, on_gpu=True) == []
     assert args.max_prefill_tokens_while_decoding is None
