@@ -371,9 +371,12 @@ def test_a_step_longer_than_the_heartbeat_timeout_keeps_its_worker(tmp_path):
 
 
 def test_memory_levels_off_over_bursts_of_streams(tmp_path):
-    """Three bursts of 500 concurrent streams: once the second has passed, no service's idle
-    resident memory grows by more than 10% (caches and arenas are warm by then; what grows
-    after is a leak)."""
+    """Four bursts of 500 concurrent streams: no service's idle resident memory after the last
+    two exceeds its peak after the first two by more than 10%. Caches and arenas are warm after
+    two bursts, and the allocator's heap swings by a few tens of MiB from one burst to the next
+    (freed memory goes back to the system or not as fragmentation falls), so one level against
+    one level would measure the swing; a leak raises every level after it, the lower of the last
+    two included."""
     folder = build_tiny_chat_model(tmp_path / "tiny-chat")
     flags = ("--model", str(folder), "--max-model-len", "512", "--kv-cache-memory", "64MiB",
              "--dtype", "float32", "--remote-prefill-min-tokens", "16")  # fmt: skip
@@ -383,11 +386,12 @@ def test_memory_levels_off_over_bursts_of_streams(tmp_path):
         ).stdout.split()
         assert len(children) == 3
         after = []
-        for _ in range(3):
+        for _ in range(4):
             asyncio.run(stream_burst(base, "tiny-chat", count=500))
             after.append([resident_mib(pid) for pid in children])
-        for second, third in zip(after[1], after[2], strict=True):
-            assert third <= second * 1.1, after
+        for service, levels in enumerate(zip(*after, strict=True)):
+            warm_peak, late_floor = max(levels[:2]), min(levels[2:])
+            assert late_floor <= warm_peak * 1.1, (service, after)
 
 
 async def stream_burst(base: str, model: str, count: int) -> None:
