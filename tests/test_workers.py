@@ -183,7 +183,7 @@ def test_abort_during_chunked_prefill_withdraws_the_parts(router, model):
     router.send(router.worker("prefill").worker_id, AbortRequest("short-lived"))
     while not isinstance(msg := tap.next(timeout=30), AbortRequest):
         assert isinstance(msg, HandoffPart), f"{type(msg).__name__} after the abort"
-    router.wait_for(lambda: free_pages(router, "prefill") == total, 10, "part leases held")
+    router.wait_for(lambda: free_pages(router, "prefill") == total, 30, "part leases held")
     assert not router.log("short-lived").deltas
     tap.close()
 
@@ -235,7 +235,7 @@ def test_local_prefill_on_the_decode_worker(router, model):
 def free_pages(router, role) -> int:
     worker = router.worker(role).worker_id
     router.heartbeats.pop(worker, None)
-    router.wait_for(lambda: worker in router.heartbeats, 10, "no heartbeat")
+    router.wait_for(lambda: worker in router.heartbeats, 30, "no heartbeat")
     beat: Heartbeat = router.heartbeats[worker]
     return beat.num_free_pages
 
