@@ -30,7 +30,7 @@ def make_logits(rows: int, vocab: int, seed: int, scale: float = 2.0) -> torch.T
 
 
 def row(output: list[int] | None = None, prompt: list[int] | None = None, **params) -> SamplingRow:
-    return SamplingRow(SamplingParams(**params), prompt or [], output or [])
+    return SamplingRow.of(SamplingParams(**params), prompt or [], output or [])
 
 
 def token_ids(results: list[SampledToken]) -> list[int]:
@@ -450,7 +450,7 @@ def penalised_batches(draw):
             presence_penalty=draw(st.just(0.0) | st.floats(-2.0, 2.0)),
         )
         logits = draw(st.lists(logit, min_size=vocab, max_size=vocab))
-        batch.append((logits, SamplingRow(params, draw(tokens), draw(tokens))))
+        batch.append((logits, SamplingRow.of(params, draw(tokens), draw(tokens))))
     return vocab, batch
 
 

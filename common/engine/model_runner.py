@@ -77,11 +77,12 @@ class ModelRunner:
             if not item.samples:
                 continue
             seq = item.seq
-            prompt, history = seq.prompt_token_ids, seq.output_token_ids
             # The row after j accepted proposals sees them as already generated: penalties,
             # min_tokens and a seeded row's noise all follow.
             for j in range(len(proposed) + 1):
-                rows.append(SamplingRow(seq.params, prompt, history + proposed[:j]))
+                rows.append(
+                    SamplingRow(seq.params, seq.token_ids, seq.num_prompt_tokens, proposed[:j])
+                )
         if not rows:
             return []
         sampled = self.sampler.sample(logits, rows)

@@ -42,11 +42,36 @@ _PROMPT_ROWS_PER_SLICE = 256
 
 @dataclass(slots=True)
 class SamplingRow:
-    """What the sampler needs to know about one sequence."""
+    """What the sampler needs to know about one sequence: its params and its tokens before this
+    row, which are ``token_ids`` (prompt, then output) followed by ``proposed`` (proposals that
+    a verification step treats as already generated for this row).
+
+    ``token_ids`` may be the sequence's own list, not a copy: the prompt and output views are
+    sliced only for the rows that read them (penalties), so a step of plain rows copies no
+    history. The sampler never modifies either."""
 
     params: SamplingParams
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]  # tokens generated so far, before this step
+    token_ids: Sequence[int]
+    num_prompt_tokens: int
+    proposed: Sequence[int] = ()
+
+    @classmethod
+    def of(
+        cls, params: SamplingParams, prompt: Sequence[int], output: Sequence[int]
+    ) -> SamplingRow:
+        return cls(params, prompt, len(prompt), output)
+
+    @property
+    def prompt_token_ids(self) -> Sequence[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return [*self.token_ids[self.num_prompt_tokens :], *self.proposed]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens + len(self.proposed)
 
 
 @dataclass(slots=True)
@@ -127,10 +152,14 @@ class Sampler:
             )
         if not rows:
             return []
-        # The steps below edit x in place: a float32 copy of the real vocabulary where any row
-        # is edited, else (greedy rows with nothing to ban, bias or penalise: the usual decode
-        # step) the float32 logits themselves, only read.
         x = logits[:, : self.vocab_size]
+        if x.dtype == torch.float32 and all(_only_argmax(row) for row in rows):
+            # The usual decode step: every row greedy with nothing to report, ban, bias or
+            # penalise. One pass over the rows, one over the logits.
+            return [SampledToken(t, None, None) for t in argmax_rows(x).tolist()]
+        # The steps below edit x in place: a float32 copy of the real vocabulary where any row
+        # is edited, else (greedy rows with nothing to ban, bias or penalise) the float32
+        # logits themselves, only read.
         if x.dtype != torch.float32 or any(_edits_logits(row) for row in rows):
             x = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
         params = [row.params for row in rows]
@@ -165,7 +194,7 @@ class Sampler:
         token_index: list[int] = []
         for i, row in enumerate(rows):
             p = row.params
-            if len(row.output_token_ids) < p.min_tokens:
+            if row.num_output_tokens < p.min_tokens:
                 # With ignore_eos the scheduler does not stop on EOS, so it may be sampled.
                 banned = p.stop_token_ids if p.ignore_eos else p.stop_token_ids + self.eos_token_ids
                 row_index += [i] * len(banned)
@@ -202,7 +231,7 @@ class Sampler:
                 generator = self._generator(device)
             else:
                 generator = torch.Generator(device=device)
-                generator.manual_seed(_step_seed(seed, len(row.output_token_ids)))
+                generator.manual_seed(_step_seed(seed, row.num_output_tokens))
             u[i].uniform_(generator=generator)
         return u
 
@@ -293,13 +322,19 @@ def _select(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
 def _edits_logits(row: SamplingRow) -> bool:
     """Whether sampling ``row`` edits its logits: a random pick (its noise race works in
     place), stop tokens banned until min_tokens, a logit bias or a penalty."""
+    return not row.params.is_greedy or _edits_logits_beyond_sampling(row)
+
+
+def _edits_logits_beyond_sampling(row: SamplingRow) -> bool:
+    """Stop tokens banned until min_tokens, a logit bias or a penalty."""
     p = row.params
-    return (
-        not p.is_greedy
-        or len(row.output_token_ids) < p.min_tokens
-        or bool(p.logit_bias)
-        or _has_penalties(p)
-    )
+    return row.num_output_tokens < p.min_tokens or bool(p.logit_bias) or _has_penalties(p)
+
+
+def _only_argmax(row: SamplingRow) -> bool:
+    """Whether ``row``'s token is its logits' argmax and nothing else is asked of it."""
+    p = row.params
+    return p.temperature == 0 and p.logprobs is None and not _edits_logits_beyond_sampling(row)
 
 
 def _has_penalties(p: SamplingParams) -> bool:
