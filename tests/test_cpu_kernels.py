@@ -25,6 +25,7 @@ from kernels.cpu_linear import (
     BLAS_ONLY,
     BOTH,
     FLOAT32_BLAS,
+    ONEDNN_PACKED_MAX_ROWS,
     TILES_ONLY,
     CpuLinear,
     GemmPlan,
@@ -320,6 +321,25 @@ def test_bf16_blas_equals_an_fp32_gemm_rounded_once(backend, rows, bias) -> None
     assert out.dtype == torch.bfloat16 and out.shape == (rows, 96)
     torch.testing.assert_close(out.float(), expected.bfloat16().float(), atol=1e-2, rtol=8e-3)
     assert (out != expected.bfloat16()).float().mean() < 0.05
+
+
+@pytest.mark.parametrize("rows", [1, 64, ONEDNN_PACKED_MAX_ROWS, ONEDNN_PACKED_MAX_ROWS + 1])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_blas_over_the_reordered_weight_is_torchs_bf16_linear(backend, rows, bias) -> None:
+    """Up to ONEDNN_PACKED_MAX_ROWS rows the bf16 BLAS multiplies the weight oneDNN reordered at
+    load, beyond it torch's bf16 linear: the same bits either way, strided inputs included, so
+    the switch changes no token."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN")
+    weight = torch.randn(96, 320).to(torch.bfloat16)
+    bias_values = torch.randn(96).to(torch.bfloat16) if bias else None
+    linear = CpuLinear(weight, bias_values, BF16_BLAS_ONLY)
+    assert linear.weight_onednn is not None
+    x = torch.randn(rows, 400).to(torch.bfloat16)[:, 40:360]  # rows 400 apart
+    assert torch.equal(linear(x), F.linear(x, weight, bias_values))
+    float32_blas = CpuLinear(weight, bias_values, BOTH)
+    float32_blas.restrict(BLAS_ONLY)
+    assert float32_blas.weight_onednn is None
 
 
 def test_a_float32_layer_never_takes_the_bf16_blas(backend) -> None:
