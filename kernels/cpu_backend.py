@@ -3,7 +3,9 @@
 Decode steps and speculative verification (a few query rows per sequence) spend almost nothing
 on arithmetic and everything on overhead when they go through gathered pages and SDPA, so they
 go to ``kernels/cpu/paged_attention.c``, which reads the pages in place. Prefill chunks are
-compute-bound and go to SDPA's blocked kernel over their gathered context, as in the reference.
+compute-bound and go to SDPA's blocked kernel over their gathered context, as in the reference;
+a chunk after a cached prefix in two calls, prefix and chunk, so that SDPA skips the masked half
+of the chunk's own keys (``kernels/cpu_chunk_attention.py``).
 Which sequence takes which path is decided once per step in ``plan``.
 
 Deterministic inference sends every run to the C kernel: it sums in an order fixed by absolute
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import cpu_library
+from kernels.cpu_chunk_attention import chunk_attention_after_prefix
 from kernels.interface import (
     FP8_DTYPE,
     INT8_DTYPE,
@@ -28,7 +31,7 @@ from kernels.interface import (
     AttentionMetadata,
     KVCacheView,
 )
-from kernels.reference import chunk_attention_reference, store_kv_reference
+from kernels.reference import store_kv_reference
 
 # Sequences with at most this many query rows in a step attend in the C kernel. It reads every
 # key once per (sequence, KV head) and keeps a score row per query vector, which beats SDPA
@@ -173,7 +176,7 @@ class CpuAttentionBackend(AttentionBackend):
             chunk = query[start:end]
             if self._widen_long_chunks and chunk.dtype == torch.bfloat16:
                 chunk = chunk.float()  # the context is then gathered in float32 as well
-            out[start:end] = chunk_attention_reference(
+            out[start:end] = chunk_attention_after_prefix(
                 chunk, cache, plan.page_tables[seq], seq_len, softmax_scale
             )
         return out.to(query.dtype)

@@ -89,7 +89,7 @@ def store_kv_reference(
             pages[page_ids, offsets] = new.to(pages.dtype)
 
 
-def _gather_context(
+def gather_context(
     cache: KVCacheView,
     page_tables: torch.Tensor,  # [S, num_pages_needed] int
     dtype: torch.dtype,
@@ -132,7 +132,7 @@ def paged_attention_reference(
         lens = torch.tensor([seq_lens[i] for i in decode], device=query.device)
         num_pages = ceil_div(max(seq_lens[i] for i in decode), page_size)
         tables = meta.page_tables[torch.tensor(decode, device=query.device), :num_pages]
-        key, value = _gather_context(cache, tables.long(), query.dtype)
+        key, value = gather_context(cache, tables.long(), query.dtype)
         positions = torch.arange(key.shape[1], device=query.device)
         valid = positions[None, :] < lens[:, None]
         # Slots past a sequence's end were never written and may hold NaN, which neither a
@@ -176,7 +176,7 @@ def chunk_attention_reference(
     """One sequence's chunk of queries over its context: SDPA over its gathered pages."""
     q_len = query.shape[0]
     num_pages = ceil_div(seq_len, cache.page_size)
-    key, value = _gather_context(cache, page_table[None, :num_pages].long(), query.dtype)
+    key, value = gather_context(cache, page_table[None, :num_pages].long(), query.dtype)
     # Lower-right causal alignment: the chunk's queries are the context's last q_len positions.
     attended = F.scaled_dot_product_attention(
         query.transpose(0, 1)[None],

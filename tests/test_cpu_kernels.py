@@ -99,6 +99,34 @@ def test_attention_matches_reference(
     torch.testing.assert_close(out.float(), expected.float(), **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+@KV_DTYPES
+@pytest.mark.parametrize("num_kv_heads, group, head_dim", [(3, 3, 64), (1, 4, 80)])
+def test_a_chunk_after_a_prefix_attends_prefix_and_chunk_apart(
+    backend, dtype, kv_dtype, num_kv_heads, group, head_dim
+) -> None:
+    """Long chunks after cached prefixes of one token, a page edge and more than the chunk, and
+    one with none, attend their prefix and their own keys in two SDPA calls merged by their
+    log-sum-exps: the one-call reference's result within one extra rounding of each partial
+    output. A chunk with no prefix is one call, the reference's very bits."""
+    kv_dtype = dtype if kv_dtype == "model" else kv_dtype
+    query_lens, seq_lens = [40, 33, 70, 50], [41, 65, 300, 50]
+    batch = make_batch(query_lens, seq_lens, num_kv_heads, group, head_dim, dtype, kv_dtype)
+    scale = head_dim**-0.5
+    plan = backend.plan(batch.meta)
+    assert len(plan.long_chunks) == 4
+    out = backend.attention(batch.query, batch.cache, plan, scale)
+    wide = batch.query.float()  # the reference in float32: both roundings are the kernel's
+    expected = paged_attention_reference(wide, batch.cache, batch.meta, scale)
+    assert out.dtype == dtype and not out.isnan().any()
+    torch.testing.assert_close(out.float(), expected, **TOLERANCE[dtype])
+    if dtype == torch.bfloat16 and not backend._widen_long_chunks:
+        # The merge rounds each partial output once more: at most one bf16 step apart.
+        one_call = paged_attention_reference(batch.query, batch.cache, batch.meta, scale)
+        assert torch.equal(out[-50:], one_call[-50:])
+        assert (out.float() - one_call.float()).abs().max() <= 2 * 2**-7 * one_call.abs().max()
+
+
 def test_int8_scale_codes_decode_as_in_the_twin(backend) -> None:
     """All 256 scale codes, one per sequence: over a one-token context the softmax weight is
     exactly 1, so a float32 output row is its value row dequantised, with no rounding in
