@@ -588,6 +588,23 @@ def test_rms_norm_equals_the_torch_module(backend) -> None:
     assert (out != expected).float().mean() < 0.02
 
 
+def test_rms_norm_rounds_denormal_outputs_as_torch_does(backend) -> None:
+    """Where the processor converts 16 lanes to bf16 in one instruction, that instruction reads
+    denormals as zero and the kernel rounds those lanes itself: a row of +-3 (every order of
+    its sum is exact, so the norm is torch's bit for bit) times weights down in bf16's
+    denormals gives torch's denormal outputs, in vector lanes and the scalar tail (width 40)."""
+    signs = torch.randint(0, 2, (5, 40), generator=torch.Generator().manual_seed(1)) * 2 - 1
+    x = (signs * 3.0).to(torch.bfloat16)
+    norm = RMSNorm(40, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(-1, 1, 40) * 2e-38)
+    norm = norm.to(torch.bfloat16)
+    with torch.inference_mode():
+        out, expected = CpuRMSNorm(norm.weight, norm.eps)(x), norm(x)
+    assert (expected.float().abs() < 1.1754944e-38).logical_and(expected != 0).any()
+    assert torch.equal(out, expected)
+
+
 def test_silu_and_mul_equals_the_torch_module(backend) -> None:
     gate_up = (torch.randn(5, 2 * 48) * 4).to(torch.bfloat16)
     out, expected = CpuSiluAndMul()(gate_up), SiluAndMul()(gate_up)
@@ -644,6 +661,9 @@ def test_rope_equals_the_torch_module_on_views_of_a_fused_projection(backend) ->
         q, k, _ = buffer.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
         return q.reshape(tokens, heads, dim), k.reshape(tokens, kv_heads, dim)
 
+    # The last two tokens rotate values in bf16's denormals, which the kernel rounds itself
+    # where its vector conversion would read them as zero.
+    qkv[-2:] *= 1e-38
     expected_q, expected_k = RotaryApply()(*views(qkv), cos, sin)
     fused = qkv.clone()
     q, k = CpuRotaryApply()(*views(fused), cos, sin)

@@ -25,8 +25,17 @@ void pdserve_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *
             sum += v * v;
         }
         const float inverse_rms = 1.0f / sqrtf(sum / (float)hidden + eps);
+        int i0 = 0;
+#ifdef __AVX512BF16__
+        const __m512 scale = _mm512_set1_ps(inverse_rms);
+        for (; i0 + 16 <= hidden; i0 += 16) {
+            const __m512 normed = round_bf16x16(_mm512_mul_ps(bf16x16_to_float(xr + i0), scale));
+            _mm256_storeu_si256((__m256i *)(yr + i0),
+                                float_to_bf16x16(_mm512_mul_ps(bf16x16_to_float(weight + i0), normed)));
+        }
+#endif
 #pragma omp simd
-        for (int i = 0; i < hidden; i++) {
+        for (int i = i0; i < hidden; i++) {
             const float normed = round_bf16(bf16_to_float(xr[i]) * inverse_rms);
             yr[i] = float_to_bf16(bf16_to_float(weight[i]) * normed);
         }
@@ -53,14 +62,33 @@ void pdserve_silu_mul_bf16(const uint16_t *gate_up, int64_t gate_up_stride, uint
 #pragma omp simd
             for (int i = 0; i < n; i++)
                 denominators[i] = 1.0f + exp_approx(-bf16_to_float(gate[i0 + i]));
+            int tail = 0;
+#ifdef __AVX512BF16__
+            for (; tail + 16 <= n; tail += 16) {
+                const int i = i0 + tail;
+                const __m512 silu = round_bf16x16(
+                    _mm512_div_ps(bf16x16_to_float(gate + i), _mm512_loadu_ps(denominators + tail)));
+                _mm256_storeu_si256((__m256i *)(yr + i),
+                                    float_to_bf16x16(_mm512_mul_ps(silu, bf16x16_to_float(up + i))));
+            }
+#endif
 #pragma omp simd
-            for (int i = 0; i < n; i++) {
+            for (int i = tail; i < n; i++) {
                 const float silu = round_bf16(bf16_to_float(gate[i0 + i]) / denominators[i]);
                 yr[i0 + i] = float_to_bf16(silu * bf16_to_float(up[i0 + i]));
             }
         }
     }
 }
+
+#ifdef __AVX512BF16__
+/* -value, the sign bit flipped (0 - value would turn -0 into +0, which rounds the sum of
+ * two zeros differently from the scalar loop's negation). */
+static inline __m512 negated(__m512 value) {
+    return _mm512_castsi512_ps(
+        _mm512_xor_si512(_mm512_castps_si512(value), _mm512_set1_epi32((int)0x80000000)));
+}
+#endif
 
 /* In place: x[r, h] = bf16(x * cos[r]) + bf16(rotate_half(x) * sin[r]) (rounded again), for
  * `heads` head vectors of each row. cos, sin: [rows, head_dim] bf16 rows `trig_stride` apart. */
@@ -75,12 +103,28 @@ void pdserve_rope_bf16(uint16_t *x, int64_t row_stride, int64_t head_stride, int
             uint16_t *v = x + r * row_stride + h * head_stride;
             float first[256], second[256];
             if (half > 256) return; /* head sizes past 512 are refused by the caller */
-            for (int i = 0; i < half; i++) {
+            int i0 = 0;
+#ifdef __AVX512BF16__
+            /* Straight from the row, no stack copy; stores land only after both halves' loads. */
+            for (; i0 + 16 <= half; i0 += 16) {
+                const __m512 low_in = bf16x16_to_float(v + i0);
+                const __m512 high_in = bf16x16_to_float(v + half + i0);
+                const __m512 low = _mm512_add_ps(
+                    round_bf16x16(_mm512_mul_ps(low_in, bf16x16_to_float(c + i0))),
+                    round_bf16x16(_mm512_mul_ps(negated(high_in), bf16x16_to_float(s + i0))));
+                const __m512 high = _mm512_add_ps(
+                    round_bf16x16(_mm512_mul_ps(high_in, bf16x16_to_float(c + half + i0))),
+                    round_bf16x16(_mm512_mul_ps(low_in, bf16x16_to_float(s + half + i0))));
+                _mm256_storeu_si256((__m256i *)(v + i0), float_to_bf16x16(low));
+                _mm256_storeu_si256((__m256i *)(v + half + i0), float_to_bf16x16(high));
+            }
+#endif
+            for (int i = i0; i < half; i++) {
                 first[i] = bf16_to_float(v[i]);
                 second[i] = bf16_to_float(v[i + half]);
             }
 #pragma omp simd
-            for (int i = 0; i < half; i++) {
+            for (int i = i0; i < half; i++) {
                 const float low = round_bf16(first[i] * bf16_to_float(c[i])) +
                                   round_bf16(-second[i] * bf16_to_float(s[i]));
                 const float high = round_bf16(second[i] * bf16_to_float(c[i + half])) +

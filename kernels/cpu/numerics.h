@@ -25,6 +25,42 @@ static inline uint16_t float_to_bf16(float value) {
 /* A float32 value rounded to bf16 and back, as a bf16 tensor op's output is. */
 static inline float round_bf16(float value) { return bf16_to_float(float_to_bf16(value)); }
 
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+
+/* 16 bf16 values widened to float32. */
+static inline __m512 bf16x16_to_float(const uint16_t *bits) {
+    const __m256i loaded = _mm256_loadu_si256((const __m256i *)bits);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(loaded), 16));
+}
+
+/* 16 float32 values rounded to bf16 exactly as float_to_bf16 rounds each. vcvtneps2bf16 is one
+ * instruction for what takes gcc's vectorised float_to_bf16 a dozen, and rounds to nearest even
+ * as it does, NaN included, but reads denormal inputs as zero: lanes holding one (never seen in
+ * a model's activations, so the branch costs one test) are rounded in integers instead. */
+static inline __m256i float_to_bf16x16(__m512 value) {
+    __m256i rounded = (__m256i)_mm512_cvtneps_pbh(value);
+    const __m512i bits = _mm512_castps_si512(value);
+    const __m512i magnitude = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
+    /* 1 <= magnitude <= 0x7fffff: the nonzero denormals. */
+    const __mmask16 denormal = _mm512_cmplt_epu32_mask(
+        _mm512_sub_epi32(magnitude, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7fffff));
+    if (denormal) {
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+        const __m512i integer = _mm512_srli_epi32(
+            _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), odd), 16);
+        rounded = _mm256_mask_blend_epi16(denormal, rounded, _mm512_cvtepi32_epi16(integer));
+    }
+    return rounded;
+}
+
+/* A vector of float32 values rounded to bf16 and back (round_bf16 of each). */
+static inline __m512 round_bf16x16(__m512 value) {
+    const __m256i rounded = float_to_bf16x16(value);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
+}
+#endif
+
 /* exp(x) within 2 ulp of expf for -87 <= x <= 88 (clamped outside, up to ln(FLT_MAX); past it
  * infinite, as expf is, so that silu(x) = x / (1 + exp(-x)) is 0 for very negative x), written so
  * that loops over it vectorize without -ffast-math (which would also switch the whole process to
