@@ -138,7 +138,7 @@ def _serve_router(pipe) -> None:
                 worker = sender
                 socket.send_multipart([sender, encode(RegisterAck(accepted=True))])
             elif isinstance(msg, TokenDelta | TokenDeltas) and waiting_for:
-                deltas = msg.deltas if isinstance(msg, TokenDeltas) else [msg]
+                deltas = msg.all_deltas() if isinstance(msg, TokenDeltas) else [msg]
                 waiting_for.difference_update(d.request_id for d in deltas)
                 if not waiting_for:
                     pipe.send(True)

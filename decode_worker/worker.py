@@ -156,7 +156,7 @@ class DecodeWorker(WorkerService):
     def on_finished_step(
         self, batch: list[ScheduledSequence], outputs: list[SequenceOutput]
     ) -> None:
-        self.send_deltas([self.delta(out.seq, len(out.new_samples)) for out in outputs])
+        self.send_deltas([(out.seq, len(out.new_samples)) for out in outputs])
         for out in outputs:
             reason = out.seq.finish_reason
             if out.left_batch and reason is not None:  # a decode leaves its batch only finished

@@ -100,7 +100,7 @@ class PrefillWorker(WorkerService):
         finished = [out.seq for out in outputs if out.left_batch]
         done_at = time.time()  # the step that ran these prompts' last chunks just ended
         # First tokens reach the router before any handoff is sent: they are the TTFT.
-        self.send_deltas([self.delta(seq, first=True) for seq in finished])
+        self.send_deltas([(seq, 1) for seq in finished], first=True)
         for seq in finished:
             if seq.finish_reason is not None:
                 REQUESTS.labels(outcome=seq.finish_reason.value).inc()

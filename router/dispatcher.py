@@ -152,7 +152,7 @@ class Dispatcher:
         if isinstance(msg, TokenDelta):
             self._on_delta(sender, msg, now)
         elif isinstance(msg, TokenDeltas):
-            for delta in msg.deltas:
+            for delta in msg.all_deltas():
                 self._on_delta(sender, delta, now)
         elif isinstance(msg, Heartbeat):
             self._check_sender(sender, msg.worker_id)

@@ -90,7 +90,7 @@ def frame(**fields) -> bytes:
 
 
 def test_protocol_version():
-    assert PROTOCOL_VERSION == 7
+    assert PROTOCOL_VERSION == 8
 
 
 def test_round_trip_of_a_step_of_token_deltas():
@@ -110,6 +110,22 @@ def test_round_trip_of_a_step_of_token_deltas():
     ]
     msg = TokenDeltas(deltas)
     assert decode(encode(msg)) == msg
+    msg.add_token("d", 11, 7)
+    msg.add_token("e", 12, 30)
+    assert decode(encode(msg)) == msg
+    assert msg.all_deltas() == [
+        *deltas,
+        TokenDelta("d", [TokenSample(11)], 7),
+        TokenDelta("e", [TokenSample(12)], 30),
+    ]
+
+
+def test_token_columns_of_unequal_lengths_are_refused():
+    raw = msgpack.unpackb(encode(TokenDeltas(token_request_ids=["a", "b"], token_ids=[1, 2],
+                                             token_start_indices=[3, 4])))  # fmt: skip
+    raw["token_ids"] = [1]
+    with pytest.raises(ProtocolError, match="differ in length"):
+        decode(msgpack.packb(raw))
 
 
 def test_round_trip_of_every_field_kind():

@@ -98,6 +98,9 @@ def test_disaggregated_greedy_equals_one_process(router, model, backend, kv_cach
         d.start_index == 0 and d.num_prompt_tokens == len(p)
         for d, p in zip(first, prompts, strict=True)
     )
+    # Between the decode worker's first token (with its stage times) and its last (with the
+    # finish), every token went as a bare column entry.
+    assert [router.log(r).column_tokens for r in ids] == [len(t) - 3 for t in expected]
     decode = router.metrics("decode")
     pages = sum(ceil_div(len(p), 16) for p in prompts)
     assert decode["pdserve_kv_pages_received_total"] == pages

@@ -27,6 +27,7 @@ from common.protocol import (
     RegisterWorker,
     RequestFailed,
     TokenDelta,
+    TokenDeltas,
     WorkerDraining,
 )
 from common.sampling_params import SamplingParams
@@ -38,6 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 class RequestLog:
     deltas: list[TokenDelta] = field(default_factory=list)
     failures: list[RequestFailed] = field(default_factory=list)
+    column_tokens: int = 0  # tokens that came in a TokenDeltas frame's columns
 
     @property
     def token_ids(self) -> list[int]:
@@ -139,6 +141,11 @@ class FakeRouter:
             self.cache_events.setdefault(worker_id, []).append(msg)
         elif isinstance(msg, TokenDelta):
             self.requests.setdefault(msg.request_id, RequestLog()).deltas.append(msg)
+        elif isinstance(msg, TokenDeltas):
+            for delta in msg.all_deltas():
+                self.requests.setdefault(delta.request_id, RequestLog()).deltas.append(delta)
+            for request_id in msg.token_request_ids:
+                self.requests[request_id].column_tokens += 1
         elif isinstance(msg, RequestFailed):
             self.requests.setdefault(msg.request_id, RequestLog()).failures.append(msg)
         elif isinstance(msg, WorkerDraining) and msg.leaving:

@@ -19,7 +19,7 @@ import secrets
 import socket
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import zmq
 
@@ -116,6 +116,18 @@ def prompt_logprobs_to_wire(
         )
         for p in scored
     ]  # fmt: skip
+
+
+def _says_only_its_token(seq: Sequence) -> bool:
+    """Whether the delta of ``seq``'s newest token would hold that token alone: not its first
+    output token here (which carries the prefix-cache hit, prompt logprobs and stage times), no
+    stage times pending after a handoff, no finish, no logprob."""
+    return (
+        seq.finish_reason is None
+        and seq.num_output_tokens != 1
+        and seq.handoff_wait_s is None
+        and seq.samples[-1].logprob is None
+    )
 
 
 def stage_times(seq: Sequence, num_new: int) -> StageTimes | None:
@@ -383,12 +395,21 @@ class WorkerService(ABC):
             timings=stage_times(seq, num_new),
         )
 
-    def send_deltas(self, deltas: list[TokenDelta]) -> None:
-        """One frame for a step's deltas, however many sequences the step advanced."""
-        if len(deltas) == 1:
-            self._send_output(deltas[0])
-        elif deltas:
-            self._send_output(TokenDeltas(deltas))
+    def send_deltas(self, advanced: Iterable[tuple[Sequence, int]], first: bool = False) -> None:
+        """One frame for a step's new tokens, however many sequences the step advanced
+        (``advanced``: each with its count of new tokens; ``first``: they are their requests'
+        first tokens, from a prefill worker). A lone delta that is more than its token goes as
+        itself; one-token deltas with nothing else to say go in ``TokenDeltas``' columns."""
+        frame = TokenDeltas()
+        for seq, num_new in advanced:
+            if num_new == 1 and not first and _says_only_its_token(seq):
+                frame.add_token(seq.request_id, seq.token_ids[-1], seq.num_output_tokens - 1)
+            else:
+                frame.deltas.append(self.delta(seq, num_new, first))
+        if len(frame.deltas) == 1 and not frame.token_ids:
+            self._send_output(frame.deltas[0])
+        elif frame.deltas or frame.token_ids:
+            self._send_output(frame)
 
     def _send_output(self, msg: Message) -> None:
         """Send what a step produced: at once, or (``output_beside_forward``) encoded and sent
