@@ -125,3 +125,30 @@ def test_a_scored_prompt_wants_logits_for_each_of_its_positions():
     assert second.positions.tolist() == [6, 7, 8, 9]
     assert second.meta.slot_mapping.tolist() == [18, 19, 20, 21]
     assert second.logits_indices.tolist() == [0, 1, 2, 3]
+
+
+def test_page_tables_follow_lists_that_grow_or_are_replaced_between_steps():
+    """The runner keeps each sequence's pages as an array from step to step: a page appended to
+    the list, or a list replaced (a preempted sequence admitted again), shows in the next
+    step's page tables and slots, as a runner seeing the lists for the first time gives them."""
+    kept = runner()
+    a = sequence("a", [1, 2, 3], generated=[4], computed=3, pages=[5])
+    b = sequence("b", [1, 2, 3, 4, 5], generated=[6, 7, 8], computed=7, pages=[8, 9])
+
+    def step(*seqs: Sequence) -> ForwardInputs:
+        batch = [ScheduledSequence.of(seq, 1) for seq in seqs]
+        inputs = kept.prepare(batch, [[] for _ in seqs])
+        fresh = runner().prepare(batch, [[] for _ in seqs])
+        assert torch.equal(inputs.meta.page_tables, fresh.meta.page_tables)
+        assert torch.equal(inputs.meta.slot_mapping, fresh.meta.slot_mapping)
+        return inputs
+
+    assert step(a, b).meta.slot_mapping.tolist() == [5 * PAGE + 3, 9 * PAGE + 3]
+    a.token_ids.append(10)
+    a.num_computed_tokens = 4
+    a.page_ids.append(12)  # a's fifth token starts its second page
+    b.page_ids = [14, 15]  # b preempted and recomputed into other pages
+    inputs = step(a, b)
+    assert inputs.meta.page_tables.tolist() == [[5, 12], [14, 15]]
+    assert inputs.meta.slot_mapping.tolist() == [12 * PAGE, 15 * PAGE + 3]
+    assert step(b).meta.page_tables.tolist() == [[14, 15]]  # a left the batch

@@ -67,22 +67,23 @@ def flatten_runs(
     page_size: int,
     device: torch.device,
     staging: HostStaging | None = None,
+    page_arrays: PageArrays | None = None,
 ) -> ForwardInputs:
     """Flatten runs into token ids, positions and explicit attention metadata: one pass over
     the runs' Python lists into NumPy (``torch.tensor`` of a list costs tens of microseconds
     even for a few ids), a handful of array ops for every token at once, then one copy to the
-    device (through ``staging``'s pinned buffer on CUDA)."""
+    device (through ``staging``'s pinned buffer on CUDA). The page tables come from
+    ``page_arrays``, which keeps each sequence's pages as an array from step to step."""
     num_runs = len(runs)
     query_lens = np.fromiter((len(run.token_ids) for run in runs), np.int64, num_runs)
     starts = np.fromiter((run.start for run in runs), np.int64, num_runs)
     num_logits = np.fromiter((run.num_logits for run in runs), np.int64, num_runs)
-    num_pages = np.fromiter((len(run.page_ids) for run in runs), np.int64, num_runs)
     num_tokens = int(query_lens.sum())
     input_ids = np.fromiter(chain.from_iterable(run.token_ids for run in runs), np.int64)
+    pages = (page_arrays or PageArrays()).arrays([run.page_ids for run in runs])
+    num_pages = np.fromiter(map(len, pages), np.int64, num_runs)
     page_tables = np.zeros((num_runs, int(num_pages.max())), np.int64)
-    page_tables[np.arange(page_tables.shape[1]) < num_pages[:, None]] = np.fromiter(
-        chain.from_iterable(run.page_ids for run in runs), np.int64
-    )
+    page_tables[np.arange(page_tables.shape[1]) < num_pages[:, None]] = np.concatenate(pages)
     ends = np.cumsum(query_lens)
     query_start_loc = np.concatenate(([0], ends))
     # Each token's run, then its position: its offset in the run plus the run's first position.
@@ -112,6 +113,36 @@ def flatten_runs(
         max_seq_len=int(seq_lens.max()),
     )
     return ForwardInputs(ids, pos, meta, logits_at)
+
+
+class PageArrays:
+    """Each sequence's page ids as a NumPy array, kept from one step to the next: a decode
+    step's page tables are then a concatenation of arrays instead of a pass over every page id
+    of the batch in Python (5,000 ids at batch 64 with 1k tokens each: ~0.1 ms a step).
+
+    A sequence's page list is only ever extended or replaced (the scheduler's and the handoffs'
+    contract), so an entry holds the list object itself and stays good while that very list
+    keeps its length; a list that grew gains only its new tail. Entries not asked for in a
+    step are dropped."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[Seq[int], np.ndarray]] = {}
+
+    def arrays(self, page_lists: Seq[Seq[int]]) -> list[np.ndarray]:
+        entries, kept, arrays = self._entries, {}, []
+        for pages in page_lists:
+            entry = entries.get(id(pages))
+            if entry is not None and entry[0] is pages and len(entry[1]) <= len(pages):
+                array = entry[1]
+                if len(array) < len(pages):
+                    tail = np.array(pages[len(array) :], np.int64)
+                    array = np.concatenate((array, tail))
+            else:
+                array = np.array(pages, np.int64)
+            kept[id(pages)] = (pages, array)
+            arrays.append(array)
+        self._entries = kept
+        return arrays
 
 
 class HostStaging:

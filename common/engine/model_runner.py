@@ -19,6 +19,7 @@ import torch
 from common.engine.batch import (
     ForwardInputs,
     HostStaging,
+    PageArrays,
     ScheduledSequence,
     TokenRun,
     flatten_runs,
@@ -48,6 +49,7 @@ class ModelRunner:
         self.device = pool.device
         self.page_size = pool.layout.page_size
         self.staging = HostStaging()
+        self.page_arrays = PageArrays()
         # Set by a tensor-parallel group's rank 0: the ranks that run each step beside it.
         self.followers: FollowerRanks | None = None
 
@@ -63,7 +65,7 @@ class ModelRunner:
         runs = self.token_runs(batch, proposals)
         if self.followers is not None:
             self.followers.send_step(runs)
-        inputs = flatten_runs(runs, self.page_size, self.device, self.staging)
+        inputs = flatten_runs(runs, self.page_size, self.device, self.staging, self.page_arrays)
         started = time.perf_counter()
         logits = self.graphs.run(inputs) if self.graphs is not None else None
         if logits is None:
@@ -98,7 +100,7 @@ class ModelRunner:
     def run_forward(self, runs: list[TokenRun]) -> None:
         """A tensor-parallel rank other than 0: the forward rank 0 runs over ``runs``, for its
         collectives and this rank's KV pages; the logits are rank 0's to sample."""
-        inputs = flatten_runs(runs, self.page_size, self.device, self.staging)
+        inputs = flatten_runs(runs, self.page_size, self.device, self.staging, self.page_arrays)
         self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices)
 
     def prepare(self, batch: list[ScheduledSequence], proposals: Seq[Seq[int]]) -> ForwardInputs:
@@ -106,7 +108,11 @@ class ModelRunner:
         logits for every position from its last known token on (and, for prompt logprobs, for
         the chunk's prompt positions before it)."""
         return flatten_runs(
-            self.token_runs(batch, proposals), self.page_size, self.device, self.staging
+            self.token_runs(batch, proposals),
+            self.page_size,
+            self.device,
+            self.staging,
+            self.page_arrays,
         )
 
     def token_runs(
