@@ -292,6 +292,11 @@ def _declare(library: ctypes.CDLL) -> None:
     library.pdserve_store_kv_fp8.restype = ctypes.c_int
     library.pdserve_rms_norm_bf16.argtypes = [ptr, i64, ptr, f32, ptr, i64, i32, i32]
     library.pdserve_rms_norm_bf16.restype = None
+    library.pdserve_add_rms_norm_bf16.argtypes = [
+        ptr, i64, ptr, i64,  # x, its row stride, delta, its row stride
+        ptr, f32, ptr, i64, ptr, i64, i32, i32,  # weight, eps, sum, out (row strides), shape
+    ]  # fmt: skip
+    library.pdserve_add_rms_norm_bf16.restype = None
     library.pdserve_silu_mul_bf16.argtypes = [ptr, i64, ptr, i64, i32, i32]
     library.pdserve_silu_mul_bf16.restype = None
     library.pdserve_argmax_f32.argtypes = [ptr, i64, i32, i32, ptr]

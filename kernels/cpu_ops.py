@@ -40,6 +40,34 @@ class CpuRMSNorm(nn.Module):
         )
         return out.view(x.shape)
 
+    def add_and_norm(
+        self,
+        x: torch.Tensor,  # [N, hidden] bf16
+        delta: torch.Tensor,  # [N, hidden] bf16
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # x + delta, and its norm
+        """``(x + delta, self(x + delta))`` in one pass, the same bits as the two calls."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        if delta.stride(-1) != 1:
+            delta = delta.contiguous()
+        total = torch.empty(x.shape, dtype=torch.bfloat16)
+        out = torch.empty(x.shape, dtype=torch.bfloat16)
+        cpu_library.load().pdserve_add_rms_norm_bf16(
+            x.data_ptr(),
+            x.stride(0),
+            delta.data_ptr(),
+            delta.stride(0),
+            self.weight.data_ptr(),
+            self.eps,
+            total.data_ptr(),
+            total.stride(0),
+            out.data_ptr(),
+            out.stride(0),
+            x.shape[0],
+            x.shape[1],
+        )
+        return total, out
+
 
 class CpuSiluAndMul(nn.Module):
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:  # [N, 2 * width] bf16

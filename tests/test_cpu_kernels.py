@@ -605,6 +605,20 @@ def test_rms_norm_rounds_denormal_outputs_as_torch_does(backend) -> None:
     assert torch.equal(out, expected)
 
 
+@pytest.mark.parametrize("hidden", [576, 100])
+def test_add_and_norm_is_a_bf16_add_then_the_norm_bit_for_bit(backend, hidden) -> None:
+    """The residual add fused into the norm after it: the sum rounds as torch's bf16 add does
+    and its norm sums its squares in the C norm's own order (rows wider than a vector, and a
+    width with a scalar tail), so the layer's numbers do not move."""
+    generator = torch.Generator().manual_seed(2)
+    x = (torch.randn(64, hidden, generator=generator) * 3).to(torch.bfloat16)
+    delta = torch.randn(64, 2 * hidden, generator=generator).to(torch.bfloat16)[:, ::2]
+    norm = CpuRMSNorm(torch.randn(hidden, generator=generator).to(torch.bfloat16), 1e-5)
+    total, out = norm.add_and_norm(x, delta)
+    assert torch.equal(total, x + delta)
+    assert torch.equal(out, norm(x + delta))
+
+
 def test_silu_and_mul_equals_the_torch_module(backend) -> None:
     gate_up = (torch.randn(5, 2 * 48) * 4).to(torch.bfloat16)
     out, expected = CpuSiluAndMul()(gate_up), SiluAndMul()(gate_up)

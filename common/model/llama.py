@@ -218,9 +218,34 @@ class DecoderLayer(nn.Module):
         )
         self.mlp = MLP(config, tp)
 
-    def forward(self, hidden, rope, kv: BoundKV, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, kv, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [N, hidden]
+        pending: torch.Tensor | None,  # the previous layer's MLP output, not yet added
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv: BoundKV,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # the residual stream, this MLP's output
+        """Each residual add is left to the norm after it (``add_and_norm``): the C norm adds
+        and normalises in one pass. The last layer's MLP output is added by the caller."""
+        if pending is None:
+            normed = self.input_layernorm(hidden)
+        else:
+            hidden, normed = add_and_norm(self.input_layernorm, hidden, pending)
+        attended = self.self_attn(normed, rope, kv, meta)
+        hidden, normed = add_and_norm(self.post_attention_layernorm, hidden, attended)
+        return hidden, self.mlp(normed)
+
+
+def add_and_norm(
+    norm: RMSNorm | CpuRMSNorm | InvariantRMSNorm, hidden: torch.Tensor, delta: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``hidden + delta`` and ``norm`` of it: one C pass for the CPU's bf16 norm (the same
+    bits), a torch add then the norm for every other."""
+    if isinstance(norm, CpuRMSNorm) and hidden.dim() == 2 and hidden.shape == delta.shape:
+        return norm.add_and_norm(hidden, delta)
+    hidden = hidden + delta
+    return hidden, norm(hidden)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -420,10 +445,15 @@ class LlamaForCausalLM(nn.Module):
             )
             for fused in self.fused_layers:
                 fused(hidden, rope, meta.slot_mapping, meta.step_args, scratch)
+            last = hidden[logits_indices]
         else:
+            pending = None
             for layer in self.layers:
-                hidden = layer(hidden, rope, self.kv, meta)
-        hidden = self.norm(hidden[logits_indices])
+                hidden, pending = layer(hidden, pending, rope, self.kv, meta)
+            assert pending is not None  # a model has layers
+            # The last residual add, on the rows the head reads only.
+            last = hidden[logits_indices] + pending[logits_indices]
+        hidden = self.norm(last)
         if self.head is not None:
             logits = self.head(hidden)
         else:

@@ -12,33 +12,61 @@
 #include "exports.h"
 #include "numerics.h"
 
+/* yr = weight * bf16(xr * rsqrt(mean(xr^2) + eps)) over one row; xr, weight, yr bf16. Both
+ * entry points below run this one body, so a row's sum of squares is summed in one order. */
+static inline void rms_norm_row(const uint16_t *xr, const uint16_t *weight, float eps,
+                                uint16_t *yr, int hidden) {
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int i = 0; i < hidden; i++) {
+        const float v = bf16_to_float(xr[i]);
+        sum += v * v;
+    }
+    const float inverse_rms = 1.0f / sqrtf(sum / (float)hidden + eps);
+    int i0 = 0;
+#ifdef __AVX512BF16__
+    const __m512 scale = _mm512_set1_ps(inverse_rms);
+    for (; i0 + 16 <= hidden; i0 += 16) {
+        const __m512 normed = round_bf16x16(_mm512_mul_ps(bf16x16_to_float(xr + i0), scale));
+        _mm256_storeu_si256((__m256i *)(yr + i0),
+                            float_to_bf16x16(_mm512_mul_ps(bf16x16_to_float(weight + i0), normed)));
+    }
+#endif
+#pragma omp simd
+    for (int i = i0; i < hidden; i++) {
+        const float normed = round_bf16(bf16_to_float(xr[i]) * inverse_rms);
+        yr[i] = float_to_bf16(bf16_to_float(weight[i]) * normed);
+    }
+}
+
 /* out = weight * bf16(x * rsqrt(mean(x^2) + eps)), per row; x, weight, out bf16. */
 void pdserve_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *weight,
                            float eps, uint16_t *out, int64_t out_stride, int rows, int hidden) {
+    for (int r = 0; r < rows; r++)
+        rms_norm_row(x + r * x_stride, weight, eps, out + r * out_stride, hidden);
+}
+
+/* A residual add and the norm after it in one pass over the rows: sum = bf16(x + delta), as a
+ * bf16 tensor add rounds, then out = the norm of sum (pdserve_rms_norm_bf16's, bit for bit).
+ * In eager torch the add is a pass of its own over memory and the norm reads its output back. */
+void pdserve_add_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *delta,
+                               int64_t delta_stride, const uint16_t *weight, float eps,
+                               uint16_t *sum, int64_t sum_stride, uint16_t *out,
+                               int64_t out_stride, int rows, int hidden) {
     for (int r = 0; r < rows; r++) {
-        const uint16_t *xr = x + r * x_stride;
-        uint16_t *yr = out + r * out_stride;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int i = 0; i < hidden; i++) {
-            const float v = bf16_to_float(xr[i]);
-            sum += v * v;
-        }
-        const float inverse_rms = 1.0f / sqrtf(sum / (float)hidden + eps);
+        const uint16_t *xr = x + r * x_stride, *dr = delta + r * delta_stride;
+        uint16_t *sr = sum + r * sum_stride;
         int i0 = 0;
 #ifdef __AVX512BF16__
-        const __m512 scale = _mm512_set1_ps(inverse_rms);
-        for (; i0 + 16 <= hidden; i0 += 16) {
-            const __m512 normed = round_bf16x16(_mm512_mul_ps(bf16x16_to_float(xr + i0), scale));
-            _mm256_storeu_si256((__m256i *)(yr + i0),
-                                float_to_bf16x16(_mm512_mul_ps(bf16x16_to_float(weight + i0), normed)));
-        }
+        for (; i0 + 16 <= hidden; i0 += 16)
+            _mm256_storeu_si256(
+                (__m256i *)(sr + i0),
+                float_to_bf16x16(_mm512_add_ps(bf16x16_to_float(xr + i0), bf16x16_to_float(dr + i0))));
 #endif
 #pragma omp simd
-        for (int i = i0; i < hidden; i++) {
-            const float normed = round_bf16(bf16_to_float(xr[i]) * inverse_rms);
-            yr[i] = float_to_bf16(bf16_to_float(weight[i]) * normed);
-        }
+        for (int i = i0; i < hidden; i++)
+            sr[i] = float_to_bf16(bf16_to_float(xr[i]) + bf16_to_float(dr[i]));
+        rms_norm_row(sr, weight, eps, out + r * out_stride, hidden);
     }
 }
 

@@ -11,6 +11,10 @@ enum kv_dtype { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_FP8_E4M3 = 3, KV_INT8 = 
 
 void pdserve_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *weight,
                            float eps, uint16_t *out, int64_t out_stride, int rows, int hidden);
+void pdserve_add_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *delta,
+                               int64_t delta_stride, const uint16_t *weight, float eps,
+                               uint16_t *sum, int64_t sum_stride, uint16_t *out,
+                               int64_t out_stride, int rows, int hidden);
 void pdserve_silu_mul_bf16(const uint16_t *gate_up, int64_t gate_up_stride, uint16_t *out,
                            int64_t out_stride, int rows, int width);
 void pdserve_rope_bf16(uint16_t *x, int64_t row_stride, int64_t head_stride, int rows, int heads,
