@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 
-from common.engine.batch import ForwardInputs, ScheduledSequence
+from common.engine.batch import ForwardInputs, HostStaging, ScheduledSequence
 from common.engine.kv_pool import KVPool, kv_layout
 from common.engine.model_runner import ModelRunner
 from common.engine.sequence import Sequence
@@ -152,3 +153,22 @@ def test_page_tables_follow_lists_that_grow_or_are_replaced_between_steps():
     assert inputs.meta.page_tables.tolist() == [[5, 12], [14, 15]]
     assert inputs.meta.slot_mapping.tolist() == [12 * PAGE, 15 * PAGE + 3]
     assert step(b).meta.page_tables.tolist() == [[14, 15]]  # a left the batch
+
+
+def test_one_buffer_carries_arrays_of_mixed_dtypes_and_shapes():
+    """The CUDA path's packing, run on the CPU: int64 and int32 arrays of odd byte counts, a
+    2-D table and an empty array come out of the one buffer with their values, dtypes and
+    shapes, however the previous step's were."""
+    staging = HostStaging()
+    for size in (3, 1000):  # the second outgrows the first buffers
+        arrays = [
+            np.arange(size, dtype=np.int64) - 7,
+            np.arange(size, dtype=np.int32)[::-1].copy(),
+            np.arange(2 * size, dtype=np.int32).reshape(2, size),
+            np.zeros(0, dtype=np.int64),
+            np.array([2**40, -1], dtype=np.int64),
+        ]
+        out = staging.through_one_buffer(arrays, torch.device("cpu"), pinned=False)
+        for array, tensor in zip(arrays, out, strict=True):
+            assert tensor.dtype == torch.from_numpy(array).dtype
+            assert tensor.tolist() == array.tolist()

@@ -100,14 +100,24 @@ def flatten_runs(
         + np.arange(int(num_logits.sum()))
         - logits_before[logit_owner]
     )
+    # The backends take int32 offsets, lengths and tables (kernels/interface.py): converted
+    # here, so the device gets them as they are, with no conversion launched there.
     ids, pos, qsl, lens, tables, slot_mapping, logits_at = (staging or HostStaging()).to_device(
-        [input_ids, positions, query_start_loc, seq_lens, page_tables, slots, logits_indices],
+        [
+            input_ids,
+            positions,
+            query_start_loc.astype(np.int32),
+            seq_lens.astype(np.int32),
+            page_tables.astype(np.int32),
+            slots,
+            logits_indices,
+        ],
         device,
     )
     meta = AttentionMetadata(
-        query_start_loc=qsl.to(torch.int32),
-        seq_lens=lens.to(torch.int32),
-        page_tables=tables.to(torch.int32),
+        query_start_loc=qsl,
+        seq_lens=lens,
+        page_tables=tables,
         slot_mapping=slot_mapping,
         max_query_len=int(query_lens.max()),
         max_seq_len=int(seq_lens.max()),
@@ -146,11 +156,12 @@ class PageArrays:
 
 
 class HostStaging:
-    """Moves a step's int64 arrays to the device in one copy: on CUDA they are packed into a
-    pinned buffer (two, used in turn, so a step's copy never races the next step's packing)
-    and sent with one non-blocking host-to-device copy; on the CPU they are wrapped, not
-    copied. (A pinned buffer is freed only once the copies from it are done: torch's host
-    allocator records them.)"""
+    """Moves a step's arrays to the device in one copy: on CUDA their bytes are packed into a
+    pinned buffer (two, used in turn, so a step's copy never races the next step's packing),
+    each at an 8-byte aligned offset, sent with one non-blocking host-to-device copy and viewed
+    there in each array's dtype and shape; on the CPU they are wrapped, not copied. (A pinned
+    buffer is freed only once the copies from it are done: torch's host allocator records
+    them.)"""
 
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor] = []
@@ -158,16 +169,33 @@ class HostStaging:
 
     def to_device(self, arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
         if device.type != "cuda":
-            return [torch.from_numpy(array).to(device) for array in arrays]
-        sizes = [array.size for array in arrays]
-        total = sum(sizes)
+            return [torch.from_numpy(array) for array in arrays]
+        return self.through_one_buffer(arrays, device, pinned=True)
+
+    def through_one_buffer(
+        self, arrays: list[np.ndarray], device: torch.device, pinned: bool
+    ) -> list[torch.Tensor]:
+        """The CUDA path: ``arrays`` packed into one host buffer and copied to ``device`` in
+        one go (the CPU is a ``device`` here only for tests, which cannot pin memory)."""
+        flat = [np.ascontiguousarray(array).reshape(-1).view(np.uint8) for array in arrays]
+        offsets, end = [], 0
+        for raw in flat:
+            offsets.append(end)
+            end += -(-raw.size // 8) * 8
         self._turn ^= 1
-        if len(self._buffers) < 2 or self._buffers[self._turn].numel() < total:
-            capacity = max(total, 1 << 14) * 2
-            self._buffers = [torch.empty(capacity, dtype=torch.long).pin_memory() for _ in "ab"]
+        if len(self._buffers) < 2 or self._buffers[self._turn].numel() < end:
+            capacity = max(end, 1 << 17) * 2
+            buffers = [torch.empty(capacity, dtype=torch.uint8) for _ in "ab"]
+            self._buffers = [b.pin_memory() for b in buffers] if pinned else buffers
         host = self._buffers[self._turn]
-        np.concatenate([array.ravel() for array in arrays], out=host.numpy()[:total])
-        packed = host[:total].to(device, non_blocking=True)
+        staged = host.numpy()
+        for raw, offset in zip(flat, offsets, strict=True):
+            staged[offset : offset + raw.size] = raw
+        packed = host[:end].to(device, non_blocking=True)
         return [
-            part.view(array.shape) for part, array in zip(packed.split(sizes), arrays, strict=True)
+            packed[offset : offset + raw.size].view(_TORCH_DTYPES[array.dtype]).view(array.shape)
+            for array, raw, offset in zip(arrays, flat, offsets, strict=True)
         ]
+
+
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
