@@ -1,0 +1,109 @@
+"""Where a CPU prefill step's time goes, part by part, on one pinned core.
+
+Wraps each part of the module path with a wall-clock timer (the GEMMs, attention, the KV store,
+the norms, RoPE, SiLU-and-multiply) and prints the fastest of a few steps of 512 and 2048 prompt
+tokens (256-token prompts, as ``benchmarks.step`` times them), each part's share of the step,
+and what is left (residual adds, Python per layer, embedding, head, sampling, bookkeeping).
+The C kernels run through ctypes and torch.profiler does not see them; these timers do.
+
+    python -m benchmarks.prefill_profile [--model PATH] [--core 0] [--repeats 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+from benchmarks.step import make_engine, prompts
+from common.model import llama
+from common.sampling_params import SamplingParams
+from kernels import cpu_backend, cpu_linear, cpu_ops
+
+# (owner, method, part): every call of the method counts toward the part.
+PARTS = (
+    (cpu_linear.CpuLinear, "forward", "GEMMs"),
+    (cpu_backend.CpuAttentionBackend, "attention", "attention"),
+    (cpu_backend.CpuAttentionBackend, "store_kv", "KV store"),
+    (cpu_ops.CpuRMSNorm, "forward", "RMSNorm"),
+    (cpu_ops.CpuRMSNorm, "add_and_norm", "residual add + RMSNorm"),
+    (cpu_ops.CpuRotaryApply, "forward", "RoPE"),
+    (cpu_ops.CpuSiluAndMul, "forward", "SiLU-and-multiply"),
+    (llama.LlamaForCausalLM, "forward", "model forward"),
+)
+
+
+@contextmanager
+def timed_parts(seconds: collections.Counter) -> Iterator[None]:
+    """Every PARTS method adds its wall time to ``seconds[part]`` while inside."""
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in PARTS]
+
+    def timer(method: Callable, part: str) -> Callable:
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                seconds[part] += time.perf_counter() - start
+
+        return run
+
+    for (owner, name, method), (_, _, part) in zip(originals, PARTS, strict=True):
+        setattr(owner, name, timer(method, part))
+    try:
+        yield
+    finally:
+        for owner, name, method in originals:
+            setattr(owner, name, method)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--core", type=int, default=0, help="the one core to pin to")
+    parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--kv-cache-memory", type=int, default=1 << 30)
+    args = parser.parse_args()
+    os.sched_setaffinity(0, {args.core})
+    torch.set_num_threads(1)
+    engine = make_engine(args, max_batched=2048, max_model_len=2048)
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    vocab = engine.model_config.vocab_size
+    seconds: collections.Counter = collections.Counter()
+    with torch.inference_mode(), timed_parts(seconds):
+        for num_tokens in (512, 2048):
+            best: tuple[float, dict[str, float]] | None = None
+            for repeat in range(args.repeats + 1):
+                # New prompts every step: a prompt seen before comes from the prefix cache.
+                for prompt in prompts(num_tokens // 256, 256, vocab, seed=7 * num_tokens + repeat):
+                    engine.add_request(prompt, params)
+                seconds.clear()
+                start = time.perf_counter()
+                engine.step()
+                step = time.perf_counter() - start
+                while engine.has_unfinished:
+                    engine.step()
+                if repeat and (best is None or step < best[0]):  # the first warms up
+                    best = (step, dict(seconds))
+            assert best is not None
+            step, parts = best
+            print(
+                f"prefill {num_tokens} tokens: {step * 1e3:.1f} ms ({num_tokens / step:.0f} tok/s)"
+            )
+            inside = parts.pop("model forward", 0.0)
+            for part, part_seconds in sorted(parts.items(), key=lambda item: -item[1]):
+                print(f"  {part:24s} {part_seconds * 1e3:8.1f} ms {part_seconds / step:6.1%}")
+            rest = inside - sum(parts.values())
+            print(f"  {'rest of the forward':24s} {rest * 1e3:8.1f} ms {rest / step:6.1%}")
+            outside = step - inside
+            print(f"  {'outside the forward':24s} {outside * 1e3:8.1f} ms {outside / step:6.1%}")
+
+
+if __name__ == "__main__":
+    main()
