@@ -22,7 +22,12 @@ from dataclasses import dataclass
 import torch
 
 from kernels import cpu_library
-from kernels.cpu_chunk_attention import chunk_attention_after_prefix
+from kernels.cpu_chunk_attention import (
+    WholePrompts,
+    chunk_attention_after_prefix,
+    whole_prompts,
+    whole_prompts_attention,
+)
 from kernels.interface import (
     FP8_DTYPE,
     INT8_DTYPE,
@@ -55,6 +60,10 @@ class CpuAttentionPlan(AttentionMetadata):
 
     short_seq_ids: torch.Tensor  # [num_short] int32, sequences for the C kernel
     long_chunks: tuple[tuple[int, int, int, int], ...]  # (seq, first row, end row, seq_len)
+    # Runs of long chunks that attend as one batch (whole prompts of one length), and the
+    # sequences they hold; the other long chunks attend one by one.
+    prompt_batches: tuple[WholePrompts, ...]
+    batched_seqs: frozenset[int]
     # The C kernel's per-step arguments (pointers into the int32 tensors below), built once.
     step_args: tuple
     int32_tensors: tuple[torch.Tensor, ...]
@@ -95,10 +104,13 @@ class CpuAttentionBackend(AttentionBackend):
             len(short),
         )
         fields = {name: getattr(meta, name) for name in AttentionMetadata.__dataclass_fields__}
+        batches = whole_prompts(tuple(long_chunks), meta.page_tables)
         return CpuAttentionPlan(
             **fields,
             short_seq_ids=short_ids,
             long_chunks=tuple(long_chunks),
+            prompt_batches=batches,
+            batched_seqs=frozenset(seq for batch in batches for seq in batch.seqs),
             step_args=step_args,
             int32_tensors=(tables, query_start_loc, lens),
         )
@@ -172,14 +184,30 @@ class CpuAttentionBackend(AttentionBackend):
         out = torch.empty(query.shape, dtype=io_dtype)
         if len(plan.short_seq_ids):
             self._attend_short(query.to(io_dtype), cache, plan, softmax_scale, out)
+        for batch in plan.prompt_batches:
+            rows = slice(batch.first_row, batch.end_row)
+            out[rows] = whole_prompts_attention(
+                self._long_rows(query, rows), cache, batch, softmax_scale
+            )
         for seq, start, end, seq_len in plan.long_chunks:
-            chunk = query[start:end]
-            if self._widen_long_chunks and chunk.dtype == torch.bfloat16:
-                chunk = chunk.float()  # the context is then gathered in float32 as well
+            if seq in plan.batched_seqs:
+                continue
             out[start:end] = chunk_attention_after_prefix(
-                chunk, cache, plan.page_tables[seq], seq_len, softmax_scale
+                self._long_rows(query, slice(start, end)),
+                cache,
+                plan.page_tables[seq],
+                seq_len,
+                softmax_scale,
             )
         return out.to(query.dtype)
+
+    def _long_rows(self, query: torch.Tensor, rows: slice) -> torch.Tensor:
+        """Query rows for SDPA, widened to float32 where that is its faster path (the context
+        is then gathered in float32 as well)."""
+        chunk = query[rows]
+        if self._widen_long_chunks and chunk.dtype == torch.bfloat16:
+            return chunk.float()
+        return chunk
 
     def _attend_short(
         self,

@@ -1,4 +1,5 @@
-"""A prefill chunk's attention after a cached prefix, in two SDPA calls merged by log-sum-exp.
+"""A prefill chunk's attention after a cached prefix, in two SDPA calls merged by log-sum-exp;
+whole prompts of one length side by side, in one.
 
 SDPA attends a chunk whose queries are the last rows of a longer context through an explicit
 lower-right causal mask, and its CPU kernel computes every masked score before it drops it: for a
@@ -12,9 +13,16 @@ The two partial outputs are each rounded to the query's dtype before the merge, 
 rounds differently from one SDPA call; ``kernels.reference.chunk_attention_reference`` is its
 twin, within the tolerance of one bf16 rounding. A chunk with no prefix is one call, the
 reference's very bits.
+
+Prompts that a step prefills whole, of one length and in consecutive rows (a batch of equal
+prompts), attend as one batch of SDPA: one gather and one call instead of a dozen small torch
+ops per prompt and layer, about 0.1 ms each (8 x 256 tokens on the Xeon: 4.4 -> 3.7 ms a layer).
+SDPA attends each batch entry alone, so the bits are the one-prompt calls'.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -59,3 +67,65 @@ def chunk_attention_after_prefix(
     merged = past.float() * torch.exp(past_lse - total)[..., None]
     merged += own.float() * torch.exp(own_lse - total)[..., None]
     return merged[0].transpose(0, 1).to(query.dtype)
+
+
+@dataclass(frozen=True)
+class WholePrompts:
+    """Prompts of ``length`` tokens, each prefilled whole in this step, in consecutive rows."""
+
+    first_row: int
+    num_prompts: int
+    length: int
+    seqs: tuple[int, ...]  # their sequences in the step
+    page_tables: torch.Tensor  # [num_prompts, max_pages_per_seq] int64, their rows
+
+    @property
+    def end_row(self) -> int:
+        return self.first_row + self.num_prompts * self.length
+
+
+def whole_prompts(
+    long_chunks: tuple[tuple[int, int, int, int], ...],  # (seq, first row, end row, seq_len)
+    page_tables: torch.Tensor,  # [num_seqs, max_pages_per_seq] int32
+) -> tuple[WholePrompts, ...]:
+    """The runs of two or more chunks that are whole prompts of one length in consecutive rows."""
+    runs: list[list[tuple[int, int, int, int]]] = []
+    for chunk in long_chunks:
+        _, start, end, seq_len = chunk
+        if seq_len != end - start:  # a cached prefix
+            continue
+        previous = runs[-1][-1] if runs else None
+        if previous is not None and previous[2] == start and previous[3] == seq_len:
+            runs[-1].append(chunk)
+        else:
+            runs.append([chunk])
+    groups = []
+    for run in runs:
+        if len(run) < 2:
+            continue
+        seqs = tuple(chunk[0] for chunk in run)
+        tables = page_tables[list(seqs)].long()
+        groups.append(WholePrompts(run[0][1], len(run), run[0][3], seqs, tables))
+    return tuple(groups)
+
+
+def whole_prompts_attention(
+    query: torch.Tensor,  # [num_prompts * length, num_heads, head_dim], the prompts' rows
+    cache: KVCacheView,
+    prompts: WholePrompts,
+    softmax_scale: float,
+) -> torch.Tensor:  # [num_prompts * length, num_heads, head_dim]
+    """Each prompt's causal attention over its own keys, the prompts as one SDPA batch."""
+    count, length = prompts.num_prompts, prompts.length
+    tables = prompts.page_tables[:, : ceil_div(length, cache.page_size)]
+    key, value = gather_context(cache, tables, query.dtype)
+    queries = query.view(count, length, *query.shape[1:]).transpose(1, 2)
+    attended = F.scaled_dot_product_attention(
+        queries,
+        key[:, :length].transpose(1, 2),
+        value[:, :length].transpose(1, 2),
+        is_causal=True,
+        scale=softmax_scale,
+        enable_gqa=True,
+    )  # [count, num_heads, length, head_dim]
+    return attended.transpose(1, 2).reshape(query.shape)

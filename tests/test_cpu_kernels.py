@@ -127,6 +127,39 @@ def test_a_chunk_after_a_prefix_attends_prefix_and_chunk_apart(
         assert (out.float() - one_call.float()).abs().max() <= 2 * 2**-7 * one_call.abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+@KV_DTYPES
+def test_whole_prompts_of_one_length_attend_as_one_batch(backend, dtype, kv_dtype) -> None:
+    """Runs of whole prompts of one length in consecutive rows attend as one SDPA batch; a
+    prompt of another length, a chunk after a prefix and short runs break the runs. Every row
+    is what attending its chunk alone gives, bit for bit, and the reference's within tolerance."""
+    kv_dtype = dtype if kv_dtype == "model" else kv_dtype
+    query_lens = [40, 40, 40, 3, 40, 40, 33, 30, 40]
+    seq_lens = [40, 40, 40, 20, 40, 40, 33, 70, 40]
+    batch = make_batch(query_lens, seq_lens, 3, 3, 64, dtype, kv_dtype)
+    scale = 0.125
+    plan = backend.plan(batch.meta)
+    runs = [(b.first_row, b.num_prompts, b.length, b.seqs) for b in plan.prompt_batches]
+    assert runs == [(0, 3, 40, (0, 1, 2)), (123, 2, 40, (4, 5))]
+    out = backend.attention(batch.query, batch.cache, plan, scale)
+    starts = batch.meta.query_start_loc.tolist()
+    for seq, (start, end) in enumerate(itertools.pairwise(starts)):
+        if end - start <= SHORT_QUERY_MAX:
+            continue
+        alone = AttentionMetadata(
+            query_start_loc=torch.tensor([0, end - start], dtype=torch.int32),
+            seq_lens=batch.meta.seq_lens[seq : seq + 1],
+            page_tables=batch.meta.page_tables[seq : seq + 1],
+            slot_mapping=batch.meta.slot_mapping[start:end],
+            max_query_len=end - start,
+            max_seq_len=seq_lens[seq],
+        )
+        expected = backend.attention(batch.query[start:end], batch.cache, alone, scale)
+        assert torch.equal(out[start:end], expected)
+    reference = paged_attention_reference(batch.query, batch.cache, batch.meta, scale)
+    torch.testing.assert_close(out.float(), reference.float(), **TOLERANCE[dtype])
+
+
 def test_int8_scale_codes_decode_as_in_the_twin(backend) -> None:
     """All 256 scale codes, one per sequence: over a one-token context the softmax weight is
     exactly 1, so a float32 output row is its value row dequantised, with no rounding in
