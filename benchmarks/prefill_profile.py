@@ -40,8 +40,9 @@ PARTS = (
 
 @contextmanager
 def timed_parts(seconds: collections.Counter) -> Iterator[None]:
-    """Every PARTS method adds its wall time to ``seconds[part]`` while inside."""
-    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in PARTS]
+    """Every PARTS method this tree has adds its wall time to ``seconds[part]`` while inside."""
+    parts = [(owner, name, part) for owner, name, part in PARTS if hasattr(owner, name)]
+    originals = [getattr(owner, name) for owner, name, _ in parts]
 
     def timer(method: Callable, part: str) -> Callable:
         def run(*args, **kwargs):
@@ -53,12 +54,12 @@ def timed_parts(seconds: collections.Counter) -> Iterator[None]:
 
         return run
 
-    for (owner, name, method), (_, _, part) in zip(originals, PARTS, strict=True):
+    for (owner, name, part), method in zip(parts, originals, strict=True):
         setattr(owner, name, timer(method, part))
     try:
         yield
     finally:
-        for owner, name, method in originals:
+        for (owner, name, _), method in zip(parts, originals, strict=True):
             setattr(owner, name, method)
 
 
