@@ -99,8 +99,8 @@ class Scheduler:
         scheduled: set[int] = set()
         # Decodes before prefill chunks: a decoding sequence's latency is what users feel. Two
         # passes over the running list in its own order: nothing is sorted or rebuilt per step.
-        decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
-        chunking = [s for s in self.running if s.num_tokens - s.num_computed_tokens != 1]
+        decoding = [s for s in self.running if len(s.token_ids) - s.num_computed_tokens == 1]
+        chunking = [s for s in self.running if len(s.token_ids) - s.num_computed_tokens != 1]
         slots: dict[int, int] = {}
         # Proposals only in steps of decodes alone. A prefill chunk already makes its step
         # compute-bound, so every extra row would cost full price there; and leaving such steps
@@ -126,8 +126,11 @@ class Scheduler:
                 num_new = min(left, max(0, min(budget, prompt_budget) - held_for_waiting))
             if num_new == 0:
                 continue
-            num_slots = min(slots.get(id(seq), 0), budget - num_new)
-            if not self._reserve_for_running(seq, num_new + num_slots, scheduled):
+            num_slots = min(slots.get(id(seq), 0), budget - num_new) if slots else 0
+            # Most steps a decoding sequence's next token lands in a page it holds already.
+            held = len(seq.page_ids) * self.page_size
+            needs_pages = seq.num_computed_tokens + num_new + num_slots > held
+            if needs_pages and not self._reserve_for_running(seq, num_new + num_slots, scheduled):
                 continue
             batch.append(ScheduledSequence.of(seq, num_new, num_slots))
             scheduled.add(id(seq))
@@ -191,7 +194,8 @@ class Scheduler:
             # the run has none yet.
             run = next(sampled_runs) if item.samples else ()
             seq.num_computed_tokens += item.num_new_tokens + max(0, len(run) - 1)
-            self._cache_full_pages(seq)
+            if seq.num_computed_tokens >= (len(seq.page_hashes) + 1) * self.page_size:
+                self._cache_full_pages(seq)  # a page was completed
             if not item.samples:
                 continue
             new_samples = []
