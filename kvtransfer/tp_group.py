@@ -281,7 +281,7 @@ class RankKV:
         for socket in endpoint.poll_sockets():
             poller.register(socket, zmq.POLLIN)
         busy = self.receiver is not None and self.receiver.progressing_silently()
-        poller.poll(1000 * (_BUSY_POLL_S if busy else _IDLE_POLL_S))
+        poller.poll(round(1000 * (_BUSY_POLL_S if busy else _IDLE_POLL_S)))
         with contextlib.suppress(BlockingIOError):  # woken by its sockets, not a command
             os.read(self._wake_read, 4096)
         while True:

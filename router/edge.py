@@ -108,7 +108,7 @@ class Edge:
             if int(declared) <= _DRAIN_MAX_BYTES:
                 await _drain(request, 0)
             raise _too_large(limit)
-        chunks = []
+        chunks: list[bytes] = []
         size = 0
         async for chunk in request.stream():
             size += len(chunk)

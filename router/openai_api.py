@@ -275,7 +275,7 @@ def refuse_with_beam_search(body: CompletionBody | ChatBody) -> None:
         raise BadRequest(
             f"length_penalty must be finite, got {body.length_penalty}", "length_penalty"
         )
-    neutral = {
+    neutral: dict[str, object] = {
         "prompt_logprobs": None,
         "presence_penalty": (None, 0),
         "frequency_penalty": (None, 0),

@@ -398,7 +398,7 @@ class LlamaForCausalLM(nn.Module):
                 norm = getattr(owner, name)
                 if norm is not None:
                     setattr(owner, name, make(norm.weight, norm.eps))
-        self.norm = make(self.norm.weight, self.norm.eps)
+        self.norm = make(cast(nn.Parameter, self.norm.weight), self.norm.eps)
 
     def _swap_in_cpu_ops(self) -> None:
         """bf16 RMSNorm, SiLU-and-multiply and RoPE as single C passes (``kernels/cpu_ops``)."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -106,7 +107,8 @@ class TensorParallel:
         assert self.group is not None, "a sharded model needs its process group"
         tensor = torch.tensor([value], dtype=torch.int64, device=device)
         options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.MIN
+        # torch's stubs give ReduceOp's members a type of their own (RedOpType).
+        options.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]
         self.group.allreduce([tensor], options).wait()
         return int(tensor.item())
 
@@ -144,9 +146,13 @@ def connect(
     """Join the group of ``size`` ranks whose rank 0 hosts the rendezvous on loopback ``port``
     (every rank calls this; rank 0's call serves the others)."""
     store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=COLLECTIVE_TIMEOUT)
+    # torch's stubs make each backend's group a class apart from ProcessGroup (and NCCL's
+    # options a required argument), though both serve every collective the model calls.
     group: dist.ProcessGroup
     if device.type == "cuda":
-        group = dist.ProcessGroupNCCL(dist.PrefixStore("tp", store), rank, size)
+        nccl = dist.ProcessGroupNCCL(dist.PrefixStore("tp", store), rank, size)  # type: ignore[call-arg]
+        group = cast(dist.ProcessGroup, nccl)
     else:
-        group = dist.ProcessGroupGloo(dist.PrefixStore("tp", store), rank, size, COLLECTIVE_TIMEOUT)
+        gloo = dist.ProcessGroupGloo(dist.PrefixStore("tp", store), rank, size, COLLECTIVE_TIMEOUT)
+        group = cast(dist.ProcessGroup, gloo)
     return TensorParallel(rank, size, group, deterministic, store)
