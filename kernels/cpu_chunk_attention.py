@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.interface import KVCacheView
-from kernels.reference import gather_context
+from kernels.reference import gather_context, sequence_context
 from kernels.sizes import ceil_div
 
 
@@ -40,13 +40,8 @@ def chunk_attention_after_prefix(
     softmax_scale: float,
 ) -> torch.Tensor:  # [q_len, num_heads, head_dim]
     """``chunk_attention_reference``'s result, the cached prefix and the chunk attended apart."""
-    q_len = query.shape[0]
-    prefix = seq_len - q_len
-    num_pages = ceil_div(seq_len, cache.page_size)
-    key, value = gather_context(cache, page_table[None, :num_pages].long(), query.dtype)
-    queries = query.transpose(0, 1)[None]  # [1, num_heads, q_len, head_dim]
-    keys = key[0, :seq_len].transpose(0, 1)[None]  # [1, num_kv_heads, seq_len, head_dim]
-    values = value[0, :seq_len].transpose(0, 1)[None]
+    prefix = seq_len - query.shape[0]
+    queries, keys, values = sequence_context(query, cache, page_table, seq_len)
     if prefix == 0:
         # The reference's own call: its lower-right mask of a square is SDPA's causal mask, which
         # this names directly, without the mask object's Python dispatch.
@@ -74,10 +69,13 @@ class WholePrompts:
     """Prompts of ``length`` tokens, each prefilled whole in this step, in consecutive rows."""
 
     first_row: int
-    num_prompts: int
     length: int
     seqs: tuple[int, ...]  # their sequences in the step
     page_tables: torch.Tensor  # [num_prompts, max_pages_per_seq] int64, their rows
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.seqs)
 
     @property
     def end_row(self) -> int:
@@ -105,7 +103,7 @@ def whole_prompts(
             continue
         seqs = tuple(chunk[0] for chunk in run)
         tables = page_tables[list(seqs)].long()
-        groups.append(WholePrompts(run[0][1], len(run), run[0][3], seqs, tables))
+        groups.append(WholePrompts(run[0][1], run[0][3], seqs, tables))
     return tuple(groups)
 
 

@@ -174,19 +174,34 @@ def chunk_attention_reference(
     softmax_scale: float,
 ) -> torch.Tensor:  # [q_len, num_heads, head_dim]
     """One sequence's chunk of queries over its context: SDPA over its gathered pages."""
-    q_len = query.shape[0]
-    num_pages = ceil_div(seq_len, cache.page_size)
-    key, value = gather_context(cache, page_table[None, :num_pages].long(), query.dtype)
+    queries, keys, values = sequence_context(query, cache, page_table, seq_len)
     # Lower-right causal alignment: the chunk's queries are the context's last q_len positions.
     attended = F.scaled_dot_product_attention(
-        query.transpose(0, 1)[None],
-        key[0, :seq_len].transpose(0, 1)[None],
-        value[0, :seq_len].transpose(0, 1)[None],
-        attn_mask=causal_lower_right(q_len, seq_len),
+        queries,
+        keys,
+        values,
+        attn_mask=causal_lower_right(query.shape[0], seq_len),
         scale=softmax_scale,
         enable_gqa=True,
     )
     return attended[0].transpose(0, 1)
+
+
+def sequence_context(
+    query: torch.Tensor,  # [q_len, num_heads, head_dim]
+    cache: KVCacheView,
+    page_table: torch.Tensor,  # [max_pages_per_seq] int
+    seq_len: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One sequence's queries and its ``seq_len`` keys and values gathered from its pages (in the
+    query's dtype), in SDPA's layout: [1, heads, length, head_dim] each."""
+    num_pages = ceil_div(seq_len, cache.page_size)
+    key, value = gather_context(cache, page_table[None, :num_pages].long(), query.dtype)
+    return (
+        query.transpose(0, 1)[None],
+        key[0, :seq_len].transpose(0, 1)[None],
+        value[0, :seq_len].transpose(0, 1)[None],
+    )
 
 
 class TorchAttentionBackend(AttentionBackend):

@@ -322,19 +322,18 @@ def _select(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
 def _edits_logits(row: SamplingRow) -> bool:
     """Whether sampling ``row`` edits its logits: a random pick (its noise race works in
     place), stop tokens banned until min_tokens, a logit bias or a penalty."""
-    return not row.params.is_greedy or _edits_logits_beyond_sampling(row)
-
-
-def _edits_logits_beyond_sampling(row: SamplingRow) -> bool:
-    """Stop tokens banned until min_tokens, a logit bias or a penalty."""
     p = row.params
-    return row.num_output_tokens < p.min_tokens or bool(p.logit_bias) or _has_penalties(p)
+    return (
+        not p.is_greedy
+        or row.num_output_tokens < p.min_tokens
+        or bool(p.logit_bias)
+        or _has_penalties(p)
+    )
 
 
 def _only_argmax(row: SamplingRow) -> bool:
     """Whether ``row``'s token is its logits' argmax and nothing else is asked of it."""
-    p = row.params
-    return p.temperature == 0 and p.logprobs is None and not _edits_logits_beyond_sampling(row)
+    return row.params.logprobs is None and not _edits_logits(row)
 
 
 def _has_penalties(p: SamplingParams) -> bool:
