@@ -10,7 +10,13 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from common.engine.batch import ForwardInputs, HostStaging, ScheduledSequence
+from common.engine.batch import (
+    ForwardInputs,
+    HostStaging,
+    PageTables,
+    ScheduledSequence,
+    flatten_runs,
+)
 from common.engine.kv_pool import KVPool, kv_layout
 from common.engine.model_runner import ModelRunner
 from common.engine.sequence import Sequence
@@ -153,6 +159,51 @@ def test_page_tables_follow_lists_that_grow_or_are_replaced_between_steps():
     assert inputs.meta.page_tables.tolist() == [[5, 12], [14, 15]]
     assert inputs.meta.slot_mapping.tolist() == [12 * PAGE, 15 * PAGE + 3]
     assert step(b).meta.page_tables.tolist() == [[14, 15]]  # a left the batch
+
+
+def test_a_step_of_decodes_alone_gives_what_its_token_runs_give():
+    """A step of decodes alone is built straight from its sequences; every input equals what
+    the general flattening makes of the same step's token runs."""
+    seqs = [
+        sequence("a", [1, 2, 3], generated=[4], computed=3, pages=[5]),
+        sequence("b", [1, 2, 3, 4, 5], generated=[6, 7, 8], computed=7, pages=[8, 9]),
+        sequence("c", [9] * 8, generated=[3], computed=8, pages=[2, 6, 11]),  # a fresh page
+    ]
+    batch = [ScheduledSequence.of(seq, 1) for seq in seqs]
+    fast = runner().prepare(batch, [[] for _ in seqs])
+    general = runner()
+    runs = general.token_runs(batch, [[] for _ in seqs])
+    slow = flatten_runs(runs, PAGE, torch.device("cpu"))
+    check_metadata(fast)
+    assert fast.input_ids.tolist() == slow.input_ids.tolist() == [4, 8, 3]
+    assert fast.positions.tolist() == slow.positions.tolist() == [3, 7, 8]
+    assert fast.logits_indices.tolist() == slow.logits_indices.tolist() == [0, 1, 2]
+    for name in ("query_start_loc", "seq_lens", "page_tables", "slot_mapping"):
+        assert torch.equal(getattr(fast.meta, name), getattr(slow.meta, name)), name
+    assert fast.meta.slot_mapping.tolist() == [5 * PAGE + 3, 9 * PAGE + 3, 11 * PAGE]
+    assert (fast.meta.max_query_len, fast.meta.max_seq_len) == (1, 9)
+
+
+def test_page_tables_reuse_rows_and_pad_with_zeros():
+    """Rows given back by sequences that left are taken by new ones with nothing of the old
+    pages showing past the new list's end; a list that shrank, or that comes twice in one
+    step, still reads as itself; the table grows past its first rows and width."""
+    tables = PageTables()
+    lists = [list(range(10 * i, 10 * i + i + 1)) for i in range(12)]  # 1 to 12 pages
+    expected = np.zeros((12, 12), np.int32)
+    for i, pages in enumerate(lists):
+        expected[i, : len(pages)] = pages
+    assert tables.gather(lists).tolist() == expected.tolist()
+    short = [7]
+    assert tables.gather([short, lists[11]]).tolist() == [[7] + [0] * 11, lists[11]]
+    lists[11].append(99)
+    lists[11][:] = lists[11][:3]  # shrank: held rows are not trusted past the list's length
+    assert tables.gather([lists[11], short, lists[11]]).tolist() == [
+        lists[11],
+        [7, 0, 0],
+        lists[11],
+    ]
+    assert tables.gather([]).shape == (0, 0)
 
 
 def test_one_buffer_carries_arrays_of_mixed_dtypes_and_shapes():

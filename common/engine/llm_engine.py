@@ -16,7 +16,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -361,8 +361,7 @@ class LLMEngine:
         the forward through ``around_forward``. Returns the batch and what each of its sampling
         sequences gained."""
         batch = self.scheduler.schedule()
-        with around_forward if around_forward is not None else nullcontext():
-            runs = self.runner.run(batch)
+        runs = self.runner.run(batch, around_forward)
         return batch, self.scheduler.postprocess(batch, runs)
 
     def step(self) -> list[RequestOutput]:

@@ -13,20 +13,28 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence as Seq
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
 from common.engine.batch import (
     ForwardInputs,
     HostStaging,
-    PageArrays,
+    PageTables,
     ScheduledSequence,
     TokenRun,
+    flatten_decodes,
     flatten_runs,
 )
 from common.engine.cuda_graphs import DecodeGraphs
 from common.engine.kv_pool import KVPool
-from common.engine.sampler import SampledToken, Sampler, SamplingRow, prompt_logprobs
+from common.engine.sampler import (
+    SampledToken,
+    Sampler,
+    SamplingRow,
+    plain_argmax,
+    prompt_logprobs,
+)
 from common.engine.speculative.speculator import Speculator
 from common.engine.tp_group import FollowerRanks
 from common.model.llama import LlamaForCausalLM
@@ -49,29 +57,58 @@ class ModelRunner:
         self.device = pool.device
         self.page_size = pool.layout.page_size
         self.staging = HostStaging()
-        self.page_arrays = PageArrays()
+        self.page_tables = PageTables()
         # Set by a tensor-parallel group's rank 0: the ranks that run each step beside it.
         self.followers: FollowerRanks | None = None
 
     @torch.inference_mode()
-    def run(self, batch: list[ScheduledSequence]) -> list[list[SampledToken]]:
+    def run(
+        self,
+        batch: list[ScheduledSequence],
+        around_forward: AbstractContextManager[object] | None = None,
+    ) -> list[list[SampledToken]]:
         """Forward ``batch``; returns, for each row whose ``samples`` is true, the run of tokens
-        it gains: the accepted proposals, then the target's own next token."""
+        it gains: the accepted proposals, then the target's own next token. ``around_forward``
+        is entered from the forward's launch to the sampled tokens' arrival, the span in which
+        the host has nothing of its own to do (a worker sends its previous step's output then)."""
         if not batch:
             return []
         proposals = (
             self.speculator.propose(batch) if self.speculator is not None else [[]] * len(batch)
         )
-        runs = self.token_runs(batch, proposals)
         if self.followers is not None:
-            self.followers.send_step(runs)
-        inputs = flatten_runs(runs, self.page_size, self.device, self.staging, self.page_arrays)
-        started = time.perf_counter()
-        logits = self.graphs.run(inputs) if self.graphs is not None else None
-        if logits is None:
-            logits = self.model(
-                inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices
-            )
+            self.followers.send_step(self.token_runs(batch, proposals))
+        inputs = self.prepare(batch, proposals)
+        decodes_alone = _decodes_alone(batch, proposals)
+        with around_forward if around_forward is not None else nullcontext():
+            started = time.perf_counter()
+            logits = self.graphs.run(inputs) if self.graphs is not None else None
+            if logits is None:
+                logits = self.model(
+                    inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices
+                )
+            if decodes_alone and all(
+                plain_argmax(item.seq.params, item.seq.num_output_tokens) for item in batch
+            ):
+                # The usual step: every row's token is its logits' argmax, nothing else asked.
+                sampled = self.sampler.argmax(logits)
+            else:
+                sampled = self._sample(batch, proposals, logits)
+        if not sampled:
+            return []
+        if self.speculator is None:
+            return [[sample] for sample in sampled]
+        if all(item.num_new_tokens == 1 for item in batch):
+            # What a decode step of this many rows costs: the speculator's price of a slot.
+            # (Not the proposing: a draft catching up on a prompt is a cost of that prompt.)
+            self.speculator.costs.observe(len(inputs.input_ids), time.perf_counter() - started)
+        return self.speculator.accept(batch, proposals, sampled)
+
+    def _sample(
+        self, batch: list[ScheduledSequence], proposals: Seq[Seq[int]], logits: torch.Tensor
+    ) -> list[SampledToken]:
+        """Score any prompt tokens due, then sample every sampling row: a sequence's next
+        token, after each of its proposals."""
         if any(item.seq.num_prompt_logprobs_due for item in batch):
             logits = self._score_prompts(batch, proposals, logits)
         rows: list[SamplingRow] = []
@@ -85,34 +122,31 @@ class ModelRunner:
                 rows.append(
                     SamplingRow(seq.params, seq.token_ids, seq.num_prompt_tokens, proposed[:j])
                 )
-        if not rows:
-            return []
-        sampled = self.sampler.sample(logits, rows)
-        if self.speculator is None:
-            return [[sample] for sample in sampled]
-        if all(item.num_new_tokens == 1 for item in batch):
-            # What a decode step of this many rows costs: the speculator's price of a slot.
-            # (Not the proposing: a draft catching up on a prompt is a cost of that prompt.)
-            self.speculator.costs.observe(len(inputs.input_ids), time.perf_counter() - started)
-        return self.speculator.accept(batch, proposals, sampled)
+        return self.sampler.sample(logits, rows) if rows else []
 
     @torch.inference_mode()
     def run_forward(self, runs: list[TokenRun]) -> None:
         """A tensor-parallel rank other than 0: the forward rank 0 runs over ``runs``, for its
         collectives and this rank's KV pages; the logits are rank 0's to sample."""
-        inputs = flatten_runs(runs, self.page_size, self.device, self.staging, self.page_arrays)
+        inputs = flatten_runs(runs, self.page_size, self.device, self.staging, self.page_tables)
         self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices)
 
     def prepare(self, batch: list[ScheduledSequence], proposals: Seq[Seq[int]]) -> ForwardInputs:
         """The forward's inputs: each sequence's next known tokens, then its proposals, with
         logits for every position from its last known token on (and, for prompt logprobs, for
-        the chunk's prompt positions before it)."""
+        the chunk's prompt positions before it). A step of decodes alone, the usual one, is
+        built straight from its sequences."""
+        if _decodes_alone(batch, proposals):
+            seqs = [item.seq for item in batch]
+            return flatten_decodes(
+                seqs, self.page_size, self.device, self.staging, self.page_tables
+            )
         return flatten_runs(
             self.token_runs(batch, proposals),
             self.page_size,
             self.device,
             self.staging,
-            self.page_arrays,
+            self.page_tables,
         )
 
     def token_runs(
@@ -151,6 +185,13 @@ class ModelRunner:
                 sampling_rows += range(row, row + 1 + len(proposed))
                 row += 1 + len(proposed)
         return logits[sampling_rows]
+
+
+def _decodes_alone(batch: list[ScheduledSequence], proposals: Seq[Seq[int]]) -> bool:
+    """Whether every sequence of the step feeds one token, its newest, and samples after it
+    (no prompt chunk, no proposal). Such a step scores no prompt token: a sequence's prompt
+    logprobs are all due before its last prompt position, whose logits sample."""
+    return not any(proposals) and all(item.num_new_tokens == 1 and item.samples for item in batch)
 
 
 def _prompt_positions_to_score(item: ScheduledSequence) -> tuple[int, int]:

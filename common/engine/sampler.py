@@ -153,10 +153,8 @@ class Sampler:
         if not rows:
             return []
         x = logits[:, : self.vocab_size]
-        if x.dtype == torch.float32 and all(_only_argmax(row) for row in rows):
-            # The usual decode step: every row greedy with nothing to report, ban, bias or
-            # penalise. One pass over the rows, one over the logits.
-            return [SampledToken(t, None, None) for t in argmax_rows(x).tolist()]
+        if all(plain_argmax(row.params, row.num_output_tokens) for row in rows):
+            return self.argmax(logits)
         # The steps below edit x in place: a float32 copy of the real vocabulary where any row
         # is edited, else (greedy rows with nothing to ban, bias or penalise) the float32
         # logits themselves, only read.
@@ -188,6 +186,15 @@ class Sampler:
         if raw_logprobs is not None:
             _fill_logprobs(results, params, want_logprobs, raw_logprobs, token_ids)
         return results
+
+    def argmax(self, logits: torch.Tensor) -> list[SampledToken]:
+        """Each row's argmax over the vocabulary, as ``sample`` gives it for rows whose params
+        are ``plain_argmax``: the usual decode step, one pass over the logits and no other
+        work. Logits in another dtype than float32 are read as ``sample`` reads them."""
+        x = logits[:, : self.vocab_size]
+        if x.dtype != torch.float32:
+            x = x.float()
+        return [SampledToken(t, None, None) for t in argmax_rows(x).tolist()]
 
     def _mask_stop_tokens(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         row_index: list[int] = []
@@ -331,9 +338,17 @@ def _edits_logits(row: SamplingRow) -> bool:
     )
 
 
-def _only_argmax(row: SamplingRow) -> bool:
-    """Whether ``row``'s token is its logits' argmax and nothing else is asked of it."""
-    return row.params.logprobs is None and not _edits_logits(row)
+def plain_argmax(params: SamplingParams, num_output_tokens: int) -> bool:
+    """Whether the next token of a sequence with ``params`` and ``num_output_tokens`` output
+    tokens so far is its logits' argmax and nothing else is asked of it: greedy, with nothing to
+    report, ban (min_tokens), bias or penalise."""
+    return (
+        params.is_greedy
+        and params.logprobs is None
+        and num_output_tokens >= params.min_tokens
+        and not params.logit_bias
+        and not _has_penalties(params)
+    )
 
 
 def _has_penalties(p: SamplingParams) -> bool:

@@ -99,8 +99,11 @@ class Scheduler:
         scheduled: set[int] = set()
         # Decodes before prefill chunks: a decoding sequence's latency is what users feel. Two
         # passes over the running list in its own order: nothing is sorted or rebuilt per step.
-        decoding = [s for s in self.running if len(s.token_ids) - s.num_computed_tokens == 1]
-        chunking = [s for s in self.running if len(s.token_ids) - s.num_computed_tokens != 1]
+        decoding: list[Sequence] = []
+        chunking: list[Sequence] = []
+        for seq in self.running:
+            is_decoding = len(seq.token_ids) - seq.num_computed_tokens == 1
+            (decoding if is_decoding else chunking).append(seq)
         slots: dict[int, int] = {}
         # Proposals only in steps of decodes alone. A prefill chunk already makes its step
         # compute-bound, so every extra row would cost full price there; and leaving such steps
@@ -132,7 +135,10 @@ class Scheduler:
             needs_pages = seq.num_computed_tokens + num_new + num_slots > held
             if needs_pages and not self._reserve_for_running(seq, num_new + num_slots, scheduled):
                 continue
-            batch.append(ScheduledSequence.of(seq, num_new, num_slots))
+            if left == 1:  # a decode reaches the end of its known tokens, so it samples
+                batch.append(ScheduledSequence(seq, 1, True, num_slots))
+            else:
+                batch.append(ScheduledSequence.of(seq, num_new, num_slots))
             scheduled.add(id(seq))
             budget -= num_new + num_slots
             if left != 1:
@@ -186,29 +192,33 @@ class Scheduler:
         up to the first token that stops it. Returns what each sampling sequence gained."""
         sampled_runs = iter(runs)
         outputs = []
+        page_size = self.page_size
         for item in batch:
             seq = item.seq
-            prompt_left = seq.num_prompt_tokens - seq.num_computed_tokens
-            self.num_prompt_tokens_computed += max(0, min(item.num_new_tokens, prompt_left))
+            num_new = item.num_new_tokens
+            computed = seq.num_computed_tokens
+            if computed < seq.num_prompt_tokens:
+                prompt_left = seq.num_prompt_tokens - computed
+                self.num_prompt_tokens_computed += min(num_new, prompt_left)
             # Each accepted proposal's KV was written by this step's forward; the last token of
             # the run has none yet.
             run = next(sampled_runs) if item.samples else ()
-            seq.num_computed_tokens += item.num_new_tokens + max(0, len(run) - 1)
-            if seq.num_computed_tokens >= (len(seq.page_hashes) + 1) * self.page_size:
+            computed += num_new + max(0, len(run) - 1)
+            seq.num_computed_tokens = computed
+            if computed >= (len(seq.page_hashes) + 1) * page_size:
                 self._cache_full_pages(seq)  # a page was completed
             if not item.samples:
                 continue
-            new_samples = []
             reason = None
-            for sample in run:
+            for count, sample in enumerate(run, 1):
                 seq.token_ids.append(sample.token_id)
                 seq.samples.append(sample)
-                new_samples.append(sample)
                 reason = self._stop_reason(seq, sample.token_id)
                 if reason is not None:
+                    run = run[:count]
                     break
             leaves = self._after_sampling(seq, reason)
-            outputs.append(SequenceOutput(seq, new_samples, leaves))
+            outputs.append(SequenceOutput(seq, list(run), leaves))
         assert next(sampled_runs, None) is None, "more sampled runs than sampling sequences"
         return outputs
 
@@ -297,9 +307,10 @@ class Scheduler:
             return FinishReason.STOP
         if token_id in params.stop_token_ids:
             return FinishReason.STOP
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        num_tokens = len(seq.token_ids)
+        if num_tokens - seq.num_prompt_tokens >= params.max_tokens:
             return FinishReason.LENGTH
-        return None
+        return FinishReason.LENGTH if num_tokens >= self.max_model_len else None
 
     def _free_pages(self, seq: Sequence) -> None:
         self.page_manager.free(seq.page_ids)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from common.engine.batch import HostStaging, PageArrays, TokenRun, flatten_runs
+from common.engine.batch import HostStaging, PageTables, TokenRun, flatten_runs
 from common.engine.kv_pool import KVPool
 from common.engine.sequence import Sequence
 from common.model.llama import LlamaForCausalLM
@@ -44,7 +44,7 @@ class DraftModelProposer:
         self.page_size = pool.layout.page_size
         self.device = pool.device
         self.staging = HostStaging()
-        self.page_arrays = PageArrays()
+        self.page_tables = PageTables()
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[list[int]]:
@@ -88,6 +88,6 @@ class DraftModelProposer:
                 proposals[i].append(token)
 
     def _greedy(self, runs: list[TokenRun]) -> list[int]:
-        inputs = flatten_runs(runs, self.page_size, self.device, self.staging, self.page_arrays)
+        inputs = flatten_runs(runs, self.page_size, self.device, self.staging, self.page_tables)
         logits = self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices)
         return argmax_rows(logits[:, : self.vocab_size]).tolist()
