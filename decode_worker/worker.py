@@ -150,6 +150,12 @@ class DecodeWorker(WorkerService):
                 self._drop(f"unexpected {type(msg).__name__} on the handoff socket")
         self.handoffs.poll()
 
+    def serve_during_step(self):
+        # A prompt's pages land while the forward runs, not between two steps, where copying
+        # them would hold up every decoding sequence's next token. What the fetches that ended
+        # mean for the batch is still decided here, between steps (poll_io).
+        return self.receiver.serve_transfers, self.receiver.transfer_sockets
+
     def extra_sockets(self) -> list:
         return [self.handoff_socket, *self.receiver.poll_sockets()]
 

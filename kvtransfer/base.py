@@ -153,9 +153,10 @@ class KVReceiver(ABC):
     """Decode side: fetches published pages into this worker's pool.
 
     Constructed as ``Receiver(pool, engine_id)``: registers the pool for incoming pages;
-    ``engine_id`` names this worker to senders. Owned and called by one thread, the decode
-    worker's main loop. It never blocks. It writes only to the destination pages of fetches in
-    progress.
+    ``engine_id`` names this worker to senders. Owned and called by the decode worker's main
+    loop, and, while that loop is inside a step, by its step helper (``serve_transfers`` only):
+    never by both at once. It never blocks. It writes only to the destination pages of fetches
+    in progress, which no step reads.
     """
 
     backend: str  # the registry name; start_fetch refuses params of another backend
@@ -194,6 +195,18 @@ class KVReceiver(ABC):
         Like ``KVSender.poll_sockets``; the list changes as senders come and go, so ask again
         before each wait.
         """
+
+    @abstractmethod
+    def serve_transfers(self) -> None:
+        """The part of ``poll`` that moves pages: read what senders sent, put pages in place,
+        answer them, keeping the fetches that end for ``poll`` to return. Called by the decode
+        worker's step helper while a step runs, when ``transfer_sockets`` have traffic, so a
+        prompt's pages land beside the forward instead of between two steps."""
+
+    def transfer_sockets(self) -> list:
+        """The sockets whose traffic ``serve_transfers`` reads, all of it: asked afresh at each
+        step's start and after each serve (none: nothing to serve)."""
+        return []
 
     def progressing_silently(self) -> bool:
         """Whether a fetch is moving without traffic on ``poll_sockets`` (a NIXL READ carried

@@ -178,10 +178,7 @@ class SideChannelReceiver(KVReceiver):
             self._request(fetch)
 
     def poll(self) -> list[TransferResult]:
-        for peer in list(self._peers.values()):
-            for incoming in peer.channel.receive():
-                self._dispatch(peer, incoming)
-        self._progress()
+        self.serve_transfers()
         now = time.monotonic()
         for fetch in list(self._fetches.values()):
             if now >= fetch.deadline and fetch.state != DRAINING:
@@ -191,8 +188,17 @@ class SideChannelReceiver(KVReceiver):
         results, self._results = self._results, []
         return results
 
+    def serve_transfers(self) -> None:
+        for peer in list(self._peers.values()):
+            for incoming in peer.channel.receive():
+                self._dispatch(peer, incoming)
+        self._progress()
+
     def poll_sockets(self) -> list:
         return [peer.channel.socket for peer in self._peers.values()]
+
+    def transfer_sockets(self) -> list:
+        return self.poll_sockets()
 
     def abort(self, transfer_id: str) -> None:
         fetch = self._fetches.get(transfer_id)

@@ -528,9 +528,17 @@ class GroupReceiver(KVReceiver):
             results.append(self._end(group))
         return results
 
+    def serve_transfers(self) -> None:
+        # This rank's own reads; the other ranks move their shares in their own processes, and
+        # their reports wait for poll.
+        self._own.serve_transfers()
+
     def poll_sockets(self) -> list:
         pipes = self._followers.report_pipes if self._followers is not None else []
         return [*self._own.poll_sockets(), *pipes]
+
+    def transfer_sockets(self) -> list:
+        return self._own.transfer_sockets()
 
     def progressing_silently(self) -> bool:
         return self._own.progressing_silently()

@@ -66,6 +66,9 @@ class FakeSender(KVSender):
     def serve_requests(self) -> None:
         pass
 
+    def serve_transfers(self) -> None:
+        """Nothing moves by itself: a fetch ends when the test completes or fails it."""
+
     def poll_sockets(self) -> list:
         return []
 
@@ -131,6 +134,9 @@ class FakeReceiver(KVReceiver):
     def poll(self) -> list[TransferResult]:
         ended, self._ended = self._ended, []
         return ended
+
+    def serve_transfers(self) -> None:
+        """Nothing moves by itself: a fetch ends when the test completes or fails it."""
 
     def poll_sockets(self) -> list:
         return []

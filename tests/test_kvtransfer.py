@@ -188,6 +188,35 @@ def test_fetch_copies_pages_exactly(senders, receivers, spec):
         senders.wait_released(spec, transfer_id, timeout=10)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_serve_transfers_lands_pages_and_leaves_the_result_for_poll(senders, receivers, backend):
+    """What a decode worker's step helper calls while a step runs: the handshake, the request
+    and the pages all move through ``serve_transfers`` alone, on the sockets
+    ``transfer_sockets`` names, and the fetch's end waits for the main loop's ``poll``."""
+    spec = f"{backend}:bf16"
+    receiver, expected = receivers(spec), expected_pool(spec)
+    src, dst = [7, 1, 8], [20, 2, 6]
+    transfer_id = f"served-{spec}"
+    params, _ = senders.publish(spec, transfer_id, src, lease=30)
+    receiver.pool.data.zero_()
+    receiver.start_fetch(transfer_id, params, dst, timeout=20)
+    assert receiver.transfer_sockets()  # the sender's socket, to wake the helper on
+    deadline = time.monotonic() + 20
+    while True:  # until the sender hears the pages are in place
+        assert time.monotonic() < deadline, "the pages did not arrive"
+        receiver.serve_transfers()
+        try:
+            senders.wait_released(spec, transfer_id, timeout=0.01)
+            break
+        except queue.Empty:
+            pass
+    for s, d in zip(src, dst, strict=True):
+        assert torch.equal(receiver.pool.page_bytes(d), expected.page_bytes(s))
+    [result] = receiver.poll()
+    assert (result.transfer_id, result.ok, result.num_pages) == (transfer_id, True, len(src))
+    assert receiver.poll() == []
+
+
 @needs_nixl
 def test_page_runs():
     from kvtransfer.nixl_backend import page_runs

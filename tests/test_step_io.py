@@ -99,6 +99,36 @@ def test_a_failing_serve_does_not_stop_the_helper() -> None:
         context.term()
 
 
+def test_sockets_asked_afresh_come_and_go_between_steps(caplog) -> None:
+    """A decode worker's senders come and go: the sockets to serve are asked for at each step's
+    start. A socket that appears is served in the next step; one that ``serve`` closes (a peer
+    dropped) is polled no more, with no error."""
+    context = zmq.Context()
+    server, client = socket_pair(context)
+    current: list[zmq.Socket] = []
+    served = threading.Event()
+
+    def serve() -> None:
+        assert server.recv(zmq.NOBLOCK) == b"pages"
+        server.close()
+        served.set()
+
+    step_io = StepIO(serve, lambda: current)
+    try:
+        client.send(b"pages")
+        with step_io:  # no sockets yet: nothing is served
+            assert not served.wait(0.2)
+        current.append(server)
+        with step_io:
+            assert served.wait(DEADLINE_S)
+            time.sleep(0.2)  # the helper goes on polling, without the closed socket
+        assert "failed" not in caplog.text
+    finally:
+        step_io.close()
+        client.close()
+        context.term()
+
+
 def test_pulses_go_on_inside_a_long_step_only() -> None:
     """A worker's heartbeat rides on ``pulse``: it must keep beating while a step runs, however
     long, and leave the link to the main loop outside steps. Without sockets to serve, the

@@ -8,7 +8,7 @@ the router whenever a step outlasted the heartbeat timeout. ``StepIO`` hands bot
 thread for the duration of a step:
 
     with step_io:        # the main loop calls nothing the helper touches until the block ends
-        runner.run(batch)
+        logits = forward(inputs)  # the forward and the sampling of a step
 
 The helper sleeps in ``zmq.Poller`` on the sockets (no GIL held, so the step's kernels are not
 slowed) and calls ``serve`` when one has traffic, and ``pulse`` (which sends a heartbeat when one
@@ -40,7 +40,7 @@ class StepIO:
     def __init__(
         self,
         serve: Callable[[], None] | None,
-        sockets: list[zmq.Socket],
+        sockets: list[zmq.Socket] | Callable[[], list[zmq.Socket]],
         pulse: Callable[[], None] | None = None,
         pulse_now: Callable[[], bool] | None = None,
     ) -> None:
@@ -49,18 +49,25 @@ class StepIO:
         # Whether the pulse has work at a step's start (output to send): then the helper is
         # woken to do it beside the forward instead of at its next timer.
         self._pulse_now = pulse_now
-        self._sockets = list(sockets)
-        self._poller = zmq.Poller()
-        for sock in self._sockets:
-            self._poller.register(sock, zmq.POLLIN)
+        # The sockets whose traffic calls for ``serve``: a fixed list, or asked afresh at each
+        # step's start and after each serve (a decode worker's senders come and go). Only the
+        # thread inside the step asks: the main loop at its start, then the helper.
+        if callable(sockets):
+            self._sockets_of = sockets
+        else:
+            fixed = list(sockets)
+            self._sockets_of = lambda: fixed
         # A step's end writes a byte here to cut the helper's poll short.
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
+        self._poller = zmq.Poller()
         self._poller.register(self._wake_read, zmq.POLLIN)
+        self._polled: list[zmq.Socket] = []  # the sockets registered beside the pipe
         self._state = threading.Condition()
         self._active = False  # the main loop is inside a step
-        self._busy = False  # the helper is polling or serving
+        self._serving = False  # this step has sockets to serve: the helper polls them
+        self._busy = False  # the helper is polling, serving or pulsing
         self._closed = False
         # Set at a step's start that has output to send: the helper pulses at once. A flag, not
         # only a notify, so a start that comes while the helper is not yet waiting is not lost.
@@ -69,12 +76,14 @@ class StepIO:
         self._thread.start()
 
     def __enter__(self) -> StepIO:
+        serving = self._serve is not None and bool(self._sockets_of())
         with self._state:
             self._active = True
+            self._serving = serving
             # Traffic may be waiting now, or output to send; plain pulses wait for the timer.
             if self._pulse_now is not None and self._pulse_now():
                 self._pulse_due = True
-            if self._sockets or self._pulse_due:
+            if serving or self._pulse_due:
                 self._state.notify_all()
         return self
 
@@ -82,7 +91,7 @@ class StepIO:
         with self._state:
             self._active = False
             if self._busy:
-                if self._sockets:  # the helper is in its poll: cut it short
+                if self._serving:  # the helper may be in its poll: cut it short
                     with contextlib.suppress(BlockingIOError):  # full: a wake-up is there
                         os.write(self._wake_write, b"\0")
                 while self._busy:
@@ -100,34 +109,47 @@ class StepIO:
     def _run(self) -> None:
         while True:
             with self._state:
-                if self._sockets:
-                    while not (self._active or self._closed):
-                        self._state.wait()
-                else:
-                    # Nothing to poll: wake for pulses only, on the timer.
-                    if not self._pulse_due:
-                        self._state.wait(_PULSE_S)
-                self._pulse_due = False
+                if not (self._active and (self._serving or self._pulse_due)):
+                    # Nothing to do at once: wake for the pulse timer, or a step's start that
+                    # brings sockets to serve or output to send.
+                    self._state.wait(_PULSE_S)
+                pulse_first, self._pulse_due = self._pulse_due, False
                 if self._closed:
                     return
                 if not self._active:
                     continue
+                serving = self._serving
                 self._busy = True
             try:
-                if self._sockets:
-                    ready = dict(self._poller.poll(_POLL_MS))
-                    if ready.pop(self._wake_read, None):
-                        self._drain_wake_ups()
-                    if ready and self._serve is not None:
-                        self._serve()
-                if self._pulse is not None:
-                    self._pulse()
+                if self._pulse is not None and (pulse_first or not serving):
+                    self._pulse()  # output waiting goes out before anything else
+                if serving:
+                    self._poll_and_serve()
+                    if self._pulse is not None:
+                        self._pulse()
             except Exception:  # a socket error must not kill the helper; the loop sees it too
                 logger.exception("serving sockets during a step failed")
             finally:
                 with self._state:
                     self._busy = False
                     self._state.notify_all()
+
+    def _poll_and_serve(self) -> None:
+        """Poll this step's sockets (and the wake-up pipe) once; serve any traffic."""
+        assert self._serve is not None
+        sockets = [sock for sock in self._sockets_of() if not sock.closed]
+        if sockets != self._polled:
+            for sock in self._polled:
+                with contextlib.suppress(KeyError):
+                    self._poller.unregister(sock)
+            for sock in sockets:
+                self._poller.register(sock, zmq.POLLIN)
+            self._polled = sockets
+        ready = dict(self._poller.poll(_POLL_MS))
+        if ready.pop(self._wake_read, None):
+            self._drain_wake_ups()
+        if ready:
+            self._serve()
 
     def _drain_wake_ups(self) -> None:
         with contextlib.suppress(BlockingIOError):

@@ -215,10 +215,13 @@ class WorkerService(ABC):
         ends when none are left."""
         return len(self.scheduler.running) + len(self.scheduler.waiting) + self.num_pending()
 
-    def serve_during_step(self) -> tuple[Callable[[], None], list] | None:
+    def serve_during_step(
+        self,
+    ) -> tuple[Callable[[], None], list | Callable[[], list]] | None:
         """What a helper thread should serve while a step runs (``common/service/step_io``):
         a function that answers peers without touching the engine, and the sockets whose
-        traffic calls for it; None if the role's sockets can wait for the step's end."""
+        traffic calls for it (a list, or a function giving the list of the moment); None if
+        the role's sockets can wait for the step's end."""
         return None
 
     def io_in_flight(self) -> bool:
