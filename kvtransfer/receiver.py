@@ -198,7 +198,9 @@ class SideChannelReceiver(KVReceiver):
         return [peer.channel.socket for peer in self._peers.values()]
 
     def transfer_sockets(self) -> list:
-        return self.poll_sockets()
+        # Only senders with fetches in flight: an idle sender's socket (a late answer to an
+        # ended fetch) can wait for poll, and a step with no fetches wakes no helper at all.
+        return [peer.channel.socket for peer in self._peers.values() if peer.fetches]
 
     def abort(self, transfer_id: str) -> None:
         fetch = self._fetches.get(transfer_id)

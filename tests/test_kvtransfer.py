@@ -215,6 +215,7 @@ def test_serve_transfers_lands_pages_and_leaves_the_result_for_poll(senders, rec
     [result] = receiver.poll()
     assert (result.transfer_id, result.ok, result.num_pages) == (transfer_id, True, len(src))
     assert receiver.poll() == []
+    assert receiver.transfer_sockets() == []  # no fetch in flight: no helper woken for it
 
 
 @needs_nixl
