@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
 import sys
@@ -11,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from common.cluster_auth import add_insecure_flag, secret_for_binding
+from common.startup_objects import startup_objects_frozen
 from router.app import create_app
 from router.config import RouterConfig
 from router.http_protocol import with_read_deadline
@@ -297,17 +297,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pdserve router: {exc}", file=sys.stderr)
         return 2
     app = create_app(config, text)
-    # The tokenizer's imports leave a few hundred thousand long-lived objects; a full collection
-    # walks them all (some 0.2 s, a stall for every request in flight). They live as long as the
-    # process, so they are moved out of the collector's reach.
-    gc.collect()
-    gc.freeze()
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        access_log=False,
-        http=with_read_deadline(args.request_read_timeout),
-    )
+    with startup_objects_frozen():  # the tokenizer's imports: no collection walks them again
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            access_log=False,
+            http=with_read_deadline(args.request_read_timeout),
+        )
     return 0

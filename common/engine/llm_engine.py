@@ -54,6 +54,7 @@ from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
 from common.model.parallel import TensorParallel, check_shardable, connect
 from common.sampling_params import SamplingParams
+from common.startup_objects import startup_objects_frozen
 from kernels.interface import FP8_DTYPE, INT8_DTYPE
 from kernels.registry import get_attention_backend
 
@@ -410,4 +411,5 @@ def _serve_as_rank(
         level=logging.INFO, format=f"%(asctime)s tp-rank-{rank} %(levelname)s %(message)s"
     )
     engine = LLMEngine(config, role, tp_rank=rank, tp_port=port)
-    serve_steps(pipe, engine.runner.run_forward, FollowerRank(rank, engine.pool, pipe))
+    with startup_objects_frozen():  # a collection's stall here stalls the whole group's step
+        serve_steps(pipe, engine.runner.run_forward, FollowerRank(rank, engine.pool, pipe))

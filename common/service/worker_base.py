@@ -63,6 +63,7 @@ from common.service.drain import Drain, add_drain_args
 from common.service.health import Probes, serve_worker_http
 from common.service.router_link import RouterLink
 from common.service.step_io import StepIO
+from common.startup_objects import startup_objects_frozen
 from kvtransfer.ucx_interface import pin_ucx_to_host
 
 logger = logging.getLogger(__name__)
@@ -466,7 +467,8 @@ def run_worker(
         logging.getLogger(prog).error("%s", exc)
         return 2
     try:
-        worker.serve()
+        with startup_objects_frozen():  # the imports and the model: no collection walks them
+            worker.serve()
     except KeyboardInterrupt:
         pass
     except (ValueError, RuntimeError) as exc:
