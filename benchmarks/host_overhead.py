@@ -45,6 +45,7 @@ from common.protocol import (
     TokenDeltas,
 )
 from common.sampling_params import SamplingParams
+from common.startup_objects import startup_objects_frozen
 from decode_worker.worker import DecodeWorker, build_parser
 from kernels.cpu_ops import argmax_rows
 
@@ -242,20 +243,22 @@ def main() -> int:
         forward = NoOpForward(max(batch_sizes), args.vocab, args.forward_ms / 1e3)
         worker.engine.runner.model = forward
         try:
-            for batch in batch_sizes:
-                ids = start_batch(worker, router, batch, args.prompt_len)
-                ms = time_steps(worker, args.steps)
-                reading = time_logits_read(forward.logits[:batch], args.steps)
-                host = ms - reading - args.forward_ms
-                wait = f", {args.forward_ms:g} the forward's wait" if args.forward_ms else ""
-                print(
-                    f"batch {batch}: {ms:.3f} ms/step ({reading:.3f} of it the greedy argmax "
-                    f"over {batch} x {args.vocab} logits, device work on a GPU{wait}: host "
-                    f"{host:.3f})",
-                    flush=True,
-                )
-                for request_id in ids:
-                    worker.scheduler.abort(request_id)
+            # As in a worker process (run_worker): start-up's objects out of the collector's way.
+            with startup_objects_frozen():
+                for batch in batch_sizes:
+                    ids = start_batch(worker, router, batch, args.prompt_len)
+                    ms = time_steps(worker, args.steps)
+                    reading = time_logits_read(forward.logits[:batch], args.steps)
+                    host = ms - reading - args.forward_ms
+                    wait = f", {args.forward_ms:g} the forward's wait" if args.forward_ms else ""
+                    print(
+                        f"batch {batch}: {ms:.3f} ms/step ({reading:.3f} of it the greedy argmax "
+                        f"over {batch} x {args.vocab} logits, device work on a GPU{wait}: host "
+                        f"{host:.3f})",
+                        flush=True,
+                    )
+                    for request_id in ids:
+                        worker.scheduler.abort(request_id)
         finally:
             worker.close()
             router.close()
