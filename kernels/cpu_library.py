@@ -53,6 +53,12 @@ BF16_TILES = {"fma": 0, "dpbf16": 1, "amx": 2}
 # FMAs. vdpbf16ps ran no faster than AVX-512 FMAs on a Xeon (Sapphire Rapids issues one a
 # cycle, FMAs two), so it is taken only when asked for, on processors where it pays.
 ENV_BF16_TILES = "PDSERVE_CPU_BF16_TILES"
+# "1": decode attention scores bf16 queries over bf16 pages with vdpbf16ps where the processor
+# has AVX512_BF16 (kernels/cpu/paged_attention.c), a rounding path of its own. Off by default:
+# on a 2-core AMX Xeon it ran no faster than the widening FMAs (the pages' reads, not the
+# products, bound decode attention there); for processors where bf16 pairs pay. Every process
+# of a machine reads the same setting, so they round alike (the deterministic mode included).
+ENV_BF16_PAIR_SCORES = "PDSERVE_CPU_BF16_PAIR_SCORES"
 
 
 class CpuKernelsUnavailable(RuntimeError):
@@ -151,7 +157,20 @@ def _load_once() -> ctypes.CDLL | CpuKernelsUnavailable:
     _declare(library)
     library.pdserve_init()
     library.pdserve_use_bf16_tiles(BF16_TILES[_default_bf16_tiles(library)])
+    library.pdserve_use_bf16_pair_scores(int(_pair_scores_wanted(library)))
     return library
+
+
+def _pair_scores_wanted(library: ctypes.CDLL) -> bool:
+    """Whether ``ENV_BF16_PAIR_SCORES`` asks for bf16 pair scores and this machine has them."""
+    if os.environ.get(ENV_BF16_PAIR_SCORES, "") != "1":
+        return False
+    if library.pdserve_bf16_pair_scores_available():
+        return True
+    logger.error(
+        "%s=1: this processor has no AVX512_BF16; scoring in float32", ENV_BF16_PAIR_SCORES
+    )
+    return False
 
 
 def _default_bf16_tiles(library: ctypes.CDLL) -> str:
@@ -195,6 +214,24 @@ def running_bf16_tiles(name: str):
         yield
     finally:
         library.pdserve_use_bf16_tiles(previous)
+
+
+def bf16_pair_scores_available() -> bool:
+    return bool(load().pdserve_bf16_pair_scores_available())
+
+
+@contextlib.contextmanager
+def running_bf16_pair_scores(on: bool):
+    """Score decode attention with bf16 pairs (``on``) or widened float32 inside the block
+    (tests and benchmarks that compare the two in one process)."""
+    library = load()
+    previous = library.pdserve_bf16_pair_scores()
+    if library.pdserve_use_bf16_pair_scores(int(on)) != 0:
+        raise ValueError("this processor has no AVX512_BF16 to score bf16 pairs with")
+    try:
+        yield
+    finally:
+        library.pdserve_use_bf16_pair_scores(previous)
 
 
 def available() -> bool:
@@ -274,6 +311,14 @@ def _declare(library: ctypes.CDLL) -> None:
     library.pdserve_use_bf16_tiles.restype = ctypes.c_int
     library.pdserve_bf16_tiles.argtypes = []
     library.pdserve_bf16_tiles.restype = ctypes.c_int
+    library.pdserve_bf16_pair_scores_available.argtypes = []
+    library.pdserve_bf16_pair_scores_available.restype = ctypes.c_int
+    library.pdserve_use_bf16_pair_scores.argtypes = [i32]
+    library.pdserve_use_bf16_pair_scores.restype = ctypes.c_int
+    library.pdserve_bf16_pair_scores.argtypes = []
+    library.pdserve_bf16_pair_scores.restype = ctypes.c_int
+    library.pdserve_bf16_pair_scores_of.argtypes = [ptr, ptr, i64, i32, i32, f32, ptr]
+    library.pdserve_bf16_pair_scores_of.restype = ctypes.c_int
     library.pdserve_store_kv.argtypes = [
         ptr, i64, ptr, i64, ptr, ptr,  # key, its row stride, value, its row stride, caches
         i64, i64, i64, i32, i32,  # page, token, head strides; element bytes; page size

@@ -212,3 +212,27 @@ class TorchAttentionBackend(AttentionBackend):
 
     def attention(self, query, cache, meta, softmax_scale) -> torch.Tensor:
         return paged_attention_reference(query, cache, meta, softmax_scale)
+
+
+def bf16_pair_scores(
+    query: torch.Tensor,  # [head_dim] bf16
+    keys: torch.Tensor,  # [T, head_dim] bf16
+    softmax_scale: float,
+) -> torch.Tensor:  # [T] float32
+    """The CPU attention's scores over bf16 pages where it multiplies bf16 pairs (vdpbf16ps,
+    ``kernels/cpu/paged_attention.c``), bit for bit: lane i of each 32-value chunk adds the
+    product of elements 2i+1, then that of 2i, chunk after chunk (each product exact in
+    float32, each add rounded); lanes 4k..4k+3 sum as (l0 + l2) + (l1 + l3) into four block
+    sums, which sum as (b0 + b1) + (b2 + b3); the sum is multiplied by the scale. (The
+    instruction reads and writes denormals as zero, which this twin does not: its tests keep
+    away from them.)"""
+    head_dim = query.shape[-1]
+    products = (query.float() * keys.float()).view(-1, head_dim // 32, 16, 2)
+    lanes = torch.zeros(keys.shape[0], 16)
+    for chunk in range(head_dim // 32):
+        lanes = lanes + products[:, chunk, :, 1]
+        lanes = lanes + products[:, chunk, :, 0]
+    blocks = lanes.view(-1, 4, 4)
+    block_sums = (blocks[..., 0] + blocks[..., 2]) + (blocks[..., 1] + blocks[..., 3])
+    total = (block_sums[:, 0] + block_sums[:, 1]) + (block_sums[:, 2] + block_sums[:, 3])
+    return total * softmax_scale

@@ -34,7 +34,12 @@ from kernels.cpu_linear import (
 )
 from kernels.cpu_ops import CpuRMSNorm, CpuRotaryApply, CpuSiluAndMul, argmax_rows
 from kernels.interface import INT8_DTYPE, INT8_SCALE_DTYPE, AttentionMetadata
-from kernels.reference import int8_scale, paged_attention_reference, store_kv_reference
+from kernels.reference import (
+    bf16_pair_scores,
+    int8_scale,
+    paged_attention_reference,
+    store_kv_reference,
+)
 from kernels.registry import get_attention_backend
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path's kernels")
@@ -67,6 +72,18 @@ def bf16_tiles(request, backend) -> str:
         yield request.param
 
 
+@pytest.fixture(params=[False, True], ids=["scores=f32", "scores=bf16-pairs"])
+def pair_scores(request, backend) -> bool:
+    """Decode attention's two ways of scoring bf16 queries over bf16 pages (widened float32
+    FMAs; bf16 pairs, where the processor has AVX512_BF16), for the test's whole body."""
+    if request.param and not cpu_library.bf16_pair_scores_available():
+        pytest.skip("this processor has no AVX512_BF16")
+    if request.param and request.node.callspec.params.get("dtype") == torch.float32:
+        pytest.skip("float32 queries are scored in float32 either way")
+    with cpu_library.running_bf16_pair_scores(request.param):
+        yield request.param
+
+
 # ---------------------------------------------------------------------------------------------
 # Attention
 
@@ -86,7 +103,7 @@ def bf16_tiles(request, backend) -> str:
     ids=["decode", "short-runs", "mixed"],
 )
 def test_attention_matches_reference(
-    backend, dtype, kv_dtype, num_kv_heads, group, head_dim, query_lens, seq_lens
+    backend, pair_scores, dtype, kv_dtype, num_kv_heads, group, head_dim, query_lens, seq_lens
 ) -> None:
     kv_dtype = dtype if kv_dtype == "model" else kv_dtype
     batch = make_batch(query_lens, seq_lens, num_kv_heads, group, head_dim, dtype, kv_dtype)
@@ -209,13 +226,14 @@ def test_plan_splits_short_runs_from_long_chunks(backend) -> None:
     "num_kv_heads, group, head_dim", [(3, 3, 64), (2, 2, 32), (1, 4, 80), (1, 5, 128)]
 )
 def test_deterministic_attention_gives_a_position_the_same_bits_however_it_is_batched(
-    backend, dtype, kv_dtype, num_kv_heads, group, head_dim
+    backend, pair_scores, dtype, kv_dtype, num_kv_heads, group, head_dim
 ) -> None:
     """A token's attention output depends on its position and the context before it, never on
     how the step around it was cut: one 75-row prefill, decode rows one by one, or chunks of
     other sizes (a chunk after a cached prefix, a run of one, runs longer than a row tile). On
     AVX2 and AVX-512, short runs over bf16 pages read them in place and long ones through a
-    buffer: both are checked against each other here."""
+    buffer: both are checked against each other here, as are bf16 pair scores, which every
+    run length takes."""
     deterministic = CpuAttentionBackend(deterministic=True)
     batch = make_batch([75], [75], num_kv_heads, group, head_dim, dtype,
                        dtype if kv_dtype == "model" else kv_dtype)  # fmt: skip
@@ -239,6 +257,35 @@ def test_deterministic_attention_gives_a_position_the_same_bits_however_it_is_ba
         paged_attention_reference(batch.query, batch.cache, batch.meta, scale).float(),
         **TOLERANCE[dtype],
     )
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+def test_bf16_pair_scores_are_their_twins_bit_for_bit(backend, head_dim) -> None:
+    """vdpbf16ps's scores against kernels/reference.py's bf16_pair_scores: keys rows apart as
+    in a page (the row stride wider than a head), a count that ends inside a group of eight,
+    a softmax scale that is not a power of two."""
+    if not cpu_library.bf16_pair_scores_available():
+        pytest.skip("this processor has no AVX512_BF16")
+    generator = torch.Generator().manual_seed(head_dim)
+    query = torch.randn(head_dim, generator=generator).to(torch.bfloat16)
+    rows = torch.randn(27, 3 * head_dim, generator=generator).to(torch.bfloat16)
+    keys = rows[:, head_dim : 2 * head_dim]
+    scores = torch.full((27,), float("nan"))
+    status = cpu_library.load().pdserve_bf16_pair_scores_of(
+        query.data_ptr(), keys.data_ptr(), rows.stride(0), 27, head_dim, 0.3, scores.data_ptr()
+    )
+    assert status == 0
+    assert torch.equal(scores, bf16_pair_scores(query, keys, 0.3))
+    # The order is the products' own: the plain float32 dot product differs in its last bits.
+    torch.testing.assert_close(scores, (keys.float() @ query.float()) * 0.3, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_pair_scores_are_taken_only_where_asked_for_and_available(monkeypatch) -> None:
+    library = cpu_library.load()
+    monkeypatch.delenv(cpu_library.ENV_BF16_PAIR_SCORES, raising=False)
+    assert not cpu_library._pair_scores_wanted(library)
+    monkeypatch.setenv(cpu_library.ENV_BF16_PAIR_SCORES, "1")
+    assert cpu_library._pair_scores_wanted(library) == cpu_library.bf16_pair_scores_available()
 
 
 def test_attention_reads_query_views_of_a_fused_projection(backend) -> None:

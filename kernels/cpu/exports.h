@@ -28,6 +28,13 @@ enum bf16_tiles_kind { BF16_TILES_FMA = 0, BF16_TILES_DPBF16 = 1, BF16_TILES_AMX
 int pdserve_bf16_tiles_available(int kind);
 int pdserve_use_bf16_tiles(int kind);
 int pdserve_bf16_tiles(void);
+/* Whether attention scores bf16 queries over bf16 pages with vdpbf16ps (paged_attention.c):
+ * available where the processor has AVX512_BF16, on there unless switched off. */
+int pdserve_bf16_pair_scores_available(void);
+int pdserve_use_bf16_pair_scores(int on);
+int pdserve_bf16_pair_scores(void);
+int pdserve_bf16_pair_scores_of(const uint16_t *query, const uint16_t *rows, int64_t row_stride,
+                                int count, int head_dim, float scale, float *scores);
 int pdserve_linear_bf16_pairs(const uint16_t *x, int64_t x_stride, const uint32_t *packed,
                               const float *bias, uint16_t *y, int64_t y_stride, int M, int N,
                               int K, int num_threads);

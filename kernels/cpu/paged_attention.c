@@ -40,10 +40,13 @@
 /* Query rows of one sequence attended together: one tile's scores stay small, and tiles of a long
  * prefill chunk spread over the threads. */
 #define ROW_TILE 16
-/* Pages of a sequence requested ahead of the one being read (a Zen 3 core over SmolLM2's pages,
- * 8 x 1024 tokens: 2 to 4 ahead, a part at a time, read 20% faster than one page ahead at once;
- * 8 ahead is slower again). */
-#define PAGES_AHEAD 4
+/* Pages requested ahead of the one being read, in two steps: into L2 PAGES_TO_L2 ahead, then
+ * into L1 PAGES_TO_L1 ahead, a part at a time. A Zen 3 core over SmolLM2's pages (8 x 1024
+ * tokens) read 20% faster with 2 to 4 ahead into L1 than with one page ahead at once, and 8 ahead
+ * was slower again; on a 2-core AMX Xeon the two steps (10 into L2, then 1 into L1) read 5-10%
+ * faster than 4 into L1 alone (benchmarks/cpu_decode_attention.py, 8 and 32 x 256 and x 1024). */
+#define PAGES_TO_L2 10
+#define PAGES_TO_L1 1
 /* Keys scored at a time: the widest vector's lane count. The row buffer holds a page rounded up
  * to it, so the last group of a page is always a full one. */
 #if defined(__AVX512F__)
@@ -185,25 +188,56 @@ static inline float kv_scale(const kv_cache *cache, const void *scales, int64_t 
     return scale;
 }
 
-/* Pull part `part` of `parts` of a page of one layer's keys or values toward the core: pages sit
- * anywhere in the pool, so no hardware prefetcher sees the next one coming. A page is requested a
- * part at a time between pieces of work, not at once: a whole page's lines in one burst fill the
- * core's queue of loads, and the work waits behind them. */
-static inline void prefetch_page_part(const kv_cache *cache, const void *base, int64_t page,
-                                      int part, int parts) {
+/* Pull part `part` of `parts` of a page of one layer's keys or values toward the core, into L1
+ * (`to_l1`) or L2: pages sit anywhere in the pool, so no hardware prefetcher sees the next one
+ * coming. A page is requested a part at a time between pieces of work, not at once: a whole
+ * page's lines in one burst fill the core's queue of loads, and the work waits behind them.
+ * Always inlined, as are its callers: gcc takes a function that only prefetches for one without
+ * effects, and drops its calls. */
+static inline __attribute__((always_inline)) void prefetch_page_part(const kv_cache *cache,
+                                                                    const void *base,
+                                                                    int64_t page, int part,
+                                                                    int parts, int to_l1) {
     const char *start = kv_address(cache, base, page, 0, 0);
     const int64_t lines =
         (cache->page_size * cache->token_stride * (int64_t)element_size(cache->dtype) + 63) / 64;
-    for (int64_t line = lines * part / parts; line < lines * (part + 1) / parts; line++)
-        __builtin_prefetch(start + 64 * line, 0, 3);
+    for (int64_t line = lines * part / parts; line < lines * (part + 1) / parts; line++) {
+        if (to_l1)
+            __builtin_prefetch(start + 64 * line, 0, 3);
+        else
+            __builtin_prefetch(start + 64 * line, 0, 2);
+    }
 }
 
-/* The first PAGES_AHEAD pages of a sequence's keys or values, before its pass over them. */
-static inline void prefetch_first_pages(const kv_cache *cache, const void *base,
-                                        const int32_t *page_table, int seq_len) {
-    for (int first = 0; first < seq_len && first < PAGES_AHEAD * cache->page_size;
-         first += cache->page_size)
-        prefetch_page_part(cache, base, page_table[first / cache->page_size], 0, 1);
+/* Pages read one after another: one pass over a sequence's keys or over its values. */
+typedef struct {
+    const void *base; /* kv_cache's key or value */
+    const int32_t *page_table;
+    int num_pages;
+} page_run;
+
+/* prefetch_page_part of page `index` of the stream of pages that reads `now` and then `then`.
+ * A call's passes are requested as one stream (a sequence's keys, its values, the next work
+ * item's keys, ...), so a pass starts on pages already requested instead of requesting its
+ * first ones as it starts. */
+static inline __attribute__((always_inline)) void prefetch_stream_part(
+    const kv_cache *cache, const page_run *now, const page_run *then, int index, int part,
+    int parts, int to_l1) {
+    if (index < now->num_pages)
+        prefetch_page_part(cache, now->base, now->page_table[index], part, parts, to_l1);
+    else if (index - now->num_pages < then->num_pages)
+        prefetch_page_part(cache, then->base, then->page_table[index - now->num_pages], part,
+                           parts, to_l1);
+}
+
+/* The two requests ahead of page `index` of a pass over `now` (then `then`): part `part` of
+ * the page PAGES_TO_L2 ahead into L2 and of the page PAGES_TO_L1 ahead into L1. */
+static inline __attribute__((always_inline)) void prefetch_ahead(const kv_cache *cache,
+                                                                 const page_run *now,
+                                                                 const page_run *then, int index,
+                                                                 int part, int parts) {
+    prefetch_stream_part(cache, now, then, index + PAGES_TO_L2, part, parts, 0);
+    prefetch_stream_part(cache, now, then, index + PAGES_TO_L1, part, parts, 1);
 }
 
 /* Sums in 8 fixed lanes (element i into lane i % 8) and then a fixed tree: the compiler may
@@ -613,6 +647,96 @@ static inline __attribute__((always_inline)) void weigh_bf16_rows(
 }
 #endif
 
+#ifdef __AVX512BF16__
+#define HAVE_BF16_PAIR_SCORES 1
+/* Scores of bf16 queries over bf16 keys with vdpbf16ps, two products per lane and no widening:
+ * lane i of a 32-value chunk adds q[2i+1] k[2i+1], then q[2i] k[2i] (each product exact, each
+ * add rounded to float32, denormals read and written as zero), chunk after chunk; the 16 lanes
+ * then go through sum16's tree and the sum is multiplied by the softmax scale. That is another
+ * order than the widening path's (16-lane chunks of FMAs over scaled queries), so it is a
+ * rounding path of its own, with its own twin (kernels/reference.py's bf16_pair_scores); every
+ * query row takes it, whatever its run's length, so a position's bits stay the same however a
+ * step is batched. Off unless asked for: on a 2-core AMX Xeon (SmolLM2's heads) it changed
+ * nothing measurable, cached pages or not, since the kernel's time there is not in the score
+ * products; it is here for processors whose FMAs are the slower half (an AVX-512 BF16 EPYC). */
+#define PAIR_SCORE_MAX_DIM 256
+static int bf16_pair_scores_on = 0; /* kernels/cpu_library.py's ENV_BF16_PAIR_SCORES */
+
+int pdserve_bf16_pair_scores_available(void) { return 1; }
+
+int pdserve_use_bf16_pair_scores(int on) {
+    bf16_pair_scores_on = on != 0;
+    return 0;
+}
+
+int pdserve_bf16_pair_scores(void) { return bf16_pair_scores_on; }
+
+/* scores[v][t] = scale * (q[v] . rows[t]) for `n` <= ROW_SET bf16 query vectors over `count`
+ * bf16 rows `row_stride` elements apart, eight keys at a time. The last eight keys of a page
+ * repeat its last row where it has fewer, and those scores are dropped. */
+static inline __attribute__((always_inline)) void score_bf16_pairs(
+    const uint16_t *const q[ROW_SET], const int n, const uint16_t *rows, int64_t row_stride,
+    int count, const int head_dim, float scale, float *const scores[ROW_SET]) {
+    const int chunks = head_dim / 32;
+    const __m512 scale16 = _mm512_set1_ps(scale);
+    for (int first = 0; first < count; first += 8) {
+        __m512 partial[ROW_SET][8];
+        for (int t = 0; t < 8; t++) {
+            const uint16_t *row = rows + (first + t < count ? first + t : count - 1) * row_stride;
+            for (int v = 0; v < n; v++) partial[v][t] = _mm512_setzero_ps();
+            for (int c = 0; c < chunks; c++) {
+                const __m512bh key = (__m512bh)_mm512_loadu_si512(row + 32 * c);
+                for (int v = 0; v < n; v++)
+                    partial[v][t] = _mm512_dpbf16_ps(
+                        partial[v][t], (__m512bh)_mm512_loadu_si512(q[v] + 32 * c), key);
+            }
+        }
+        const int kept = count - first < 8 ? count - first : 8;
+        float group[16];
+        for (int v = 0; v < n; v++) {
+            _mm512_storeu_ps(group, _mm512_mul_ps(sum16_first8(partial[v]), scale16));
+            memcpy(scores[v] + first, group, (size_t)kept * sizeof(float));
+        }
+    }
+}
+
+/* score_bf16_pairs with the common sizes as constants. */
+static void bf16_pair_score_set(const uint16_t *const q[ROW_SET], const int n,
+                                const uint16_t *rows, int64_t row_stride, int count,
+                                const int head_dim, float scale, float *const scores[ROW_SET]) {
+#define PAIR_CASE(sets, dim)                                                                   \
+    if (n == sets && head_dim == dim) {                                                        \
+        score_bf16_pairs(q, sets, rows, row_stride, count, dim, scale, scores);               \
+        return;                                                                                \
+    }
+    PAIR_CASE(1, 64) PAIR_CASE(2, 64) PAIR_CASE(3, 64)
+    PAIR_CASE(1, 128) PAIR_CASE(2, 128) PAIR_CASE(3, 128)
+#undef PAIR_CASE
+    score_bf16_pairs(q, n, rows, row_stride, count, head_dim, scale, scores);
+}
+
+/* Test entry: scores of one bf16 query vector over `count` bf16 rows as attention computes them
+ * on this path. Returns -1 where the processor lacks it or the head size does not fit. */
+int pdserve_bf16_pair_scores_of(const uint16_t *query, const uint16_t *rows, int64_t row_stride,
+                                int count, int head_dim, float scale, float *scores) {
+    if (head_dim % 32 != 0 || head_dim > PAIR_SCORE_MAX_DIM) return -1;
+    const uint16_t *q[ROW_SET] = {query};
+    float *out[ROW_SET] = {scores};
+    bf16_pair_score_set(q, 1, rows, row_stride, count, head_dim, scale, out);
+    return 0;
+}
+#else
+int pdserve_bf16_pair_scores_available(void) { return 0; }
+int pdserve_use_bf16_pair_scores(int on) { return on ? -1 : 0; }
+int pdserve_bf16_pair_scores(void) { return 0; }
+int pdserve_bf16_pair_scores_of(const uint16_t *query, const uint16_t *rows, int64_t row_stride,
+                                int count, int head_dim, float scale, float *scores) {
+    (void)query, (void)rows, (void)row_stride, (void)count, (void)head_dim, (void)scale;
+    (void)scores;
+    return -1;
+}
+#endif
+
 #ifdef HAVE_BF16_ROW_SETS
 /* A page's `count` key rows (`is_value` 0) of one KV head scored against the `n` query vectors
  * of a set into outputs[v], or its first `count` value rows weighted by the scores in
@@ -657,7 +781,8 @@ static inline __attribute__((always_inline)) void load_page_rows(const kv_cache 
 static inline __attribute__((always_inline)) void attend_sequence(
     const char *query, int64_t query_row_stride, char *out, int64_t out_row_stride, int io_dtype,
     const kv_cache *cache, const int32_t *page_table, int seq_len, int q_len, int num_heads,
-    int num_kv_heads, int head_dim, float softmax_scale, float *scratch) {
+    int num_kv_heads, int head_dim, float softmax_scale, const page_run *next_keys,
+    int first_pages_requested, float *scratch) {
     const size_t io_size = element_size(io_dtype);
     const int group = num_heads / num_kv_heads;
     const int num_vectors = q_len * num_heads; /* vector v: row v / num_heads, head v % num_heads */
@@ -666,6 +791,12 @@ static inline __attribute__((always_inline)) void attend_sequence(
     float *restrict acc = queries + (size_t)num_vectors * head_dim; /* [num_vectors, head_dim] */
     float *restrict rows = acc + (size_t)num_vectors * head_dim; /* [page_rows(), head_dim] */
     float *restrict scores = rows + (size_t)page_rows(page_size) * head_dim; /* [vectors, len] */
+#ifdef HAVE_BF16_PAIR_SCORES
+    /* bf16 queries over bf16 pages: scored in pairs, for every run length alike. */
+    const int pair_scores = bf16_pair_scores_on && cache->dtype == KV_BF16 &&
+                            io_dtype == KV_BF16 && head_dim % 32 == 0 &&
+                            head_dim <= PAIR_SCORE_MAX_DIM;
+#endif
 #ifdef HAVE_BF16_ROW_SETS
     /* bf16 pages are read in place, each row widened in registers for the vectors of a set. */
     const int bf16_rows =
@@ -675,6 +806,9 @@ static inline __attribute__((always_inline)) void attend_sequence(
 
     for (int j = 0; j < q_len; j++)
         for (int head = 0; head < num_heads; head++) {
+#ifdef HAVE_BF16_PAIR_SCORES
+            if (pair_scores) break; /* read in place */
+#endif
             float *dst = queries + (size_t)(j * num_heads + head) * head_dim;
             load_row(query + (j * query_row_stride + head * head_dim) * io_size, io_dtype, 1.0f,
                      head_dim, dst);
@@ -682,15 +816,37 @@ static inline __attribute__((always_inline)) void attend_sequence(
         }
 
     /* Pass 1: scores of every vector over the whole context (causality is applied below). */
-    prefetch_first_pages(cache, cache->key, page_table, seq_len);
+    const int num_pages = (seq_len + page_size - 1) / page_size;
+    const page_run key_run = {cache->key, page_table, num_pages};
+    const page_run value_run = {cache->value, page_table, num_pages};
+    if (!first_pages_requested)
+        for (int index = 0; index < PAGES_TO_L2; index++)
+            prefetch_stream_part(cache, &key_run, &value_run, index, 0, 1, index < PAGES_TO_L1);
     for (int first = 0; first < seq_len; first += page_size) {
         const int64_t page = page_table[first / page_size];
         const int count = seq_len - first < page_size ? seq_len - first : page_size;
         for (int kv_head = 0; kv_head < num_kv_heads; kv_head++) {
-            if (first + PAGES_AHEAD * page_size < seq_len)
-                prefetch_page_part(cache, cache->key,
-                                   page_table[first / page_size + PAGES_AHEAD], kv_head,
-                                   num_kv_heads);
+            prefetch_ahead(cache, &key_run, &value_run, first / page_size, kv_head, num_kv_heads);
+#ifdef HAVE_BF16_PAIR_SCORES
+            if (pair_scores) {
+                const uint16_t *keys = kv_address(cache, cache->key, page, 0, kv_head);
+                for (int j = 0; j < q_len; j++)
+                    for (int g = 0; g < group; g += ROW_SET) {
+                        const int n = group - g < ROW_SET ? group - g : ROW_SET;
+                        const uint16_t *vectors[ROW_SET];
+                        float *outputs[ROW_SET];
+                        for (int v = 0; v < n; v++) {
+                            const int head = kv_head * group + g + v;
+                            vectors[v] = (const uint16_t *)query +
+                                         j * query_row_stride + head * head_dim;
+                            outputs[v] = scores + (size_t)(j * num_heads + head) * seq_len + first;
+                        }
+                        bf16_pair_score_set(vectors, n, keys, cache->token_stride, count,
+                                            head_dim, softmax_scale, outputs);
+                    }
+                continue;
+            }
+#endif
 #ifdef HAVE_BF16_ROW_SETS
             if (bf16_rows) {
                 const uint16_t *keys = kv_address(cache, cache->key, page, 0, kv_head);
@@ -743,18 +899,15 @@ static inline __attribute__((always_inline)) void attend_sequence(
         for (int t = 0; t < visible; t++) s[t] *= inverse;
     }
 
-    prefetch_first_pages(cache, cache->value, page_table, seq_len);
     /* Pass 2: every value row once per page and head, weighted into each vector of the head in
-     * position order, up to the vector's own position. */
+     * position order, up to the vector's own position (its first pages were requested by pass
+     * 1's last ones). */
     memset(acc, 0, (size_t)num_vectors * head_dim * sizeof(float));
     for (int first = 0; first < seq_len; first += page_size) {
         const int64_t page = page_table[first / page_size];
         const int count = seq_len - first < page_size ? seq_len - first : page_size;
         for (int kv_head = 0; kv_head < num_kv_heads; kv_head++) {
-            if (first + PAGES_AHEAD * page_size < seq_len)
-                prefetch_page_part(cache, cache->value,
-                                   page_table[first / page_size + PAGES_AHEAD], kv_head,
-                                   num_kv_heads);
+            prefetch_ahead(cache, &value_run, next_keys, first / page_size, kv_head, num_kv_heads);
 #ifdef HAVE_BF16_ROW_SETS
             if (bf16_rows) {
                 const uint16_t *values = kv_address(cache, cache->value, page, 0, kv_head);
@@ -806,12 +959,13 @@ static void attend_sequence_any(const char *query, int64_t query_row_stride, cha
                                 int64_t out_row_stride, int io_dtype, const kv_cache *cache,
                                 const int32_t *page_table, int seq_len, int q_len, int num_heads,
                                 int num_kv_heads, int head_dim, float softmax_scale,
+                                const page_run *next_keys, int first_pages_requested,
                                 float *scratch) {
 #define HEAD_DIM_CASE(dim)                                                                     \
     case dim:                                                                                  \
         attend_sequence(query, query_row_stride, out, out_row_stride, io_dtype, cache,         \
                         page_table, seq_len, q_len, num_heads, num_kv_heads, dim,             \
-                        softmax_scale, scratch);                                               \
+                        softmax_scale, next_keys, first_pages_requested, scratch);            \
         return;
     switch (head_dim) {
         HEAD_DIM_CASE(64)
@@ -819,7 +973,18 @@ static void attend_sequence_any(const char *query, int64_t query_row_stride, cha
     }
 #undef HEAD_DIM_CASE
     attend_sequence(query, query_row_stride, out, out_row_stride, io_dtype, cache, page_table,
-                    seq_len, q_len, num_heads, num_kv_heads, head_dim, softmax_scale, scratch);
+                    seq_len, q_len, num_heads, num_kv_heads, head_dim, softmax_scale, next_keys,
+                    first_pages_requested, scratch);
+}
+
+/* The context a work item (a sequence, the first of its rows) attends: its tile of ROW_TILE
+ * rows (or fewer, at the run's end) sees up to the tile's last row and no further. */
+static inline int item_len(const int32_t item[2], const int32_t *query_start_loc,
+                           const int32_t *seq_lens) {
+    const int s = item[0], row = item[1];
+    const int q_len = query_start_loc[s + 1] - query_start_loc[s];
+    const int rows = q_len - row < ROW_TILE ? q_len - row : ROW_TILE;
+    return seq_lens[s] - q_len + row + rows;
 }
 
 /* Attend the query rows of sequences `seq_ids[0 .. num_listed)`.
@@ -878,20 +1043,33 @@ int pdserve_paged_attention(const void *query, int64_t query_row_stride, void *o
 #pragma omp atomic write
             failed = 1;
         }
+        /* The item this thread attended last: where it is the one before, this item's first
+         * pages were requested at the end of that one. */
+        int previous = -2;
         /* Every thread reaches the worksharing loop, with or without its scratch. */
 #pragma omp for schedule(dynamic, 1)
         for (int n = 0; n < num_items; n++) {
             if (!scratch) continue;
             const int s = items[2 * n], row = items[2 * n + 1];
-            const int start = query_start_loc[s], q_len = query_start_loc[s + 1] - start;
-            const int rows = q_len - row < ROW_TILE ? q_len - row : ROW_TILE;
-            /* The tile's last row sees the context up to its own position and no further. */
-            const int tile_len = seq_lens[s] - q_len + row + rows;
+            const int start = query_start_loc[s];
+            page_run next_keys = {key, NULL, 0};
+            if (n + 1 < num_items) {
+                const int next = items[2 * n + 2];
+                next_keys.page_table = page_tables + next * page_table_stride;
+                next_keys.num_pages =
+                    (item_len(items + 2 * n + 2, query_start_loc, seq_lens) + page_size - 1) /
+                    page_size;
+            }
+            const int rows = query_start_loc[s + 1] - start - row < ROW_TILE
+                                 ? query_start_loc[s + 1] - start - row
+                                 : ROW_TILE;
             attend_sequence_any(
                 (const char *)query + (start + row) * query_row_stride * io_size,
                 query_row_stride, (char *)out + (start + row) * out_row_stride * io_size,
-                out_row_stride, io_dtype, &cache, page_tables + s * page_table_stride, tile_len,
-                rows, num_heads, num_kv_heads, head_dim, softmax_scale, scratch);
+                out_row_stride, io_dtype, &cache, page_tables + s * page_table_stride,
+                item_len(items + 2 * n, query_start_loc, seq_lens), rows, num_heads,
+                num_kv_heads, head_dim, softmax_scale, &next_keys, n == previous + 1, scratch);
+            previous = n;
         }
         free(scratch);
     }
