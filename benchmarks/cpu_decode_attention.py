@@ -8,6 +8,7 @@ calls alone. It prints milliseconds per step (all layers) and the rate at which 
 read, beside the rate at which this core reads a plain buffer (measured in the same run).
 
     python -m benchmarks.cpu_decode_attention [--core 0] [--kv-cache-dtype bf16|int8|fp8]
+        [--bf16-pair-scores]   # bf16 pages scored with vdpbf16ps (AVX512_BF16 processors)
 
 Shapes are SmolLM2-135M's (30 layers, 9 query heads over 3 KV heads of 64) unless given.
 """
@@ -22,6 +23,7 @@ import time
 import torch
 
 from benchmarks.step import weight_read_floor
+from kernels import cpu_library
 from kernels.cpu_backend import CpuAttentionBackend
 from kernels.interface import FP8_DTYPE, INT8_DTYPE, SCALE_DTYPES, AttentionMetadata, KVCacheView
 from kernels.sizes import ceil_div
@@ -81,7 +83,13 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--weight-mb", type=int, default=270, help="weights streamed per step")
     parser.add_argument("--repeats", type=int, default=8)
+    parser.add_argument("--bf16-pair-scores", action="store_true", help="score with vdpbf16ps")
     args = parser.parse_args()
+    with cpu_library.running_bf16_pair_scores(args.bf16_pair_scores):
+        run(args)
+
+
+def run(args) -> None:
     os.sched_setaffinity(0, {args.core})
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -100,6 +108,7 @@ def main() -> None:
     print(
         f"{args.layers} layers, {args.heads} query heads over {args.kv_heads} KV heads of "
         f"{args.head_dim}, {args.kv_cache_dtype} pages of {PAGE_SIZE}; one core (#{args.core})"
+        + ("; bf16 pair scores" if args.bf16_pair_scores else "")
     )
     print(f"memory read rate: {memory_rate / 1e9:.1f} GB/s")
     print()
