@@ -51,9 +51,11 @@ def test_greedy_tokens_equal_the_engine_without_speculation(cluster, expected):
     assert result.usage.completion_tokens == MAX_TOKENS
     assert result.choices[0].finish_reason == "length"
     accepted = worker_metric(base, "decode", "pdserve_spec_decode_accepted_tokens_total")
-    # The decode worker's first step knows nothing of what rows cost yet, so it verifies all
-    # four proposals (later steps weigh them against measured step times).
-    assert accepted - before >= 4
+    # Proposals went through the stack and were accepted: the decode worker's first step, with
+    # no step measured yet, verifies one whatever the machine's load. (How many later steps
+    # verify is weighed against measured step times, which a loaded machine skews: runs of
+    # several tokens are checked in one process, tests/test_speculative.py.)
+    assert accepted - before >= 1
 
 
 def test_stop_string_inside_a_run_cuts_text_and_usage_at_its_token(cluster, expected):
