@@ -362,8 +362,9 @@ def _plan_path(linears: list[CpuLinear]) -> Path:
     for linear in linears:
         digest.update(f"{linear.out_features}x{linear.in_features};".encode())
     # The kernels a plan chooses between: a plan probed before bf16's BLAS competed, or with
-    # another bf16 tile kernel, is stale.
-    kernels = (PROBE_ROWS, FLOAT32_BLAS, BF16_BLAS, cpu_library.bf16_tiles())
+    # another bf16 tile kernel, is stale; so is one timed by wall clock, which a busy machine's
+    # waits for a core could reverse (cpu_library.first_is_faster).
+    kernels = (PROBE_ROWS, FLOAT32_BLAS, BF16_BLAS, cpu_library.bf16_tiles(), "running time")
     digest.update(repr(kernels).encode())
     return cpu_library.cache_dir() / f"gemm-plan-{digest.hexdigest()[:16]}.json"
 

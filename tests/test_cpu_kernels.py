@@ -10,6 +10,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -649,6 +654,34 @@ def test_a_burst_of_other_work_does_not_reverse_the_probes_verdict(monkeypatch) 
     assert cpu_library.first_is_faster(kernel(1.0), kernel(2.0))
     calls[0] = 0
     assert not cpu_library.first_is_faster(kernel(2.0), kernel(1.0))
+
+
+@pytest.mark.skipif(
+    not Path("/proc/thread-self/schedstat").exists(), reason="no per-thread scheduler figures"
+)
+def test_a_call_is_timed_by_its_running_time_not_its_wait_for_a_core() -> None:
+    """On a machine whose cores are busy a call spends much of its wall time waiting for one;
+    the probe leaves that out. Here a busy process shares this thread's core, so the call's wall
+    time is about twice its running time."""
+    core = min(os.sched_getaffinity(0))
+    before = os.sched_getaffinity(0)
+    busy = subprocess.Popen(
+        [sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{core}}})\nwhile True: pass"]
+    )
+    try:
+        os.sched_setaffinity(0, {core})
+        work = torch.randn(256, 256)
+        for _ in range(20):  # until the busy process shares the core: a call then waits
+            start = time.perf_counter()
+            running = cpu_library.running_seconds(lambda: [work @ work for _ in range(200)])
+            wall = time.perf_counter() - start
+            if wall > 1.5 * running:
+                break
+        assert wall > 1.5 * running
+    finally:
+        busy.kill()
+        busy.wait()
+        os.sched_setaffinity(0, before)
 
 
 # ---------------------------------------------------------------------------------------------
