@@ -329,12 +329,13 @@ def _select(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
 def _edits_logits(row: SamplingRow) -> bool:
     """Whether sampling ``row`` edits its logits: a random pick (its noise race works in
     place), stop tokens banned until min_tokens, a logit bias or a penalty."""
-    p = row.params
+    return not row.params.is_greedy or _edits_beyond_sampling(row.params, row.num_output_tokens)
+
+
+def _edits_beyond_sampling(params: SamplingParams, num_output_tokens: int) -> bool:
+    """Stop tokens banned until min_tokens, a logit bias or a penalty."""
     return (
-        not p.is_greedy
-        or row.num_output_tokens < p.min_tokens
-        or bool(p.logit_bias)
-        or _has_penalties(p)
+        num_output_tokens < params.min_tokens or bool(params.logit_bias) or _has_penalties(params)
     )
 
 
@@ -345,9 +346,7 @@ def plain_argmax(params: SamplingParams, num_output_tokens: int) -> bool:
     return (
         params.is_greedy
         and params.logprobs is None
-        and num_output_tokens >= params.min_tokens
-        and not params.logit_bias
-        and not _has_penalties(params)
+        and not _edits_beyond_sampling(params, num_output_tokens)
     )
 
 
