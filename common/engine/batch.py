@@ -97,16 +97,16 @@ def flatten_runs(
         - logits_before[logit_owner]
     )
     return _to_device(
-        input_ids,
-        positions,
-        query_start_loc,
-        starts + query_lens,
-        tables,
-        slots,
-        logits_indices,
-        int(query_lens.max()),
-        device,
-        staging,
+        input_ids=input_ids,
+        positions=positions,
+        query_start_loc=query_start_loc,
+        seq_lens=starts + query_lens,
+        page_tables=tables,
+        slots=slots,
+        logits_indices=logits_indices,
+        max_query_len=int(query_lens.max()),
+        device=device,
+        staging=staging,
     )
 
 
@@ -128,16 +128,16 @@ def flatten_decodes(
     rows = np.arange(num_seqs)
     slots = page_slots(tables[rows, positions // page_size], positions, page_size)
     return _to_device(
-        input_ids,
-        positions,
-        np.arange(num_seqs + 1),
-        positions + 1,
-        tables,
-        slots,
-        rows,
-        1,
-        device,
-        staging,
+        input_ids=input_ids,
+        positions=positions,
+        query_start_loc=np.arange(num_seqs + 1),
+        seq_lens=positions + 1,
+        page_tables=tables,
+        slots=slots,
+        logits_indices=rows,
+        max_query_len=1,
+        device=device,
+        staging=staging,
     )
 
 
@@ -148,6 +148,7 @@ def page_slots(pages: np.ndarray, positions: np.ndarray, page_size: int) -> np.n
 
 
 def _to_device(
+    *,
     input_ids: np.ndarray,
     positions: np.ndarray,
     query_start_loc: np.ndarray,
@@ -192,8 +193,8 @@ class PageTables:
     A sequence's page list is only ever extended or replaced (the scheduler's and the handoffs'
     contract), so a row belongs to the list object itself and stays good while that very list
     keeps its length; a list that grew writes only its new tail. Rows not asked for in a step
-    are given back. Past a list's length its row holds zeros, so a step's tables, padded to its
-    longest list, are what a fresh table would be."""
+    are given back. Past a list's length the row it is gathered from holds zeros, so a step's
+    tables, padded to its longest list, are what a fresh table would be."""
 
     def __init__(self) -> None:
         self._table = np.zeros((0, 0), np.int32)
@@ -220,19 +221,18 @@ class PageTables:
             elif id(pages) in kept:  # the same list twice in one step
                 row = kept[id(pages)][1]
             else:
-                row = entry[1] if entry is not None else self._take_row(width)
+                row = entry[1] if entry is not None else self._take_row()
                 self._table[row, :num_pages] = pages
-                self._table[row, num_pages:] = 0
+                self._table[row, num_pages:] = 0  # a reused row's or a shrunk list's old pages
             kept[id(pages)] = (pages, row, num_pages)
             indices.append(row)
         for key, (_, row, _) in rows.items():
             if key not in kept:
-                self._table[row] = 0
-                self._free_rows.append(row)
+                self._free_rows.append(row)  # cleared past its new list when taken again
         self._rows = kept
         return self._table[indices, :width]
 
-    def _take_row(self, width: int) -> int:
+    def _take_row(self) -> int:
         if not self._free_rows:
             num_rows = self._table.shape[0]
             self._grow(max(8, 2 * num_rows), self._table.shape[1])

@@ -76,10 +76,12 @@ class ModelRunner:
         proposals = (
             self.speculator.propose(batch) if self.speculator is not None else [[]] * len(batch)
         )
-        if self.followers is not None:
-            self.followers.send_step(self.token_runs(batch, proposals))
-        inputs = self.prepare(batch, proposals)
         decodes_alone = _decodes_alone(batch, proposals)
+        runs = None
+        if self.followers is not None:
+            runs = self.token_runs(batch, proposals)
+            self.followers.send_step(runs)
+        inputs = self._inputs(batch, proposals, decodes_alone, runs)
         with around_forward if around_forward is not None else nullcontext():
             started = time.perf_counter()
             logits = self.graphs.run(inputs) if self.graphs is not None else None
@@ -136,13 +138,23 @@ class ModelRunner:
         logits for every position from its last known token on (and, for prompt logprobs, for
         the chunk's prompt positions before it). A step of decodes alone, the usual one, is
         built straight from its sequences."""
-        if _decodes_alone(batch, proposals):
+        return self._inputs(batch, proposals, _decodes_alone(batch, proposals))
+
+    def _inputs(
+        self,
+        batch: list[ScheduledSequence],
+        proposals: Seq[Seq[int]],
+        decodes_alone: bool,
+        runs: list[TokenRun] | None = None,
+    ) -> ForwardInputs:
+        """``prepare`` with the step's kind known, and its token runs if already made."""
+        if decodes_alone:
             seqs = [item.seq for item in batch]
             return flatten_decodes(
                 seqs, self.page_size, self.device, self.staging, self.page_tables
             )
         return flatten_runs(
-            self.token_runs(batch, proposals),
+            runs if runs is not None else self.token_runs(batch, proposals),
             self.page_size,
             self.device,
             self.staging,
