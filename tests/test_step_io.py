@@ -107,13 +107,23 @@ def test_sockets_asked_afresh_come_and_go_between_steps(caplog) -> None:
     server, client = socket_pair(context)
     current: list[zmq.Socket] = []
     served = threading.Event()
+    polled_after_close = threading.Event()
+    pulses_after_serve = [0]
 
     def serve() -> None:
         assert server.recv(zmq.NOBLOCK) == b"pages"
         server.close()
         served.set()
 
-    step_io = StepIO(serve, lambda: current)
+    def pulse() -> None:
+        # The helper pulses after each poll: a second pulse after the serve means a poll came
+        # after the socket closed, and went through (a failed poll raises before its pulse).
+        if served.is_set():
+            pulses_after_serve[0] += 1
+            if pulses_after_serve[0] >= 2:
+                polled_after_close.set()
+
+    step_io = StepIO(serve, lambda: current, pulse=pulse)
     try:
         client.send(b"pages")
         with step_io:  # no sockets yet: nothing is served
@@ -121,7 +131,7 @@ def test_sockets_asked_afresh_come_and_go_between_steps(caplog) -> None:
         current.append(server)
         with step_io:
             assert served.wait(DEADLINE_S)
-            time.sleep(0.2)  # the helper goes on polling, without the closed socket
+            assert polled_after_close.wait(DEADLINE_S)
         assert "failed" not in caplog.text
     finally:
         step_io.close()
