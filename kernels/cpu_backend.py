@@ -75,6 +75,10 @@ class CpuAttentionBackend(AttentionBackend):
     def __init__(self, deterministic: bool = False) -> None:
         self._library = cpu_library.load()
         self._widen_long_chunks = _float32_sdpa_is_faster()
+        # Long chunks of bf16 queries over bf16 pages attend on AMX tiles where the processor
+        # has them (kernels/cpu/prefill_attention.c), decided by its flags as every process of
+        # a machine decides alike: the kernel rounds its own way.
+        self.prefill_on_amx = bool(self._library.pdserve_prefill_attention_available())
         self.deterministic = deterministic
         # The longest run of query rows the C kernel takes; longer ones go to SDPA.
         self._short_query_max = sys.maxsize if deterministic else SHORT_QUERY_MAX
@@ -184,6 +188,9 @@ class CpuAttentionBackend(AttentionBackend):
         out = torch.empty(query.shape, dtype=io_dtype)
         if len(plan.short_seq_ids):
             self._attend_short(query.to(io_dtype), cache, plan, softmax_scale, out)
+        if plan.long_chunks and self._amx_takes(query, cache):
+            self._attend_long_on_amx(query, cache, plan, softmax_scale, out)
+            return out
         for batch in plan.prompt_batches:
             rows = slice(batch.first_row, batch.end_row)
             out[rows] = whole_prompts_attention(
@@ -200,6 +207,61 @@ class CpuAttentionBackend(AttentionBackend):
                 softmax_scale,
             )
         return out.to(query.dtype)
+
+    def _amx_takes(self, query: torch.Tensor, cache: KVCacheView) -> bool:
+        """Whether the AMX prefill kernel attends this step's long chunks: bf16 queries over bf16
+        pages of one layout, in the head shapes it takes."""
+        key, value = cache.key, cache.value
+        return (
+            self.prefill_on_amx
+            and query.dtype == torch.bfloat16
+            and key.dtype == torch.bfloat16
+            and key.stride(-1) == 1
+            and key.stride() == value.stride()
+            and bool(
+                self._library.pdserve_prefill_attention_fits(
+                    query.shape[1], key.shape[2], query.shape[2]
+                )
+            )
+        )
+
+    def _attend_long_on_amx(
+        self,
+        query: torch.Tensor,  # [N, num_heads, head_dim] bf16
+        cache: KVCacheView,
+        plan: CpuAttentionPlan,
+        softmax_scale: float,
+        out: torch.Tensor,  # [N, num_heads, head_dim] bf16, contiguous
+    ) -> None:
+        num_heads, head_dim = query.shape[1], query.shape[2]
+        if query.stride(2) != 1 or query.stride(1) != head_dim:
+            query = query.contiguous()
+        key, value = cache.key, cache.value
+        tables = plan.int32_tensors[0]
+        row_bytes = tables.stride(0) * tables.element_size()
+        for seq, start, end, seq_len in plan.long_chunks:
+            status = self._library.pdserve_prefill_attention_bf16(
+                query[start].data_ptr(),
+                query.stride(0),
+                out[start].data_ptr(),
+                out.stride(0),
+                key.data_ptr(),
+                value.data_ptr(),
+                *key.stride()[:3],
+                cache.page_size,
+                tables.data_ptr() + seq * row_bytes,
+                end - start,
+                seq_len,
+                num_heads,
+                key.shape[2],
+                head_dim,
+                softmax_scale,
+                torch.get_num_threads(),
+            )
+            if status == -2:
+                raise MemoryError("the AMX prefill attention could not allocate its scratch")
+            if status != 0:
+                raise ValueError(f"the AMX prefill attention refused a chunk (status {status})")
 
     def _long_rows(self, query: torch.Tensor, rows: slice) -> torch.Tensor:
         """Query rows for SDPA, widened to float32 where that is its faster path (the context

@@ -344,6 +344,17 @@ def _declare(library: ctypes.CDLL) -> None:
     library.pdserve_bf16_pair_scores.restype = ctypes.c_int
     library.pdserve_bf16_pair_scores_of.argtypes = [ptr, ptr, i64, i32, i32, f32, ptr]
     library.pdserve_bf16_pair_scores_of.restype = ctypes.c_int
+    library.pdserve_prefill_attention_fits.argtypes = [i32, i32, i32]
+    library.pdserve_prefill_attention_fits.restype = ctypes.c_int
+    library.pdserve_prefill_attention_available.argtypes = []
+    library.pdserve_prefill_attention_available.restype = ctypes.c_int
+    library.pdserve_prefill_attention_bf16.argtypes = [
+        ptr, i64, ptr, i64,  # query, its row stride, out, its row stride
+        ptr, ptr, i64, i64, i64,  # key and value pages; their page, token, head strides
+        i32, ptr, i32, i32,  # page size, the page table, query rows, sequence length
+        i32, i32, i32, f32, i32,  # num_heads, num_kv_heads, head_dim, softmax scale, threads
+    ]  # fmt: skip
+    library.pdserve_prefill_attention_bf16.restype = ctypes.c_int
     library.pdserve_store_kv.argtypes = [
         ptr, i64, ptr, i64, ptr, ptr,  # key, its row stride, value, its row stride, caches
         i64, i64, i64, i32, i32,  # page, token, head strides; element bytes; page size

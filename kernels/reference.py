@@ -236,3 +236,49 @@ def bf16_pair_scores(
     block_sums = (blocks[..., 0] + blocks[..., 2]) + (blocks[..., 1] + blocks[..., 3])
     total = (block_sums[:, 0] + block_sums[:, 1]) + (block_sums[:, 2] + block_sums[:, 3])
     return total * softmax_scale
+
+
+# Keys per step of the AMX prefill kernel's online softmax (kernels/cpu/prefill_attention.c).
+PREFILL_KEY_BLOCK = 64
+
+
+def prefill_attention_blocks_reference(
+    query: torch.Tensor,  # [q_len, num_heads, head_dim] bf16, the last q_len positions
+    key: torch.Tensor,  # [seq_len, num_kv_heads, head_dim] bf16
+    value: torch.Tensor,  # [seq_len, num_kv_heads, head_dim] bf16
+    softmax_scale: float,
+) -> torch.Tensor:  # [q_len, num_heads, head_dim] bf16
+    """The AMX prefill kernel's causal attention, its blocks and roundings: keys in blocks of
+    PREFILL_KEY_BLOCK from key 0, float32 scores; per row a running max over the keys it sees,
+    each block's probabilities ``exp(score * scale - max)`` rounded to bf16, their running sum,
+    and the output's running float32 sum of those probabilities times the values, both scaled by
+    ``exp(old max - new max)`` where the max grew; the output divided by the sum, rounded to bf16.
+    The kernel sums its products and its probabilities in another order and its exp is within 2
+    ulp of torch's, so the two agree to a bf16 rounding now and then, not bit for bit."""
+    q_len, num_heads, head_dim = query.shape
+    seq_len, num_kv_heads = key.shape[0], key.shape[1]
+    group = num_heads // num_kv_heads
+    queries = query.float().transpose(0, 1)  # [num_heads, q_len, head_dim]
+    keys = key.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    values = value.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    positions = torch.arange(seq_len - q_len, seq_len)
+    running_max = torch.full((num_heads, q_len, 1), -torch.inf)
+    running_sum = torch.zeros(num_heads, q_len, 1)
+    out = torch.zeros(num_heads, q_len, head_dim)
+    for first in range(0, seq_len, PREFILL_KEY_BLOCK):
+        block = slice(first, min(first + PREFILL_KEY_BLOCK, seq_len))
+        scores = (queries @ keys[:, block].transpose(1, 2)) * softmax_scale
+        seen = torch.arange(block.start, block.stop)[None, :] <= positions[:, None]
+        scores = scores.masked_fill(~seen, -torch.inf)
+        new_max = torch.maximum(running_max, scores.amax(dim=-1, keepdim=True))
+        grew = new_max > running_max
+        rescale = torch.where(grew, torch.exp(running_max - new_max), torch.ones(()))
+        running_sum = running_sum * rescale
+        out = out * rescale
+        running_max = new_max
+        # A row that sees none of the block keeps its max at -inf only before its first key,
+        # which every row sees in block 0; exp(-inf - max) is 0 for the keys it does not see.
+        probs = torch.exp(scores - running_max).bfloat16().float()
+        running_sum = running_sum + probs.sum(dim=-1, keepdim=True)
+        out = out + probs @ values[:, block]
+    return (out / running_sum).transpose(0, 1).bfloat16()

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from test_kernels import FP8_DTYPE, Pool, dtype_id, make_batch
+from test_kernels import FP8_DTYPE, Pool, assert_matches_reference, dtype_id, make_batch
 
 from common.model.llama import RMSNorm, RotaryApply, SiluAndMul
 from kernels import cpu_library
@@ -41,8 +41,10 @@ from kernels.cpu_ops import CpuRMSNorm, CpuRotaryApply, CpuSiluAndMul, argmax_ro
 from kernels.interface import INT8_DTYPE, INT8_SCALE_DTYPE, AttentionMetadata
 from kernels.reference import (
     bf16_pair_scores,
+    gather_context,
     int8_scale,
     paged_attention_reference,
+    prefill_attention_blocks_reference,
     store_kv_reference,
 )
 from kernels.registry import get_attention_backend
@@ -89,6 +91,34 @@ def pair_scores(request, backend) -> bool:
         yield request.param
 
 
+@pytest.fixture(params=["sdpa", "amx"])
+def prefill_kernel(request, backend) -> str:
+    """Each way this machine attends long chunks of bf16 queries over bf16 pages (SDPA
+    everywhere; the AMX kernel where the processor has AMX), for the test's whole body."""
+    library = cpu_library.load()
+    if request.param == "amx" and not library.pdserve_prefill_attention_available():
+        pytest.skip("this processor has no AMX")
+    previous = backend.prefill_on_amx
+    backend.prefill_on_amx = request.param == "amx"
+    try:
+        yield request.param
+    finally:
+        backend.prefill_on_amx = previous
+
+
+@pytest.fixture
+def amx_prefill(backend) -> CpuAttentionBackend:
+    """The backend with long bf16 chunks on the AMX kernel; skips where there is no AMX."""
+    if not cpu_library.load().pdserve_prefill_attention_available():
+        pytest.skip("this processor has no AMX")
+    previous = backend.prefill_on_amx
+    backend.prefill_on_amx = True
+    try:
+        yield backend
+    finally:
+        backend.prefill_on_amx = previous
+
+
 # ---------------------------------------------------------------------------------------------
 # Attention
 
@@ -125,12 +155,13 @@ def test_attention_matches_reference(
 @KV_DTYPES
 @pytest.mark.parametrize("num_kv_heads, group, head_dim", [(3, 3, 64), (1, 4, 80)])
 def test_a_chunk_after_a_prefix_attends_prefix_and_chunk_apart(
-    backend, dtype, kv_dtype, num_kv_heads, group, head_dim
+    backend, prefill_kernel, dtype, kv_dtype, num_kv_heads, group, head_dim
 ) -> None:
     """Long chunks after cached prefixes of one token, a page edge and more than the chunk, and
     one with none, attend their prefix and their own keys in two SDPA calls merged by their
     log-sum-exps: the one-call reference's result within one extra rounding of each partial
-    output. A chunk with no prefix is one call, the reference's very bits."""
+    output. A chunk with no prefix is one call, the reference's very bits. (On the AMX kernel,
+    where it takes the shapes, the float32 reference's result within tolerance.)"""
     kv_dtype = dtype if kv_dtype == "model" else kv_dtype
     query_lens, seq_lens = [40, 33, 70, 50], [41, 65, 300, 50]
     batch = make_batch(query_lens, seq_lens, num_kv_heads, group, head_dim, dtype, kv_dtype)
@@ -142,7 +173,8 @@ def test_a_chunk_after_a_prefix_attends_prefix_and_chunk_apart(
     expected = paged_attention_reference(wide, batch.cache, batch.meta, scale)
     assert out.dtype == dtype and not out.isnan().any()
     torch.testing.assert_close(out.float(), expected, **TOLERANCE[dtype])
-    if dtype == torch.bfloat16 and not backend._widen_long_chunks:
+    sdpa = prefill_kernel == "sdpa" or not backend._amx_takes(batch.query, batch.cache)
+    if dtype == torch.bfloat16 and not backend._widen_long_chunks and sdpa:
         # The merge rounds each partial output once more: at most one bf16 step apart.
         one_call = paged_attention_reference(batch.query, batch.cache, batch.meta, scale)
         assert torch.equal(out[-50:], one_call[-50:])
@@ -151,7 +183,9 @@ def test_a_chunk_after_a_prefix_attends_prefix_and_chunk_apart(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
 @KV_DTYPES
-def test_whole_prompts_of_one_length_attend_as_one_batch(backend, dtype, kv_dtype) -> None:
+def test_whole_prompts_of_one_length_attend_as_one_batch(
+    backend, prefill_kernel, dtype, kv_dtype
+) -> None:
     """Runs of whole prompts of one length in consecutive rows attend as one SDPA batch; a
     prompt of another length, a chunk after a prefix and short runs break the runs. Every row
     is what attending its chunk alone gives, bit for bit, and the reference's within tolerance."""
@@ -180,6 +214,93 @@ def test_whole_prompts_of_one_length_attend_as_one_batch(backend, dtype, kv_dtyp
         assert torch.equal(out[start:end], expected)
     reference = paged_attention_reference(batch.query, batch.cache, batch.meta, scale)
     torch.testing.assert_close(out.float(), reference.float(), **TOLERANCE[dtype])
+
+
+def sequence_keys_and_values(batch, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence ``seq``'s keys and values, gathered from its pages: [seq_len, kv_heads, dim]."""
+    seq_len = int(batch.meta.seq_lens[seq])
+    num_pages = -(-seq_len // batch.cache.page_size)
+    tables = batch.meta.page_tables[seq : seq + 1, :num_pages].long()
+    key, value = gather_context(batch.cache, tables, torch.bfloat16)
+    return key[0, :seq_len], value[0, :seq_len]
+
+
+@pytest.mark.parametrize(
+    "num_kv_heads, group, head_dim", [(3, 3, 64), (2, 1, 32), (1, 5, 128), (2, 4, 96)]
+)
+@pytest.mark.parametrize("softmax_scale", [None, 1.0], ids=["scale=default", "scale=1"])
+def test_amx_prefill_attention_is_its_twin(
+    amx_prefill, num_kv_heads, group, head_dim, softmax_scale
+) -> None:
+    """Chunks of whole prompts and after cached prefixes, of 17 to 300 rows (short last query
+    blocks, contexts off key-block and page edges), attend on AMX as their twin does: the same
+    blocks and roundings, so only a rare output differs, by about a bf16 step. Scores scaled
+    by 1 are peaked: rows' maxima grow block after block and rescale what came before."""
+    query_lens, seq_lens = [40, 33, 70, 50, 17, 300], [41, 65, 300, 50, 17, 300]
+    batch = make_batch(
+        query_lens, seq_lens, num_kv_heads, group, head_dim, torch.bfloat16, torch.bfloat16
+    )
+    scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
+    assert amx_prefill._amx_takes(batch.query, batch.cache)
+    out = amx_prefill.attention(batch.query, batch.cache, amx_prefill.plan(batch.meta), scale)
+    assert not out.isnan().any(), "read a slot past a sequence's end"
+    starts = batch.meta.query_start_loc.tolist()
+    for seq, (start, end) in enumerate(itertools.pairwise(starts)):
+        key, value = sequence_keys_and_values(batch, seq)
+        twin = prefill_attention_blocks_reference(batch.query[start:end], key, value, scale)
+        assert (out[start:end] != twin).float().mean() < 0.01, f"sequence {seq}"
+        torch.testing.assert_close(out[start:end].float(), twin.float(), atol=2**-8, rtol=2**-7)
+    wide = paged_attention_reference(batch.query.float(), batch.cache, batch.meta, scale)
+    torch.testing.assert_close(out.float(), wide, **TOLERANCE[torch.bfloat16])
+
+
+def test_amx_prefill_gives_a_row_the_same_bits_however_the_prompt_is_chunked(amx_prefill) -> None:
+    """A row's output depends on its position alone: a 150-token prompt attended whole, in
+    chunks of 17, 64 and 69 rows after the cached rows before them, and beside another prompt,
+    on one thread or two, gives every row the same bits."""
+    whole = make_batch([150, 40], [150, 40], 3, 3, 64, torch.bfloat16, torch.bfloat16)
+    scale = 0.125
+    expected = amx_prefill.attention(whole.query, whole.cache, amx_prefill.plan(whole.meta), scale)[
+        :150
+    ]
+    for first, end in [(0, 17), (17, 81), (81, 150)]:
+        chunk = AttentionMetadata(
+            query_start_loc=torch.tensor([0, end - first], dtype=torch.int32),
+            seq_lens=torch.tensor([end], dtype=torch.int32),
+            page_tables=whole.meta.page_tables[:1],
+            slot_mapping=whole.meta.slot_mapping[first:end],
+            max_query_len=end - first,
+            max_seq_len=end,
+        )
+        alone = amx_prefill.attention(whole.query[first:end], whole.cache, chunk, scale)
+        assert torch.equal(alone, expected[first:end]), (first, end)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        two = amx_prefill.attention(whole.query, whole.cache, amx_prefill.plan(whole.meta), scale)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(two[:150], expected)
+
+
+@pytest.mark.parametrize(
+    "dtype, kv_dtype, head_dim",
+    [
+        (torch.float32, torch.float32, 64),  # float32: SDPA's
+        (torch.bfloat16, FP8_DTYPE, 64),  # quantised pages: SDPA's
+        (torch.bfloat16, torch.bfloat16, 80),  # head_dim not a multiple of 32: SDPA's
+        (torch.bfloat16, torch.bfloat16, 64),  # the AMX kernel's
+    ],
+)
+def test_the_amx_prefill_takes_only_bf16_pages_in_its_shapes(
+    amx_prefill, dtype, kv_dtype, head_dim
+) -> None:
+    batch = make_batch([40], [60], 2, 2, head_dim, dtype, kv_dtype)
+    takes = dtype == kv_dtype == torch.bfloat16 and head_dim % 32 == 0
+    assert amx_prefill._amx_takes(batch.query, batch.cache) == takes
+    scale = head_dim**-0.5
+    out = amx_prefill.attention(batch.query, batch.cache, amx_prefill.plan(batch.meta), scale)
+    assert_matches_reference(out, batch, dtype)
 
 
 def test_int8_scale_codes_decode_as_in_the_twin(backend) -> None:

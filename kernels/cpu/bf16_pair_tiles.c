@@ -31,8 +31,7 @@
 #include <immintrin.h>
 #endif
 #ifdef __AMX_BF16__
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 #endif
 
 #define TILE 32
@@ -62,9 +61,7 @@ int pdserve_bf16_tiles_available(int kind) {
 #endif
 #ifdef __AMX_BF16__
     case BF16_TILES_AMX:
-        /* The kernel hands AMX's 8 KB of tile registers to a process only when it asks. */
-        return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                       18 /* XFEATURE_XTILEDATA */) == 0;
+        return amx_tiles_permitted();
 #endif
     default:
         return 0;
@@ -80,35 +77,9 @@ int pdserve_use_bf16_tiles(int kind) {
 int pdserve_bf16_tiles(void) { return bf16_tiles; }
 
 #ifdef __AMX_BF16__
-/* The layout of `ldtilecfg`'s 64-byte operand (palette 1). */
-struct tile_config {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-};
-
-/* tmm0, tmm1 (tmm5, tmm6): the sums of 16 rows by a tile's columns 0-15 and 16-31 (the next
- * tile's), float32; tmm2: 16 rows of x by 16 pairs of k; tmm3, tmm4, tmm7: 16 pairs of k by 16
- * columns. The tile registers are a thread's state, and loading a configuration costs more
- * than a decode step's small GEMM is worth: a thread keeps ours loaded between calls, and loads
- * it again only where something else (oneDNN's GEMMs run on the same threads) loaded another. */
-static void configure_tiles(void) {
-    /* A constant, not a local filled in here: gcc 12 does not see that ldtilecfg reads its
-     * operand and dropped the stores of the row counts, so the instruction faulted on a
-     * configuration of empty tiles. For the same reason the compiler is told that sttilecfg
-     * wrote `current` before it is compared. */
-    static const struct tile_config ours = {
-        .palette = 1,
-        .bytes_per_row = {64, 64, 64, 64, 64, 64, 64, 64},
-        .rows = {16, 16, 16, 16, 16, 16, 16, 16},
-    };
-    struct tile_config current;
-    _tile_storeconfig(&current);
-    __asm__ volatile("" : : "m"(current) : "memory");
-    if (memcmp(&ours, &current, sizeof current) != 0) _tile_loadconfig(&ours);
-}
+/* Tiles (configure_tiles): tmm0, tmm1 (tmm5, tmm6) hold the sums of 16 rows by a tile's columns
+ * 0-15 and 16-31 (the next tile's), float32; tmm2 16 rows of x by 16 pairs of k; tmm3, tmm4,
+ * tmm7 16 pairs of k by 16 columns. */
 
 /* The weights PREFETCH_BYTES past one block of `pairs` into L1, and eight times further into
  * L2. */

@@ -74,4 +74,15 @@ int pdserve_paged_attention(const void *query, int64_t query_row_stride, void *o
                             int num_kv_heads, int head_dim, float softmax_scale, int io_dtype,
                             int num_threads);
 
+/* A prefill chunk's causal attention on AMX tiles (prefill_attention.c). */
+int pdserve_prefill_attention_fits(int num_heads, int num_kv_heads, int head_dim);
+int pdserve_prefill_attention_available(void);
+int pdserve_prefill_attention_bf16(const uint16_t *query, int64_t query_stride, uint16_t *out,
+                                   int64_t out_stride, const uint16_t *key_pages,
+                                   const uint16_t *value_pages, int64_t page_stride,
+                                   int64_t token_stride, int64_t head_stride, int page_size,
+                                   const int32_t *page_table, int query_len, int seq_len,
+                                   int num_heads, int num_kv_heads, int head_dim, float scale,
+                                   int num_threads);
+
 #endif
