@@ -147,7 +147,7 @@ class FusedDecoderLayer:
     @staticmethod
     def _turns_fit(attention) -> bool:
         """Whether ``attention`` turns its heads, both turns in float32 tiles without bias (as
-        ``LlamaForCausalLM.turn_kv_heads`` then ``pack_for_cpu`` make them)."""
+        ``LlamaForCausalLM.turn_kv_heads`` then ``layer_kernels.CpuKernels`` make them)."""
         turns = (attention.query_turn, attention.kv_turn)
         return all(
             isinstance(turn, CpuLinear)

@@ -4,8 +4,8 @@ is ``kernels/triton_invariant.py``'s, which rounds where the torch module does).
 Written as torch ops, a Llama layer's RMSNorm is 8 kernels (cast, square, mean, add, rsqrt,
 multiply, cast, multiply), RoPE 5 per tensor and SiLU-and-multiply 2: on a GPU a small model's
 decode step is mostly these launches, each reading and writing the whole activation. Here each
-is one pass over its rows. ``LlamaForCausalLM.use_cuda_ops`` swaps them, and the one-kernel
-RMSNorm, in on CUDA (not in deterministic mode, which has its own kernels, nor with
+is one pass over its rows. ``kernels/layer_kernels.py``'s ``CudaKernels`` swaps them, and the
+one-kernel RMSNorm, in on CUDA (not in deterministic mode, which has its own kernels, nor with
 ``--enforce-eager``).
 
 Every kernel rounds where its torch twin (``common/model/llama.py``) rounds: RoPE's two products

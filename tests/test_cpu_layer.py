@@ -27,7 +27,7 @@ pytestmark = [
 def tiles_at_every_row_count(monkeypatch):
     """The C layer runs the bf16 tiles. Which GEMM a bf16 model takes is a start-up probe's
     timing, and on models this small BLAS sometimes wins it: the tests here pin the tiles."""
-    monkeypatch.setattr("common.model.llama.choose_gemm_plan", lambda linears: TILES_ONLY)
+    monkeypatch.setattr("kernels.layer_kernels.choose_gemm_plan", lambda linears: TILES_ONLY)
 
 
 PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)

@@ -13,6 +13,7 @@ from tiny_models import build_tiny_model, random_prompts
 from common.model.llama import RMSNorm, RotaryApply, SiluAndMul
 from common.sampling_params import SamplingParams
 from kernels.cuda_ops import CudaRotaryApply, CudaSiluAndMul, cuda_ops_apply
+from kernels.layer_kernels import CudaKernels
 from kernels.triton_invariant import InvariantRMSNorm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -103,6 +104,7 @@ def test_a_model_with_them_swapped_in_gives_the_same_greedy_tokens(tmp_path, fam
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     expected = build_engine(folder, dtype="float16", enforce_eager=True).generate(prompts, params)
     engine = build_engine(folder, dtype="float16", enforce_eager=True)
-    assert engine.model.use_cuda_ops()
+    assert cuda_ops_apply(torch.float16, engine.model.config.head_dim)
+    engine.model.use_kernels(CudaKernels())
     assert isinstance(engine.model.layers[0].mlp.act, CudaSiluAndMul)
     assert engine.generate(prompts, params) == expected

@@ -55,7 +55,9 @@ from common.model.loader import load_model
 from common.model.parallel import TensorParallel, check_shardable, connect
 from common.sampling_params import SamplingParams
 from common.startup_objects import startup_objects_frozen
+from kernels.cuda_ops import cuda_ops_apply
 from kernels.interface import FP8_DTYPE, INT8_DTYPE
+from kernels.layer_kernels import CpuKernels, CudaKernels, InvariantKernels
 from kernels.registry import get_attention_backend
 
 logger = logging.getLogger(__name__)
@@ -264,17 +266,24 @@ class LLMEngine:
         (batch-invariant tiles in deterministic mode); on CUDA, one-kernel norms, activation
         and RoPE (16-bit models); else torch's own modules."""
         deterministic = self.config.enable_deterministic_inference
+        dtype, head_dim = model.embed_tokens.weight.dtype, model.config.head_dim
         if deterministic and self.backend.name == "triton":
-            model.use_invariant_kernels()
+            model.use_kernels(InvariantKernels())
             if log:
                 logger.info("linear layers and norms: batch-invariant Triton kernels")
         elif self.device.type == "cpu" and not self.config.enforce_eager:
-            gemm_plan = model.pack_for_cpu(deterministic)
+            num_params = sum(p.numel() for p in model.parameters())
+            kernels = CpuKernels(dtype, num_params, head_dim, deterministic)
+            model.use_kernels(kernels)
+            gemm_plan = kernels.settle_plan(model.modules())
+            model.fuse_layers()  # each layer as one C call where its kernels allow
             if log:
                 logger.info("linear layers: %s", gemm_plan.describe())
         elif self.device.type == "cuda" and not self.config.enforce_eager:
-            swapped = model.use_cuda_ops()
-            if swapped and log:
+            if not cuda_ops_apply(dtype, head_dim):
+                return
+            model.use_kernels(CudaKernels())
+            if log:
                 logger.info("RMSNorm, SiLU-and-multiply and RoPE: one Triton kernel each")
 
     def _load_draft(self, folder: str, kv_dtype: torch.dtype) -> tuple[LlamaForCausalLM, KVLayout]:

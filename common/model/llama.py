@@ -24,19 +24,10 @@ from common.engine.kv_pool import KVPool
 from common.model.parallel import TensorParallel
 from kernels.cpu_backend import SHORT_QUERY_MAX, CpuAttentionBackend, CpuAttentionPlan
 from kernels.cpu_layer import FusedDecoderLayer
-from kernels.cpu_linear import (
-    BOTH,
-    CpuLinear,
-    GemmPlan,
-    StepShape,
-    choose_gemm_plan,
-    probe_plan,
-)
-from kernels.cpu_ops import CpuRMSNorm, CpuRotaryApply, CpuSiluAndMul, cpu_ops_apply
-from kernels.cuda_ops import CudaRotaryApply, CudaSiluAndMul, cuda_ops_apply
+from kernels.cpu_linear import StepShape
 from kernels.interface import AttentionBackend, AttentionMetadata, KVCacheView
 from kernels.kv_turn import hadamard_turns
-from kernels.triton_invariant import InvariantLinear, InvariantRMSNorm
+from kernels.layer_kernels import LayerKernels
 
 
 class RMSNorm(nn.Module):
@@ -126,14 +117,19 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * config.head_dim
         self.kv_size = self.num_kv_heads * config.head_dim
         # q, k and v share one GEMM: one pass over the activations instead of three.
-        self.qkv_proj = nn.Linear(
+        # nn.Linear until use_kernels swaps in the device's twins.
+        self.qkv_proj: nn.Module = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        # pack_for_cpu swaps in the C twins of these modules.
-        self.rotary: RotaryApply | CpuRotaryApply | CudaRotaryApply = RotaryApply()
+        self.o_proj: nn.Module = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.q_norm: nn.Module | None = (
+            RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        )
+        self.k_norm: nn.Module | None = (
+            RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        )
+        # use_kernels swaps in the device's twins of these modules.
+        self.rotary: nn.Module = RotaryApply()
         self.softmax_scale = config.head_dim**-0.5
         # Set by LlamaForCausalLM.turn_kv_heads for pools of int8 pages (kernels/kv_turn.py).
         self.query_turn: nn.Module | None = None
@@ -167,6 +163,20 @@ class Attention(nn.Module):
             out = self._turn(query_turn, out).to(hidden.dtype)
         return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
+    def use_kernels(self, kernels: LayerKernels) -> None:
+        """Take ``kernels``' twins of the projections, the turns, the q/k norms and RoPE."""
+        self.qkv_proj = swapped_linear(kernels, self.qkv_proj)
+        self.o_proj = swapped_linear(kernels, self.o_proj)
+        if self.query_turn is not None:
+            self.query_turn = swapped_linear(kernels, self.query_turn)
+        if self.kv_turn is not None:
+            self.kv_turn = swapped_linear(kernels, self.kv_turn)
+        if self.q_norm is not None:
+            self.q_norm = swapped_norm(kernels.head_norm, self.q_norm)
+        if self.k_norm is not None:
+            self.k_norm = swapped_norm(kernels.head_norm, self.k_norm)
+        self.rotary = kept_if_none(kernels.rotary(), self.rotary)
+
     def _turn(self, turn: nn.Module, heads: torch.Tensor) -> torch.Tensor:
         """Every head vector of ``heads [N, num_heads, head_dim]`` through ``turn``, in float32:
         turned queries, keys and values reach the kernels and the int8 store unrounded, so int8
@@ -180,12 +190,23 @@ class MLP(nn.Module):
         self.tp = tp
         # This rank's slice of the width: gate/up split by columns, down by rows (one all-reduce).
         self.intermediate_size = len(tp.part(config.intermediate_size))
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=False)
-        self.act: SiluAndMul | CpuSiluAndMul | CudaSiluAndMul = SiluAndMul()
+        # nn.Linear until use_kernels swaps in the device's twins.
+        self.gate_up_proj: nn.Module = nn.Linear(
+            config.hidden_size, 2 * self.intermediate_size, bias=False
+        )
+        self.down_proj: nn.Module = nn.Linear(
+            self.intermediate_size, config.hidden_size, bias=False
+        )
+        self.act: nn.Module = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.down_proj(self.act(self.gate_up_proj(x))))
+
+    def use_kernels(self, kernels: LayerKernels) -> None:
+        """Take ``kernels``' twins of the projections and SiLU-and-multiply."""
+        self.gate_up_proj = swapped_linear(kernels, self.gate_up_proj)
+        self.down_proj = swapped_linear(kernels, self.down_proj)
+        self.act = kept_if_none(kernels.activation(), self.act)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -208,14 +229,10 @@ class VocabParallelEmbedding(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int, tp: TensorParallel) -> None:
         super().__init__()
-        # pack_for_cpu swaps in the C twins of the norms.
-        self.input_layernorm: RMSNorm | CpuRMSNorm | InvariantRMSNorm = RMSNorm(
-            config.hidden_size, config.rms_norm_eps
-        )
+        # use_kernels swaps in the device's twins of the norms.
+        self.input_layernorm: nn.Module = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_index, tp)
-        self.post_attention_layernorm: RMSNorm | CpuRMSNorm | InvariantRMSNorm = RMSNorm(
-            config.hidden_size, config.rms_norm_eps
-        )
+        self.post_attention_layernorm: nn.Module = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, tp)
 
     def forward(
@@ -236,16 +253,41 @@ class DecoderLayer(nn.Module):
         hidden, normed = add_and_norm(self.post_attention_layernorm, hidden, attended)
         return hidden, self.mlp(normed)
 
+    def use_kernels(self, kernels: LayerKernels) -> None:
+        """Take ``kernels``' twins of the norms, and of the attention's and MLP's parts."""
+        self.input_layernorm = swapped_norm(kernels.norm, self.input_layernorm)
+        self.post_attention_layernorm = swapped_norm(kernels.norm, self.post_attention_layernorm)
+        self.self_attn.use_kernels(kernels)
+        self.mlp.use_kernels(kernels)
+
 
 def add_and_norm(
-    norm: RMSNorm | CpuRMSNorm | InvariantRMSNorm, hidden: torch.Tensor, delta: torch.Tensor
+    norm: nn.Module, hidden: torch.Tensor, delta: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``hidden + delta`` and ``norm`` of it: one C pass for the CPU's bf16 norm (the same
-    bits), a torch add then the norm for every other."""
-    if isinstance(norm, CpuRMSNorm) and hidden.dim() == 2 and hidden.shape == delta.shape:
-        return norm.add_and_norm(hidden, delta)
+    """``hidden + delta`` and ``norm`` of it: one pass where the norm adds and normalises at
+    once (the CPU's bf16 norm, the same bits), a torch add then the norm for every other."""
+    fused = getattr(norm, "add_and_norm", None)
+    if fused is not None and hidden.dim() == 2 and hidden.shape == delta.shape:
+        return fused(hidden, delta)
     hidden = hidden + delta
     return hidden, norm(hidden)
+
+
+def swapped_linear(kernels: LayerKernels, linear: nn.Module) -> nn.Module:
+    """``kernels``' twin of ``linear`` (an ``nn.Linear``), or ``linear`` where it has none."""
+    weight, bias = cast(torch.Tensor, linear.weight), cast("torch.Tensor | None", linear.bias)
+    return kept_if_none(kernels.linear(weight, bias), linear)
+
+
+def swapped_norm(
+    make: Callable[[torch.Tensor, float], nn.Module | None], norm: nn.Module
+) -> nn.Module:
+    """``make``'s twin of ``norm`` (an RMSNorm, its weight shared), or ``norm`` where none."""
+    return kept_if_none(make(cast(torch.Tensor, norm.weight), cast(float, norm.eps)), norm)
+
+
+def kept_if_none(twin: nn.Module | None, module: nn.Module) -> nn.Module:
+    return module if twin is None else twin
 
 
 class LlamaForCausalLM(nn.Module):
@@ -260,19 +302,17 @@ class LlamaForCausalLM(nn.Module):
             else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         )
         self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_layers))
-        self.norm: RMSNorm | CpuRMSNorm | InvariantRMSNorm = RMSNorm(
-            config.hidden_size, config.rms_norm_eps
-        )
+        self.norm: nn.Module = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
         self.lm_head = (
             None
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, len(tp.vocab_rows(config.vocab_size)), bias=False)
         )
-        # Set by pack_for_cpu and use_invariant_kernels: the output projection as its own
-        # module, tied weights included.
-        self.head: CpuLinear | InvariantLinear | None = None
-        self.step_shape: StepShape | None = None  # shared by the CpuLinear layers
+        # Set by use_kernels where the kernels have a twin of it: the output projection as its
+        # own module, tied weights included.
+        self.head: nn.Module | None = None
+        self.step_shape: StepShape | None = None  # the kernels' (LayerKernels.step_shape)
         self.kv: BoundKV | None = None
         # Each layer as one C call for steps of short runs, where every part of it would take
         # the C kernels anyway (kernels/cpu_layer.py); None where some part would not.
@@ -286,10 +326,11 @@ class LlamaForCausalLM(nn.Module):
         """Attach the KV pool every later forward reads and writes, and the backend that
         attends over it. Binding again (a warm-up pool, then the real one) replaces both."""
         self.kv = BoundKV(pool, backend, [pool.layer_view(i) for i in range(len(self.layers))])
-        self._fuse_layers()
+        self.fuse_layers()
 
-    def _fuse_layers(self) -> None:
-        """Build ``fused_layers`` for the bound pool, if every layer qualifies."""
+    def fuse_layers(self) -> None:
+        """Build ``fused_layers`` for the bound pool, if every layer qualifies (after the
+        layers took their kernels, and whenever another pool is bound)."""
         self.fused_layers = None
         # The C layer runs O and down to the residual add with no all-reduce between.
         if (
@@ -304,7 +345,7 @@ class LlamaForCausalLM(nn.Module):
 
     def turn_kv_heads(self) -> None:
         """Turn queries, keys and values by a Hadamard matrix around attention, for pools of
-        int8 pages (``kernels/kv_turn.py``); before ``pack_for_cpu``, which packs the turns."""
+        int8 pages (``kernels/kv_turn.py``); before ``use_kernels``, which swaps in their twins."""
         weight = self.embed_tokens.weight
         for layer in self.decoder_layers():
             attention = layer.self_attn
@@ -312,104 +353,19 @@ class LlamaForCausalLM(nn.Module):
                 self.config.head_dim, torch.float32, weight.device
             )
 
-    def pack_for_cpu(self, deterministic: bool = False) -> GemmPlan:
-        """Replace every linear layer by a ``CpuLinear`` that holds its weight in the forms the
-        fastest GEMMs of this machine want (timed on these very weights), or, ``deterministic``,
-        the tiles whose sums do not depend on the row count; the original weights are dropped
-        (the embedding table stays). Returns the plan chosen."""
-        num_params = sum(p.numel() for p in self.parameters())
-        dtype = self.embed_tokens.weight.dtype
-        plan = probe_plan(dtype, num_params, deterministic)
-        self.step_shape = StepShape()
-        for layer in self.layers:
-            for parent, name in (
-                (layer.self_attn, "qkv_proj"),
-                (layer.self_attn, "o_proj"),
-                (layer.self_attn, "query_turn"),
-                (layer.self_attn, "kv_turn"),
-                (layer.mlp, "gate_up_proj"),
-                (layer.mlp, "down_proj"),
-            ):
-                linear = getattr(parent, name)
-                if linear is None:
-                    continue
-                setattr(parent, name, CpuLinear(linear.weight, linear.bias, plan, self.step_shape))
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.head = CpuLinear(head, None, plan, self.step_shape)
-        self.lm_head = None
-        if cpu_ops_apply(dtype, self.config.head_dim):
-            self._swap_in_cpu_ops()
-        if plan == BOTH:
-            linears = [m for m in self.modules() if isinstance(m, CpuLinear)]
-            plan = choose_gemm_plan(linears)
-            for linear in linears:
-                linear.restrict(plan)
-        self._fuse_layers()
-        return plan
-
-    def use_invariant_kernels(self) -> None:
-        """Replace every linear layer and RMSNorm by its batch-invariant Triton twin
-        (``kernels/triton_invariant.py``), for deterministic inference on the Triton path; the
-        original weights are shared, the separate output projection dropped as in
-        ``pack_for_cpu``."""
+    def use_kernels(self, kernels: LayerKernels) -> None:
+        """Every layer takes ``kernels``' twins of its parts, and so do the final norm and the
+        output projection; a projection swapped in becomes ``head`` (tied weights included)
+        and the separate ``lm_head``'s weight is dropped."""
         for layer in self.decoder_layers():
-            attention, mlp = layer.self_attn, layer.mlp
-            for parent, name in (
-                (attention, "qkv_proj"),
-                (attention, "o_proj"),
-                (attention, "query_turn"),
-                (attention, "kv_turn"),
-                (mlp, "gate_up_proj"),
-                (mlp, "down_proj"),
-            ):
-                linear = getattr(parent, name)
-                if linear is not None:
-                    setattr(parent, name, InvariantLinear(linear.weight, linear.bias))
-        self._replace_norms(InvariantRMSNorm)
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.head = InvariantLinear(head, None)
-        self.lm_head = None
-
-    def use_cuda_ops(self) -> bool:
-        """RMSNorm, SiLU-and-multiply and RoPE as one Triton kernel each (``kernels/cuda_ops.py``;
-        the norm ``kernels/triton_invariant.py``'s), for 16-bit models on CUDA; whether they went
-        in."""
-        if not cuda_ops_apply(self.embed_tokens.weight.dtype, self.config.head_dim):
-            return False
-        # The batch-invariant norm is one kernel that rounds where the torch module does.
-        self._replace_norms(InvariantRMSNorm)
-        for layer in self.decoder_layers():
-            layer.self_attn.rotary = CudaRotaryApply()
-            layer.mlp.act = CudaSiluAndMul()
-        return True
-
-    def _replace_norms(self, make: Callable[[nn.Parameter, float], InvariantRMSNorm]) -> None:
-        """Every RMSNorm (the layers', q/k norms where the model has them, the final one) by
-        ``make(weight, eps)``, which shares the weight."""
-        for layer in self.decoder_layers():
-            attention = layer.self_attn
-            norms: tuple[tuple[nn.Module, str], ...] = (
-                (layer, "input_layernorm"),
-                (layer, "post_attention_layernorm"),
-                (attention, "q_norm"),
-                (attention, "k_norm"),
-            )
-            for owner, name in norms:
-                norm = getattr(owner, name)
-                if norm is not None:
-                    setattr(owner, name, make(norm.weight, norm.eps))
-        self.norm = make(cast(nn.Parameter, self.norm.weight), self.norm.eps)
-
-    def _swap_in_cpu_ops(self) -> None:
-        """bf16 RMSNorm, SiLU-and-multiply and RoPE as single C passes (``kernels/cpu_ops``)."""
-        self.norm = CpuRMSNorm(self.norm.weight, self.norm.eps)
-        for layer in self.decoder_layers():
-            norm = layer.input_layernorm
-            layer.input_layernorm = CpuRMSNorm(norm.weight, norm.eps)
-            norm = layer.post_attention_layernorm
-            layer.post_attention_layernorm = CpuRMSNorm(norm.weight, norm.eps)
-            layer.self_attn.rotary = CpuRotaryApply()
-            layer.mlp.act = CpuSiluAndMul()
+            layer.use_kernels(kernels)
+        self.norm = swapped_norm(kernels.norm, self.norm)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        head = kernels.linear(weight, None)
+        if head is not None:
+            self.head = head
+            self.lm_head = None
+        self.step_shape = kernels.step_shape
 
     def linear_shapes(self) -> list[tuple[int, int]]:
         """``(out, in)`` of one decoder layer's linear layers, for choosing GEMM kernels."""

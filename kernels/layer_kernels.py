@@ -1,0 +1,123 @@
+"""The kernels a model's layers run, one set per device and mode, handed out role by role.
+
+A decoder layer is made of a few roles: linear layers, RMSNorms (the layer's two, and the
+per-head q/k norms of models that have them), the rotary embedding and SiLU-and-multiply. Each
+device and mode has twins of some of them: packed C GEMMs and single-pass C elementwise ops on
+a CPU, one Triton kernel per elementwise op on CUDA, batch-invariant Triton kernels in
+deterministic mode. A set answers, for each role, with the module that stands in for the torch
+one, or None where the torch module stays; the layer modules (``common/model/llama.py``'s
+``use_kernels``) ask for their own parts and hold what they are given. Which set a model runs
+is the engine's choice (``LLMEngine._prepare_kernels``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from kernels.cpu_linear import BOTH, CpuLinear, GemmPlan, StepShape, choose_gemm_plan, probe_plan
+from kernels.cpu_ops import CpuRMSNorm, CpuRotaryApply, CpuSiluAndMul, cpu_ops_apply
+from kernels.cuda_ops import CudaRotaryApply, CudaSiluAndMul
+from kernels.triton_invariant import InvariantLinear, InvariantRMSNorm
+
+
+class LayerKernels:
+    """The torch modules themselves: every role answers None, keep what is there."""
+
+    # What the set's linear layers learn of each step before it runs (the CPU's GEMMs pick
+    # their kernel by it); None where they need nothing.
+    step_shape: StepShape | None = None
+
+    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module | None:
+        """``y = x W^T + b`` (the output projection included, ``bias`` None)."""
+        return None
+
+    def norm(self, weight: torch.Tensor, eps: float) -> nn.Module | None:
+        """A norm over the hidden size: the layers' two and the final one."""
+        return None
+
+    def head_norm(self, weight: torch.Tensor, eps: float) -> nn.Module | None:
+        """A norm over each head vector of the queries or keys (Qwen3's q/k norms)."""
+        return None
+
+    def rotary(self) -> nn.Module | None:
+        """Rotates queries and keys by their positions' angles (``RotaryApply``'s role)."""
+        return None
+
+    def activation(self) -> nn.Module | None:
+        """silu(gate) * up over a fused gate_up projection (``SiluAndMul``'s role)."""
+        return None
+
+
+class CpuKernels(LayerKernels):
+    """Packed C GEMMs and, for bf16 models, the single-pass C norms, rotary and SiLU-and-
+    multiply. The q/k norms stay torch's: their rows are single head vectors.
+
+    The GEMMs hold each weight in the forms the fastest kernels of this machine want, timed on
+    the model's own weights: packed for every kernel first, then ``settle_plan`` keeps what the
+    machine's plan uses. ``deterministic`` takes the tiles, whose sums do not depend on the row
+    count, at every row count."""
+
+    def __init__(
+        self, dtype: torch.dtype, num_params: int, head_dim: int, deterministic: bool = False
+    ) -> None:
+        self.plan = probe_plan(dtype, num_params, deterministic)
+        self.step_shape = StepShape()
+        self.elementwise = cpu_ops_apply(dtype, head_dim)
+
+    def settle_plan(self, modules: Iterable[nn.Module]) -> GemmPlan:
+        """Once the layers took their linears (``modules``, all of the model's): the plan this
+        machine chose for their shapes (probed on first use), each layer restricted to it and
+        its unused forms of the weight dropped. Returns the plan."""
+        if self.plan == BOTH:
+            linears = [module for module in modules if isinstance(module, CpuLinear)]
+            self.plan = choose_gemm_plan(linears)
+            for linear in linears:
+                linear.restrict(self.plan)
+        return self.plan
+
+    def linear(self, weight, bias) -> nn.Module:
+        return CpuLinear(weight, bias, self.plan, self.step_shape)
+
+    def norm(self, weight, eps) -> nn.Module | None:
+        return CpuRMSNorm(weight, eps) if self.elementwise else None
+
+    def rotary(self) -> nn.Module | None:
+        return CpuRotaryApply() if self.elementwise else None
+
+    def activation(self) -> nn.Module | None:
+        return CpuSiluAndMul() if self.elementwise else None
+
+
+class InvariantKernels(LayerKernels):
+    """Deterministic inference on the Triton path: linear layers and norms whose sums do not
+    depend on the batch (``kernels/triton_invariant.py``)."""
+
+    def linear(self, weight, bias) -> nn.Module:
+        return InvariantLinear(weight, bias)
+
+    def norm(self, weight, eps) -> nn.Module:
+        return InvariantRMSNorm(weight, eps)
+
+    def head_norm(self, weight, eps) -> nn.Module:
+        return InvariantRMSNorm(weight, eps)
+
+
+class CudaKernels(LayerKernels):
+    """16-bit models on CUDA: RMSNorm, SiLU-and-multiply and RoPE as one Triton kernel each
+    (``kernels/cuda_ops.py``; the norm is the batch-invariant one, which rounds where the torch
+    module does). Linear layers stay cuBLAS's."""
+
+    def norm(self, weight, eps) -> nn.Module:
+        return InvariantRMSNorm(weight, eps)
+
+    def head_norm(self, weight, eps) -> nn.Module:
+        return InvariantRMSNorm(weight, eps)
+
+    def rotary(self) -> nn.Module:
+        return CudaRotaryApply()
+
+    def activation(self) -> nn.Module:
+        return CudaSiluAndMul()
