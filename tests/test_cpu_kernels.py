@@ -254,6 +254,29 @@ def test_amx_prefill_attention_is_its_twin(
     torch.testing.assert_close(out.float(), wide, **TOLERANCE[torch.bfloat16])
 
 
+@pytest.mark.parametrize("page_size", [5, 64])
+def test_amx_prefill_reads_pages_of_any_size_over_long_contexts(amx_prefill, page_size) -> None:
+    """Pages that split key blocks (5 tokens) or hold a whole one (64), a 2048-row chunk after
+    a 1000-token prefix and a 17-row one after 3000, on two threads: the twin's result."""
+    query_lens, seq_lens = [2048, 17], [3048, 3017]
+    batch = make_batch(
+        query_lens, seq_lens, 2, 4, 64, torch.bfloat16, torch.bfloat16, page_size=page_size
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = amx_prefill.attention(batch.query, batch.cache, amx_prefill.plan(batch.meta), 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert not out.isnan().any(), "read a slot past a sequence's end"
+    starts = batch.meta.query_start_loc.tolist()
+    for seq, (start, end) in enumerate(itertools.pairwise(starts)):
+        key, value = sequence_keys_and_values(batch, seq)
+        twin = prefill_attention_blocks_reference(batch.query[start:end], key, value, 0.125)
+        assert (out[start:end] != twin).float().mean() < 0.01, f"sequence {seq}"
+        torch.testing.assert_close(out[start:end].float(), twin.float(), atol=2**-8, rtol=2**-7)
+
+
 def test_amx_prefill_gives_a_row_the_same_bits_however_the_prompt_is_chunked(amx_prefill) -> None:
     """A row's output depends on its position alone: a 150-token prompt attended whole, in
     chunks of 17, 64 and 69 rows after the cached rows before them, and beside another prompt,
