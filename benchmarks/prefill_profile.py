@@ -5,8 +5,10 @@ the norms, RoPE, SiLU-and-multiply) and prints the fastest of a few steps of 512
 tokens (256-token prompts, as ``benchmarks.step`` times them), each part's share of the step,
 and what is left (residual adds, Python per layer, embedding, head, sampling, bookkeeping).
 The C kernels run through ctypes and torch.profiler does not see them; these timers do.
+``--prompt-tokens 1792 --step-tokens 1792`` times one long prompt alone instead (W3's).
 
     python -m benchmarks.prefill_profile [--model PATH] [--core 0] [--repeats 4]
+        [--prompt-tokens 256] [--step-tokens 512,2048]
 """
 
 from __future__ import annotations
@@ -70,7 +72,14 @@ def main() -> None:
     parser.add_argument("--core", type=int, default=0, help="the one core to pin to")
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--kv-cache-memory", type=int, default=1 << 30)
+    parser.add_argument("--prompt-tokens", type=int, default=256, help="tokens of each prompt")
+    parser.add_argument(
+        "--step-tokens", default="512,2048", help="prompt tokens a step, a multiple of the above"
+    )
     args = parser.parse_args()
+    step_tokens = [int(n) for n in args.step_tokens.split(",")]
+    if any(n % args.prompt_tokens or n > 2048 for n in step_tokens):
+        parser.error("each --step-tokens is a multiple of --prompt-tokens, at most 2048")
     os.sched_setaffinity(0, {args.core})
     torch.set_num_threads(1)
     engine = make_engine(args, max_batched=2048, max_model_len=2048)
@@ -78,11 +87,12 @@ def main() -> None:
     vocab = engine.model_config.vocab_size
     seconds: collections.Counter = collections.Counter()
     with torch.inference_mode(), timed_parts(seconds):
-        for num_tokens in (512, 2048):
+        for num_tokens in step_tokens:
             best: tuple[float, dict[str, float]] | None = None
             for repeat in range(args.repeats + 1):
                 # New prompts every step: a prompt seen before comes from the prefix cache.
-                for prompt in prompts(num_tokens // 256, 256, vocab, seed=7 * num_tokens + repeat):
+                count, length = num_tokens // args.prompt_tokens, args.prompt_tokens
+                for prompt in prompts(count, length, vocab, seed=7 * num_tokens + repeat):
                     engine.add_request(prompt, params)
                 seconds.clear()
                 start = time.perf_counter()
