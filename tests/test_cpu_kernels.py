@@ -505,10 +505,15 @@ def test_bf16_tiles_equal_an_fp32_gemm_rounded_once(
     bf16_tiles, rows, out_features, in_features, bias
 ) -> None:
     """Exact products, float32 sums, one rounding: the fp32 GEMM of the same values rounded to
-    bf16, up to the last bit where the two sum in another order."""
-    weight = torch.randn(out_features, in_features).to(torch.bfloat16)
-    bias_values = torch.randn(out_features).to(torch.bfloat16) if bias else None
-    x = torch.randn(rows, in_features).to(torch.bfloat16)
+    bf16, up to the last bit where the two sum in another order: in at most 2% of the outputs,
+    or one where there are fewer than 50 (a sum that cancels to near zero, 4.1e-5 against
+    4.05e-5 from terms of size 10, can round either way)."""
+    generator = torch.Generator().manual_seed(rows * 1000 + out_features + bias)
+    weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
+    bias_values = (
+        torch.randn(out_features, generator=generator).to(torch.bfloat16) if bias else None
+    )
+    x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
     linear = CpuLinear(weight, bias_values, TILES_ONLY)
     out = linear(x)
     expected = F.linear(
@@ -516,7 +521,8 @@ def test_bf16_tiles_equal_an_fp32_gemm_rounded_once(
     )
     assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
     torch.testing.assert_close(out.float(), expected.bfloat16().float(), atol=1e-2, rtol=8e-3)
-    assert (out != expected.bfloat16()).float().mean() < 0.02
+    mismatches = int((out != expected.bfloat16()).sum())
+    assert mismatches <= max(1, 0.02 * out.numel())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=dtype_id)
