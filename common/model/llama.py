@@ -266,9 +266,11 @@ def add_and_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``hidden + delta`` and ``norm`` of it: one pass where the norm adds and normalises at
     once (the CPU's bf16 norm, the same bits), a torch add then the norm for every other."""
-    fused = getattr(norm, "add_and_norm", None)
+    # Looked up on the class: a missing attribute of a module instance goes through
+    # nn.Module.__getattr__ and an exception, twice a layer every step.
+    fused = getattr(type(norm), "add_and_norm", None)
     if fused is not None and hidden.dim() == 2 and hidden.shape == delta.shape:
-        return fused(hidden, delta)
+        return fused(norm, hidden, delta)
     hidden = hidden + delta
     return hidden, norm(hidden)
 
