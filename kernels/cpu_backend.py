@@ -234,8 +234,7 @@ class CpuAttentionBackend(AttentionBackend):
         out: torch.Tensor,  # [N, num_heads, head_dim] bf16, contiguous
     ) -> None:
         num_heads, head_dim = query.shape[1], query.shape[2]
-        if query.stride(2) != 1 or query.stride(1) != head_dim:
-            query = query.contiguous()
+        query = _heads_packed(query)
         key, value = cache.key, cache.value
         tables = plan.int32_tensors[0]
         row_bytes = tables.stride(0) * tables.element_size()
@@ -280,8 +279,7 @@ class CpuAttentionBackend(AttentionBackend):
         out: torch.Tensor,  # [N, num_heads, head_dim], query's dtype
     ) -> None:
         num_heads, head_dim = query.shape[1], query.shape[2]
-        if query.stride(2) != 1 or query.stride(1) != head_dim:
-            query = query.contiguous()
+        query = _heads_packed(query)
         key, value = cache.key, cache.value
         if key.stride(-1) != 1 or key.stride() != value.stride():
             raise ValueError("the CPU kernel needs key and value pages of one layout, unit stride")
@@ -334,6 +332,14 @@ def _float32_sdpa_is_faster() -> bool:
     two paths round differently, and every process on a machine must choose alike to give the
     same tokens."""
     return not cpu_library.has_amx_bf16()
+
+
+def _heads_packed(query: torch.Tensor) -> torch.Tensor:
+    """``query [N, num_heads, head_dim]`` with each row's head vectors packed one after another,
+    as the C kernels read a row (rows themselves may be any stride apart); copied only if not."""
+    if query.stride(2) != 1 or query.stride(1) != query.shape[2]:
+        return query.contiguous()
+    return query
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:
