@@ -1,25 +1,31 @@
-"""The decode worker's host loop alone: what a step costs when the model's forward costs nothing.
+"""The decode worker's host loop alone: what a step costs when the device's work costs nothing.
 
 A real ``DecodeWorker`` (its sockets, scheduler, sampler, page tables, deltas to the router) runs
-its own loop (``turn()``) against a router played here on loopback, with the model's forward
-replaced by this benchmark's no-op: it returns rows of a preallocated random logits tensor of the
-right shape. So every millisecond printed is host work a GPU would wait on between two steps:
-scheduling, building the step's inputs, sampling, bookkeeping. (A step's token deltas are encoded
-and sent while the next forward runs: with ``--forward-ms`` the no-op waits as long as a GPU's
-step would, and what the host adds beyond that wait is what a GPU would idle for.)
-One thing in it is not host work on a GPU: the sampler's pass over the logits (an argmax over
-batch x vocabulary floats) runs on the device there. It is timed alone in the same run and
-given beside the total, with the rest: the host's own share.
+its own loop (``turn()``) against a router played here on loopback, with the device's work
+replaced by this benchmark's no-ops: the model's forward returns rows of a preallocated random
+logits tensor of the right shape, and the sampler's pass over those logits (an argmax over batch
+x vocabulary floats, a kernel on a GPU) returns their rows' argmax, known in advance. So every
+millisecond printed is host work a GPU would wait on between two steps: scheduling, building the
+step's inputs, sampling's bookkeeping, the token deltas. (A step's deltas are encoded and sent
+while the next forward runs: with ``--forward-ms`` the no-op waits as long as a GPU's step would,
+without the interpreter's lock, and the time printed leaves its waits out: what is left is what a
+GPU would idle for. With no wait, the default, that sending is on the step's path too.)
+
+Why the argmax is a no-op too: run on this CPU, its pass over 64 x 49152 floats (12.6 MB) evicts
+the loop's objects and code from the core's caches, and the Python after it runs three times
+slower than in a loop whose device work is elsewhere, as a GPU's is. ``--argmax-on-cpu`` runs it
+anyway, times it alone in the same run and gives the total less that time as the host's share,
+cold caches included.
 
 For each batch size, that many requests (random ``--prompt-len``-token prompts, greedy,
 ignore_eos) are sent as ``DecodeRequest``s; once every one has its first token, ``--steps`` decode
 steps are timed in five rounds, and the fastest round counts (this machine is shared). One line
 per batch size::
 
-    batch 64: 2.310 ms/step (1.950 of it the greedy argmax over 64 x 49152 logits, ...: host 0.360)
+    batch 64: 0.300 ms/step (the host alone; the argmax over 64 x 49152 logits it skips: 0.57 ms)
 
     python -m benchmarks.host_overhead [--batch-sizes 1,8,64] [--steps 300] [--vocab 49152]
-                                       [--forward-ms 0]
+                                       [--forward-ms 0] [--argmax-on-cpu]
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import torch
 import zmq
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from common.engine import sampler as sampler_module
 from common.messages import decode, encode
 from common.protocol import (
     DecodeRequest,
@@ -72,17 +79,41 @@ def build_model(folder: Path, vocab_size: int) -> Path:
 class NoOpForward:
     """Stands in for the model: one row of logits per position asked for, no work at all, or
     (``seconds``) a wait as long as a device's step, which, as a wait on a GPU does, leaves the
-    CPU to whatever the worker does meanwhile."""
+    CPU (and the interpreter's lock) to whatever the worker does meanwhile. The time spent
+    waiting is summed in ``waited``: it is the device's, not the host's."""
 
     def __init__(self, max_rows: int, vocab_size: int, seconds: float = 0.0) -> None:
         generator = torch.Generator().manual_seed(0)
         self.logits = torch.randn(max_rows, vocab_size, generator=generator)
         self.seconds = seconds
+        self.waited = 0.0
+        self.argmax = argmax_rows(self.logits)  # each row's token, for KnownArgmax
 
     def __call__(self, input_ids, positions, meta, logits_indices) -> torch.Tensor:
         if self.seconds:
+            began = time.perf_counter()
             time.sleep(self.seconds)
+            self.waited += time.perf_counter() - began
         return self.logits[: len(logits_indices)]
+
+
+class KnownArgmax:
+    """Stands in for the sampler's argmax kernel while the forward is ``forward``'s no-op: the
+    leading rows of its logits have their argmax computed once, so a step reads no logits (any
+    other tensor still gets the real argmax)."""
+
+    def __init__(self, forward: NoOpForward) -> None:
+        self.forward = forward
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.forward.logits
+        if (
+            x.data_ptr() == logits.data_ptr()
+            and x.stride() == logits.stride()
+            and x.shape[1] == logits.shape[1]
+        ):
+            return self.forward.argmax[: x.shape[0]].clone()
+        return argmax_rows(x)
 
 
 class LoopbackRouter:
@@ -196,21 +227,27 @@ def start_batch(
 ROUNDS = 5
 
 
-def fastest_round_ms(run_once: Callable[[], object], steps: int) -> float:
-    """Milliseconds per call of ``run_once`` in the fastest of ``ROUNDS`` rounds of ``steps``."""
+def fastest_round_ms(
+    run_once: Callable[[], object], steps: int, waited: Callable[[], float] = lambda: 0.0
+) -> float:
+    """Milliseconds per call of ``run_once`` in the fastest of ``ROUNDS`` rounds of ``steps``,
+    less the seconds ``waited`` says were spent waiting on the device meanwhile."""
     per_round = max(1, steps // ROUNDS)
     best = float("inf")
     for _ in range(ROUNDS):
+        waited_before = waited()
         began = time.perf_counter()
         for _ in range(per_round):
             run_once()
-        best = min(best, (time.perf_counter() - began) / per_round)
+        elapsed = time.perf_counter() - began - (waited() - waited_before)
+        best = min(best, elapsed / per_round)
     return best * 1e3
 
 
-def time_steps(worker: DecodeWorker, steps: int) -> float:
-    """Milliseconds per pass of the worker's loop (each one decode step of the whole batch)."""
-    return fastest_round_ms(worker.turn, steps)
+def time_steps(worker: DecodeWorker, forward: NoOpForward, steps: int) -> float:
+    """Milliseconds per pass of the worker's loop (each one decode step of the whole batch), less
+    the forward's waits."""
+    return fastest_round_ms(worker.turn, steps, lambda: forward.waited)
 
 
 def time_logits_read(logits: torch.Tensor, steps: int) -> float:
@@ -226,11 +263,18 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=49152, help="SmolLM2's by default")
     parser.add_argument(
+        "--argmax-on-cpu",
+        action="store_true",
+        help="run the sampler's argmax over the logits here, and give the total less its time "
+        "alone (its cold caches counted as the host's)",
+    )
+    parser.add_argument(
         "--forward-ms",
         type=float,
         default=0.0,
-        help="make the forward wait this long, as for a GPU's step: what the host does beside "
-        "it (sending the previous step's tokens) then costs the step nothing",
+        help="make the forward wait this long, as for a GPU's step, and count the time "
+        "outside its waits: what the host does beside it (sending the previous step's tokens) "
+        "then costs the step nothing",
     )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -242,21 +286,31 @@ def main() -> int:
         worker = start_worker(model, router, max(batch_sizes))
         forward = NoOpForward(max(batch_sizes), args.vocab, args.forward_ms / 1e3)
         worker.engine.runner.model = forward
+        if not args.argmax_on_cpu:
+            sampler_module.argmax_rows = KnownArgmax(forward)
         try:
             # As in a worker process (run_worker): start-up's objects out of the collector's way.
             with startup_objects_frozen():
                 for batch in batch_sizes:
                     ids = start_batch(worker, router, batch, args.prompt_len)
-                    ms = time_steps(worker, args.steps)
+                    ms = time_steps(worker, forward, args.steps)
                     reading = time_logits_read(forward.logits[:batch], args.steps)
-                    host = ms - reading - args.forward_ms
-                    wait = f", {args.forward_ms:g} the forward's wait" if args.forward_ms else ""
-                    print(
-                        f"batch {batch}: {ms:.3f} ms/step ({reading:.3f} of it the greedy argmax "
-                        f"over {batch} x {args.vocab} logits, device work on a GPU{wait}: host "
-                        f"{host:.3f})",
-                        flush=True,
+                    wait = (
+                        f" beside {args.forward_ms:g} ms forwards (their waits not counted)"
+                        if args.forward_ms
+                        else ""
                     )
+                    if args.argmax_on_cpu:
+                        said = (
+                            f"{reading:.3f} of it the greedy argmax over {batch} x {args.vocab} "
+                            f"logits, device work on a GPU{wait}: host {ms - reading:.3f}"
+                        )
+                    else:
+                        said = (
+                            f"the host alone{wait}; the argmax over {batch} x {args.vocab} "
+                            f"logits it skips: {reading:.3f} ms on this CPU"
+                        )
+                    print(f"batch {batch}: {ms:.3f} ms/step ({said})", flush=True)
                     for request_id in ids:
                         worker.scheduler.abort(request_id)
         finally:

@@ -206,6 +206,29 @@ def test_page_tables_reuse_rows_and_pad_with_zeros():
     assert tables.gather([]).shape == (0, 0)
 
 
+def test_page_tables_asked_for_the_same_lists_again_follow_their_changes():
+    """The usual step asks for the very lists of the step before, in the same order, some a page
+    longer: only what changed is written, and every step's tables are what a fresh table gives,
+    through growth past the table's width, a list cleared and refilled, a list asked twice, and
+    steps that change the lists or their order."""
+    rng = np.random.default_rng(0)
+    tables = PageTables()
+    lists = [list(rng.integers(1, 1000, size=int(rng.integers(1, 4)))) for _ in range(6)]
+    asked = list(lists)
+    for step in range(200):
+        if step % 50 == 49:
+            asked = [lists[i] for i in rng.permutation(len(lists))[:4]] + [lists[0]]
+        # A list is only ever extended, or cleared and given fewer pages than it had.
+        victim = lists[int(rng.integers(len(lists)))]
+        if rng.random() < 0.05 and len(victim) > 1:
+            victim[:] = rng.integers(1, 1000, size=int(rng.integers(1, len(victim)))).tolist()
+        for pages in lists:
+            if pages is not victim and rng.random() < 0.3:
+                pages.extend(rng.integers(1, 1000, size=int(rng.integers(1, 3))).tolist())
+        assert tables.gather(asked).tolist() == PageTables().gather(asked).tolist(), step
+    assert max(map(len, lists)) > 16  # past the table's first width
+
+
 def test_one_buffer_carries_arrays_of_mixed_dtypes_and_shapes():
     """The CUDA path's packing, run on the CPU: int64 and int32 arrays of odd byte counts, a
     2-D table and an empty array come out of the one buffer with their values, dtypes and
@@ -223,3 +246,25 @@ def test_one_buffer_carries_arrays_of_mixed_dtypes_and_shapes():
         for array, tensor in zip(arrays, out, strict=True):
             assert tensor.dtype == torch.from_numpy(array).dtype
             assert tensor.tolist() == array.tolist()
+
+
+def test_a_batch_is_a_plain_argmax_once_every_row_asks_for_nothing_else():
+    """The runner takes a step's argmax alone when every row is greedy with nothing to report,
+    ban, bias or penalise; a batch found so stays so while its rows are the same (min_tokens
+    is passed only once), and a row that asks for more makes a batch take the sampler."""
+    kept = runner()
+    plain = sequence("a", [1, 2, 3], generated=[4], computed=3, pages=[5], temperature=0.0)
+    banning = sequence(
+        "b", [1, 2], generated=[6], computed=2, pages=[8], temperature=0.0, min_tokens=2
+    )
+    batch = [ScheduledSequence.of(seq, 1) for seq in (plain, banning)]
+    assert not kept._all_plain_argmax(batch)  # b may not end before its second token
+    banning.token_ids.append(7)
+    assert kept._all_plain_argmax(batch)
+    assert kept._all_plain_argmax(list(batch))  # the same rows: known
+    reporting = sequence(
+        "c", [1], generated=[2], computed=1, pages=[9], temperature=0.0, logprobs=1
+    )
+    assert not kept._all_plain_argmax([*batch, ScheduledSequence.of(reporting, 1)])
+    sampling = sequence("d", [1], generated=[2], computed=1, pages=[9], temperature=0.7)
+    assert not kept._all_plain_argmax([ScheduledSequence.of(sampling, 1)])

@@ -366,3 +366,80 @@ def test_default_step_budget_follows_the_gemm_units(monkeypatch, device, dtype, 
     so a bf16 model there takes steps of 1024; a GPU takes 2048."""
     monkeypatch.setattr(config_module, "has_amx_bf16", lambda: "amx_bf16" in flags)
     assert config_module.default_token_budget(torch.device(device), dtype) == budget
+
+
+# -- the steady decode step ---------------------------------------------------------------------
+
+
+def _play_workload(scheduler: Scheduler, seed: int, num_steps: int = 400) -> tuple[list, int]:
+    """Drive ``scheduler`` through a random workload (arrivals, prompts, stop conditions, aborts,
+    a pool small enough to preempt) and return a log of everything each step decided and
+    changed, with the number of steps its steady path decided."""
+    rng = torch.Generator().manual_seed(seed)
+
+    def draw(n: int) -> int:
+        return int(torch.randint(n, (1,), generator=rng))
+
+    steady_steps = 0
+    steady_decodes = scheduler._steady_decodes
+
+    def counting() -> list[ScheduledSequence] | None:
+        nonlocal steady_steps
+        batch = steady_decodes()
+        steady_steps += batch is not None
+        return batch
+
+    scheduler._steady_decodes = counting  # type: ignore[method-assign]
+    log: list = []
+    live: list[str] = []
+    for step_index in range(num_steps):
+        if draw(6) == 0 and step_index < num_steps - 100:
+            request_id = f"r{step_index}"
+            params = {"max_tokens": 1 + draw(40)}
+            if draw(3) == 0:
+                params["stop_token_ids"] = [50 + draw(4)]
+            add(scheduler, request_id, prompt(10 + draw(5) * 7, 1 + draw(14)), **params)
+            live.append(request_id)
+        if live and draw(40) == 0:
+            scheduler.abort(live.pop(draw(len(live))))
+        batch = scheduler.schedule()
+        # Mostly ordinary tokens; now and then EOS or a stop token.
+        tokens = {
+            item.seq.request_id: [EOS, 50, 51][draw(3)] if draw(25) == 0 else 60 + draw(30)
+            for item in batch
+        }
+        outputs = finish_step(scheduler, batch, tokens)
+        events = scheduler.page_manager.drain_events()
+        log.append(
+            (
+                shape(batch),
+                [(item.seq.request_id, list(item.seq.page_ids)) for item in batch],
+                [
+                    (o.seq.request_id, [s.token_id for s in o.new_samples], o.left_batch,
+                     o.seq.finish_reason)
+                    for o in outputs
+                ],
+                scheduler.page_manager.num_free_pages,
+                scheduler.num_preemptions,
+                (events.stored, events.removed),
+            )
+        )  # fmt: skip
+    return log, steady_steps
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_steady_decode_step_decides_what_the_full_pass_would(seed):
+    """The usual step (the last step's decodes again) is decided without the full pass: every
+    step, page, token, finish, preemption and cache event is what the full pass alone gives."""
+
+    def scheduler() -> Scheduler:
+        return make_scheduler(num_pages=20, budget=6, max_num_seqs=4, max_model_len=40)
+
+    full = scheduler()
+    full._steady_decodes = lambda: None  # type: ignore[method-assign]
+    log, steady_steps = _play_workload(scheduler(), seed)
+    full_log, none = _play_workload(full, seed)
+    assert none == 0
+    assert log == full_log
+    assert steady_steps > 60  # the workload reaches the steady step often
+    assert any(step[4] for step in full_log)  # and preempts

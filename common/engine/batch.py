@@ -9,6 +9,7 @@ the draft model all speak these types, so they live here, below all of them.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from itertools import chain
@@ -122,16 +123,16 @@ def flatten_decodes(
     sequences themselves, with no ``TokenRun`` per sequence and none of the ragged arithmetic
     (a tenth of ``flatten_runs``' time at batch 64)."""
     num_seqs = len(seqs)
-    input_ids = np.fromiter((seq.token_ids[-1] for seq in seqs), np.int64, num_seqs)
-    positions = np.fromiter((seq.num_computed_tokens for seq in seqs), np.int64, num_seqs)
-    tables = (page_tables or PageTables()).gather([seq.page_ids for seq in seqs])
+    input_ids = np.fromiter([seq.token_ids[-1] for seq in seqs], np.int64, num_seqs)
+    positions = np.fromiter(map(_NUM_COMPUTED, seqs), np.int64, num_seqs)
+    tables = (page_tables or PageTables()).gather(list(map(_PAGE_IDS, seqs)))
     rows = np.arange(num_seqs)
     slots = page_slots(tables[rows, positions // page_size], positions, page_size)
     return _to_device(
         input_ids=input_ids,
         positions=positions,
-        query_start_loc=np.arange(num_seqs + 1),
-        seq_lens=positions + 1,
+        query_start_loc=np.arange(num_seqs + 1, dtype=np.int32),
+        seq_lens=np.add(positions, 1, dtype=np.int32, casting="unsafe"),
         page_tables=tables,
         slots=slots,
         logits_indices=rows,
@@ -139,6 +140,12 @@ def flatten_decodes(
         device=device,
         staging=staging,
     )
+
+
+# What a step of decodes reads of each sequence, as C-level getters (a generator over 64
+# sequences costs twice as much).
+_NUM_COMPUTED = operator.attrgetter("num_computed_tokens")
+_PAGE_IDS = operator.attrgetter("page_ids")
 
 
 def page_slots(pages: np.ndarray, positions: np.ndarray, page_size: int) -> np.ndarray:
@@ -166,8 +173,8 @@ def _to_device(
         [
             input_ids,
             positions,
-            query_start_loc.astype(np.int32),
-            seq_lens.astype(np.int32),
+            query_start_loc.astype(np.int32, copy=False),
+            seq_lens.astype(np.int32, copy=False),
             page_tables,
             slots,
             logits_indices,
@@ -202,9 +209,47 @@ class PageTables:
         # id(list) -> (the list, its row, how many of its pages the row holds). The entry keeps
         # the list alive, so its id cannot stand for another list meanwhile.
         self._rows: dict[int, tuple[Seq[int], int, int]] = {}
+        # The last step's lists in its order, their rows and their lengths: the usual step asks
+        # for the very same lists again, some of them one page longer.
+        self._last_lists: list[Seq[int]] = []
+        self._last_indices: list[int] = []
+        self._last_lengths: list[int] = []
 
     def gather(self, page_lists: Seq[Seq[int]]) -> np.ndarray:
         """The step's page tables: [len(page_lists), longest list], zero-padded."""
+        lengths = list(map(len, page_lists))
+        last = self._last_lists
+        if len(page_lists) == len(last) and all(map(operator.is_, page_lists, last)):
+            return self._gather_again(lengths)
+        tables = self._gather_anew(page_lists)
+        self._last_lists = list(page_lists)
+        self._last_indices = [self._rows[id(pages)][1] for pages in page_lists]
+        self._last_lengths = lengths
+        return tables
+
+    def _gather_again(self, lengths: list[int]) -> np.ndarray:
+        """``gather`` for the last step's lists in the same order: only the lists that grew write
+        their new pages (their rows already hold every other page id)."""
+        indices = self._last_indices
+        width = max(lengths, default=0)
+        if width > self._table.shape[1]:
+            self._grow(self._table.shape[0], max(width, 2 * self._table.shape[1]))
+        if lengths != self._last_lengths:
+            for i, (now, held) in enumerate(zip(lengths, self._last_lengths, strict=True)):
+                if now == held:
+                    continue
+                pages = self._last_lists[i]
+                if now > held:
+                    self._table[indices[i], held:now] = pages[held:]
+                else:  # a list only shrinks when it is cleared, and it is not asked for then
+                    self._table[indices[i], :now] = pages
+                    self._table[indices[i], now:] = 0
+                self._rows[id(pages)] = (pages, indices[i], now)
+            self._last_lengths = lengths
+        return self._table[indices, :width]
+
+    def _gather_anew(self, page_lists: Seq[Seq[int]]) -> np.ndarray:
+        """``gather`` for any lists: rows found by each list's identity."""
         rows = self._rows
         kept: dict[int, tuple[Seq[int], int, int]] = {}
         width = max(map(len, page_lists), default=0)

@@ -60,6 +60,9 @@ class ModelRunner:
         self.page_tables = PageTables()
         # Set by a tensor-parallel group's rank 0: the ranks that run each step beside it.
         self.followers: FollowerRanks | None = None
+        # The last batch whose rows were all a plain argmax: the same rows stay so (a row's
+        # output only grows, and only min_tokens depends on it), so they are not asked again.
+        self._plain_rows: list[ScheduledSequence] = []
 
     @torch.inference_mode()
     def run(
@@ -89,9 +92,7 @@ class ModelRunner:
                 logits = self.model(
                     inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices
                 )
-            if decodes_alone and all(
-                plain_argmax(item.seq.params, item.seq.num_output_tokens) for item in batch
-            ):
+            if decodes_alone and self._all_plain_argmax(batch):
                 # The usual step: every row's token is its logits' argmax, nothing else asked.
                 sampled = self.sampler.argmax(logits)
             else:
@@ -105,6 +106,16 @@ class ModelRunner:
             # (Not the proposing: a draft catching up on a prompt is a cost of that prompt.)
             self.speculator.costs.observe(len(inputs.input_ids), time.perf_counter() - started)
         return self.speculator.accept(batch, proposals, sampled)
+
+    def _all_plain_argmax(self, batch: list[ScheduledSequence]) -> bool:
+        """Whether every row's next token is its logits' argmax and nothing else is asked of it
+        (``plain_argmax``)."""
+        if batch == self._plain_rows:  # the same rows: item by item, by identity first
+            return True
+        if all(plain_argmax(item.seq.params, item.seq.num_output_tokens) for item in batch):
+            self._plain_rows = batch
+            return True
+        return False
 
     def _sample(
         self, batch: list[ScheduledSequence], proposals: Seq[Seq[int]], logits: torch.Tensor

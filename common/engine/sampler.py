@@ -78,8 +78,8 @@ class SamplingRow:
 class SampledToken:
     token_id: int
     # Both are set when params.logprobs is not None, and come from the raw logits.
-    logprob: float | None
-    top_logprobs: list[tuple[int, float]] | None  # params.logprobs (token_id, logprob), best first
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None  # (token_id, logprob), best first
 
 
 @dataclass(slots=True)
@@ -194,7 +194,7 @@ class Sampler:
         x = logits[:, : self.vocab_size]
         if x.dtype != torch.float32:
             x = x.float()
-        return [SampledToken(t, None, None) for t in argmax_rows(x).tolist()]
+        return list(map(SampledToken, argmax_rows(x).tolist()))  # map: no Python frame a row
 
     def _mask_stop_tokens(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         row_index: list[int] = []
