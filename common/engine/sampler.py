@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -74,8 +75,11 @@ class SamplingRow:
         return len(self.token_ids) - self.num_prompt_tokens + len(self.proposed)
 
 
-@dataclass(slots=True)
-class SampledToken:
+class SampledToken(NamedTuple):
+    """One sampled token. A tuple, not a class instance: a decode worker keeps one per generated
+    token for as long as its request runs, and a tuple of plain values is soon dropped from the
+    cycle collector's books, which would otherwise walk every one of them again and again."""
+
     token_id: int
     # Both are set when params.logprobs is not None, and come from the raw logits.
     logprob: float | None = None
@@ -182,7 +186,7 @@ class Sampler:
             # x is not read after this, so the sampler may edit it in place.
             token_ids[rest] = self._sample_random(_select(x, rest), [rows[i] for i in rest])
 
-        results = [SampledToken(t, None, None) for t in token_ids.tolist()]
+        results = list(map(SampledToken, token_ids.tolist()))
         if raw_logprobs is not None:
             _fill_logprobs(results, params, want_logprobs, raw_logprobs, token_ids)
         return results
@@ -435,8 +439,8 @@ def _fill_logprobs(
     top_values, top_ids = top.values.tolist(), top.indices.tolist()
     for j, i in enumerate(rows):
         k = params[i].logprobs or 0
-        results[i].logprob = chosen[j]
-        results[i].top_logprobs = list(zip(top_ids[j][:k], top_values[j][:k], strict=True))
+        top_k = list(zip(top_ids[j][:k], top_values[j][:k], strict=True))
+        results[i] = results[i]._replace(logprob=chosen[j], top_logprobs=top_k)
 
 
 def _step_seed(seed: int, step: int) -> int:
