@@ -119,13 +119,14 @@ def prompt_logprobs_to_wire(
     ]  # fmt: skip
 
 
-def _says_only_its_token(seq: Sequence) -> bool:
-    """Whether the delta of ``seq``'s newest token would hold that token alone: not its first
-    output token here (which carries the prefix-cache hit, prompt logprobs and stage times), no
-    stage times pending after a handoff, no finish, no logprob."""
+def _says_only_its_token(seq: Sequence, num_output_tokens: int) -> bool:
+    """Whether the delta of ``seq``'s newest token (its ``num_output_tokens``-th) would hold
+    that token alone: not its first output token here (which carries the prefix-cache hit,
+    prompt logprobs and stage times), no stage times pending after a handoff, no finish, no
+    logprob."""
     return (
-        seq.finish_reason is None
-        and seq.num_output_tokens != 1
+        num_output_tokens != 1
+        and seq.finish_reason is None
         and seq.handoff_wait_s is None
         and seq.samples[-1].logprob is None
     )
@@ -405,9 +406,11 @@ class WorkerService(ABC):
         first tokens, from a prefill worker). A lone delta that is more than its token goes as
         itself; one-token deltas with nothing else to say go in ``TokenDeltas``' columns."""
         frame = TokenDeltas()
+        add_token = frame.add_token
         for seq, num_new in advanced:
-            if num_new == 1 and not first and _says_only_its_token(seq):
-                frame.add_token(seq.request_id, seq.token_ids[-1], seq.num_output_tokens - 1)
+            num_output_tokens = len(seq.token_ids) - seq.num_prompt_tokens
+            if num_new == 1 and not first and _says_only_its_token(seq, num_output_tokens):
+                add_token(seq.request_id, seq.token_ids[-1], num_output_tokens - 1)
             else:
                 frame.deltas.append(self.delta(seq, num_new, first))
         if len(frame.deltas) == 1 and not frame.token_ids:
