@@ -56,6 +56,7 @@ from common.model.parallel import TensorParallel, check_shardable, connect
 from common.sampling_params import SamplingParams
 from common.startup_objects import startup_objects_frozen
 from kernels.cuda_ops import cuda_ops_apply
+from kernels.huge_pages import huge_page_bytes
 from kernels.interface import FP8_DTYPE, INT8_DTYPE
 from kernels.layer_kernels import CpuKernels, CudaKernels, InvariantKernels
 from kernels.registry import get_attention_backend
@@ -216,7 +217,7 @@ class LLMEngine:
             self.runner.graphs = self._capture_decode_graphs(graph_sizes)
         self._ids = itertools.count()
         logger.info(
-            "engine ready in %.1f s: %s on %s in %s, %d KV pages of %d tokens (%s), "
+            "engine ready in %.1f s: %s on %s in %s, %d KV pages of %d tokens (%s%s), "
             "%s attention%s%s%s%s",
             time.monotonic() - started,
             self.model_config.architecture,
@@ -225,12 +226,22 @@ class LLMEngine:
             num_pages,
             config.cache.page_size,
             self.kv_layout.describe(dtype_name(self.dtype)),
+            self._pool_pages_said(),
             self.backend.name,
             ", eager" if config.enforce_eager else "",
             ", CUDA graphs for decode" if self.runner.graphs is not None else "",
             ", deterministic inference (batch-invariant kernels)" if deterministic else "",
             f", tensor-parallel rank {tp_rank} of {tp_size}" if tp_size > 1 else "",
         )
+
+    def _pool_pages_said(self) -> str:
+        """On the CPU, how much of the KV pool the kernel gave 2 MB pages (kernels/huge_pages.py),
+        for the start-up log: a pool left on 4 KB pages decodes slower."""
+        if self.device.type != "cpu":
+            return ""
+        data = self.pool.data
+        share = huge_page_bytes(data) / max(1, data.numel() * data.element_size())
+        return f", {min(share, 1.0):.0%} on 2 MB pages"
 
     def _cuda_graph_sizes(self, role: str | None) -> list[int]:
         """The decode batch sizes to capture CUDA graphs for: on CUDA with the Triton kernels
