@@ -126,9 +126,10 @@ class DecodeWorker(WorkerService):
 
     def poll_io(self) -> None:
         vocab_size, max_model_len = self.engine.model_config.vocab_size, self.engine.max_model_len
-        while True:
+        socket = self.handoff_socket
+        while socket.poll(0):  # no zmq.Again raised every turn
             try:
-                frame = self.handoff_socket.recv(zmq.NOBLOCK)
+                frame = socket.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
             try:
