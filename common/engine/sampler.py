@@ -24,7 +24,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from itertools import repeat
+from typing import NamedTuple, cast
 
 import torch
 
@@ -186,7 +187,7 @@ class Sampler:
             # x is not read after this, so the sampler may edit it in place.
             token_ids[rest] = self._sample_random(_select(x, rest), [rows[i] for i in rest])
 
-        results = list(map(SampledToken, token_ids.tolist()))
+        results = plain_samples(token_ids.tolist())
         if raw_logprobs is not None:
             _fill_logprobs(results, params, want_logprobs, raw_logprobs, token_ids)
         return results
@@ -198,7 +199,7 @@ class Sampler:
         x = logits[:, : self.vocab_size]
         if x.dtype != torch.float32:
             x = x.float()
-        return list(map(SampledToken, argmax_rows(x).tolist()))  # map: no Python frame a row
+        return plain_samples(argmax_rows(x).tolist())
 
     def _mask_stop_tokens(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         row_index: list[int] = []
@@ -253,6 +254,14 @@ class Sampler:
             generator.seed()
             self._generators[device] = generator
         return generator
+
+
+def plain_samples(token_ids: list[int]) -> list[SampledToken]:
+    """A ``SampledToken`` with no logprobs for each id, made by the tuple type's own constructor
+    in C: the named tuple's is a Python function, and takes twice as long (64 ids: 13 against
+    7 us)."""
+    rows = zip(token_ids, repeat(None), repeat(None))
+    return cast(list[SampledToken], list(map(tuple.__new__, repeat(SampledToken), rows)))
 
 
 def _add_logit_bias(x: torch.Tensor, params: Sequence[SamplingParams]) -> None:
