@@ -9,6 +9,7 @@ read, beside the rate at which this core reads a plain buffer (measured in the s
 
     python -m benchmarks.cpu_decode_attention [--core 0] [--kv-cache-dtype bf16|int8|fp8]
         [--bf16-pair-scores]   # bf16 pages scored with vdpbf16ps (AVX512_BF16 processors)
+        [--small-pages]   # the pool on 4 KB memory pages (the engine puts it on 2 MB ones)
 
 Shapes are SmolLM2-135M's (30 layers, 9 query heads over 3 KV heads of 64) unless given.
 """
@@ -25,6 +26,7 @@ import torch
 from benchmarks.step import weight_read_floor
 from kernels import cpu_library
 from kernels.cpu_backend import CpuAttentionBackend
+from kernels.huge_pages import zeros_on_huge_pages
 from kernels.interface import FP8_DTYPE, INT8_DTYPE, SCALE_DTYPES, AttentionMetadata, KVCacheView
 from kernels.sizes import ceil_div
 
@@ -34,16 +36,21 @@ CASES = [(1, 256), (8, 256), (32, 256), (1, 1024), (8, 1024), (32, 1024)]
 
 
 def make_pool(num_pages: int, args) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Random pages (and scales) of every layer: (num_pages, num_layers, 2, page, kv_heads, dim)."""
+    """Random pages (and scales) of every layer: (num_pages, num_layers, 2, page, kv_heads, dim),
+    on 2 MB pages as the engine's pool is (common/engine/kv_pool.py), unless ``--small-pages``."""
     shape = (num_pages, args.layers, 2, PAGE_SIZE, args.kv_heads, args.head_dim)
     dtype = KV_DTYPES[args.kv_cache_dtype]
+    pages = (
+        torch.zeros(shape, dtype=dtype) if args.small_pages else zeros_on_huge_pages(shape, dtype)
+    )
     if dtype == torch.bfloat16:
-        return torch.randn(shape).to(dtype), None
+        pages.copy_(torch.randn(shape))
+        return pages, None
     if dtype == INT8_DTYPE:
-        pages = torch.randint(-127, 128, shape, dtype=torch.int8)
+        pages.copy_(torch.randint(-127, 128, shape, dtype=torch.int8))
         scales = torch.randint(100, 140, shape[:-1], dtype=torch.int32).to(SCALE_DTYPES[dtype])
         return pages, scales
-    pages = torch.randn(shape).clamp(-400, 400).to(dtype)
+    pages.copy_(torch.randn(shape).clamp(-400, 400))
     return pages, torch.rand(shape[:-1]).to(SCALE_DTYPES[dtype]) + 0.5
 
 
@@ -84,6 +91,9 @@ def main() -> None:
     parser.add_argument("--weight-mb", type=int, default=270, help="weights streamed per step")
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--bf16-pair-scores", action="store_true", help="score with vdpbf16ps")
+    parser.add_argument(
+        "--small-pages", action="store_true", help="the pool on 4 KB pages, not 2 MB ones"
+    )
     args = parser.parse_args()
     with cpu_library.running_bf16_pair_scores(args.bf16_pair_scores):
         run(args)
@@ -107,7 +117,8 @@ def run(args) -> None:
 
     print(
         f"{args.layers} layers, {args.heads} query heads over {args.kv_heads} KV heads of "
-        f"{args.head_dim}, {args.kv_cache_dtype} pages of {PAGE_SIZE}; one core (#{args.core})"
+        f"{args.head_dim}, {args.kv_cache_dtype} pages of {PAGE_SIZE} on "
+        f"{'4 KB' if args.small_pages else '2 MB'} memory pages; one core (#{args.core})"
         + ("; bf16 pair scores" if args.bf16_pair_scores else "")
     )
     print(f"memory read rate: {memory_rate / 1e9:.1f} GB/s")
