@@ -243,7 +243,7 @@ class PageTables:
                 pages = self._last_lists[i]
                 if now > held:
                     self._table[indices[i], held:now] = pages[held:]
-                else:  # a list only shrinks when it is cleared, and it is not asked for then
+                else:  # cleared and given fewer pages: the whole row again
                     self._table[indices[i], :now] = pages
                     self._table[indices[i], now:] = 0
                 self._rows[id(pages)] = (pages, indices[i], now)
