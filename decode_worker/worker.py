@@ -165,10 +165,9 @@ class DecodeWorker(WorkerService):
     ) -> None:
         self.send_deltas([(out.seq, len(out.new_samples)) for out in outputs])
         for out in outputs:
-            if out.left_batch:  # a decode leaves its batch only finished
-                reason = out.seq.finish_reason
-                if reason is not None:
-                    REQUESTS.labels(outcome=reason.value).inc()
+            reason = out.seq.finish_reason
+            if out.left_batch and reason is not None:  # a decode leaves its batch only finished
+                REQUESTS.labels(outcome=reason.value).inc()
 
     def num_pending(self) -> int:
         return self.handoffs.num_pending()
