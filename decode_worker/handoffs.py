@@ -28,9 +28,11 @@ where later parts may end, and the handoff reserves the pages no part brought. A
   ``ABORT_MEMORY_S``) is dropped before anything is reserved: an abort or a re-dispatch can
   overtake it. (The worker has checked each message against its own limits before all this.)
 
-Owned and called by the decode worker's main loop, one thread. It reserves, frees and admits
-through ``Reservations`` (the ``DecodeScheduler``), fetches through a ``KVReceiver``, and reaches
-the router only through the callables it is given.
+Called by one thread at a time: the decode worker's main loop between steps, and during a long
+step its step helper, which accepts handoffs and parts as they come (``poll``, which admits, is
+the main loop's alone). It reserves, frees and admits through ``Reservations`` (the
+``DecodeScheduler``), fetches through a ``KVReceiver``, and reaches the router only through the
+callables it is given.
 """
 
 from __future__ import annotations

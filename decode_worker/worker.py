@@ -42,6 +42,9 @@ logger = logging.getLogger(__name__)
 
 # Handoffs carry prompts; this bounds one frame well above any prompt a worker can hold.
 _MAX_HANDOFF_BYTES = 64 << 20
+# Steps at least this long have the step helper read handoffs as they come: it is then woken
+# every step (tens of microseconds), which a GPU's millisecond steps should not pay.
+_HANDOFFS_DURING_STEPS_AFTER_S = 0.01
 
 
 def size_problem(msg: Message, vocab_size: int, max_model_len: int) -> str | None:
@@ -125,6 +128,12 @@ class DecodeWorker(WorkerService):
             logger.debug("decode worker ignores %s", type(msg).__name__)
 
     def poll_io(self) -> None:
+        self._read_handoffs()
+        self.handoffs.poll()
+
+    def _read_handoffs(self) -> None:
+        """Take every frame waiting on the handoff socket: reserve its pages and start its fetch
+        (``Handoffs``), or drop it with a logged reason."""
         vocab_size, max_model_len = self.engine.model_config.vocab_size, self.engine.max_model_len
         socket = self.handoff_socket
         while socket.poll(0):  # no zmq.Again raised every turn
@@ -149,13 +158,36 @@ class DecodeWorker(WorkerService):
                 self.handoffs.withdraw_parts(msg.request_id)
             else:
                 self._drop(f"unexpected {type(msg).__name__} on the handoff socket")
-        self.handoffs.poll()
 
     def serve_during_step(self):
         # A prompt's pages land while the forward runs, not between two steps, where copying
-        # them would hold up every decoding sequence's next token. What the fetches that ended
-        # mean for the batch is still decided here, between steps (poll_io).
-        return self.receiver.serve_transfers, self.receiver.transfer_sockets
+        # them would hold up every decoding sequence's next token; after long steps, handoffs
+        # are read then too. What the fetches that ended mean for the batch is still decided
+        # here, between steps (poll_io).
+        return self._serve_during_step, self._sockets_during_step
+
+    def reads_handoffs_during_step(self) -> bool:
+        """Whether the step helper takes handoffs too. A handoff read only between steps waits
+        for the rest of the step it came in, and its pages then for the whole next step: its
+        request's second token comes two steps after its first. Read as it comes, its pages are
+        in by the end of the step it came in. Only after a long step (a CPU's), since the
+        helper is then woken every step; and never where a fetch also commands tensor-parallel
+        ranks, over the pipes the step itself uses."""
+        return (
+            self.last_step_seconds >= _HANDOFFS_DURING_STEPS_AFTER_S
+            and self.engine.followers is None
+        )
+
+    def _sockets_during_step(self) -> list:
+        sockets = self.receiver.transfer_sockets()
+        if self.reads_handoffs_during_step():
+            sockets = [self.handoff_socket, *sockets]
+        return sockets
+
+    def _serve_during_step(self) -> None:
+        self.receiver.serve_transfers()
+        if self.reads_handoffs_during_step():
+            self._read_handoffs()  # fetches begin now; admitted between steps (poll_io)
 
     def extra_sockets(self) -> list:
         return [self.handoff_socket, *self.receiver.poll_sockets()]

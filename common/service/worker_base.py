@@ -181,6 +181,7 @@ class WorkerService(ABC):
         self.metrics_url = serve_worker_http(args.host, args.metrics_port, self.probes)
         self._stopping = False
         self._step_io: StepIO
+        self.last_step_seconds = 0.0  # how long the latest step took, start to end
         self._last_heartbeat = 0.0
         self._prompt_tokens_seen = 0
         self._preemptions_seen = 0
@@ -221,9 +222,11 @@ class WorkerService(ABC):
         self,
     ) -> tuple[Callable[[], None], list | Callable[[], list]] | None:
         """What a helper thread should serve while a step runs (``common/service/step_io``):
-        a function that answers peers without touching the engine, and the sockets whose
-        traffic calls for it (a list, or a function giving the list of the moment); None if
-        the role's sockets can wait for the step's end."""
+        a function that answers peers, and the sockets whose traffic calls for it (a list, or a
+        function giving the list of the moment); None if the role's sockets can wait for the
+        step's end. The function must leave alone what the step reads: the model, the batch's
+        sequences and their pages. It may take free pages and queue requests, which the main
+        loop looks at only between steps."""
         return None
 
     def io_in_flight(self) -> bool:
@@ -284,7 +287,8 @@ class WorkerService(ABC):
     def step(self) -> None:
         started = time.perf_counter()
         batch, outputs = self.engine.run_step(around_forward=self._step_io)
-        STEP_SECONDS.observe(time.perf_counter() - started)
+        self.last_step_seconds = time.perf_counter() - started
+        STEP_SECONDS.observe(self.last_step_seconds)
         STEP_BATCH_SIZE.observe(len(batch))
         ITERATION_TOKENS.observe(sum(item.num_new_tokens + item.num_draft_slots for item in batch))
         GENERATED_TOKENS.inc(sum(len(out.new_samples) for out in outputs))
