@@ -44,7 +44,11 @@
  * into L1 PAGES_TO_L1 ahead, a part at a time. A Zen 3 core over SmolLM2's pages (8 x 1024
  * tokens) read 20% faster with 2 to 4 ahead into L1 than with one page ahead at once, and 8 ahead
  * was slower again; on a 2-core AMX Xeon the two steps (10 into L2, then 1 into L1) read 5-10%
- * faster than 4 into L1 alone (benchmarks/cpu_decode_attention.py, 8 and 32 x 256 and x 1024). */
+ * faster than 4 into L1 alone (benchmarks/cpu_decode_attention.py, 8 and 32 x 256 and x 1024).
+ * Where bf16 rows are read in place (the row sets below), a part's lines are requested a few
+ * per key from inside the work rather than all before it: a burst of 64 requests fills the
+ * core's line fill buffers, and the work's own loads queue behind them (on the AMX Xeon 10-18%
+ * faster at 8 and 32 x 1024, the same at 1 x 256). */
 #define PAGES_TO_L2 10
 #define PAGES_TO_L1 1
 /* Keys scored at a time: the widest vector's lane count. The row buffer holds a page rounded up
@@ -238,6 +242,64 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const kv_cache 
                                                                  int part, int parts) {
     prefetch_stream_part(cache, now, then, index + PAGES_TO_L2, part, parts, 0);
     prefetch_stream_part(cache, now, then, index + PAGES_TO_L1, part, parts, 1);
+}
+
+/* The lines prefetch_ahead would request for a page part, requested instead a few at a time
+ * by the work on the page at hand (request_lines, once per key it reads), so that they go out
+ * between its loads. */
+typedef struct {
+    const char *to_l2, *to_l1; /* the next line of each part */
+    int left_l2, left_l1;      /* lines of each part not yet requested */
+    int per_key;               /* lines of each requested per key: a page's keys request all */
+} lines_ahead;
+
+/* Where part `part` of `parts` of page `index` of the stream `now` then `then` starts, and how
+ * many lines it has (0 past the stream's end). */
+static inline __attribute__((always_inline)) const char *stream_part_lines(
+    const kv_cache *cache, const page_run *now, const page_run *then, int index, int part,
+    int parts, int *count) {
+    const void *base;
+    int64_t page;
+    *count = 0;
+    if (index < now->num_pages) {
+        base = now->base;
+        page = now->page_table[index];
+    } else if (index - now->num_pages < then->num_pages) {
+        base = then->base;
+        page = then->page_table[index - now->num_pages];
+    } else {
+        return NULL;
+    }
+    const int64_t lines =
+        (cache->page_size * cache->token_stride * (int64_t)element_size(cache->dtype) + 63) / 64;
+    *count = (int)(lines * (part + 1) / parts - lines * part / parts);
+    return (const char *)kv_address(cache, base, page, 0, 0) + 64 * (lines * part / parts);
+}
+
+/* prefetch_ahead's two parts for page `index` of a pass, to be requested by the work. */
+static inline __attribute__((always_inline)) lines_ahead lines_ahead_of(
+    const kv_cache *cache, const page_run *now, const page_run *then, int index, int part,
+    int parts) {
+    lines_ahead ahead;
+    ahead.to_l2 = stream_part_lines(cache, now, then, index + PAGES_TO_L2, part, parts,
+                                    &ahead.left_l2);
+    ahead.to_l1 = stream_part_lines(cache, now, then, index + PAGES_TO_L1, part, parts,
+                                    &ahead.left_l1);
+    const int most = ahead.left_l2 > ahead.left_l1 ? ahead.left_l2 : ahead.left_l1;
+    ahead.per_key = (most + cache->page_size - 1) / cache->page_size;
+    return ahead;
+}
+
+static inline __attribute__((always_inline)) void request_lines(lines_ahead *ahead, int n) {
+    for (int i = 0; i < n && ahead->left_l2 > 0; i++, ahead->left_l2--, ahead->to_l2 += 64)
+        __builtin_prefetch(ahead->to_l2, 0, 2);
+    for (int i = 0; i < n && ahead->left_l1 > 0; i++, ahead->left_l1--, ahead->to_l1 += 64)
+        __builtin_prefetch(ahead->to_l1, 0, 3);
+}
+
+/* What the work left unrequested (a page of fewer keys than page_size). */
+static inline __attribute__((always_inline)) void request_rest(lines_ahead *ahead) {
+    request_lines(ahead, ahead->left_l2 > ahead->left_l1 ? ahead->left_l2 : ahead->left_l1);
 }
 
 /* Sums in 8 fixed lanes (element i into lane i % 8) and then a fixed tree: the compiler may
@@ -503,12 +565,13 @@ static inline __m128 sum4(const __m256 v[4]) {
  * its last row where it has fewer, and those scores are dropped. */
 static inline __attribute__((always_inline)) void score_bf16_rows(
     const float *const q[ROW_SET], const int n, const uint16_t *rows, int64_t row_stride,
-    int count, const int head_dim, float *const scores[ROW_SET]) {
+    int count, const int head_dim, float *const scores[ROW_SET], lines_ahead *ahead) {
     const int chunks = head_dim / 8;
     for (int first = 0; first < count; first += 4) {
         const uint16_t *row[4];
         for (int t = 0; t < 4; t++)
             row[t] = rows + (first + t < count ? first + t : count - 1) * row_stride;
+        request_lines(ahead, 4 * ahead->per_key);
         __m256 partial[ROW_SET][4];
         for (int t = 0; t < 4; t++) {
             const __m256 key = bf16x8(row[t]);
@@ -535,12 +598,13 @@ static inline __attribute__((always_inline)) void score_bf16_rows(
  * sums its rows in position order, exactly as weighted_rows does. */
 static inline __attribute__((always_inline)) void weigh_bf16_rows(
     const float *const weights[ROW_SET], const int n, const uint16_t *rows, int64_t row_stride,
-    int count, const int head_dim, float *const acc[ROW_SET]) {
+    int count, const int head_dim, float *const acc[ROW_SET], lines_ahead *ahead) {
     for (int d0 = 0; d0 < head_dim; d0 += 32) {
         __m256 sum[ROW_SET][4];
         for (int v = 0; v < n; v++)
             for (int c = 0; c < 4; c++) sum[v][c] = _mm256_loadu_ps(acc[v] + d0 + 8 * c);
         for (int t = 0; t < count; t++) {
+            request_lines(ahead, ahead->per_key);
             const uint16_t *row = rows + t * row_stride + d0;
             __m256 p[ROW_SET];
             for (int v = 0; v < n; v++) p[v] = _mm256_set1_ps(weights[v][t]);
@@ -598,11 +662,12 @@ static inline __m512 sum16_first8(const __m512 v[8]) {
  * eight keys of a page repeat its last row where it has fewer, and those scores are dropped. */
 static inline __attribute__((always_inline)) void score_bf16_rows(
     const float *const q[ROW_SET], const int n, const uint16_t *rows, int64_t row_stride,
-    int count, const int head_dim, float *const scores[ROW_SET]) {
+    int count, const int head_dim, float *const scores[ROW_SET], lines_ahead *ahead) {
     const int chunks = head_dim / 16;
     for (int first = 0; first < count; first += 8) {
         __m512 partial[ROW_SET][8];
         for (int t = 0; t < 8; t++) {
+            request_lines(ahead, ahead->per_key);
             const uint16_t *row = rows + (first + t < count ? first + t : count - 1) * row_stride;
             const __m512 key = bf16x16(row);
             for (int v = 0; v < n; v++) partial[v][t] = _mm512_mul_ps(_mm512_loadu_ps(q[v]), key);
@@ -627,12 +692,13 @@ static inline __attribute__((always_inline)) void score_bf16_rows(
  * sums its rows in position order, exactly as weighted_rows does. */
 static inline __attribute__((always_inline)) void weigh_bf16_rows(
     const float *const weights[ROW_SET], const int n, const uint16_t *rows, int64_t row_stride,
-    int count, const int head_dim, float *const acc[ROW_SET]) {
+    int count, const int head_dim, float *const acc[ROW_SET], lines_ahead *ahead) {
     for (int d0 = 0; d0 < head_dim; d0 += 64) {
         __m512 sum[ROW_SET][4];
         for (int v = 0; v < n; v++)
             for (int c = 0; c < 4; c++) sum[v][c] = _mm512_loadu_ps(acc[v] + d0 + 16 * c);
         for (int t = 0; t < count; t++) {
+            request_lines(ahead, ahead->per_key);
             const uint16_t *row = rows + t * row_stride + d0;
             __m512 p[ROW_SET];
             for (int v = 0; v < n; v++) p[v] = _mm512_set1_ps(weights[v][t]);
@@ -740,25 +806,26 @@ int pdserve_bf16_pair_scores_of(const uint16_t *query, const uint16_t *rows, int
 #ifdef HAVE_BF16_ROW_SETS
 /* A page's `count` key rows (`is_value` 0) of one KV head scored against the `n` query vectors
  * of a set into outputs[v], or its first `count` value rows weighted by the scores in
- * vectors[v] into the sums outputs[v]; with the common sizes as constants. */
+ * vectors[v] into the sums outputs[v], requesting `ahead`'s lines as it goes; with the common
+ * sizes as constants. */
 static void bf16_row_set(const float *const vectors[ROW_SET], const int n, const uint16_t *rows,
                          int64_t row_stride, int count, const int head_dim, const int is_value,
-                         float *const outputs[ROW_SET]) {
+                         float *const outputs[ROW_SET], lines_ahead *ahead) {
 #define SET_CASE(sets, dim)                                                                    \
     if (n == sets && head_dim == dim) {                                                        \
         if (is_value)                                                                          \
-            weigh_bf16_rows(vectors, sets, rows, row_stride, count, dim, outputs);            \
+            weigh_bf16_rows(vectors, sets, rows, row_stride, count, dim, outputs, ahead);            \
         else                                                                                   \
-            score_bf16_rows(vectors, sets, rows, row_stride, count, dim, outputs);            \
+            score_bf16_rows(vectors, sets, rows, row_stride, count, dim, outputs, ahead);            \
         return;                                                                                \
     }
     SET_CASE(1, 64) SET_CASE(2, 64) SET_CASE(3, 64)
     SET_CASE(1, 128) SET_CASE(2, 128) SET_CASE(3, 128)
 #undef SET_CASE
     if (is_value)
-        weigh_bf16_rows(vectors, n, rows, row_stride, count, head_dim, outputs);
+        weigh_bf16_rows(vectors, n, rows, row_stride, count, head_dim, outputs, ahead);
     else
-        score_bf16_rows(vectors, n, rows, row_stride, count, head_dim, outputs);
+        score_bf16_rows(vectors, n, rows, row_stride, count, head_dim, outputs, ahead);
 }
 #endif
 
@@ -826,9 +893,10 @@ static inline __attribute__((always_inline)) void attend_sequence(
         const int64_t page = page_table[first / page_size];
         const int count = seq_len - first < page_size ? seq_len - first : page_size;
         for (int kv_head = 0; kv_head < num_kv_heads; kv_head++) {
-            prefetch_ahead(cache, &key_run, &value_run, first / page_size, kv_head, num_kv_heads);
 #ifdef HAVE_BF16_PAIR_SCORES
             if (pair_scores) {
+                prefetch_ahead(cache, &key_run, &value_run, first / page_size, kv_head,
+                               num_kv_heads);
                 const uint16_t *keys = kv_address(cache, cache->key, page, 0, kv_head);
                 for (int j = 0; j < q_len; j++)
                     for (int g = 0; g < group; g += ROW_SET) {
@@ -849,6 +917,8 @@ static inline __attribute__((always_inline)) void attend_sequence(
 #endif
 #ifdef HAVE_BF16_ROW_SETS
             if (bf16_rows) {
+                lines_ahead ahead = lines_ahead_of(cache, &key_run, &value_run,
+                                                   first / page_size, kv_head, num_kv_heads);
                 const uint16_t *keys = kv_address(cache, cache->key, page, 0, kv_head);
                 for (int j = 0; j < q_len; j++)
                     for (int g = 0; g < group; g += ROW_SET) {
@@ -861,11 +931,13 @@ static inline __attribute__((always_inline)) void attend_sequence(
                             outputs[v] = scores + (size_t)a * seq_len + first;
                         }
                         bf16_row_set(vectors, n, keys, cache->token_stride, count, head_dim, 0,
-                                     outputs);
+                                     outputs, &ahead);
                     }
+                request_rest(&ahead);
                 continue;
             }
 #endif
+            prefetch_ahead(cache, &key_run, &value_run, first / page_size, kv_head, num_kv_heads);
             load_page_rows(cache, cache->key, cache->key_scale, page, count, kv_head, head_dim,
                            rows);
             /* The head's vectors (row i / group, query head i % group of this KV head), by twos. */
@@ -907,9 +979,10 @@ static inline __attribute__((always_inline)) void attend_sequence(
         const int64_t page = page_table[first / page_size];
         const int count = seq_len - first < page_size ? seq_len - first : page_size;
         for (int kv_head = 0; kv_head < num_kv_heads; kv_head++) {
-            prefetch_ahead(cache, &value_run, next_keys, first / page_size, kv_head, num_kv_heads);
 #ifdef HAVE_BF16_ROW_SETS
             if (bf16_rows) {
+                lines_ahead ahead = lines_ahead_of(cache, &value_run, next_keys,
+                                                   first / page_size, kv_head, num_kv_heads);
                 const uint16_t *values = kv_address(cache, cache->value, page, 0, kv_head);
                 for (int j = 0; j < q_len; j++) {
                     const int seen = seq_len - q_len + j + 1 - first;
@@ -924,12 +997,15 @@ static inline __attribute__((always_inline)) void attend_sequence(
                             outputs[v] = acc + (size_t)a * head_dim;
                         }
                         bf16_row_set(weights, n, values, cache->token_stride,
-                                     seen < count ? seen : count, head_dim, 1, outputs);
+                                     seen < count ? seen : count, head_dim, 1, outputs,
+                                     &ahead);
                     }
                 }
+                request_rest(&ahead);
                 continue;
             }
 #endif
+            prefetch_ahead(cache, &value_run, next_keys, first / page_size, kv_head, num_kv_heads);
             load_page_rows(cache, cache->value, cache->value_scale, page, count, kv_head,
                            head_dim, rows);
             /* As in pass 1, by twos; each vector takes the page's rows up to its own position. */
