@@ -16,6 +16,7 @@ from common.engine.kv_pool import KVPool
 from common.messages import encode
 from common.protocol import Handoff, TokenSample
 from common.sampling_params import SamplingParams
+from common.service.step_io import StepIO
 from decode_worker.worker import DecodeWorker, build_parser
 from kernels.sizes import ceil_div
 from kvtransfer.registry import create_sender
@@ -77,6 +78,7 @@ def pusher(worker) -> zmq.Socket:
 def test_a_handoff_during_a_long_step_has_its_pages_by_the_steps_end(worker, sender):
     handoff, src = handoff_of(sender, "during")
     push = pusher(worker)
+    assert isinstance(worker._step_io, StepIO)  # a CPU's forward holds the host: a helper
     worker.last_step_seconds = 0.5  # the step before was a CPU's
     with worker._step_io:  # the main loop is inside a step: it reads no socket until the end
         assert worker.handoff_socket in worker._sockets_during_step()

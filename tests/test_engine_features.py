@@ -182,3 +182,45 @@ def test_prompt_logprobs_survive_preemption_once(model_folder):
     assert run(tight) == roomy
     assert tight.scheduler.num_preemptions > 0
     assert [[t for t, _ in s] for s in roomy] == [p[1:] for p in prompts]
+
+
+class AroundForwardLog:
+    """Records what the runner tells the worker's step helper, beside the forward's calls."""
+
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+
+    def __enter__(self):
+        self.events.append("enter")
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.events.append("exit")
+
+    def device_launched(self) -> None:
+        self.events.append("launched")
+
+
+def test_the_step_helper_hears_of_the_launch_between_the_forward_and_the_sampling(model_folder):
+    """On a GPU the worker's loop sends its previous step's tokens when told the forward is
+    launched (InlineStepIO): after the forward's call, before the sampler waits for logits, once
+    a step, prefill and decode alike."""
+    engine = build_engine(model_folder)
+    events: list[str] = []
+    forward, argmax, sample = engine.runner.model, engine.sampler.argmax, engine.sampler.sample
+
+    def logged(name, call):
+        def run(*args, **kwargs):
+            if events[-1] != name:  # sample may hand a plain batch to argmax
+                events.append(name)
+            return call(*args, **kwargs)
+
+        return run
+
+    engine.runner.model = logged("forward", forward)
+    engine.sampler.argmax = logged("sample", argmax)
+    engine.sampler.sample = logged("sample", sample)
+    engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0.0))
+    while engine.has_unfinished:
+        engine.run_step(around_forward=AroundForwardLog(events))
+    assert events == ["enter", "forward", "launched", "sample", "exit"] * 3

@@ -12,7 +12,7 @@ from common.cluster_auth import ClusterAuth
 from common.messages import decode
 from common.protocol import RequestFailed
 from common.service.router_link import RouterLink
-from common.service.step_io import StepIO
+from common.service.step_io import InlineStepIO, StepIO
 
 # Generous: a loaded 2-core machine may take a while to schedule the helper thread.
 DEADLINE_S = 10.0
@@ -181,6 +181,46 @@ def test_output_waiting_at_a_steps_start_is_sent_beside_the_forward(monkeypatch)
         assert not pulsed.is_set()  # nothing waiting: no wake-up
     finally:
         step_io.close()
+
+
+def test_inline_step_io_does_the_helpers_work_on_the_loops_thread_once_the_forward_is_launched():
+    """Beside a GPU: nothing on entering a step; once the forward is launched, a pulse and one
+    serve of the sockets with traffic, on the caller's own thread, without waiting for any."""
+    context = zmq.Context()
+    server, client = socket_pair(context)
+    events: list[tuple[str, str]] = []
+
+    def serve() -> None:
+        events.append(("serve", threading.current_thread().name))
+        events.append(("frame", server.recv(zmq.NOBLOCK).decode()))
+
+    def pulse() -> None:
+        events.append(("pulse", threading.current_thread().name))
+
+    threads_before = threading.active_count()
+    step_io = InlineStepIO(serve, [server], pulse=pulse)
+    try:
+        assert threading.active_count() == threads_before  # no helper thread
+        me = threading.current_thread().name
+        with step_io:
+            assert events == []  # entering a step does nothing
+            step_io.device_launched()  # no traffic: a pulse alone, no wait
+        assert events == [("pulse", me)]
+        client.send(b"pages")
+        assert server.poll(int(DEADLINE_S * 1000))  # the frame is there to be read
+        events.clear()
+        with step_io:
+            step_io.device_launched()
+        assert events == [("pulse", me), ("serve", me), ("frame", "pages")]
+        server.close()  # a socket closed meanwhile is polled no more, with no error
+        events.clear()
+        with step_io:
+            step_io.device_launched()
+        assert events == [("pulse", me)]
+    finally:
+        step_io.close()
+        client.close()
+        context.term()
 
 
 def test_router_link_sends_queued_messages_first_and_in_order() -> None:

@@ -16,7 +16,6 @@ import itertools
 import logging
 import time
 from collections.abc import Iterable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -33,7 +32,7 @@ from common.engine.batch import ScheduledSequence, SequenceOutput
 from common.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from common.engine.kv_pool import KVPool, dtype_name, kv_layout
 from common.engine.memory import plan_num_pages
-from common.engine.model_runner import ModelRunner
+from common.engine.model_runner import AroundForward, ModelRunner
 from common.engine.page_manager import PageManager
 from common.engine.sampler import PromptLogprob, SampledToken, Sampler
 from common.engine.scheduler import DecodeScheduler, PrefillScheduler, Scheduler
@@ -375,7 +374,7 @@ class LLMEngine:
         return self.scheduler.has_work
 
     def run_step(
-        self, around_forward: AbstractContextManager[object] | None = None
+        self, around_forward: AroundForward | None = None
     ) -> tuple[list[ScheduledSequence], list[SequenceOutput]]:
         """One step, ``schedule() -> run() -> postprocess()``: the step loop of this engine and
         of every worker (``common/service/worker_base.py``), which serves its sockets during

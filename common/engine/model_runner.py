@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence as Seq
 from contextlib import AbstractContextManager, nullcontext
+from typing import Protocol
 
 import torch
 
@@ -38,6 +39,15 @@ from common.engine.sampler import (
 from common.engine.speculative.speculator import Speculator
 from common.engine.tp_group import FollowerRanks
 from common.model.llama import LlamaForCausalLM
+
+
+class AroundForward(AbstractContextManager[object], Protocol):
+    """What a worker wraps around a step's forward and sampling (``run``): entered once the
+    step's inputs are built, left once its tokens are known. ``device_launched`` is called once
+    the forward is launched: on a GPU the host is then free until it waits for the logits, and
+    may do its own work there (a worker sends the previous step's tokens)."""
+
+    def device_launched(self) -> None: ...
 
 
 class ModelRunner:
@@ -68,12 +78,13 @@ class ModelRunner:
     def run(
         self,
         batch: list[ScheduledSequence],
-        around_forward: AbstractContextManager[object] | None = None,
+        around_forward: AroundForward | None = None,
     ) -> list[list[SampledToken]]:
         """Forward ``batch``; returns, for each row whose ``samples`` is true, the run of tokens
         it gains: the accepted proposals, then the target's own next token. ``around_forward``
         is entered from the forward's launch to the sampled tokens' arrival, the span in which
-        the host has nothing of its own to do (a worker sends its previous step's output then)."""
+        the host has nothing of its own to do (a worker sends its previous step's output then),
+        and told when the forward is launched."""
         if not batch:
             return []
         proposals = (
@@ -92,6 +103,8 @@ class ModelRunner:
                 logits = self.model(
                     inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices
                 )
+            if around_forward is not None:
+                around_forward.device_launched()
             if decodes_alone and self._all_plain_argmax(batch):
                 # The usual step: every row's token is its logits' argmax, nothing else asked.
                 sampled = self.sampler.argmax(logits)

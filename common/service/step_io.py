@@ -14,6 +14,11 @@ The helper sleeps in ``zmq.Poller`` on the sockets (no GIL held, so the step's k
 slowed) and calls ``serve`` when one has traffic, and ``pulse`` (which sends a heartbeat when one
 is due) after every wake-up. Exactly one thread uses the sockets at any time: the helper only
 inside the page, the main loop only outside it, with a lock between.
+
+On a GPU no thread is needed: the forward is launched, not run, and the host is free until it
+waits for the logits. ``InlineStepIO`` does the helper's work there, on the main loop's own
+thread (``device_launched``): a step of a millisecond cannot afford two thread switches, and a
+GIL handed back and forth.
 """
 
 from __future__ import annotations
@@ -87,6 +92,9 @@ class StepIO:
                 self._state.notify_all()
         return self
 
+    def device_launched(self) -> None:
+        """Nothing to do: the helper is already at work."""
+
     def __exit__(self, *exc_info) -> None:
         with self._state:
             self._active = False
@@ -155,3 +163,53 @@ class StepIO:
         with contextlib.suppress(BlockingIOError):
             while os.read(self._wake_read, 4096):
                 pass
+
+
+class InlineStepIO:
+    """``StepIO``'s work done by the main loop itself, once a step's forward is launched on a
+    device that runs it while the host goes on (a GPU): ``pulse`` (the previous step's output, a
+    heartbeat when due), then ``serve`` once if a socket has traffic. Nothing is done on entry
+    or exit, and no thread is kept."""
+
+    def __init__(
+        self,
+        serve: Callable[[], None] | None,
+        sockets: list[zmq.Socket] | Callable[[], list[zmq.Socket]],
+        pulse: Callable[[], None] | None = None,
+    ) -> None:
+        self._serve = serve
+        self._pulse = pulse
+        if callable(sockets):
+            self._sockets_of = sockets
+        else:
+            fixed = list(sockets)
+            self._sockets_of = lambda: fixed
+        self._poller = zmq.Poller()
+        self._polled: list[zmq.Socket] = []
+
+    def __enter__(self) -> InlineStepIO:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        pass
+
+    def device_launched(self) -> None:
+        if self._pulse is not None:
+            self._pulse()
+        if self._serve is None:
+            return
+        sockets = [sock for sock in self._sockets_of() if not sock.closed]
+        if not sockets:
+            return
+        if sockets != self._polled:
+            for sock in self._polled:
+                with contextlib.suppress(KeyError):
+                    self._poller.unregister(sock)
+            for sock in sockets:
+                self._poller.register(sock, zmq.POLLIN)
+            self._polled = sockets
+        if self._poller.poll(0):
+            self._serve()
+
+    def close(self) -> None:
+        pass
