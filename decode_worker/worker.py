@@ -166,6 +166,11 @@ class DecodeWorker(WorkerService):
         # here, between steps (poll_io).
         return self._serve_during_step, self._sockets_during_step
 
+    def steps_are_short(self) -> bool:
+        # A decode step on a GPU is a millisecond or a few. (A prefill worker's steps are long,
+        # and the decode workers' fetches it answers during them must not wait for one to end.)
+        return self.engine.device.type == "cuda"
+
     def reads_handoffs_during_step(self) -> bool:
         """Whether the step helper takes handoffs too. A handoff read only between steps waits
         for the rest of the step it came in, and its pages then for the whole next step: its

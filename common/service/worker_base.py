@@ -228,6 +228,12 @@ class WorkerService(ABC):
         loop looks at only between steps."""
         return None
 
+    def steps_are_short(self) -> bool:
+        """Whether this worker's steps are launched on a device and take a few milliseconds, so
+        that a helper thread woken and waited for every step would cost more than it hides, and
+        a peer can wait for the launch of the next (``InlineStepIO``)."""
+        return False
+
     def io_in_flight(self) -> bool:
         """Whether I/O is progressing that no socket will announce (a NIXL READ), so the idle
         loop should come back to ``poll_io`` within a millisecond."""
@@ -257,12 +263,12 @@ class WorkerService(ABC):
             self.close()
 
     def start_step_io(self, inline: bool | None = None) -> None:
-        """Start what serves peers and heartbeats while a step runs: a helper thread, or on a GPU
-        (``inline`` None: as the engine's device says) the main loop itself once the forward is
-        launched."""
+        """Start what serves peers and heartbeats while a step runs: a helper thread, or (where
+        ``inline``, by default where ``steps_are_short``) the main loop itself once the forward
+        is launched."""
         serve, sockets = self.serve_during_step() or (None, [])
         if inline is None:
-            inline = self.engine.device.type == "cuda"
+            inline = self.steps_are_short()
         # Heartbeats go on during a step: liveness must not depend on how long a step takes.
         # And the previous step's output is sent then, while the forward runs.
         self._step_io: StepIO | InlineStepIO
