@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import common.engine.sampler as sampler_module
 from common.engine.sampler import (
     SampledToken,
     Sampler,
@@ -296,8 +297,13 @@ def reference_top_k_top_p(
     return kept, near
 
 
+@pytest.mark.parametrize("whole_rows", [False, True], ids=["widening", "whole-rows"])
 @pytest.mark.parametrize("vocab", [7, 64, 300, 5000])
-def test_top_k_top_p_threshold_matches_a_full_sort(vocab):
+def test_top_k_top_p_threshold_matches_a_full_sort(vocab, whole_rows, monkeypatch):
+    """The search as a CPU runs it (the largest 64 values first, widening where needed) and as
+    a GPU does (whole rows at once), both against a full sort."""
+    if whole_rows:
+        monkeypatch.setattr(sampler_module, "_FIRST_CANDIDATES", 1 << 30)
     # Flat rows keep thousands of tokens (past the first candidates), peaked rows a handful.
     gen = torch.Generator().manual_seed(vocab)
     scales = [0.01, 0.3, 1.0, 3.0, 8.0]

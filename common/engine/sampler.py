@@ -33,9 +33,11 @@ from common.sampling_params import SamplingParams
 from kernels.cpu_ops import argmax_rows
 
 _MASK64 = (1 << 64) - 1
-# Top-p usually keeps a few dozen tokens, so its threshold is looked for among each row's largest
-# values, widening (64, then 1024, then the whole row) only for rows whose kept set reaches past
-# them: a full sort of 256 rows of a 50k vocabulary takes over a second on a CPU.
+# Top-p usually keeps a few dozen tokens, so on a CPU its threshold is looked for among each row's
+# largest values, widening (64, then 1024, then the whole row) only for rows whose kept set
+# reaches past them: a full sort of 256 rows of a 50k vocabulary takes over a second on a CPU. A
+# GPU sorts whole rows in a fraction of a millisecond, and a search that widens would wait on the
+# device to decide each next width: there the first width is the whole row.
 _FIRST_CANDIDATES = 64
 _WIDEN = 16
 _MAX_CANDIDATES = 1024
@@ -180,10 +182,11 @@ class Sampler:
         rest = [i for i, p in enumerate(params) if not p.is_greedy]
         if not rest:  # the usual decode step: no index tensor, no scatter, no copy
             token_ids = argmax_rows(x)
+        elif not greedy:  # every row samples: none either
+            token_ids = self._sample_random(x, rows)
         else:
             token_ids = torch.empty(len(rows), dtype=torch.long, device=x.device)
-            if greedy:
-                token_ids[greedy] = argmax_rows(_select(x, greedy))
+            token_ids[greedy] = argmax_rows(_select(x, greedy))
             # x is not read after this, so the sampler may edit it in place.
             token_ids[rest] = self._sample_random(_select(x, rest), [rows[i] for i in rest])
 
@@ -234,16 +237,19 @@ class Sampler:
     def _uniform(
         self, rows: Sequence[SamplingRow], width: int, device: torch.device
     ) -> torch.Tensor:
-        """Uniform [0, 1) noise [len(rows), width], drawn row by row so that a seeded row's noise
-        depends on nothing but its own (seed, step)."""
+        """Uniform [0, 1) noise [len(rows), width]: a seeded row's drawn from a generator of its
+        own, so that it depends on nothing but the row's (seed, step); the others' from the
+        sampler's generator, in one draw (a launch per row would cost a GPU's host more than
+        the draw)."""
         u = torch.empty(len(rows), width, device=device)
-        for i, row in enumerate(rows):
-            seed = row.params.seed
-            if seed is None:
-                generator = self._generator(device)
-            else:
-                generator = torch.Generator(device=device)
-                generator.manual_seed(_step_seed(seed, row.num_output_tokens))
+        seeded = [i for i, row in enumerate(rows) if row.params.seed is not None]
+        if len(seeded) < len(rows):
+            u.uniform_(generator=self._generator(device))
+        for i in seeded:
+            seed = rows[i].params.seed
+            assert seed is not None
+            generator = torch.Generator(device=device)
+            generator.manual_seed(_step_seed(seed, rows[i].num_output_tokens))
             u[i].uniform_(generator=generator)
         return u
 
@@ -385,9 +391,12 @@ def _filter_threshold(x: torch.Tensor, params: Sequence[SamplingParams]) -> torc
         top_k = torch.tensor([min(p.top_k or vocab_size, vocab_size) for p in chosen])
         # top_p = 1 becomes inf so rounding in the running sums can never drop a tail token.
         top_p = torch.tensor([p.top_p if p.top_p < 1 else math.inf for p in chosen])
-        threshold[sorted_rows] = _top_k_top_p_threshold(
-            _select(x, sorted_rows), top_k.to(x.device), top_p.to(x.device)
-        )
+        first_width = vocab_size if x.device.type == "cuda" else _FIRST_CANDIDATES
+        found = _top_k_top_p_threshold(_select(x, sorted_rows), top_k, top_p, first_width)
+        if len(sorted_rows) == n:  # the usual case: no index into the device's tensor
+            threshold = found
+        else:
+            threshold[sorted_rows] = found
     if min_p_rows:
         # With the row max at 0, p[i] < min_p * p_max exactly when x[i] < log(min_p).
         log_min_p = torch.tensor([math.log(params[i].min_p) for i in min_p_rows], device=x.device)
@@ -397,10 +406,12 @@ def _filter_threshold(x: torch.Tensor, params: Sequence[SamplingParams]) -> torc
 
 def _top_k_top_p_threshold(
     x: torch.Tensor,  # [n, V] float32, row max 0
-    top_k: torch.Tensor,  # [n] int64 in [1, V]; V means off
+    top_k: torch.Tensor,  # [n] int64 in [1, V]; V means off (best on the host: read there)
     top_p: torch.Tensor,  # [n] float32 in (0, 1), or inf for off
+    first_width: int = _FIRST_CANDIDATES,
 ) -> torch.Tensor:
-    """The lowest logit each row keeps under top-k and then top-p over the renormalised top-k.
+    """The lowest logit each row keeps under top-k and then top-p over the renormalised top-k,
+    searched first among each row's ``first_width`` largest values (and more where needed).
 
     Top-p keeps the smallest set of most likely tokens whose mass reaches ``top_p``: a token is
     kept while the mass before it is still short of ``top_p``. Values tied with the lowest kept
@@ -410,9 +421,11 @@ def _top_k_top_p_threshold(
     threshold = x.new_empty(n)
     # Top-p without top-k measures mass against the whole row; under top-k the k largest values,
     # all among the candidates, are the whole (renormalised) distribution.
-    full_mass = x.exp().sum(dim=-1) if bool((top_k == vocab_size).any()) else None
-    largest_k = int(top_k.masked_fill(top_k == vocab_size, 0).max())
-    width = min(vocab_size, max(_FIRST_CANDIDATES, largest_k))
+    host_k = top_k.cpu()  # what decides the search's widths is read where it costs no wait
+    full_mass = x.exp().sum(dim=-1) if bool((host_k == vocab_size).any()) else None
+    largest_k = int(host_k.masked_fill(host_k == vocab_size, 0).max())
+    width = min(vocab_size, max(first_width, largest_k))
+    top_k, top_p = top_k.to(x.device), top_p.to(x.device)
     todo = torch.arange(n, device=x.device)
     while True:
         k, p = top_k[todo], top_p[todo]
@@ -426,6 +439,8 @@ def _top_k_top_p_threshold(
         if full_mass is not None:
             total = torch.where(k < vocab_size, total, full_mass[todo])
         keep = (values > -math.inf) & (mass - weights < p[:, None] * total[:, None])
+        if width == vocab_size and todo.numel() == n:  # whole rows at once: every row settles
+            return values.masked_fill(~keep, math.inf).amin(dim=-1)
         # A row is settled once its candidates hold the whole kept set.
         done = (k < vocab_size) | (mass[:, -1] >= p * total) | (width == vocab_size)
         threshold[todo[done]] = values[done].masked_fill(~keep[done], math.inf).amin(dim=-1)
