@@ -678,12 +678,11 @@ static inline __attribute__((always_inline)) void score_bf16_rows(
                         _mm512_fmadd_ps(_mm512_loadu_ps(q[v] + 16 * c), key_c, partial[v][t]);
             }
         }
+        /* Lanes 0-7 hold the eight keys' sums: a masked store keeps those the page has. */
         const int kept = count - first < 8 ? count - first : 8;
-        float group[16];
-        for (int v = 0; v < n; v++) {
-            _mm512_storeu_ps(group, sum16_first8(partial[v]));
-            memcpy(scores[v] + first, group, (size_t)kept * sizeof(float));
-        }
+        for (int v = 0; v < n; v++)
+            _mm512_mask_storeu_ps(scores[v] + first, (__mmask16)((1u << kept) - 1),
+                                  sum16_first8(partial[v]));
     }
 }
 
@@ -758,11 +757,9 @@ static inline __attribute__((always_inline)) void score_bf16_pairs(
             }
         }
         const int kept = count - first < 8 ? count - first : 8;
-        float group[16];
-        for (int v = 0; v < n; v++) {
-            _mm512_storeu_ps(group, _mm512_mul_ps(sum16_first8(partial[v]), scale16));
-            memcpy(scores[v] + first, group, (size_t)kept * sizeof(float));
-        }
+        for (int v = 0; v < n; v++)
+            _mm512_mask_storeu_ps(scores[v] + first, (__mmask16)((1u << kept) - 1),
+                                  _mm512_mul_ps(sum16_first8(partial[v]), scale16));
     }
 }
 
