@@ -3,6 +3,9 @@
 Random-token prompts (ISL tokens each, from the model's own tokenizer), OSL output tokens with
 ignore_eos and greedy sampling, streamed, at a fixed concurrency: the workload vLLM's
 `vllm bench serve --dataset-name random` runs, so figures compare with ../shared/BENCHMARKING.md.
+Against pdserve it also reads the decode workers' own step time over the run (their
+``pdserve_step_seconds``, from the metrics pages ``/v1/workers`` lists) and prints TPOT beside
+it: what the loop between two steps, and anything else a token waits for, adds to the step.
 
     python -m benchmarks.serving --base-url http://127.0.0.1:8000 [--isl 256 --osl 64
         --num-prompts 64 --concurrency 8]
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from common.metrics import parse_exposition
 from common.model.default_model import resolve_model_path
 from common.tokenizer import Tokenizer
 
@@ -95,7 +99,36 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def report(results: list[Result], elapsed: float, args) -> dict:
+@dataclass(frozen=True)
+class DecodeSteps:
+    """The decode workers' engine steps so far, all workers summed."""
+
+    seconds: float
+    count: int
+
+    def __sub__(self, earlier: DecodeSteps) -> DecodeSteps:
+        return DecodeSteps(self.seconds - earlier.seconds, self.count - earlier.count)
+
+
+def decode_steps(base_url: str) -> DecodeSteps | None:
+    """Every decode worker's ``pdserve_step_seconds`` sum and count, read from the metrics
+    pages the router's ``/v1/workers`` lists; None from a server that lists none (not pdserve)."""
+    try:
+        listed = httpx.get(f"{base_url}/v1/workers", timeout=10)
+        if listed.status_code != 200:
+            return None
+        workers = listed.json().get("decode", [])
+        seconds, count = 0.0, 0
+        for worker in workers:
+            page = parse_exposition(httpx.get(worker["metrics_url"], timeout=10).text)
+            seconds += page.get("pdserve_step_seconds_sum", 0.0)
+            count += int(page.get("pdserve_step_seconds_count", 0.0))
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+    return DecodeSteps(seconds, count) if workers else None
+
+
+def report(results: list[Result], elapsed: float, args, steps: DecodeSteps | None = None) -> dict:
     good = [r for r in results if r.error is None]
     errors = [r.error for r in results if r.error is not None]
     output = sum(r.output_tokens for r in good)
@@ -112,10 +145,15 @@ def report(results: list[Result], elapsed: float, args) -> dict:
         "itl_p99_ms": percentile(itl, 0.99),
         "duration_s": elapsed,
     }
+    if steps is not None and steps.count > 0:
+        # The decode workers' mean step over the run, and TPOT against it.
+        step_ms = steps.seconds / steps.count * 1e3
+        figures["decode_step_ms"] = step_ms
+        figures["tpot_over_step"] = figures["tpot_mean_ms"] / step_ms
     print(f"ISL {args.isl}, OSL {args.osl}, {args.num_prompts} prompts, concurrency "
           f"{args.concurrency}")  # fmt: skip
     for name, value in figures.items():
-        print(f"  {name:<14} {value:10.1f}")
+        print(f"  {name:<14} {value:10.{2 if name == 'tpot_over_step' else 1}f}")
     if errors:
         print(f"  first error: {errors[0]}")
     return figures
@@ -167,8 +205,11 @@ def main() -> None:
         # One request first, so start-up costs (first forward, connections) are not measured.
         asyncio.run(run(argparse.Namespace(**{**vars(args), "concurrency": 1}), prompts[:1],
                         model))  # fmt: skip
+        before = decode_steps(args.base_url)
         results, elapsed = asyncio.run(run(args, prompts, model))
-        report(results, elapsed, args)
+        after = decode_steps(args.base_url)
+        steps = after - before if after is not None and before is not None else None
+        report(results, elapsed, args, steps)
     finally:
         if process is not None:
             process.terminate()

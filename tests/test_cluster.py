@@ -3,6 +3,7 @@ own process — driven by the official `openai` client."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -28,6 +29,7 @@ from cluster_harness import (
 )
 from tiny_models import build_tiny_chat_model
 
+from benchmarks import serving
 from common.config import EngineConfig, SchedulerConfig
 from common.engine.llm_engine import LLMEngine
 from common.kv_layout import KVLayout
@@ -446,3 +448,24 @@ def kill_busy_worker(base: str, launcher_pid: int, role: str, at_least: int = 1)
             os.kill(int(pid), signal.SIGKILL)
             return busy
     raise AssertionError(f"no process for {busy}")
+
+
+def test_the_serving_benchmark_reads_the_decode_workers_steps_over_its_run(cluster):
+    """benchmarks.serving puts TPOT beside the decode workers' own step time over the run: their
+    step histograms, read through the metrics pages the router lists, grow by the steps of the
+    requests between two readings."""
+    client, _, base = cluster
+    before = serving.decode_steps(base)
+    assert before is not None
+    client.completions.create(model="tiny-chat", prompt=SHORT_PROMPT, max_tokens=8)
+    during = serving.decode_steps(base) - before
+    assert during.count >= 7 and during.seconds > 0  # every token after the first is a step
+    figures = serving.report(
+        [serving.Result(ttft=0.1, token_times=[0.02] * 7, output_tokens=8)],
+        1.0,
+        argparse.Namespace(isl=4, osl=8, num_prompts=1, concurrency=1),
+        serving.DecodeSteps(0.1, 10),
+    )
+    assert figures["decode_step_ms"] == pytest.approx(10.0)
+    assert figures["tpot_over_step"] == pytest.approx(2.0)
+    assert serving.decode_steps("http://127.0.0.1:9") is None  # nothing there: no figure
