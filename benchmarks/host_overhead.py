@@ -8,10 +8,10 @@ x vocabulary floats, a kernel on a GPU) returns their rows' argmax, known in adv
 millisecond printed is host work a GPU would wait on between two steps: scheduling, building the
 step's inputs, sampling's bookkeeping, the token deltas. The loop runs as it does beside a GPU:
 a step's deltas are encoded and sent by the loop itself once the next forward is launched
-(``InlineStepIO``), with no helper thread. (With ``--forward-ms`` the no-op waits as long as a
-GPU's step would, without the interpreter's lock, and the time printed leaves its waits out:
-what is left is what a GPU would idle for. With no wait, the default, that sending is on the
-step's path too.)
+(``StepIO``'s ``pulse_inline``), with no helper thread woken for them. (With ``--forward-ms``
+the no-op waits as long as a GPU's step would, without the interpreter's lock, and the time
+printed leaves its waits out: what is left is what a GPU would idle for. With no wait, the
+default, that sending is on the step's path too.)
 
 Why the argmax is a no-op too: run on this CPU, its pass over 64 x 49152 floats (12.6 MB) evicts
 the loop's objects and code from the core's caches, and the Python after it runs three times
@@ -192,7 +192,7 @@ def start_worker(model: Path, router: LoopbackRouter, max_num_seqs: int) -> Deco
     worker = DecodeWorker(args)
     # As beside a GPU: the previous step's tokens go out from the loop itself once the forward
     # is launched, not from a helper thread (a CPU's way, where the forward runs on the host).
-    worker.start_step_io(inline=True)
+    worker.start_step_io(pulse_inline=True)
     worker.link.register(worker.registration(), timeout=30.0)
     return worker
 

@@ -167,8 +167,8 @@ class DecodeWorker(WorkerService):
         return self._serve_during_step, self._sockets_during_step
 
     def steps_are_short(self) -> bool:
-        # A decode step on a GPU is a millisecond or a few. (A prefill worker's steps are long,
-        # and the decode workers' fetches it answers during them must not wait for one to end.)
+        # A decode step on a GPU is a millisecond or a few. (A prefill worker's steps are long:
+        # its helper may as well send the first tokens and heartbeats.)
         return self.engine.device.type == "cuda"
 
     def reads_handoffs_during_step(self) -> bool:
@@ -176,10 +176,13 @@ class DecodeWorker(WorkerService):
         for the rest of the step it came in, and its pages then for the whole next step: its
         request's second token comes two steps after its first. Read as it comes, its pages are
         in by the end of the step it came in. Only after a long step (a CPU's), since the
-        helper is then woken every step; and never where a fetch also commands tensor-parallel
-        ranks, over the pipes the step itself uses."""
+        helper is then woken every step; never where the loop itself sends during a step
+        (``steps_are_short``), since a handoff refused tells the router so, over the same link;
+        and never where a fetch also commands tensor-parallel ranks, over the pipes the step
+        itself uses."""
         return (
             self.last_step_seconds >= _HANDOFFS_DURING_STEPS_AFTER_S
+            and not self.steps_are_short()
             and self.engine.followers is None
         )
 

@@ -203,8 +203,8 @@ class AroundForwardLog:
 
 def test_the_step_helper_hears_of_the_launch_between_the_forward_and_the_sampling(model_folder):
     """On a GPU the worker's loop sends its previous step's tokens when told the forward is
-    launched (InlineStepIO): after the forward's call, before the sampler waits for logits, once
-    a step, prefill and decode alike."""
+    launched (StepIO's pulse_inline): after the forward's call, before the sampler waits for
+    logits, once a step, prefill and decode alike."""
     engine = build_engine(model_folder)
     events: list[str] = []
     forward, argmax, sample = engine.runner.model, engine.sampler.argmax, engine.sampler.sample

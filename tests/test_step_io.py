@@ -12,7 +12,7 @@ from common.cluster_auth import ClusterAuth
 from common.messages import decode
 from common.protocol import RequestFailed
 from common.service.router_link import RouterLink
-from common.service.step_io import InlineStepIO, StepIO
+from common.service.step_io import StepIO
 
 # Generous: a loaded 2-core machine may take a while to schedule the helper thread.
 DEADLINE_S = 10.0
@@ -183,42 +183,45 @@ def test_output_waiting_at_a_steps_start_is_sent_beside_the_forward(monkeypatch)
         step_io.close()
 
 
-def test_inline_step_io_does_the_helpers_work_on_the_loops_thread_once_the_forward_is_launched():
-    """Beside a GPU: nothing on entering a step; once the forward is launched, a pulse and one
-    serve of the sockets with traffic, on the caller's own thread, without waiting for any."""
+def test_with_the_pulse_inline_the_loop_pulses_and_the_helper_only_serves(monkeypatch) -> None:
+    """Beside a GPU: the main loop pulses itself once the forward is launched (the previous
+    step's output, a heartbeat); the helper never pulses, and wakes for a step only to serve its
+    sockets (a prompt's KV pages, received off the step's thread)."""
+    monkeypatch.setattr(step_io_module, "_PULSE_S", 0.01)  # timers a helper might pulse on
     context = zmq.Context()
     server, client = socket_pair(context)
-    events: list[tuple[str, str]] = []
+    current: list[zmq.Socket] = []
+    pulses: list[str] = []
+    served = threading.Event()
+    serving_thread: list[str] = []
 
     def serve() -> None:
-        events.append(("serve", threading.current_thread().name))
-        events.append(("frame", server.recv(zmq.NOBLOCK).decode()))
+        assert server.recv(zmq.NOBLOCK) == b"pages"
+        serving_thread.append(threading.current_thread().name)
+        served.set()
 
     def pulse() -> None:
-        events.append(("pulse", threading.current_thread().name))
+        pulses.append(threading.current_thread().name)
 
-    threads_before = threading.active_count()
-    step_io = InlineStepIO(serve, [server], pulse=pulse)
+    step_io = StepIO(serve, lambda: current, pulse=pulse, pulse_now=lambda: True,
+                     pulse_inline=True)  # fmt: skip
     try:
-        assert threading.active_count() == threads_before  # no helper thread
         me = threading.current_thread().name
         with step_io:
-            assert events == []  # entering a step does nothing
-            step_io.device_launched()  # no traffic: a pulse alone, no wait
-        assert events == [("pulse", me)]
+            time.sleep(0.1)  # ten of the helper's timers: none pulses
+            assert pulses == []
+            step_io.device_launched()
+        assert pulses == [me]
+        current.append(server)
         client.send(b"pages")
-        assert server.poll(int(DEADLINE_S * 1000))  # the frame is there to be read
-        events.clear()
         with step_io:
+            assert served.wait(DEADLINE_S)
             step_io.device_launched()
-        assert events == [("pulse", me), ("serve", me), ("frame", "pages")]
-        server.close()  # a socket closed meanwhile is polled no more, with no error
-        events.clear()
-        with step_io:
-            step_io.device_launched()
-        assert events == [("pulse", me)]
+        assert serving_thread == ["step-io"]
+        assert pulses == [me, me]
     finally:
         step_io.close()
+        server.close()
         client.close()
         context.term()
 

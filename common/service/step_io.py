@@ -15,10 +15,12 @@ slowed) and calls ``serve`` when one has traffic, and ``pulse`` (which sends a h
 is due) after every wake-up. Exactly one thread uses the sockets at any time: the helper only
 inside the page, the main loop only outside it, with a lock between.
 
-On a GPU no thread is needed: the forward is launched, not run, and the host is free until it
-waits for the logits. ``InlineStepIO`` does the helper's work there, on the main loop's own
-thread (``device_launched``): a step of a millisecond cannot afford two thread switches, and a
-GIL handed back and forth.
+On a GPU the pulse needs no thread: the forward is launched, not run, and the host is free
+until it waits for the logits. With ``pulse_inline`` the main loop pulses itself there
+(``device_launched``: the previous step's output, a heartbeat when due), and the helper only
+serves the sockets, waking for a step only while they have something in flight (a prompt's KV
+pages, received off the step's thread): a step of a millisecond cannot afford two thread
+switches and a GIL handed back and forth for every step's output.
 """
 
 from __future__ import annotations
@@ -48,9 +50,12 @@ class StepIO:
         sockets: list[zmq.Socket] | Callable[[], list[zmq.Socket]],
         pulse: Callable[[], None] | None = None,
         pulse_now: Callable[[], bool] | None = None,
+        pulse_inline: bool = False,
     ) -> None:
         self._serve = serve
         self._pulse = pulse
+        # The main loop pulses itself once the forward is launched; the helper never does.
+        self._pulse_inline = pulse_inline
         # Whether the pulse has work at a step's start (output to send): then the helper is
         # woken to do it beside the forward instead of at its next timer.
         self._pulse_now = pulse_now
@@ -86,14 +91,17 @@ class StepIO:
             self._active = True
             self._serving = serving
             # Traffic may be waiting now, or output to send; plain pulses wait for the timer.
-            if self._pulse_now is not None and self._pulse_now():
+            if not self._pulse_inline and self._pulse_now is not None and self._pulse_now():
                 self._pulse_due = True
             if serving or self._pulse_due:
                 self._state.notify_all()
         return self
 
     def device_launched(self) -> None:
-        """Nothing to do: the helper is already at work."""
+        """The step's forward is launched: pulse here where the pulse is inline (the helper is
+        at work otherwise)."""
+        if self._pulse_inline and self._pulse is not None:
+            self._pulse()
 
     def __exit__(self, *exc_info) -> None:
         with self._state:
@@ -124,17 +132,19 @@ class StepIO:
                 pulse_first, self._pulse_due = self._pulse_due, False
                 if self._closed:
                     return
-                if not self._active:
+                # With the pulse inline, a step without sockets to serve has nothing for it.
+                if not self._active or (self._pulse_inline and not self._serving):
                     continue
                 serving = self._serving
                 self._busy = True
+            pulse = None if self._pulse_inline else self._pulse
             try:
-                if self._pulse is not None and (pulse_first or not serving):
-                    self._pulse()  # output waiting goes out before anything else
+                if pulse is not None and (pulse_first or not serving):
+                    pulse()  # output waiting goes out before anything else
                 if serving:
                     self._poll_and_serve()
-                    if self._pulse is not None:
-                        self._pulse()
+                    if pulse is not None:
+                        pulse()
             except Exception:  # a socket error must not kill the helper; the loop sees it too
                 logger.exception("serving sockets during a step failed")
             finally:
@@ -163,53 +173,3 @@ class StepIO:
         with contextlib.suppress(BlockingIOError):
             while os.read(self._wake_read, 4096):
                 pass
-
-
-class InlineStepIO:
-    """``StepIO``'s work done by the main loop itself, once a step's forward is launched on a
-    device that runs it while the host goes on (a GPU): ``pulse`` (the previous step's output, a
-    heartbeat when due), then ``serve`` once if a socket has traffic. Nothing is done on entry
-    or exit, and no thread is kept."""
-
-    def __init__(
-        self,
-        serve: Callable[[], None] | None,
-        sockets: list[zmq.Socket] | Callable[[], list[zmq.Socket]],
-        pulse: Callable[[], None] | None = None,
-    ) -> None:
-        self._serve = serve
-        self._pulse = pulse
-        if callable(sockets):
-            self._sockets_of = sockets
-        else:
-            fixed = list(sockets)
-            self._sockets_of = lambda: fixed
-        self._poller = zmq.Poller()
-        self._polled: list[zmq.Socket] = []
-
-    def __enter__(self) -> InlineStepIO:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        pass
-
-    def device_launched(self) -> None:
-        if self._pulse is not None:
-            self._pulse()
-        if self._serve is None:
-            return
-        sockets = [sock for sock in self._sockets_of() if not sock.closed]
-        if not sockets:
-            return
-        if sockets != self._polled:
-            for sock in self._polled:
-                with contextlib.suppress(KeyError):
-                    self._poller.unregister(sock)
-            for sock in sockets:
-                self._poller.register(sock, zmq.POLLIN)
-            self._polled = sockets
-        if self._poller.poll(0):
-            self._serve()
-
-    def close(self) -> None:
-        pass

@@ -62,7 +62,7 @@ from common.sampling_params import SamplingParams
 from common.service.drain import Drain, add_drain_args
 from common.service.health import Probes, serve_worker_http
 from common.service.router_link import RouterLink
-from common.service.step_io import InlineStepIO, StepIO
+from common.service.step_io import StepIO
 from common.startup_objects import startup_objects_frozen
 from kvtransfer.ucx_interface import pin_ucx_to_host
 
@@ -180,6 +180,7 @@ class WorkerService(ABC):
         self.probes = Probes()
         self.metrics_url = serve_worker_http(args.host, args.metrics_port, self.probes)
         self._stopping = False
+        self._step_io: StepIO
         self.last_step_seconds = 0.0  # how long the latest step took, start to end
         self._last_heartbeat = 0.0
         self._prompt_tokens_seen = 0
@@ -230,8 +231,8 @@ class WorkerService(ABC):
 
     def steps_are_short(self) -> bool:
         """Whether this worker's steps are launched on a device and take a few milliseconds, so
-        that a helper thread woken and waited for every step would cost more than it hides, and
-        a peer can wait for the launch of the next (``InlineStepIO``)."""
+        that a helper thread woken and waited for every step's output would cost more than it
+        hides (``StepIO``'s ``pulse_inline``)."""
         return False
 
     def io_in_flight(self) -> bool:
@@ -262,22 +263,22 @@ class WorkerService(ABC):
             self._step_io.close()  # before the sockets it serves are closed
             self.close()
 
-    def start_step_io(self, inline: bool | None = None) -> None:
-        """Start what serves peers and heartbeats while a step runs: a helper thread, or (where
-        ``inline``, by default where ``steps_are_short``) the main loop itself once the forward
-        is launched."""
+    def start_step_io(self, pulse_inline: bool | None = None) -> None:
+        """Start the helper that serves peers while a step runs, and heartbeats and sends the
+        previous step's output then: the helper, or (``pulse_inline``, by default where
+        ``steps_are_short``) the main loop itself once the forward is launched."""
         serve, sockets = self.serve_during_step() or (None, [])
-        if inline is None:
-            inline = self.steps_are_short()
+        if pulse_inline is None:
+            pulse_inline = self.steps_are_short()
         # Heartbeats go on during a step: liveness must not depend on how long a step takes.
         # And the previous step's output is sent then, while the forward runs.
-        self._step_io: StepIO | InlineStepIO
-        if inline:
-            self._step_io = InlineStepIO(serve, sockets, pulse=self._pulse)
-        else:
-            self._step_io = StepIO(
-                serve, sockets, pulse=self._pulse, pulse_now=self.link.has_deferred
-            )
+        self._step_io = StepIO(
+            serve,
+            sockets,
+            pulse=self._pulse,
+            pulse_now=self.link.has_deferred,
+            pulse_inline=pulse_inline,
+        )
 
     def turn(self) -> None:
         """One pass of the main loop: sleep on the sockets if idle, handle what arrived, serve
