@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 # Handoffs carry prompts; this bounds one frame well above any prompt a worker can hold.
 _MAX_HANDOFF_BYTES = 64 << 20
 # Steps at least this long have the step helper read handoffs as they come: it is then woken
-# every step (tens of microseconds), which a GPU's millisecond steps should not pay.
+# every step, tens of microseconds that only a step this long hides.
 _HANDOFFS_DURING_STEPS_AFTER_S = 0.01
 
 
