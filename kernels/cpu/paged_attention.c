@@ -192,27 +192,6 @@ static inline float kv_scale(const kv_cache *cache, const void *scales, int64_t 
     return scale;
 }
 
-/* Pull part `part` of `parts` of a page of one layer's keys or values toward the core, into L1
- * (`to_l1`) or L2: pages sit anywhere in the pool, so no hardware prefetcher sees the next one
- * coming. A page is requested a part at a time between pieces of work, not at once: a whole
- * page's lines in one burst fill the core's queue of loads, and the work waits behind them.
- * Always inlined, as are its callers: gcc takes a function that only prefetches for one without
- * effects, and drops its calls. */
-static inline __attribute__((always_inline)) void prefetch_page_part(const kv_cache *cache,
-                                                                    const void *base,
-                                                                    int64_t page, int part,
-                                                                    int parts, int to_l1) {
-    const char *start = kv_address(cache, base, page, 0, 0);
-    const int64_t lines =
-        (cache->page_size * cache->token_stride * (int64_t)element_size(cache->dtype) + 63) / 64;
-    for (int64_t line = lines * part / parts; line < lines * (part + 1) / parts; line++) {
-        if (to_l1)
-            __builtin_prefetch(start + 64 * line, 0, 3);
-        else
-            __builtin_prefetch(start + 64 * line, 0, 2);
-    }
-}
-
 /* Pages read one after another: one pass over a sequence's keys or over its values. */
 typedef struct {
     const void *base; /* kv_cache's key or value */
@@ -220,41 +199,11 @@ typedef struct {
     int num_pages;
 } page_run;
 
-/* prefetch_page_part of page `index` of the stream of pages that reads `now` and then `then`.
- * A call's passes are requested as one stream (a sequence's keys, its values, the next work
- * item's keys, ...), so a pass starts on pages already requested instead of requesting its
- * first ones as it starts. */
-static inline __attribute__((always_inline)) void prefetch_stream_part(
-    const kv_cache *cache, const page_run *now, const page_run *then, int index, int part,
-    int parts, int to_l1) {
-    if (index < now->num_pages)
-        prefetch_page_part(cache, now->base, now->page_table[index], part, parts, to_l1);
-    else if (index - now->num_pages < then->num_pages)
-        prefetch_page_part(cache, then->base, then->page_table[index - now->num_pages], part,
-                           parts, to_l1);
-}
-
-/* The two requests ahead of page `index` of a pass over `now` (then `then`): part `part` of
- * the page PAGES_TO_L2 ahead into L2 and of the page PAGES_TO_L1 ahead into L1. */
-static inline __attribute__((always_inline)) void prefetch_ahead(const kv_cache *cache,
-                                                                 const page_run *now,
-                                                                 const page_run *then, int index,
-                                                                 int part, int parts) {
-    prefetch_stream_part(cache, now, then, index + PAGES_TO_L2, part, parts, 0);
-    prefetch_stream_part(cache, now, then, index + PAGES_TO_L1, part, parts, 1);
-}
-
-/* The lines prefetch_ahead would request for a page part, requested instead a few at a time
- * by the work on the page at hand (request_lines, once per key it reads), so that they go out
- * between its loads. */
-typedef struct {
-    const char *to_l2, *to_l1; /* the next line of each part */
-    int left_l2, left_l1;      /* lines of each part not yet requested */
-    int per_key;               /* lines of each requested per key: a page's keys request all */
-} lines_ahead;
-
-/* Where part `part` of `parts` of page `index` of the stream `now` then `then` starts, and how
- * many lines it has (0 past the stream's end). */
+/* Where part `part` of `parts` of page `index` of the stream of pages that reads `now` and then
+ * `then` starts, and how many 64-byte lines it has (0 past the stream's end). A call's passes
+ * are requested as one stream (a sequence's keys, its values, the next work item's keys, ...),
+ * so a pass starts on pages already requested instead of requesting its first ones as it
+ * starts. */
 static inline __attribute__((always_inline)) const char *stream_part_lines(
     const kv_cache *cache, const page_run *now, const page_run *then, int index, int part,
     int parts, int *count) {
@@ -276,7 +225,21 @@ static inline __attribute__((always_inline)) const char *stream_part_lines(
     return (const char *)kv_address(cache, base, page, 0, 0) + 64 * (lines * part / parts);
 }
 
-/* prefetch_ahead's two parts for page `index` of a pass, to be requested by the work. */
+/* Lines of the pages ahead to pull toward the core, into L2 and into L1: pages sit anywhere in
+ * the pool, so no hardware prefetcher sees the next one coming. A page is requested a part at a
+ * time between pieces of work, not at once: a whole page's lines in one burst fill the core's
+ * queue of loads, and the work waits behind them; where the work reads bf16 rows in place it
+ * requests a few lines per key it reads (request_lines), so that they go out between its loads.
+ * Always inlined, as are its callers: gcc takes a function that only prefetches for one without
+ * effects, and drops its calls. */
+typedef struct {
+    const char *to_l2, *to_l1; /* the next line of each part */
+    int left_l2, left_l1;      /* lines of each part not yet requested */
+    int per_key;               /* lines of each requested per key: a page's keys request all */
+} lines_ahead;
+
+/* The two parts ahead of page `index` of a pass over `now` (then `then`): part `part` of the
+ * page PAGES_TO_L2 ahead, for L2, and of the page PAGES_TO_L1 ahead, for L1. */
 static inline __attribute__((always_inline)) lines_ahead lines_ahead_of(
     const kv_cache *cache, const page_run *now, const page_run *then, int index, int part,
     int parts) {
@@ -297,9 +260,18 @@ static inline __attribute__((always_inline)) void request_lines(lines_ahead *ahe
         __builtin_prefetch(ahead->to_l1, 0, 3);
 }
 
-/* What the work left unrequested (a page of fewer keys than page_size). */
+/* What the work left unrequested (a page of fewer keys than page_size), or all of it. */
 static inline __attribute__((always_inline)) void request_rest(lines_ahead *ahead) {
     request_lines(ahead, ahead->left_l2 > ahead->left_l1 ? ahead->left_l2 : ahead->left_l1);
+}
+
+/* Both parts ahead of page `index` at once, before a piece of work on it. */
+static inline __attribute__((always_inline)) void prefetch_ahead(const kv_cache *cache,
+                                                                 const page_run *now,
+                                                                 const page_run *then, int index,
+                                                                 int part, int parts) {
+    lines_ahead ahead = lines_ahead_of(cache, now, then, index, part, parts);
+    request_rest(&ahead);
 }
 
 /* Sums in 8 fixed lanes (element i into lane i % 8) and then a fixed tree: the compiler may
@@ -884,8 +856,17 @@ static inline __attribute__((always_inline)) void attend_sequence(
     const page_run key_run = {cache->key, page_table, num_pages};
     const page_run value_run = {cache->value, page_table, num_pages};
     if (!first_pages_requested)
-        for (int index = 0; index < PAGES_TO_L2; index++)
-            prefetch_stream_part(cache, &key_run, &value_run, index, 0, 1, index < PAGES_TO_L1);
+        for (int index = 0; index < PAGES_TO_L2; index++) {
+            /* The first pages whole: those up to PAGES_TO_L1 into L1, the rest into L2. */
+            lines_ahead whole = {0};
+            if (index < PAGES_TO_L1)
+                whole.to_l1 = stream_part_lines(cache, &key_run, &value_run, index, 0, 1,
+                                                &whole.left_l1);
+            else
+                whole.to_l2 = stream_part_lines(cache, &key_run, &value_run, index, 0, 1,
+                                                &whole.left_l2);
+            request_rest(&whole);
+        }
     for (int first = 0; first < seq_len; first += page_size) {
         const int64_t page = page_table[first / page_size];
         const int count = seq_len - first < page_size ? seq_len - first : page_size;
