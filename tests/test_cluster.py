@@ -457,7 +457,11 @@ def test_the_serving_benchmark_reads_the_decode_workers_steps_over_its_run(clust
     client, _, base = cluster
     before = serving.decode_steps(base)
     assert before is not None
-    client.completions.create(model="tiny-chat", prompt=SHORT_PROMPT, max_tokens=8)
+    result = client.completions.create(
+        model="tiny-chat", prompt=SHORT_PROMPT, max_tokens=8, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert result.usage.completion_tokens == 8
     during = serving.decode_steps(base) - before
     assert during.count >= 7 and during.seconds > 0  # every token after the first is a step
     figures = serving.report(
