@@ -177,12 +177,12 @@ class DecodeWorker(WorkerService):
         request's second token comes two steps after its first. Read as it comes, its pages are
         in by the end of the step it came in. Only after a long step (a CPU's), since the
         helper is then woken every step; never where the loop itself sends during a step
-        (``steps_are_short``), since a handoff refused tells the router so, over the same link;
-        and never where a fetch also commands tensor-parallel ranks, over the pipes the step
-        itself uses."""
+        (``StepIO.pulse_inline``), since a handoff refused tells the router so, over the same
+        link; and never where a fetch also commands tensor-parallel ranks, over the pipes the
+        step itself uses."""
         return (
             self.last_step_seconds >= _HANDOFFS_DURING_STEPS_AFTER_S
-            and not self.steps_are_short()
+            and not self._step_io.pulse_inline
             and self.engine.followers is None
         )
 

@@ -118,3 +118,14 @@ def test_after_a_short_step_handoffs_wait_for_the_loop(worker, sender):
         worker.poll_io()
         time.sleep(0.001)
     push.close()
+
+
+def test_a_loop_that_sends_during_steps_leaves_handoffs_to_itself(worker):
+    """Where the loop itself sends on the router link inside a step (a GPU's decode worker), the
+    helper does not read handoffs even after a long step: refusing one would send on that link
+    from a second thread."""
+    worker._step_io.close()
+    worker.start_step_io(pulse_inline=True)
+    worker.last_step_seconds = 0.5
+    assert not worker.reads_handoffs_during_step()
+    assert worker.handoff_socket not in worker._sockets_during_step()

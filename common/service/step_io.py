@@ -97,6 +97,11 @@ class StepIO:
                 self._state.notify_all()
         return self
 
+    @property
+    def pulse_inline(self) -> bool:
+        """Whether the main loop pulses itself (and so uses the pulse's sockets inside a step)."""
+        return self._pulse_inline
+
     def device_launched(self) -> None:
         """The step's forward is launched: pulse here where the pulse is inline (the helper is
         at work otherwise)."""
