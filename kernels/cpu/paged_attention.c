@@ -783,9 +783,9 @@ static void bf16_row_set(const float *const vectors[ROW_SET], const int n, const
 #define SET_CASE(sets, dim)                                                                    \
     if (n == sets && head_dim == dim) {                                                        \
         if (is_value)                                                                          \
-            weigh_bf16_rows(vectors, sets, rows, row_stride, count, dim, outputs, ahead);            \
+            weigh_bf16_rows(vectors, sets, rows, row_stride, count, dim, outputs, ahead);     \
         else                                                                                   \
-            score_bf16_rows(vectors, sets, rows, row_stride, count, dim, outputs, ahead);            \
+            score_bf16_rows(vectors, sets, rows, row_stride, count, dim, outputs, ahead);     \
         return;                                                                                \
     }
     SET_CASE(1, 64) SET_CASE(2, 64) SET_CASE(3, 64)
