@@ -4,7 +4,7 @@
  *
  * SDPA's CPU kernel, which long chunks took before, runs a 1792-token prompt's attention (9
  * query heads, 3 KV heads, head_dim 64) at about 260 GFLOP/s on one core of the AMX Xeon, 14 ms
- * a layer: 40% of the prompt's prefill. Here both products run on AMX and the call takes 7-8 ms
+ * a layer: 40% of the prompt's prefill. Here both products run on AMX and the call takes 6-7 ms
  * (benchmarks/cpu_prefill_attention.py): what is left is mostly the softmax's exps, 16 lanes at
  * a time, about half of it, and the products' tile loads and stores.
  *
@@ -236,51 +236,91 @@ struct row_state {
     __m512 sums[QUERY_ROWS]; /* l in 16 lanes, added up at the end */
 };
 
+/* The largest lane of each of 16 vectors, lane r of the result from rows[r]: halves, quarters,
+ * pairs and lanes of pairs of rows folded together (15 shuffle pairs for the 16 rows, where a
+ * reduction per row takes 4 dependent shuffles each), then the lanes put back in row order. */
+static inline __m512 row_maxima(const __m512 rows[QUERY_ROWS]) {
+    __m512 halves[8], quarters[4], pairs[2];
+    for (int i = 0; i < 8; i++) /* lanes 0-7: row 2i's halves, 8-15: row 2i+1's */
+        halves[i] = _mm512_max_ps(_mm512_shuffle_f32x4(rows[2 * i], rows[2 * i + 1], 0x44),
+                                  _mm512_shuffle_f32x4(rows[2 * i], rows[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++) /* 128-bit lane q: row 4i + q's quarters */
+        quarters[i] =
+            _mm512_max_ps(_mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0x88),
+                          _mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++) /* in 128-bit lane q: two lanes each of rows 8i + q, 8i + 4 + q */
+        pairs[i] = _mm512_max_ps(_mm512_shuffle_ps(quarters[2 * i], quarters[2 * i + 1], 0x44),
+                                 _mm512_shuffle_ps(quarters[2 * i], quarters[2 * i + 1], 0xEE));
+    /* in 128-bit lane q: rows q, 4 + q, 8 + q, 12 + q */
+    const __m512 folded = _mm512_max_ps(_mm512_shuffle_ps(pairs[0], pairs[1], 0x88),
+                                        _mm512_shuffle_ps(pairs[0], pairs[1], 0xDD));
+    const __m512i row_order =
+        _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    return _mm512_permutexvar_ps(row_order, folded);
+}
+
 /* The online softmax over one key block (keys `first_key`..+KEY_BLOCK) for 16 rows, the first
  * at `first_position`: probs gets the block's bf16 probabilities (0 past a row's last key), and
  * a row whose max grew has its sums and `out` scaled to the new max. exp(s * scale - m) is taken
- * as 2^(s * scale * log2(e) - m'), one FMA from the score to 2's power. */
+ * as 2^(s * scale * log2(e) - m'), one FMA from the score to 2's power. The rows' maxima are
+ * found together (row_maxima) and only rows whose max grew take the scalar path: the rows of a
+ * block are independent, and a per-row reduction and branch kept the vector units waiting. */
 static inline void block_softmax(const float *scores, int first_position, int first_key,
                                  float scale, struct row_state *state, uint16_t *probs,
                                  float *out, int head_dim) {
     const float to_power = scale * 1.44269504088896341f; /* a score to 2's power */
     const __m512 to_power16 = _mm512_set1_ps(to_power);
     const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3F80); /* bf16 1.0 */
+    /* Keys of the block each row sees: all of them unless the block holds a row's own position
+     * or later ones (the diagonal), where row r sees first_position + r - first_key + 1. */
+    const int diagonal = first_position - first_key < KEY_BLOCK - 1;
+    __mmask16 seen[QUERY_ROWS][KEY_BLOCK / 16];
+    __m512 block_max[QUERY_ROWS];
+    for (int r = 0; r < QUERY_ROWS; r++) {
+        const int visible = first_position + r - first_key + 1;
+        block_max[r] = _mm512_set1_ps(-INFINITY);
+        for (int i = 0; i < KEY_BLOCK / 16; i++) {
+            const int lanes = visible - 16 * i;
+            seen[r][i] = !diagonal || lanes >= 16 ? 0xFFFF
+                         : lanes > 0              ? (__mmask16)((1u << lanes) - 1)
+                                                  : 0;
+            block_max[r] = _mm512_mask_max_ps(block_max[r], seen[r][i], block_max[r],
+                                              _mm512_loadu_ps(scores + r * KEY_BLOCK + 16 * i));
+        }
+    }
+    /* The scale is positive: the largest score scaled is the largest scaled score. */
+    const __m512 seen_max = _mm512_mul_ps(row_maxima(block_max), to_power16);
+    const __m512 old_max = _mm512_loadu_ps(state->max);
+    __mmask16 grew = _mm512_cmp_ps_mask(seen_max, old_max, _CMP_GT_OQ);
+    _mm512_storeu_ps(state->max, _mm512_max_ps(seen_max, old_max));
+    /* Rows whose max grew after keys they saw before: their sums and output scaled down. */
+    grew &= _mm512_cmp_ps_mask(old_max, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+    float old[QUERY_ROWS];
+    _mm512_storeu_ps(old, old_max);
+    while (grew) {
+        const int r = __builtin_ctz(grew);
+        grew &= grew - 1;
+        const __m512 rescale = _mm512_set1_ps(exp2f(old[r] - state->max[r]));
+        state->sums[r] = _mm512_mul_ps(state->sums[r], rescale);
+        float *o = out + (int64_t)r * head_dim;
+        for (int d = 0; d < head_dim; d += 16)
+            _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), rescale));
+    }
     for (int r = 0; r < QUERY_ROWS; r++) {
         uint16_t *p = probs + r * KEY_BLOCK;
-        const int visible = first_position + r - first_key + 1; /* keys of the block it sees */
-        if (visible <= 0) {
+        if (state->max[r] == -INFINITY) { /* no key seen yet: nothing to add */
             memset(p, 0, KEY_BLOCK * sizeof(uint16_t));
             continue;
         }
-        __mmask16 seen[KEY_BLOCK / 16];
-        __m512 x[KEY_BLOCK / 16];
-        __m512 block_max = _mm512_set1_ps(-INFINITY);
-        for (int i = 0; i < KEY_BLOCK / 16; i++) {
-            const int lanes = visible - 16 * i;
-            seen[i] = lanes >= 16 ? 0xFFFF : lanes > 0 ? (__mmask16)((1u << lanes) - 1) : 0;
-            x[i] = _mm512_loadu_ps(scores + r * KEY_BLOCK + 16 * i);
-            block_max = _mm512_mask_max_ps(block_max, seen[i], block_max, x[i]);
-        }
-        /* The scale is positive: the largest score scaled is the largest scaled score. */
-        const float seen_max = _mm512_reduce_max_ps(block_max) * to_power;
-        if (seen_max > state->max[r]) {
-            if (state->max[r] != -INFINITY) {
-                const __m512 rescale = _mm512_set1_ps(exp2f(state->max[r] - seen_max));
-                state->sums[r] = _mm512_mul_ps(state->sums[r], rescale);
-                float *o = out + (int64_t)r * head_dim;
-                for (int d = 0; d < head_dim; d += 16)
-                    _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), rescale));
-            }
-            state->max[r] = seen_max;
-        }
         const __m512 max16 = _mm512_set1_ps(state->max[r]);
+        const float *x = scores + r * KEY_BLOCK;
         __m512 sum = state->sums[r];
         for (int i = 0; i < KEY_BLOCK / 16; i += 2) {
-            const __m512 low =
-                exp2_nonpositive_x16(seen[i], _mm512_fmsub_ps(x[i], to_power16, max16));
-            const __m512 high =
-                exp2_nonpositive_x16(seen[i + 1], _mm512_fmsub_ps(x[i + 1], to_power16, max16));
+            const __m512 low = exp2_nonpositive_x16(
+                seen[r][i], _mm512_fmsub_ps(_mm512_loadu_ps(x + 16 * i), to_power16, max16));
+            const __m512 high = exp2_nonpositive_x16(
+                seen[r][i + 1],
+                _mm512_fmsub_ps(_mm512_loadu_ps(x + 16 * (i + 1)), to_power16, max16));
             const __m512bh rounded = _mm512_cvtne2ps_pbh(high, low); /* low's keys first */
             _mm512_storeu_si512((void *)(p + 16 * i), (__m512i)rounded);
             sum = _mm512_dpbf16_ps(sum, rounded, ones); /* + each pair of probabilities */
