@@ -40,12 +40,9 @@ static inline __m512 bf16x16_to_float(const uint16_t *bits) {
  * a model's activations, so the branch costs one test) are rounded in integers instead. */
 static inline __m256i float_to_bf16x16(__m512 value) {
     __m256i rounded = (__m256i)_mm512_cvtneps_pbh(value);
-    const __m512i bits = _mm512_castps_si512(value);
-    const __m512i magnitude = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
-    /* 1 <= magnitude <= 0x7fffff: the nonzero denormals. */
-    const __mmask16 denormal = _mm512_cmplt_epu32_mask(
-        _mm512_sub_epi32(magnitude, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7fffff));
+    const __mmask16 denormal = _mm512_fpclass_ps_mask(value, 0x20); /* class: denormal */
     if (denormal) {
+        const __m512i bits = _mm512_castps_si512(value);
         const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
         const __m512i integer = _mm512_srli_epi32(
             _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), odd), 16);
@@ -84,5 +81,27 @@ static inline float exp_approx(float x) {
     memcpy(&power, &exponent_bits, sizeof power);
     return overflows ? INFINITY : p * power;
 }
+
+#ifdef __AVX512BF16__
+/* exp(x) in 16 lanes: exp_approx's arithmetic (the same product, rounding to an integer power
+ * and polynomial), with the power of 2 applied by vscalefps instead of set in exponent bits.
+ * That needs no clamps: past ln(FLT_MAX) it gives infinity, below about -87 exp's own tiny values
+ * (denormals, then 0) where exp_approx holds exp(-87). Within the clamps the two are the same
+ * bits; between 88 and ln(FLT_MAX), where exp_approx holds exp(88), this is the closer. */
+static inline __m512 exp_x16(__m512 x) {
+    const __m512 scaled = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 whole =
+        _mm512_roundscale_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(scaled, whole);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, whole);
+}
+#endif
 
 #endif
