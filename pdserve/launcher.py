@@ -5,6 +5,8 @@ Each service runs as its own process, exactly as docker-compose runs them (``pyt
 are passed to every worker (engine flags such as ``--kv-cache-memory`` or ``--max-model-len``).
 Without a GPU, the machine's cores are split between the workers and each worker's threads are
 pinned to its share: two workers spinning on the same cores slow each other down many times over.
+A prefill and a decode worker are paired, and each runs its forward on the other's share too
+while the other has no work (``common/service/core_loan.py``).
 With GPUs, each worker sees its own through CUDA_VISIBLE_DEVICES, one per tensor-parallel rank.
 A worker that dies is started again; the router re-dispatches or migrates its requests meanwhile.
 """
@@ -15,15 +17,18 @@ import argparse
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
 from common import cluster_auth
+from common.service.core_loan import create_loan_file, omp_places
 from common.service.drain import DEFAULT_DRAIN_TIMEOUT_S, positive_seconds
 from kernels.cpu_library import has_amx_bf16
 
@@ -57,6 +62,8 @@ class Placement:
 
     cores: set[int] | None = None
     gpus: list[str] | None = None
+    # The paired worker's cores, which this one's forward may borrow while that one waits.
+    lent: set[int] | None = None
 
 
 @dataclass(slots=True)
@@ -178,6 +185,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="pin each worker to its own cores (default: when there is no GPU)",
     )
     parser.add_argument(
+        "--lend-idle-cores",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with pinned cores: pair each prefill worker with a decode worker, each running "
+        "its forward on the other's cores too while the other has no work (workers of one "
+        "rank)",
+    )
+    parser.add_argument(
         "--cluster-secret-file",
         default=None,
         help="the secret every process proves on the internal sockets (default: "
@@ -229,6 +244,30 @@ def worker_placements(args: argparse.Namespace, roles: list[str], on_gpu: bool) 
             raise ValueError("--gpus names no GPU")
         gpus = list(gpu_shares(sizes, listed))
     return [Placement(c, g) for c, g in zip(cores, gpus, strict=True)]
+
+
+def pair_core_loans(
+    roles: list[str], sizes: list[int], placements: list[Placement], directory: str
+) -> list[list[str]]:
+    """Pair prefill worker i with decode worker i (as far as both go), where both run on one
+    rank and on cores of their own: each gets the other's cores as ``lent`` and a flags file
+    they share in ``directory``. Returns each worker's flags (none for a worker left unpaired)."""
+    flags: list[list[str]] = [[] for _ in roles]
+    single = [index for index, size in enumerate(sizes) if size == 1]
+    prefills = [index for index in single if roles[index] == "prefill"]
+    decodes = [index for index in single if roles[index] == "decode"]
+    for pair, (prefill, decode) in enumerate(zip(prefills, decodes, strict=False)):
+        first, second = placements[prefill].cores, placements[decode].cores
+        if not first or not second or first & second:
+            continue
+        path = os.path.join(directory, f"core-loan-{pair}")
+        create_loan_file(path)
+        for side, (worker, partner) in enumerate([(prefill, decode), (decode, prefill)]):
+            lent = set(placements[partner].cores or ())
+            placements[worker].lent = lent
+            flags[worker] = ["--core-loan", path, "--core-loan-side", str(side)]
+            flags[worker] += ["--lent-cores", str(len(lent))]
+    return flags
 
 
 def local_prefill_flags(args: argparse.Namespace, on_gpu: bool) -> list[str]:
@@ -310,6 +349,10 @@ def worker_env(placement: Placement) -> dict[str, str]:
     env = dict(os.environ)
     if placement.cores is not None:
         env["OMP_NUM_THREADS"] = str(len(placement.cores))
+        if placement.lent:
+            # Its first threads on its own cores, any more on the lent ones.
+            env["OMP_PLACES"] = omp_places(placement.cores, placement.lent)
+            env["OMP_PROC_BIND"] = "close"
     if placement.gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(placement.gpus)
     return env
@@ -319,6 +362,8 @@ def _start(module: str, args: list[str], placement: Placement) -> subprocess.Pop
     cores = placement.cores
     preexec = None
     if cores is not None:
+        # OpenMP then binds each thread to one of them (worker_env's places).
+        cores = cores | (placement.lent or set())
         preexec = lambda: os.sched_setaffinity(0, cores)  # noqa: E731 - runs in the child
     return subprocess.Popen(
         [sys.executable, "-m", module, *args], env=worker_env(placement), preexec_fn=preexec
@@ -473,6 +518,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2
+    loans_dir = tempfile.mkdtemp(prefix="pdserve-core-loans-")
+    sizes = [args.prefill_tp if role == "prefill" else args.decode_tp for role in roles]
+    loan_flags = (
+        pair_core_loans(roles, sizes, placements, loans_dir)
+        if args.lend_idle_cores
+        else [[] for _ in roles]
+    )
     services: list[Service] = []
     stopping = False
 
@@ -484,13 +536,14 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, request_stop)
     try:
         services.append(_spawn("router", "router", router_args, Placement()))
-        for index, (role, placement) in enumerate(zip(roles, placements, strict=True)):
+        workers = zip(roles, placements, loan_flags, strict=True)
+        for index, (role, placement, loans) in enumerate(workers):
             worker_id = ["--worker-id", f"{role}-{index}"]
             services.append(
                 _spawn(
                     f"{role} worker {index}",
                     f"{role}_worker",
-                    [*shared, *worker_id, *role_flags(args, role), *worker_flags],
+                    [*shared, *worker_id, *role_flags(args, role), *loans, *worker_flags],
                     placement,
                 )
             )
@@ -512,3 +565,4 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         stop_all(services, args.drain_timeout or DEFAULT_DRAIN_TIMEOUT_S)
+        shutil.rmtree(loans_dir, ignore_errors=True)

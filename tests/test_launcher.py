@@ -15,6 +15,7 @@ from pdserve.launcher import (
     core_shares,
     gpu_shares,
     local_prefill_flags,
+    pair_core_loans,
     role_flags,
     worker_env,
     worker_placements,
@@ -141,3 +142,36 @@ def test_up_places_each_worker_on_its_gpus_and_cores(monkeypatch):
     placements = worker_placements(args, ["prefill", "prefill", "decode"], on_gpu=True)
     assert [p.gpus for p in placements] == [["GPU-a"], ["GPU-b"], ["GPU-a"]]
     assert all(p.cores is None for p in placements)
+
+
+def test_a_prefill_and_a_decode_worker_lend_each_other_their_cores(monkeypatch, tmp_path):
+    monkeypatch.delenv("OMP_PLACES", raising=False)
+    roles = ["prefill", "prefill", "decode"]
+    placements = [Placement({0, 1}), Placement({2, 3}), Placement({4, 5})]
+    flags = pair_core_loans(roles, [1, 1, 1], placements, str(tmp_path))
+    path = str(tmp_path / "core-loan-0")
+    assert flags == [
+        ["--core-loan", path, "--core-loan-side", "0", "--lent-cores", "2"],
+        [],  # a second prefill worker has no decode worker left to pair with
+        ["--core-loan", path, "--core-loan-side", "1", "--lent-cores", "2"],
+    ]
+    assert [p.lent for p in placements] == [{4, 5}, None, {0, 1}]
+    assert (tmp_path / "core-loan-0").read_bytes() == b"\x01\x01"  # busy until their loops say
+    env = worker_env(placements[2])
+    assert (env["OMP_NUM_THREADS"], env["OMP_PLACES"]) == ("2", "{4},{5},{0},{1}")
+    assert env["OMP_PROC_BIND"] == "close"
+    assert "OMP_PLACES" not in worker_env(placements[1])
+
+
+@pytest.mark.parametrize(
+    "sizes, placements",
+    [
+        ([2, 1], [Placement({0, 1}), Placement({2})]),  # a worker of two ranks
+        ([1, 1], [Placement({0}), Placement({0})]),  # fewer cores than workers: shared
+        ([1, 1], [Placement(None), Placement(None)]),  # not pinned
+    ],
+)
+def test_no_core_loan_across_ranks_shared_cores_or_unpinned_workers(tmp_path, sizes, placements):
+    flags = pair_core_loans(["prefill", "decode"], sizes, placements, str(tmp_path))
+    assert flags == [[], []] and all(p.lent is None for p in placements)
+    assert not list(tmp_path.iterdir())

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -292,6 +292,15 @@ def kept_if_none(twin: nn.Module | None, module: nn.Module) -> nn.Module:
     return module if twin is None else twin
 
 
+class LayerThreads(Protocol):
+    """Sets the threads each layer of a forward runs on (``common/service/core_loan.py``):
+    asked before every layer, and once after the last."""
+
+    def before_layer(self) -> None: ...
+
+    def after_layers(self) -> None: ...
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         """``tp``: this rank's place in a tensor-parallel group; None, the whole model."""
@@ -319,6 +328,9 @@ class LlamaForCausalLM(nn.Module):
         # Each layer as one C call for steps of short runs, where every part of it would take
         # the C kernels anyway (kernels/cpu_layer.py); None where some part would not.
         self.fused_layers: list[FusedDecoderLayer] | None = None
+        # Set by a worker whose forward may run on a paired worker's idle cores; None: the
+        # process's thread count throughout.
+        self.layer_threads: LayerThreads | None = None
 
     def decoder_layers(self) -> list[DecoderLayer]:
         # nn.ModuleList is not generic: its items type as nn.Module.
@@ -395,22 +407,31 @@ class LlamaForCausalLM(nn.Module):
             self.step_shape.short_runs_only = meta.max_query_len <= SHORT_QUERY_MAX
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary(positions, hidden.dtype)
-        if self._runs_fused(meta):
-            assert self.fused_layers is not None and isinstance(meta, CpuAttentionPlan)
-            hidden = hidden.contiguous()  # a fresh tensor: the layers update it in place
-            scratch = torch.empty(
-                self.fused_layers[0].scratch_bytes(hidden.shape[0]), dtype=torch.uint8
-            )
-            for fused in self.fused_layers:
-                fused(hidden, rope, meta.slot_mapping, meta.step_args, scratch)
-            last = hidden[logits_indices]
-        else:
-            pending = None
-            for layer in self.layers:
-                hidden, pending = layer(hidden, pending, rope, self.kv, meta)
-            assert pending is not None  # a model has layers
-            # The last residual add, on the rows the head reads only.
-            last = hidden[logits_indices] + pending[logits_indices]
+        threads = self.layer_threads
+        try:
+            if self._runs_fused(meta):
+                assert self.fused_layers is not None and isinstance(meta, CpuAttentionPlan)
+                hidden = hidden.contiguous()  # a fresh tensor: the layers update it in place
+                scratch = torch.empty(
+                    self.fused_layers[0].scratch_bytes(hidden.shape[0]), dtype=torch.uint8
+                )
+                for fused in self.fused_layers:
+                    if threads is not None:
+                        threads.before_layer()
+                    fused(hidden, rope, meta.slot_mapping, meta.step_args, scratch)
+                last = hidden[logits_indices]
+            else:
+                pending = None
+                for layer in self.layers:
+                    if threads is not None:
+                        threads.before_layer()
+                    hidden, pending = layer(hidden, pending, rope, self.kv, meta)
+                assert pending is not None  # a model has layers
+                # The last residual add, on the rows the head reads only.
+                last = hidden[logits_indices] + pending[logits_indices]
+        finally:
+            if threads is not None:
+                threads.after_layers()
         hidden = self.norm(last)
         if self.head is not None:
             logits = self.head(hidden)

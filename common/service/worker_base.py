@@ -59,6 +59,7 @@ from common.protocol import (
     TokenSample,
 )
 from common.sampling_params import SamplingParams
+from common.service.core_loan import CoreLoan, add_core_loan_args
 from common.service.drain import Drain, add_drain_args
 from common.service.health import Probes, serve_worker_http
 from common.service.router_link import RouterLink
@@ -94,6 +95,7 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     cluster_auth.add_insecure_flag(parser)
     parser.add_argument("--log-level", default="INFO")
     add_drain_args(parser)
+    add_core_loan_args(parser)
     add_engine_args(parser)
 
 
@@ -179,6 +181,7 @@ class WorkerService(ABC):
         self.drain = Drain(self.worker_id, args.drain_timeout)
         self.probes = Probes()
         self.metrics_url = serve_worker_http(args.host, args.metrics_port, self.probes)
+        self.core_loan = self._take_core_loan(args)
         self._stopping = False
         self._step_io: StepIO
         self.last_step_seconds = 0.0  # how long the latest step took, start to end
@@ -284,6 +287,8 @@ class WorkerService(ABC):
         """One pass of the main loop: sleep on the sockets if idle, handle what arrived, serve
         the role's own sockets, step if there is work, report."""
         if not self.scheduler.has_work:
+            if self.core_loan is not None:
+                self.core_loan.mark_busy(False)  # the paired worker may run on our cores
             self._wait()
         for msg in self.link.receive():
             if isinstance(msg, RegisterAck):
@@ -292,6 +297,8 @@ class WorkerService(ABC):
                 self.handle(msg)
         self.poll_io()
         if self.scheduler.has_work:
+            if self.core_loan is not None:
+                self.core_loan.mark_busy(True)
             self.step()
         self._report()
         if not self.scheduler.has_work:
@@ -309,6 +316,18 @@ class WorkerService(ABC):
         ITERATION_TOKENS.observe(sum(item.num_new_tokens + item.num_draft_slots for item in batch))
         GENERATED_TOKENS.inc(sum(len(out.new_samples) for out in outputs))
         self.on_finished_step(batch, outputs)
+
+    def _take_core_loan(self, args: argparse.Namespace) -> CoreLoan | None:
+        """This worker's side of a core loan (``pdserve up`` pairs workers without a GPU): it
+        always lends its cores while it waits, and borrows its partner's for its forward while
+        that one waits, unless its ranks split the model (their steps go in lockstep)."""
+        loan = CoreLoan.from_args(args)
+        if loan is None:
+            return None
+        if self.engine.config.tensor_parallel_size == 1 and self.engine.device.type != "cuda":
+            self.engine.model.layer_threads = loan
+            logger.info("%s borrows %d idle cores of its pair", self.worker_id, args.lent_cores)
+        return loan
 
     def _on_register_ack(self, ack: RegisterAck) -> None:
         if ack.accepted:
@@ -463,6 +482,9 @@ class WorkerService(ABC):
         )
 
     def close(self) -> None:
+        if self.core_loan is not None:
+            self.core_loan.mark_busy(False)  # gone: its cores are free for the paired worker
+            self.core_loan.close()
         self.link.close()
         self.auth.close()
 
