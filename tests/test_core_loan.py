@@ -132,18 +132,22 @@ def step_logits(engine, prompts) -> list[torch.Tensor]:
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="lends a core: needs two")
-@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
-def test_logits_are_the_same_bits_on_lent_cores(model, tmp_path, threads, deterministic):
+@pytest.mark.parametrize(
+    "dtype, deterministic",
+    [("bfloat16", False), ("bfloat16", True), ("float32", True)],
+    ids=["bf16", "bf16-deterministic", "fp32-deterministic"],
+)
+def test_logits_are_the_same_bits_on_lent_cores(model, tmp_path, threads, dtype, deterministic):
     """A prefill of rows long enough for every kernel to split its work, then decodes: one
     worker's forward on its own thread against the same forward on two (the partner waiting)."""
     prompts = random_prompts(3, seed=2, min_len=150, max_len=200)
     torch.set_num_threads(1)
-    alone = step_logits(build_engine(model, dtype="bfloat16", deterministic=deterministic), prompts)
+    alone = step_logits(build_engine(model, dtype=dtype, deterministic=deterministic), prompts)
     path = str(tmp_path / "loan")
     create_loan_file(path)
     borrower, lender = CoreLoan(path, 0, 1, 1), CoreLoan(path, 1, 1, 1)
     lender.mark_busy(False)
-    engine = build_engine(model, dtype="bfloat16", deterministic=deterministic)
+    engine = build_engine(model, dtype=dtype, deterministic=deterministic)
     engine.model.layer_threads = borrower
     layers = LAYERS_ON_LENT_CORES._value.get()
     borrowed = step_logits(engine, prompts)

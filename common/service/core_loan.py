@@ -14,9 +14,12 @@ partner's flag before every layer (``before_layer``). OpenMP's places (``omp_pla
 worker's first threads to its own cores and the next ones to its partner's, so a forward of more
 threads than its own cores runs the extra ones on the lent cores and only there.
 
-The forward's kernels split their work by rows, columns or heads, never within a sum, so its
-results do not depend on how many threads ran it (``tests/test_core_loan.py`` checks a step's
-logits both ways), and sampling always runs on the worker's own threads (``after_layers``).
+pdserve's own kernels split their work by rows, columns or heads, never within a sum, so a
+forward made of them gives the same bits on any number of threads: a bf16 model's, and every
+model's in deterministic mode (``tests/test_core_loan.py`` checks a step's logits both ways).
+A float32 model's GEMMs may go through MKL instead, which splits them as it likes: there a last
+bit may move with the lent cores, as it does with the batch around a row. Sampling always runs
+on the worker's own threads (``after_layers``).
 """
 
 from __future__ import annotations
