@@ -4,12 +4,16 @@ forward's threads layer by layer, and a forward whose results do not depend on t
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
 from engines import build_engine
+from test_decode_worker_step import handoff_of, pusher
 from tiny_models import build_tiny_model, random_prompts
 
+from common.engine.kv_pool import KVPool
+from common.messages import encode
 from common.sampling_params import SamplingParams
 from common.service.core_loan import (
     LAYERS_ON_LENT_CORES,
@@ -18,6 +22,8 @@ from common.service.core_loan import (
     create_loan_file,
     omp_places,
 )
+from decode_worker.worker import DecodeWorker, build_parser
+from kvtransfer.registry import create_sender
 
 
 @pytest.fixture
@@ -157,3 +163,51 @@ def test_logits_are_the_same_bits_on_lent_cores(model, tmp_path, threads, dtype,
         assert torch.equal(one, two)
     borrower.close()
     lender.close()
+
+
+def test_a_worker_lends_its_cores_while_it_waits_and_borrows_its_partners(tmp_path):
+    """A decode worker in this process, paired through a flags file: busy while it loads and
+    while it steps, waiting while it has nothing to run, gone once it closes; its forward asks
+    the loan for each layer's threads."""
+    folder = build_tiny_model("llama3-rope", tmp_path / "model")
+    path = str(tmp_path / "loan")
+    create_loan_file(path)
+    partner = CoreLoan(path, 0, 1, 1)
+    args = build_parser().parse_args(
+        [
+            "--router", "tcp://127.0.0.1:1", "--host", "127.0.0.1", "--model", str(folder),
+            "--device", "cpu", "--dtype", "float32", "--kv-cache-memory", "8MiB",
+            "--metrics-port", "0", "--core-loan", path, "--core-loan-side", "1",
+            "--lent-cores", "1",
+        ]
+    )  # fmt: skip
+    worker = DecodeWorker(args)
+    worker.start_step_io()
+    pool = KVPool(worker.engine.pool.layout, 16, "cpu")
+    sender = create_sender("zmq", pool, engine_id="prefill-test")
+    push = pusher(worker)
+    try:
+        assert worker.engine.model.layer_threads is worker.core_loan
+        assert not partner.partner_waiting()  # loaded, not yet in its loop
+        worker.turn()
+        assert partner.partner_waiting()
+        busy_in_steps: list[bool] = []
+        step = worker.step
+        worker.step = lambda: (busy_in_steps.append(not partner.partner_waiting()), step())[1]
+        handoff, _ = handoff_of(sender, "loan")
+        push.send(encode(handoff))
+        deadline = time.monotonic() + 30.0
+        while not busy_in_steps or worker.scheduler.has_work:
+            assert time.monotonic() < deadline, "the handed-off request did not finish"
+            worker.turn()
+            sender.poll()
+        assert busy_in_steps and all(busy_in_steps)
+        worker.turn()  # nothing left: waiting again
+        assert partner.partner_waiting()
+    finally:
+        push.close()
+        sender.close()
+        worker._step_io.close()
+        worker.close()
+    assert partner.partner_waiting()  # a closed worker's cores are free
+    partner.close()
