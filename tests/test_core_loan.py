@@ -211,3 +211,28 @@ def test_a_worker_lends_its_cores_while_it_waits_and_borrows_its_partners(tmp_pa
         worker.close()
     assert partner.partner_waiting()  # a closed worker's cores are free
     partner.close()
+
+
+@pytest.mark.parametrize(
+    "case, error",
+    [
+        ("no lent cores", "needs --lent-cores"),
+        ("no such file", "No such file"),
+        ("a short file", "holds 1 bytes"),
+    ],
+)
+def test_a_workers_loan_flags_are_checked(tmp_path, case, error):
+    """A worker refuses loan flags it cannot use, with a ValueError (its start-up logs it)."""
+    path = tmp_path / "loan"
+    create_loan_file(str(path))
+    lent = "0" if case == "no lent cores" else "1"
+    if case == "no such file":
+        path = tmp_path / "elsewhere"
+    elif case == "a short file":
+        path.write_bytes(b"\x01")
+    args = build_parser().parse_args(
+        ["--router", "tcp://127.0.0.1:1", "--model", "m", "--core-loan", str(path),
+         "--lent-cores", lent]
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=error):
+        CoreLoan.from_args(args)

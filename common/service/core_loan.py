@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import mmap
+import os
 
 import torch
 from prometheus_client import Counter, Gauge
@@ -95,8 +96,21 @@ class CoreLoan:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> CoreLoan | None:
+        """The worker's side of the loan its flags name; None without ``--core-loan``. A flag
+        file that is missing or of another size, or no ``--lent-cores``, is a ValueError."""
         if args.core_loan is None:
             return None
+        if args.lent_cores < 1:
+            raise ValueError("--core-loan needs --lent-cores, the partner's core count")
+        try:
+            size = os.path.getsize(args.core_loan)
+        except OSError as exc:
+            raise ValueError(f"--core-loan {args.core_loan}: {exc.strerror}") from exc
+        if size != LOAN_FILE_BYTES:
+            raise ValueError(
+                f"--core-loan {args.core_loan} holds {size} bytes, not a pair's "
+                f"{LOAN_FILE_BYTES} flags"
+            )
         return cls(args.core_loan, args.core_loan_side, torch.get_num_threads(), args.lent_cores)
 
     def mark_busy(self, busy: bool) -> None:
