@@ -210,9 +210,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def tp_size(args: argparse.Namespace, role: str) -> int:
+    """The tensor-parallel size of each worker of ``role``: the ranks it runs on."""
+    return args.prefill_tp if role == "prefill" else args.decode_tp
+
+
 def role_flags(args: argparse.Namespace, role: str) -> list[str]:
     """The flags given to ``pdserve up`` that belong to workers of ``role`` only."""
-    tp = args.prefill_tp if role == "prefill" else args.decode_tp
+    tp = tp_size(args, role)
     flags: list[str] = ["--tensor-parallel-size", str(tp)] if tp != 1 else []
     if role == "prefill":
         if args.kv_lease_seconds is not None:
@@ -233,7 +238,7 @@ def role_flags(args: argparse.Namespace, role: str) -> list[str]:
 def worker_placements(args: argparse.Namespace, roles: list[str], on_gpu: bool) -> list[Placement]:
     """Each worker's cores and GPUs: on GPUs (or with ``--gpus``), GPUs of its own per rank as
     far as they go; without, cores of its own per rank (``--pin-cores``, the default there)."""
-    sizes = [args.prefill_tp if role == "prefill" else args.decode_tp for role in roles]
+    sizes = [tp_size(args, role) for role in roles]
     pin = args.pin_cores if args.pin_cores is not None else not on_gpu
     cores = core_shares(sizes) if pin else [None] * len(roles)
     gpus: list[list[str] | None] = [None] * len(roles)
@@ -519,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2
     loans_dir = tempfile.mkdtemp(prefix="pdserve-core-loans-")
-    sizes = [args.prefill_tp if role == "prefill" else args.decode_tp for role in roles]
+    sizes = [tp_size(args, role) for role in roles]
     loan_flags = (
         pair_core_loans(roles, sizes, placements, loans_dir)
         if args.lend_idle_cores
