@@ -19,6 +19,16 @@ slower than in a loop whose device work is elsewhere, as a GPU's is. ``--argmax-
 anyway, times it alone in the same run and gives the total less that time as the host's share,
 cold caches included.
 
+``--device-ms`` plays a GPU instead: each forward launched takes that long on a device
+timeline of its own (from the later of its launch and the previous step's end), and the host
+waits for a step's tokens only where a GPU's host would, when it reads them. The loop is timed
+with decode steps taken one at a time and launched ahead (``--async-scheduling``, where the
+next step is queued before this one's tokens are read), and what each leaves the device idle
+per step is printed beside it::
+
+    batch 64: one at a time 1.405 ms/step, launched ahead 0.997 ms/step, beside 1 ms device
+    steps (the device idle 0.405 and 0.000 ms a step)
+
 For each batch size, that many requests (random ``--prompt-len``-token prompts, greedy,
 ignore_eos) are sent as ``DecodeRequest``s; once every one has its first token, ``--steps`` decode
 steps are timed in five rounds, and the fastest round counts (this machine is shared). One line
@@ -27,7 +37,7 @@ per batch size::
     batch 64: 0.300 ms/step (the host alone; the argmax over 64 x 49152 logits it skips: 0.57 ms)
 
     python -m benchmarks.host_overhead [--batch-sizes 1,8,64] [--steps 300] [--vocab 49152]
-                                       [--forward-ms 0] [--argmax-on-cpu]
+                                       [--forward-ms 0 | --device-ms 0] [--argmax-on-cpu]
 """
 
 from __future__ import annotations
@@ -90,13 +100,66 @@ class NoOpForward:
         self.seconds = seconds
         self.waited = 0.0
         self.argmax = argmax_rows(self.logits)  # each row's token, for KnownArgmax
+        self.device: SimulatedDevice | None = None  # set by attach_device: launch there
 
     def __call__(self, input_ids, positions, meta, logits_indices) -> torch.Tensor:
-        if self.seconds:
+        if self.device is not None:
+            self.device.launch()
+        elif self.seconds:
             began = time.perf_counter()
             time.sleep(self.seconds)
             self.waited += time.perf_counter() - began
         return self.logits[: len(logits_indices)]
+
+
+class SimulatedDevice:
+    """A GPU's timeline for ``--device-ms``: each step launched takes ``seconds`` of device
+    time, starting once it is launched and the step before it has ended; ``wait_until`` waits,
+    as a GPU's host does for a step's tokens, until that step has ended."""
+
+    # The last stretch of a wait is spun: a sleep overshoots by tens of microseconds.
+    SPIN_S = 2e-4
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.last_end = 0.0  # when the step launched last ends
+
+    def launch(self) -> None:
+        self.last_end = max(time.perf_counter(), self.last_end) + self.seconds
+
+    def wait_until(self, end: float) -> None:
+        if end - time.perf_counter() > self.SPIN_S:
+            time.sleep(end - time.perf_counter() - self.SPIN_S)
+        while time.perf_counter() < end:
+            pass
+
+
+def attach_device(worker: DecodeWorker, forward: NoOpForward, device: SimulatedDevice) -> None:
+    """Run ``worker``'s steps on ``device``: its forward launches a step there, and the host
+    waits for a step's end where a GPU's host would wait for its tokens. A step taken alone is
+    read by its argmax, right after its launch; a step launched ahead by its collection, after
+    the next one is launched, so each launch's end is kept with it until then."""
+    forward.device = device
+    runner, sampler = worker.engine.runner, worker.engine.sampler
+    argmax, launch_decodes, collect = sampler.argmax, runner.launch_decodes, runner.collect
+    ends: dict[int, float] = {}
+
+    def argmax_once_ended(logits: torch.Tensor):
+        device.wait_until(device.last_end)
+        return argmax(logits)
+
+    def launch_and_note_end(batch, after=None):
+        launched = launch_decodes(batch, after)
+        ends[id(launched)] = device.last_end
+        return launched
+
+    def collect_once_ended(launched):
+        device.wait_until(ends.pop(id(launched)))
+        return collect(launched)
+
+    sampler.argmax = argmax_once_ended
+    runner.launch_decodes = launch_and_note_end
+    runner.collect = collect_once_ended
 
 
 class KnownArgmax:
@@ -260,6 +323,30 @@ def time_logits_read(logits: torch.Tensor, steps: int) -> float:
     return fastest_round_ms(lambda: argmax_rows(logits), steps)
 
 
+def device_line(worker: DecodeWorker, batch: int, device_ms: float, steps: int) -> str:
+    """The loop's wall time per step beside a simulated device, steps one at a time and then
+    launched ahead, in one line."""
+    engine = worker.engine
+    figures = []
+    for ahead in (False, True):
+        engine.steps_ahead = ahead
+        for _ in range(10):  # into the mode's steady state
+            worker.turn()
+        figures.append(fastest_round_ms(worker.turn, steps))
+    alone, launched_ahead = figures
+    return (
+        f"batch {batch}: one at a time {alone:.3f} ms/step, launched ahead "
+        f"{launched_ahead:.3f} ms/step, beside {device_ms:g} ms device steps (the device idle "
+        f"{max(0.0, alone - device_ms):.3f} and {max(0.0, launched_ahead - device_ms):.3f} ms a "
+        "step)"
+    )
+
+
+def abort_all(worker: DecodeWorker, request_ids: list[str]) -> None:
+    for request_id in request_ids:
+        worker.scheduler.abort(request_id)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch-sizes", default="1,8,64")
@@ -271,6 +358,13 @@ def main() -> int:
         action="store_true",
         help="run the sampler's argmax over the logits here, and give the total less its time "
         "alone (its cold caches counted as the host's)",
+    )
+    parser.add_argument(
+        "--device-ms",
+        type=float,
+        default=0.0,
+        help="play a GPU whose decode step takes this long, and time the loop with steps taken "
+        "one at a time and launched ahead (--async-scheduling), wall time per step",
     )
     parser.add_argument(
         "--forward-ms",
@@ -292,11 +386,17 @@ def main() -> int:
         worker.engine.runner.model = forward
         if not args.argmax_on_cpu:
             sampler_module.argmax_rows = KnownArgmax(forward)
+        if args.device_ms:
+            attach_device(worker, forward, SimulatedDevice(args.device_ms / 1e3))
         try:
             # As in a worker process (run_worker): start-up's objects out of the collector's way.
             with startup_objects_frozen():
                 for batch in batch_sizes:
                     ids = start_batch(worker, router, batch, args.prompt_len)
+                    if args.device_ms:
+                        print(device_line(worker, batch, args.device_ms, args.steps), flush=True)
+                        abort_all(worker, ids)
+                        continue
                     ms = time_steps(worker, forward, args.steps)
                     reading = time_logits_read(forward.logits[:batch], args.steps)
                     wait = (
@@ -315,8 +415,7 @@ def main() -> int:
                             f"logits it skips: {reading:.3f} ms on this CPU"
                         )
                     print(f"batch {batch}: {ms:.3f} ms/step ({said})", flush=True)
-                    for request_id in ids:
-                        worker.scheduler.abort(request_id)
+                    abort_all(worker, ids)
         finally:
             worker.close()
             router.close()

@@ -188,6 +188,9 @@ class SchedulerConfig:
     # Every decoding sequence waits for the step, so a small cap bounds their inter-token
     # latency while a local prefill runs (pdserve up sets one on CPU decode workers).
     max_prefill_tokens_while_decoding: int | None = None
+    # Launch the next decode step before this one's tokens are read, where it is known without
+    # them (LLMEngine.run_step); None: on CUDA, where the host is free while the device works.
+    async_scheduling: bool | None = None
 
     @property
     def token_budget(self) -> int:

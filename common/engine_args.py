@@ -62,6 +62,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "latency during a prefill (default: the whole step; pdserve up: 16 on CPU decode "
         "workers)",
     )
+    group.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="launch the next decode step before this one's tokens are read, so the device "
+        "does not wait for the host between steps (default: on with CUDA; on a CPU the host is "
+        "the device, and each token would go out a step later)",
+    )
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--seed", type=int, default=0)
     group.add_argument(
@@ -131,6 +139,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len,
             max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
+            async_scheduling=args.async_scheduling,
         ),
         speculative=speculative_config_from_args(args),
         seed=args.seed,

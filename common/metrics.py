@@ -45,6 +45,10 @@ SPEC_PROPOSED = Counter(
 SPEC_ACCEPTED = Counter(
     "pdserve_spec_decode_accepted_tokens", "Speculative tokens the target model accepted"
 )
+STEPS_LAUNCHED_AHEAD = Counter(
+    "pdserve_steps_launched_ahead",
+    "Decode steps launched before the previous step's tokens were read (--async-scheduling)",
+)
 SPEC_ACCEPTED_PER_STEP = Histogram(
     "pdserve_spec_decode_accepted_tokens_per_step",
     "Proposed tokens accepted per speculating sequence per step",

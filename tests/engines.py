@@ -2,8 +2,9 @@
 
 The defaults are a small CPU engine: float32, a fixed pool of 256 pages of 16 tokens (no memory
 planning), prefix caching on, 256-token steps (the CPU engine's own default), prompts up to 512
-tokens, no speculation, the default kernels, a one-process engine (``role`` None; "prefill"
-or "decode" for a worker's). A test passes only what it changes.
+tokens, no speculation, the default kernels, decode steps one at a time (no async scheduling,
+as on any CPU), a one-process engine (``role`` None; "prefill" or "decode" for a worker's).
+A test passes only what it changes.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def build_engine(
     speculative: SpeculativeConfig | None = None,
     deterministic: bool = False,
     enforce_eager: bool = False,
+    async_scheduling: bool | None = None,
     role: str | None = None,
 ) -> LLMEngine:
     return LLMEngine(
@@ -46,6 +48,7 @@ def build_engine(
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_num_seqs=max_num_seqs,
                 max_model_len=max_model_len,
+                async_scheduling=async_scheduling,
             ),
             speculative=speculative or SpeculativeConfig(),
             enforce_eager=enforce_eager,

@@ -29,14 +29,16 @@ WORKER_TABLES = ("Workers", "KV transfer")
 
 def documented() -> dict[str, list[tuple[str, bool]]]:
     """The README's metric tables under its Metrics heading, by the first line of the paragraph
-    before each: the (metric, whether traffic moves it) of every row."""
+    before each: the (metric, whether this CPU cluster's traffic moves it) of every row."""
     section = README.read_text().split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
     tables: dict[str, list[tuple[str, bool]]] = {}
     lead, after_blank = "", True
     for line in section.splitlines():
         row = re.match(r"\| `(pdserve_\w+)` \|", line)
         if row:
-            tables.setdefault(lead, []).append((row.group(1), "*on faults*" not in line))
+            # Rows marked *on faults* move on failures alone, *on a GPU* by default only there.
+            quiet_here = "*on faults*" in line or "*on a GPU*" in line
+            tables.setdefault(lead, []).append((row.group(1), not quiet_here))
         elif line and not line.startswith("|") and after_blank:
             lead = line
         after_blank = not line

@@ -45,7 +45,7 @@ def router(tmp_path):
 PREFILL_CHUNK = 24
 
 
-def one_process(model, prompts, params, dtype, kv_cache_dtype):
+def one_process(model, prompts, params, dtype, kv_cache_dtype, deterministic=False):
     """Each prompt alone through the one-process engine, computed as the workers compute it: in
     prefill chunks of the prefill worker's size, on one thread (the workers' setting). In bf16
     the rounding depends on both, so only then are the tokens comparable bit for bit."""
@@ -56,6 +56,7 @@ def one_process(model, prompts, params, dtype, kv_cache_dtype):
             device="cpu",
             cache=CacheConfig(kv_cache_dtype=kv_cache_dtype, num_pages=128),
             scheduler=SchedulerConfig(max_num_batched_tokens=PREFILL_CHUNK, max_model_len=256),
+            enable_deterministic_inference=deterministic,
         )
     )
     threads = torch.get_num_threads()
@@ -149,6 +150,35 @@ def test_speculating_decode_worker_gives_the_same_greedy_tokens(
     decode = router.metrics("decode")
     assert decode["pdserve_spec_decode_accepted_tokens_total"] > 0
     assert decode["pdserve_spec_decode_accepted_tokens_per_step_count"] > 0
+
+
+def test_a_decode_worker_launching_steps_ahead_gives_the_same_greedy_tokens(router, model):
+    """``--async-scheduling`` on a CPU decode worker: three handed-off requests decode together
+    while one stops at a token of its own and one at its length, so rows leave steps launched
+    ahead. Deterministic mode (batch-invariant kernels) makes each request's tokens those of its
+    run alone, whatever shares its steps; no page is left held."""
+    start_pair(router, model, "zmq", "--enable-deterministic-inference",
+               decode_flags=("--async-scheduling",))  # fmt: skip
+    total = free_pages(router, "decode")
+    prompts = random_prompts(3, seed=17, min_len=10, max_len=40)
+    greedy = SamplingParams(max_tokens=24, temperature=0.0)
+    free_runs = one_process(model, prompts, greedy, "float32", "auto", deterministic=True)
+    params = [
+        SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[free_runs[0][6]]),
+        SamplingParams(max_tokens=9, temperature=0.0),
+        greedy,
+    ]
+    expected = [
+        one_process(model, [p], sp, "float32", "auto", deterministic=True)[0]
+        for p, sp in zip(prompts, params, strict=True)
+    ]
+    ids = [f"ahead-{i}" for i in range(len(prompts))]
+    for request_id, prompt, request_params in zip(ids, prompts, params, strict=True):
+        router.prefill(request_id, prompt, request_params)
+    router.wait_finished(ids)
+    assert [router.log(r).token_ids for r in ids] == expected
+    assert router.metrics("decode")["pdserve_steps_launched_ahead_total"] > 0
+    router.wait_for(lambda: free_pages(router, "decode") == total, 20, "decode pages held")
 
 
 def fetches_for(prompt_len: int, chunk: int = PREFILL_CHUNK, page_size: int = 16) -> int:

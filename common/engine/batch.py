@@ -9,6 +9,7 @@ the draft model all speak these types, so they live here, below all of them.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -117,18 +118,27 @@ def flatten_decodes(
     device: torch.device,
     staging: HostStaging | None = None,
     page_tables: PageTables | None = None,
+    after: torch.Tensor | None = None,
 ) -> ForwardInputs:
     """``flatten_runs`` for a step of decodes alone, the usual step: each sequence feeds its
     newest token, at the position after its computed ones, and wants its logits. Built from the
     sequences themselves, with no ``TokenRun`` per sequence and none of the ragged arithmetic
-    (a tenth of ``flatten_runs``' time at batch 64)."""
+    (a tenth of ``flatten_runs``' time at batch 64).
+
+    ``after``: the token ids [len(seqs)], on the device, of a step launched over the same
+    sequences whose tokens are not read yet. This step feeds those, one position further on
+    (the engine's step ahead)."""
     num_seqs = len(seqs)
-    input_ids = np.fromiter([seq.token_ids[-1] for seq in seqs], np.int64, num_seqs)
-    positions = np.fromiter(map(_NUM_COMPUTED, seqs), np.int64, num_seqs)
+    if after is None:
+        input_ids = np.fromiter([seq.token_ids[-1] for seq in seqs], np.int64, num_seqs)
+        positions = np.fromiter(map(_NUM_COMPUTED, seqs), np.int64, num_seqs)
+    else:
+        input_ids = np.zeros(num_seqs, np.int64)  # replaced by ``after`` once on the device
+        positions = np.fromiter(map(_NUM_COMPUTED, seqs), np.int64, num_seqs) + 1
     tables = (page_tables or PageTables()).gather(list(map(_PAGE_IDS, seqs)))
     rows = np.arange(num_seqs)
     slots = page_slots(tables[rows, positions // page_size], positions, page_size)
-    return _to_device(
+    inputs = _to_device(
         input_ids=input_ids,
         positions=positions,
         query_start_loc=np.arange(num_seqs + 1, dtype=np.int32),
@@ -140,6 +150,7 @@ def flatten_decodes(
         device=device,
         staging=staging,
     )
+    return inputs if after is None else dataclasses.replace(inputs, input_ids=after)
 
 
 # What a step of decodes reads of each sequence, as C-level getters (a generator over 64

@@ -16,6 +16,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -32,7 +33,7 @@ from common.engine.batch import ScheduledSequence, SequenceOutput
 from common.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from common.engine.kv_pool import KVPool, dtype_name, kv_layout
 from common.engine.memory import plan_num_pages
-from common.engine.model_runner import AroundForward, ModelRunner
+from common.engine.model_runner import AroundForward, LaunchedDecodes, ModelRunner
 from common.engine.page_manager import PageManager
 from common.engine.sampler import PromptLogprob, SampledToken, Sampler
 from common.engine.scheduler import DecodeScheduler, PrefillScheduler, Scheduler
@@ -48,6 +49,7 @@ from common.engine.tp_group import (
     take_share_of_cores,
 )
 from common.kv_layout import KVLayout
+from common.metrics import STEPS_LAUNCHED_AHEAD
 from common.model.default_model import resolve_model_path
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
@@ -214,10 +216,12 @@ class LLMEngine:
         self.runner.followers = self.followers
         if graph_sizes:
             self.runner.graphs = self._capture_decode_graphs(graph_sizes)
+        self.steps_ahead = self._steps_ahead_wanted(role)
+        self._ahead: LaunchedDecodes | None = None  # launched, its tokens not read yet
         self._ids = itertools.count()
         logger.info(
             "engine ready in %.1f s: %s on %s in %s, %d KV pages of %d tokens (%s%s), "
-            "%s attention%s%s%s%s",
+            "%s attention%s%s%s%s%s",
             time.monotonic() - started,
             self.model_config.architecture,
             self.device,
@@ -231,7 +235,19 @@ class LLMEngine:
             ", CUDA graphs for decode" if self.runner.graphs is not None else "",
             ", deterministic inference (batch-invariant kernels)" if deterministic else "",
             f", tensor-parallel rank {tp_rank} of {tp_size}" if tp_size > 1 else "",
+            ", decode steps launched ahead" if self.steps_ahead else "",
         )
+
+    def _steps_ahead_wanted(self, role: str | None) -> bool:
+        """Whether decode steps are launched before the last one's tokens are read
+        (``run_step``): as --async-scheduling says, by default on CUDA alone. Never in a
+        prefill worker (its rows leave after one token), with a speculator (how many tokens a
+        step yields is known only once it is read) or over tensor-parallel ranks (rank 0 sends
+        them each step's token ids)."""
+        wanted = self.config.scheduler.async_scheduling
+        if wanted is None:
+            wanted = self.device.type == "cuda"
+        return wanted and role != "prefill" and self.speculator is None and self.tp.size == 1
 
     def _pool_pages_said(self) -> str:
         """On the CPU, how much of the KV pool the kernel gave 2 MB pages (kernels/huge_pages.py),
@@ -371,7 +387,8 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        """Work to step: sequences the scheduler holds, or a step launched ahead to read."""
+        return self.scheduler.has_work or self._ahead is not None
 
     def run_step(
         self, around_forward: AroundForward | None = None
@@ -379,10 +396,37 @@ class LLMEngine:
         """One step, ``schedule() -> run() -> postprocess()``: the step loop of this engine and
         of every worker (``common/service/worker_base.py``), which serves its sockets during
         the forward through ``around_forward``. Returns the batch and what each of its sampling
-        sequences gained."""
-        batch = self.scheduler.schedule()
-        runs = self.runner.run(batch, around_forward)
-        return batch, self.scheduler.postprocess(batch, runs)
+        sequences gained.
+
+        With ``steps_ahead``, a step of plain decodes (``ModelRunner.launches``) is launched,
+        and before its tokens are read the step after it too where the scheduler knows it
+        without them (``Scheduler.schedule_ahead``): the same rows, fed those tokens on the
+        device. So on a GPU the next forward is queued behind this one while the host reads
+        this one's tokens, postprocesses and sends them, and the device never waits on the
+        host between steps. The next call reads that step instead of scheduling one. A row
+        whose sequence stopped at the token before is computed for nothing and dropped; the
+        tokens are those of the steps taken one at a time."""
+        launched = self._ahead
+        if launched is None:
+            batch = self.scheduler.schedule()
+            if not (self.steps_ahead and self.runner.launches(batch)):
+                runs = self.runner.run(batch, around_forward)
+                return batch, self.scheduler.postprocess(batch, runs)
+        with around_forward if around_forward is not None else nullcontext():
+            if launched is None:
+                launched = self.runner.launch_decodes(batch)
+            ahead = self.scheduler.schedule_ahead(launched.batch) if self.steps_ahead else None
+            self._ahead = None
+            if ahead is not None:
+                self._ahead = self.runner.launch_decodes(ahead, launched)
+                STEPS_LAUNCHED_AHEAD.inc()
+            if around_forward is not None:
+                around_forward.device_launched()
+            runs = self.runner.collect(launched)
+        outputs = self.scheduler.postprocess(launched.batch, runs)
+        if self._ahead is None:
+            self.scheduler.release_held_pages()
+        return launched.batch, outputs
 
     def step(self) -> list[RequestOutput]:
         _, outputs = self.run_step()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence as Seq
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -34,6 +35,7 @@ from common.engine.sampler import (
     Sampler,
     SamplingRow,
     plain_argmax,
+    plain_samples,
     prompt_logprobs,
 )
 from common.engine.speculative.speculator import Speculator
@@ -48,6 +50,17 @@ class AroundForward(AbstractContextManager[object], Protocol):
     may do its own work there (a worker sends the previous step's tokens)."""
 
     def device_launched(self) -> None: ...
+
+
+@dataclass(slots=True)
+class LaunchedDecodes:
+    """A step of plain decodes launched on the device whose tokens are not read yet
+    (``ModelRunner.collect``)."""
+
+    batch: list[ScheduledSequence]
+    token_ids: torch.Tensor  # [rows] on the device: a step launched after it feeds these
+    host_token_ids: torch.Tensor  # the same on the host once ``ready`` has passed
+    ready: torch.cuda.Event | None  # None on the CPU, where they are there at once
 
 
 class ModelRunner:
@@ -73,6 +86,10 @@ class ModelRunner:
         # The last batch whose rows were all a plain argmax: the same rows stay so (a row's
         # output only grows, and only min_tokens depends on it), so they are not asked again.
         self._plain_rows: list[ScheduledSequence] = []
+        # Pinned buffers the launched steps' token ids are copied into, used in turn: a step is
+        # read before the one after next is launched (``launch_decodes``).
+        self._host_tokens: list[torch.Tensor] = []
+        self._host_turn = 0
 
     @torch.inference_mode()
     def run(
@@ -119,6 +136,59 @@ class ModelRunner:
             # (Not the proposing: a draft catching up on a prompt is a cost of that prompt.)
             self.speculator.costs.observe(len(inputs.input_ids), time.perf_counter() - started)
         return self.speculator.accept(batch, proposals, sampled)
+
+    def launches(self, batch: list[ScheduledSequence]) -> bool:
+        """Whether ``batch`` is a step ``launch_decodes`` runs: decodes alone, each row's token
+        its logits' argmax, with no speculator and no other ranks (whose runs are sent token by
+        token before the forward)."""
+        return (
+            bool(batch)
+            and self.speculator is None
+            and self.followers is None
+            and all(item.num_new_tokens == 1 and item.samples for item in batch)
+            and self._all_plain_argmax(batch)
+        )
+
+    @torch.inference_mode()
+    def launch_decodes(
+        self, batch: list[ScheduledSequence], after: LaunchedDecodes | None = None
+    ) -> LaunchedDecodes:
+        """Launch the forward and argmax of ``batch`` (``launches`` holds), and the copy of its
+        token ids to the host, without waiting for any of it. ``after``: a step launched over
+        the same rows whose tokens are not read yet; this one feeds them, a position further
+        on (the engine's step ahead), taking them on the device."""
+        seqs = [item.seq for item in batch]
+        inputs = flatten_decodes(
+            seqs,
+            self.page_size,
+            self.device,
+            self.staging,
+            self.page_tables,
+            after=None if after is None else after.token_ids,
+        )
+        logits = self.graphs.run(inputs) if self.graphs is not None else None
+        if logits is None:
+            logits = self.model(
+                inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices
+            )
+        token_ids = self.sampler.argmax_ids(logits)
+        if token_ids.device.type != "cuda":
+            return LaunchedDecodes(batch, token_ids, token_ids, None)
+        self._host_turn ^= 1
+        if len(self._host_tokens) < 2 or self._host_tokens[self._host_turn].numel() < len(batch):
+            size = max(256, 2 * len(batch))
+            self._host_tokens = [torch.empty(size, dtype=torch.long).pin_memory() for _ in "ab"]
+        host = self._host_tokens[self._host_turn][: len(batch)]
+        host.copy_(token_ids, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return LaunchedDecodes(batch, token_ids, host, ready)
+
+    def collect(self, launched: LaunchedDecodes) -> list[list[SampledToken]]:
+        """A launched step's tokens, a run of one per row, once they are on the host."""
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        return [[sample] for sample in plain_samples(launched.host_token_ids.tolist())]
 
     def _all_plain_argmax(self, batch: list[ScheduledSequence]) -> bool:
         """Whether every row's next token is its logits' argmax and nothing else is asked of it

@@ -198,11 +198,16 @@ class Sampler:
     def argmax(self, logits: torch.Tensor) -> list[SampledToken]:
         """Each row's argmax over the vocabulary, as ``sample`` gives it for rows whose params
         are ``plain_argmax``: the usual decode step, one pass over the logits and no other
-        work. Logits in another dtype than float32 are read as ``sample`` reads them."""
+        work."""
+        return plain_samples(self.argmax_ids(logits).tolist())
+
+    def argmax_ids(self, logits: torch.Tensor) -> torch.Tensor:
+        """``argmax``'s token ids [rows], int64, left on the logits' device. Logits in another
+        dtype than float32 are read as ``sample`` reads them."""
         x = logits[:, : self.vocab_size]
         if x.dtype != torch.float32:
             x = x.float()
-        return plain_samples(argmax_rows(x).tolist())
+        return argmax_rows(x)
 
     def _mask_stop_tokens(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         row_index: list[int] = []

@@ -17,6 +17,14 @@ same forward, and ``postprocess`` appends the accepted run, checking every stop 
 by token. Only positions whose tokens were accepted count as computed, so the KV written for
 rejected proposals is simply overwritten later and never reaches the prefix cache.
 
+Beside a GPU the engine may launch a step before the last one's tokens are read
+(``schedule_ahead``, see ``common/engine/llm_engine.py``): the same decodes again, one position
+on, their input ids taken on the device from the step before. It is decided only where that is
+the step ``schedule`` would give whatever those tokens are, stops aside: a row whose sequence
+stopped at the token before is computed for nothing and dropped in ``postprocess``. Pages
+freed while such a step is in flight are held back until it is read (``release_held_pages``),
+since its forward still writes one slot in them.
+
 ``Scheduler`` serves whole requests (the one-process engine); ``DecodeScheduler`` also holds
 the pages of prompts whose KV is on its way from a prefill worker (``reserve``, then
 ``admit_prefilled`` or ``drop_reservation``); ``PrefillScheduler`` lets each request go after
@@ -64,6 +72,10 @@ class Scheduler:
         # while that stays so, the next step is the same rows again (``_steady_decodes``).
         self._decodes: list[ScheduledSequence] = []
         self._steady_batch: list[ScheduledSequence] | None = None  # the last one it gave
+        self._ahead_batch: list[ScheduledSequence] | None = None  # the last schedule_ahead gave
+        # Pages freed while a step launched ahead may still write to them (schedule_ahead).
+        self._holding_freed_pages = False
+        self._held_pages: list[list[int]] = []
 
     # -- admission ------------------------------------------------------------------------------
 
@@ -144,6 +156,54 @@ class Scheduler:
         for seq in starting_pages:
             seq.page_ids.extend(self.page_manager.allocate(1))
         return list(last)
+
+    def schedule_ahead(self, batch: list[ScheduledSequence]) -> list[ScheduledSequence] | None:
+        """The step after ``batch``, a step of decodes launched but whose tokens are not read
+        yet: the same rows again, each one position on. None unless that is the step
+        ``schedule`` would give once they are read, a stop aside: every running sequence
+        decodes in ``batch``, in running order, with no speculation, nothing waiting for a
+        seat, and no row ended by its length at ``batch``'s token (its next position may lie
+        past the model's). Each row gets a page where its next position starts one, or None
+        where the free pages are short (``schedule`` then preempts). Pages freed from here
+        until the step is read are held back (``release_held_pages``)."""
+        running = self.running
+        if (
+            len(batch) != len(running)
+            or len(running) > self.max_num_batched_tokens
+            or self.speculator is not None
+            or (self.waiting and len(running) < self.max_num_seqs)
+        ):
+            return None
+        page_size, max_model_len = self.page_size, self.max_model_len
+        starting_pages = []
+        for item, seq in zip(batch, running, strict=True):
+            computed = seq.num_computed_tokens
+            num_tokens = len(seq.token_ids)
+            if (
+                item.seq is not seq
+                or item.num_new_tokens != 1
+                or item.num_draft_slots
+                or num_tokens - computed != 1
+                or num_tokens + 1 >= max_model_len
+                or num_tokens + 1 - seq.num_prompt_tokens >= seq.params.max_tokens
+            ):
+                return None
+            if computed + 1 >= len(seq.page_ids) * page_size:
+                starting_pages.append(seq)
+        if len(starting_pages) > self.page_manager.num_free_pages:
+            return None
+        for seq in starting_pages:
+            seq.page_ids.extend(self.page_manager.allocate(1))
+        self._holding_freed_pages = True
+        ahead = self._ahead_batch = list(batch)
+        return ahead
+
+    def release_held_pages(self) -> None:
+        """No step launched ahead is in flight any more: the pages freed meanwhile are free."""
+        self._holding_freed_pages = False
+        for page_ids in self._held_pages:
+            self.page_manager.free(page_ids)
+        self._held_pages.clear()
 
     def _schedule_anew(self) -> list[ScheduledSequence]:
         """The step decided from the whole state: see the module's docstring."""
@@ -243,7 +303,7 @@ class Scheduler:
         """Advance each scheduled sequence and append the run of tokens sampled for each one
         that sampled (``runs`` in batch order: the next token, after any accepted proposals),
         up to the first token that stops it. Returns what each sampling sequence gained."""
-        if batch is self._steady_batch:
+        if batch is self._steady_batch or batch is self._ahead_batch:
             return self._postprocess_decodes(batch, runs)
         sampled_runs = iter(runs)
         outputs = []
@@ -280,12 +340,16 @@ class Scheduler:
     def _postprocess_decodes(
         self, batch: list[ScheduledSequence], runs: Seq[list[SampledToken]]
     ) -> list[SequenceOutput]:
-        """``postprocess`` for a step of ``_steady_decodes``: every row decoded past its prompt
-        and sampled one token (no proposals: there is no speculator)."""
+        """``postprocess`` for a step of ``_steady_decodes`` or ``schedule_ahead``: every row
+        decoded past its prompt and sampled one token (no proposals: there is no speculator).
+        A row whose sequence left the batch after the step was launched ahead (it stopped at
+        the token before, or was aborted) is dropped."""
         outputs = []
         page_size = self.page_size
         for item, run in zip(batch, runs, strict=True):
             seq = item.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
             computed = seq.num_computed_tokens + 1
             seq.num_computed_tokens = computed
             if computed >= (len(seq.page_hashes) + 1) * page_size:
@@ -389,7 +453,10 @@ class Scheduler:
         return FinishReason.LENGTH if num_tokens >= self.max_model_len else None
 
     def _free_pages(self, seq: Sequence) -> None:
-        self.page_manager.free(seq.page_ids)
+        if self._holding_freed_pages:
+            self._held_pages.append(seq.page_ids)
+        else:
+            self.page_manager.free(seq.page_ids)
         seq.page_ids = []
 
     def _preempt(self, seq: Sequence) -> None:

@@ -285,8 +285,9 @@ class WorkerService(ABC):
 
     def turn(self) -> None:
         """One pass of the main loop: sleep on the sockets if idle, handle what arrived, serve
-        the role's own sockets, step if there is work, report."""
-        if not self.scheduler.has_work:
+        the role's own sockets, step if there is work (a step launched ahead is work too:
+        its tokens are read by the next), report."""
+        if not self.engine.has_unfinished:
             if self.core_loan is not None:
                 self.core_loan.mark_busy(False)  # the paired worker may run on our cores
             self._wait()
@@ -296,12 +297,12 @@ class WorkerService(ABC):
             else:
                 self.handle(msg)
         self.poll_io()
-        if self.scheduler.has_work:
+        if self.engine.has_unfinished:
             if self.core_loan is not None:
                 self.core_loan.mark_busy(True)
             self.step()
         self._report()
-        if not self.scheduler.has_work:
+        if not self.engine.has_unfinished:
             self.link.flush()  # no forward to send them beside: the last step's output goes now
 
     def stop(self) -> None:
