@@ -265,15 +265,12 @@ static inline __m512 row_maxima(const __m512 rows[QUERY_ROWS]) {
  * as 2^(s * scale * log2(e) - m'), one FMA from the score to 2's power. The rows' maxima are
  * found together (row_maxima) and only rows whose max grew take the scalar path: the rows of a
  * block are independent, and a per-row reduction and branch kept the vector units waiting. */
-static inline void block_softmax(const float *scores, int first_position, int first_key,
-                                 float scale, struct row_state *state, uint16_t *probs,
-                                 float *out, int head_dim) {
+static inline __attribute__((always_inline)) void softmax_of_block(
+    const float *scores, int first_position, int first_key, float scale, struct row_state *state,
+    uint16_t *probs, float *out, int head_dim, const int diagonal) {
     const float to_power = scale * 1.44269504088896341f; /* a score to 2's power */
     const __m512 to_power16 = _mm512_set1_ps(to_power);
     const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3F80); /* bf16 1.0 */
-    /* Keys of the block each row sees: all of them unless the block holds a row's own position
-     * or later ones (the diagonal), where row r sees first_position + r - first_key + 1. */
-    const int diagonal = first_position - first_key < KEY_BLOCK - 1;
     __mmask16 seen[QUERY_ROWS][KEY_BLOCK / 16];
     __m512 block_max[QUERY_ROWS];
     for (int r = 0; r < QUERY_ROWS; r++) {
@@ -327,6 +324,19 @@ static inline void block_softmax(const float *scores, int first_position, int fi
         }
         state->sums[r] = sum;
     }
+}
+
+/* block_softmax for the blocks off the diagonal (every row sees every key: no masks to build or
+ * apply, a few hundred scalar instructions a block) and on it, each compiled of its own. Keys of
+ * the block each row sees: all of them unless the block holds a row's own position or later ones
+ * (the diagonal), where row r sees first_position + r - first_key + 1. */
+static inline void block_softmax(const float *scores, int first_position, int first_key,
+                                 float scale, struct row_state *state, uint16_t *probs,
+                                 float *out, int head_dim) {
+    if (first_position - first_key < KEY_BLOCK - 1)
+        softmax_of_block(scores, first_position, first_key, scale, state, probs, out, head_dim, 1);
+    else
+        softmax_of_block(scores, first_position, first_key, scale, state, probs, out, head_dim, 0);
 }
 
 /* Per-thread room for one block of query rows of a KV head's `group` query heads. */
