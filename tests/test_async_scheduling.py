@@ -144,14 +144,43 @@ def test_steps_launched_ahead_give_the_tokens_of_steps_taken_one_at_a_time(
     assert engine.page_manager.num_free_pages == one_at_a_time.page_manager.num_free_pages
 
 
+def test_seeded_sampling_draws_the_same_tokens_launched_ahead(model):
+    """A seeded row's noise depends on its (seed, step) alone, so a step launched ahead, which
+    counts the token still on its way among the row's outputs, draws what the step taken alone
+    would. Filters and biases are drawn on the device too; a row still short of min_tokens has
+    its stop tokens banned from what it has sampled, so its steps wait for the tokens until
+    then. Stop tokens end rows mid-run."""
+    prompts = random_prompts(6, seed=7)
+    base = {"max_tokens": 30, "temperature": 0.9}
+    params = [
+        SamplingParams(**base, seed=1),
+        SamplingParams(**base, seed=2, top_k=20, top_p=0.9),
+        SamplingParams(**base, seed=3, min_p=0.05, logit_bias={5: 3.0, 9: -2.0}),
+        SamplingParams(**base, seed=4, min_tokens=12, stop_token_ids=[7, 11]),
+        SamplingParams(**base | {"temperature": 0.0}, stop_token_ids=[3]),
+        SamplingParams(**base, seed=6, top_k=5, stop_token_ids=[2, 4, 6, 8]),
+    ]
+    expected = build_engine(model).generate(prompts, params)
+    engine = build_engine(model, async_scheduling=True)
+    with LaunchedAhead() as launched:
+        assert engine.generate(prompts, params) == expected
+    assert launched.count > 10
+    assert engine.page_manager.num_free_pages == 256
+
+
 def test_the_default_is_on_with_cuda_alone(model):
     assert not build_engine(model).steps_ahead
     assert build_engine(model, async_scheduling=True).steps_ahead
-    # Sampling that is not an argmax is read before the next step is decided.
+    # A row that reads its history (penalties) or reports logprobs is read before the next
+    # step is decided.
     engine = build_engine(model, async_scheduling=True)
-    with LaunchedAhead() as launched:
-        engine.generate(random_prompts(2, seed=4), SamplingParams(max_tokens=8, seed=1))
-    assert launched.count == 0
+    for params in (
+        SamplingParams(max_tokens=8, seed=1, repetition_penalty=1.2),
+        SamplingParams(max_tokens=8, temperature=0.0, logprobs=2),
+    ):
+        with LaunchedAhead() as launched:
+            engine.generate(random_prompts(2, seed=4), params)
+        assert launched.count == 0
 
 
 def run_to_the_end(engine, tokens: dict[str, list[int]]) -> None:

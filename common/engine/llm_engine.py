@@ -398,7 +398,9 @@ class LLMEngine:
         the forward through ``around_forward``. Returns the batch and what each of its sampling
         sequences gained.
 
-        With ``steps_ahead``, a step of plain decodes (``ModelRunner.launches``) is launched,
+        With ``steps_ahead``, a step of decodes whose tokens are drawn from their logits alone
+        (``ModelRunner.launches``: greedy or sampled, not penalised or reporting logprobs) is
+        launched,
         and before its tokens are read the step after it too where the scheduler knows it
         without them (``Scheduler.schedule_ahead``): the same rows, fed those tokens on the
         device. So on a GPU the next forward is queued behind this one while the host reads

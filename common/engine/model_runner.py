@@ -34,6 +34,7 @@ from common.engine.sampler import (
     SampledToken,
     Sampler,
     SamplingRow,
+    draws_from_logits_alone,
     plain_argmax,
     plain_samples,
     prompt_logprobs,
@@ -54,7 +55,7 @@ class AroundForward(AbstractContextManager[object], Protocol):
 
 @dataclass(slots=True)
 class LaunchedDecodes:
-    """A step of plain decodes launched on the device whose tokens are not read yet
+    """A step of decodes launched on the device whose tokens are not read yet
     (``ModelRunner.collect``)."""
 
     batch: list[ScheduledSequence]
@@ -139,14 +140,20 @@ class ModelRunner:
 
     def launches(self, batch: list[ScheduledSequence]) -> bool:
         """Whether ``batch`` is a step ``launch_decodes`` runs: decodes alone, each row's token
-        its logits' argmax, with no speculator and no other ranks (whose runs are sent token by
-        token before the forward)."""
+        drawn from its logits alone (``draws_from_logits_alone``), with no speculator and no
+        other ranks (whose runs are sent token by token before the forward)."""
         return (
             bool(batch)
             and self.speculator is None
             and self.followers is None
             and all(item.num_new_tokens == 1 and item.samples for item in batch)
-            and self._all_plain_argmax(batch)
+            and (
+                self._all_plain_argmax(batch)
+                or all(
+                    draws_from_logits_alone(item.seq.params, item.seq.num_output_tokens)
+                    for item in batch
+                )
+            )
         )
 
     @torch.inference_mode()
@@ -171,7 +178,16 @@ class ModelRunner:
             logits = self.model(
                 inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices
             )
-        token_ids = self.sampler.argmax_ids(logits)
+        if self._all_plain_argmax(batch):
+            token_ids = self.sampler.argmax_ids(logits)
+        else:
+            # A row after a step launched ahead has that step's token among its outputs.
+            in_flight = 0 if after is None else 1
+            rows = [
+                SamplingRow(seq.params, seq.token_ids, seq.num_prompt_tokens, (), in_flight)
+                for seq in seqs
+            ]
+            token_ids = self.sampler.sample_ids(logits, rows)
         if token_ids.device.type != "cuda":
             return LaunchedDecodes(batch, token_ids, token_ids, None)
         self._host_turn ^= 1

@@ -58,6 +58,10 @@ class SamplingRow:
     token_ids: Sequence[int]
     num_prompt_tokens: int
     proposed: Sequence[int] = ()
+    # Tokens sampled before this row whose ids are not on the host yet (a step launched ahead,
+    # common/engine/llm_engine.py): they count as generated (a seeded row's step, min_tokens),
+    # and such a row is never one that reads its history (``draws_from_logits_alone``).
+    tokens_in_flight: int = 0
 
     @classmethod
     def of(
@@ -75,7 +79,12 @@ class SamplingRow:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens + len(self.proposed)
+        return (
+            len(self.token_ids)
+            - self.num_prompt_tokens
+            + len(self.proposed)
+            + self.tokens_in_flight
+        )
 
 
 class SampledToken(NamedTuple):
@@ -159,17 +168,37 @@ class Sampler:
             )
         if not rows:
             return []
-        x = logits[:, : self.vocab_size]
         if all(plain_argmax(row.params, row.num_output_tokens) for row in rows):
             return self.argmax(logits)
+        params = [row.params for row in rows]
+        want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
+        token_ids, raw_logprobs = self._draw(logits, rows, want_logprobs)
+        results = plain_samples(token_ids.tolist())
+        if raw_logprobs is not None:
+            _fill_logprobs(results, params, want_logprobs, raw_logprobs, token_ids)
+        return results
+
+    def sample_ids(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """``sample``'s token ids [len(rows)], int64, left on the logits' device: what a step
+        launched without waiting for its tokens samples (``ModelRunner.launch_decodes``). Every
+        row ``draws_from_logits_alone``; the host reads nothing of the device here, and what it
+        sends there goes through pinned memory, so nothing waits for the device's queue."""
+        if all(plain_argmax(row.params, row.num_output_tokens) for row in rows):
+            return self.argmax_ids(logits)
+        return self._draw(logits, rows, [])[0]
+
+    def _draw(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], want_logprobs: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Steps 1 to 6 of the module's docstring: the token ids [len(rows)] on the device, and
+        the raw logprobs of the rows ``want_logprobs`` (None if none)."""
+        x = logits[:, : self.vocab_size]
         # The steps below edit x in place: a float32 copy of the real vocabulary where any row
         # is edited, else (greedy rows with nothing to ban, bias or penalise) the float32
         # logits themselves, only read.
         if x.dtype != torch.float32 or any(_edits_logits(row) for row in rows):
             x = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
         params = [row.params for row in rows]
-
-        want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs = None
         if want_logprobs:
             raw_logprobs = torch.log_softmax(_select(x, want_logprobs), dim=-1)
@@ -181,19 +210,16 @@ class Sampler:
         greedy = [i for i, p in enumerate(params) if p.is_greedy]
         rest = [i for i, p in enumerate(params) if not p.is_greedy]
         if not rest:  # the usual decode step: no index tensor, no scatter, no copy
-            token_ids = argmax_rows(x)
-        elif not greedy:  # every row samples: none either
-            token_ids = self._sample_random(x, rows)
-        else:
-            token_ids = torch.empty(len(rows), dtype=torch.long, device=x.device)
-            token_ids[greedy] = argmax_rows(_select(x, greedy))
-            # x is not read after this, so the sampler may edit it in place.
-            token_ids[rest] = self._sample_random(_select(x, rest), [rows[i] for i in rest])
-
-        results = plain_samples(token_ids.tolist())
-        if raw_logprobs is not None:
-            _fill_logprobs(results, params, want_logprobs, raw_logprobs, token_ids)
-        return results
+            return argmax_rows(x), raw_logprobs
+        if not greedy:  # every row samples: none either
+            return self._sample_random(x, rows), raw_logprobs
+        token_ids = torch.empty(len(rows), dtype=torch.long, device=x.device)
+        greedy_ids = argmax_rows(_select(x, greedy))
+        # x is not read after this, so the sampler may edit it in place.
+        random_ids = self._sample_random(_select(x, rest), [rows[i] for i in rest])
+        token_ids.index_copy_(0, on_device(greedy, torch.long, x.device), greedy_ids)
+        token_ids.index_copy_(0, on_device(rest, torch.long, x.device), random_ids)
+        return token_ids, raw_logprobs
 
     def argmax(self, logits: torch.Tensor) -> list[SampledToken]:
         """Each row's argmax over the vocabulary, as ``sample`` gives it for rows whose params
@@ -220,12 +246,16 @@ class Sampler:
                 row_index += [i] * len(banned)
                 token_index += banned
         if row_index:
-            x[row_index, token_index] = -math.inf
+            # x is the sampler's own contiguous copy here (a ban edits the logits): its flat
+            # positions row * V + token take the -inf as a plain number, nothing sent.
+            width = x.shape[1]
+            flat = [row * width + token for row, token in zip(row_index, token_index, strict=True)]
+            x.view(-1).index_fill_(0, on_device(flat, torch.long, x.device), -math.inf)
 
     def _sample_random(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Token ids [n] for rows of penalised logits ``x [n, V]`` (owned: edited in place)."""
         params = [row.params for row in rows]
-        temperature = torch.tensor([p.temperature for p in params], device=x.device)
+        temperature = on_device([p.temperature for p in params], torch.float32, x.device)
         # Shifting each row's max to 0 first keeps a small temperature from overflowing to inf,
         # and makes p[i] / p_max = exp(x[i]) for min-p.
         x.sub_(x.amax(dim=-1, keepdim=True)).div_(temperature[:, None])
@@ -285,7 +315,12 @@ def _add_logit_bias(x: torch.Tensor, params: Sequence[SamplingParams]) -> None:
             token_index += p.logit_bias.keys()
             bias += p.logit_bias.values()
     if row_index:
-        x[row_index, token_index] += torch.tensor(bias, device=x.device)
+        # Each row's bias names a token once, so adding them at their places accumulates none.
+        index = (
+            on_device(row_index, torch.long, x.device),
+            on_device(token_index, torch.long, x.device),
+        )
+        x.index_put_(index, on_device(bias, torch.float32, x.device), accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -347,7 +382,20 @@ def _per_row(rows: Sequence[SamplingRow], name: str, device: torch.device) -> to
 def _select(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """``x[rows]`` for increasing ``rows``; x itself, not a copy, when that is every row (the
     usual case, and a 50 MB copy saved at 256 x 49152)."""
-    return x if len(rows) == x.shape[0] else x[rows]
+    if len(rows) == x.shape[0]:
+        return x
+    return x.index_select(0, on_device(rows, torch.long, x.device))
+
+
+def on_device(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A short host list as a tensor on ``device``, sent without waiting for the device: on
+    CUDA through pinned memory, non-blocking. (A copy from pageable memory, which indexing a
+    device tensor with a Python list or ``torch.tensor(..., device=)`` makes, waits for the
+    stream: for everything launched before it, a step launched ahead included.)"""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _edits_logits(row: SamplingRow) -> bool:
@@ -360,6 +408,19 @@ def _edits_beyond_sampling(params: SamplingParams, num_output_tokens: int) -> bo
     """Stop tokens banned until min_tokens, a logit bias or a penalty."""
     return (
         num_output_tokens < params.min_tokens or bool(params.logit_bias) or _has_penalties(params)
+    )
+
+
+def draws_from_logits_alone(params: SamplingParams, num_output_tokens: int) -> bool:
+    """Whether the next token of a sequence with ``params`` and ``num_output_tokens`` output
+    tokens so far is drawn from its logits with nothing read of its history and nothing to
+    report: no penalty, no stop token banned (min_tokens), no logprobs. Greedy or not, seeded
+    or not, biased or filtered: ``sample_ids`` draws it on the device. Like ``plain_argmax``,
+    once true it stays so as the output grows."""
+    return (
+        params.logprobs is None
+        and not _has_penalties(params)
+        and num_output_tokens >= params.min_tokens
     )
 
 
@@ -395,25 +456,34 @@ def _filter_threshold(x: torch.Tensor, params: Sequence[SamplingParams]) -> torc
         chosen = [params[i] for i in sorted_rows]
         top_k = torch.tensor([min(p.top_k or vocab_size, vocab_size) for p in chosen])
         # top_p = 1 becomes inf so rounding in the running sums can never drop a tail token.
-        top_p = torch.tensor([p.top_p if p.top_p < 1 else math.inf for p in chosen])
+        top_p = [p.top_p if p.top_p < 1 else math.inf for p in chosen]
         first_width = vocab_size if x.device.type == "cuda" else _FIRST_CANDIDATES
-        found = _top_k_top_p_threshold(_select(x, sorted_rows), top_k, top_p, first_width)
+        found = _top_k_top_p_threshold(
+            _select(x, sorted_rows),
+            top_k,
+            on_device(top_p, torch.float32, x.device),
+            first_width,
+            on_device(top_k.tolist(), torch.long, x.device),
+        )
         if len(sorted_rows) == n:  # the usual case: no index into the device's tensor
             threshold = found
         else:
-            threshold[sorted_rows] = found
+            threshold.index_copy_(0, on_device(sorted_rows, torch.long, x.device), found)
     if min_p_rows:
         # With the row max at 0, p[i] < min_p * p_max exactly when x[i] < log(min_p).
-        log_min_p = torch.tensor([math.log(params[i].min_p) for i in min_p_rows], device=x.device)
-        threshold[min_p_rows] = torch.maximum(threshold[min_p_rows], log_min_p)
+        log_min_p = on_device([math.log(params[i].min_p) for i in min_p_rows], torch.float32,
+                              x.device)  # fmt: skip
+        at = on_device(min_p_rows, torch.long, x.device)
+        threshold.index_copy_(0, at, torch.maximum(threshold.index_select(0, at), log_min_p))
     return threshold
 
 
 def _top_k_top_p_threshold(
     x: torch.Tensor,  # [n, V] float32, row max 0
-    top_k: torch.Tensor,  # [n] int64 in [1, V]; V means off (best on the host: read there)
+    top_k: torch.Tensor,  # [n] int64 in [1, V]; V means off (on the host: read there)
     top_p: torch.Tensor,  # [n] float32 in (0, 1), or inf for off
     first_width: int = _FIRST_CANDIDATES,
+    device_top_k: torch.Tensor | None = None,  # top_k on x's device, where already sent
 ) -> torch.Tensor:
     """The lowest logit each row keeps under top-k and then top-p over the renormalised top-k,
     searched first among each row's ``first_width`` largest values (and more where needed).
@@ -430,7 +500,8 @@ def _top_k_top_p_threshold(
     full_mass = x.exp().sum(dim=-1) if bool((host_k == vocab_size).any()) else None
     largest_k = int(host_k.masked_fill(host_k == vocab_size, 0).max())
     width = min(vocab_size, max(first_width, largest_k))
-    top_k, top_p = top_k.to(x.device), top_p.to(x.device)
+    top_k = device_top_k if device_top_k is not None else top_k.to(x.device)
+    top_p = top_p.to(x.device)
     todo = torch.arange(n, device=x.device)
     while True:
         k, p = top_k[todo], top_p[todo]
