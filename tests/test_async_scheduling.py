@@ -239,6 +239,35 @@ def test_a_request_arriving_while_a_step_is_ahead(model):
     assert runs[1] == runs[0]
 
 
+def test_a_step_ahead_that_fails_to_launch_loses_no_token_or_page(model):
+    """The launch of a step ahead raises (a device out of memory): the step before it was never
+    read, so the next call schedules it again, and nothing is held back for it."""
+    prompts = random_prompts(3, seed=8)
+    expected = build_engine(model).generate(prompts, GREEDY)
+    engine = build_engine(model, async_scheduling=True)
+    launch = engine.runner.launch_decodes
+    failures = []
+
+    def failing_once(batch, after=None):
+        if after is not None and not failures:
+            failures.append(after)
+            raise RuntimeError("out of memory")
+        return launch(batch, after)
+
+    engine.runner.launch_decodes = failing_once
+    tokens = {f"r{i}": [] for i in range(len(prompts))}
+    for request_id, p in zip(tokens, prompts, strict=True):
+        engine.add_request(p, GREEDY, request_id)
+    while engine.has_unfinished:
+        try:
+            add_outputs(engine.step(), tokens)
+        except RuntimeError:
+            assert failures
+    assert failures  # the failure was met
+    assert list(tokens.values()) == expected
+    assert engine.page_manager.num_free_pages == 256
+
+
 def test_page_pressure_preempts_as_steps_taken_one_at_a_time_do(model):
     prompts = random_prompts(8, seed=12, min_len=30, max_len=60)
     params = SamplingParams(max_tokens=48, temperature=0.0)

@@ -410,6 +410,8 @@ class LLMEngine:
         tokens are those of the steps taken one at a time."""
         launched = self._ahead
         if launched is None:
+            # Nothing is in flight: whatever a step ahead left held (one that raised) is free.
+            self.scheduler.release_held_pages()
             batch = self.scheduler.schedule()
             if not (self.steps_ahead and self.runner.launches(batch)):
                 runs = self.runner.run(batch, around_forward)
