@@ -160,8 +160,8 @@ class ModelRunner:
     def launch_decodes(
         self, batch: list[ScheduledSequence], after: LaunchedDecodes | None = None
     ) -> LaunchedDecodes:
-        """Launch the forward and argmax of ``batch`` (``launches`` holds), and the copy of its
-        token ids to the host, without waiting for any of it. ``after``: a step launched over
+        """Launch the forward and sampling of ``batch`` (``launches`` holds), and the copy of
+        its token ids to the host, without waiting for any of it. ``after``: a step launched over
         the same rows whose tokens are not read yet; this one feeds them, a position further
         on (the engine's step ahead), taking them on the device."""
         seqs = [item.seq for item in batch]
