@@ -3,7 +3,9 @@
 #   kernels  the kernel tests compiled for the GPU (bf16 included) against their torch twins;
 #   engine   the engine on CUDA against transformers, and the compiled Triton backend against
 #            the torch one (the tests marked gpu in test_engine_equivalence/test_engine_triton);
-#            deterministic inference on the Triton path (test_deterministic_triton.py);
+#            decode graphs, and steps launched ahead against steps one at a time (those in
+#            test_cuda_graphs/test_async_scheduling); deterministic inference on the Triton
+#            path (test_deterministic_triton.py);
 #   bench    python -m benchmarks.kernels: prefill TFLOP/s beside SDPA, decode GB/s beside a copy;
 #   serving  pdserve up with one prefill and one decode worker sharing the GPU, each given
 #            --gpu-memory-utilization 0.4 of it, then W1 of benchmarks.serving against it.
@@ -86,7 +88,7 @@ step_engine() {
     # wherever Triton does, so they carry no mark): the kernels compiled, bf16 included.
     # shellcheck disable=SC2046,SC2086
     "$PY" -m pytest tests/test_engine_equivalence.py tests/test_engine_triton.py \
-        tests/test_cuda_graphs.py -m gpu -q -rfE \
+        tests/test_cuda_graphs.py tests/test_async_scheduling.py -m gpu -q -rfE \
         -p no:cacheprovider $(xdist_flags 4) ${GPU_CHECK_ENGINE_ARGS:-}
     local marked=$?
     # shellcheck disable=SC2046,SC2086

@@ -16,6 +16,7 @@ from tiny_models import build_tiny_model, random_prompts
 
 from common import metrics
 from common.sampling_params import SamplingParams
+from kernels.registry import ENV_VAR as BACKEND_ENV_VAR
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0)
 
@@ -266,6 +267,37 @@ def test_a_step_ahead_that_fails_to_launch_loses_no_token_or_page(model):
     assert failures  # the failure was met
     assert list(tokens.values()) == expected
     assert engine.page_manager.num_free_pages == 256
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_on_cuda_steps_launched_ahead_give_the_tokens_of_steps_one_at_a_time(
+    tmp_path, monkeypatch, dtype
+):
+    """On a GPU, where a launch returns before the forward has run: CUDA graphs, the token ids
+    fed on the device, read through the pinned buffers after the next step is launched. Every
+    row stops by its length (known ahead; EOS ignored), so no row is dropped and each step of
+    the two engines has the same rows: the same tokens bit for bit, greedy and seeded."""
+    monkeypatch.setenv(BACKEND_ENV_VAR, "triton")
+    folder = build_tiny_model("qwen3-qknorm", tmp_path / "model")
+    prompts = random_prompts(6, seed=11, min_len=5, max_len=60)
+    params = [
+        SamplingParams(
+            max_tokens=8 + 4 * i, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True
+        )
+        for i in range(6)
+    ]
+    results = []
+    for async_scheduling in (False, True):
+        engine = build_engine(folder, device="cuda", dtype=dtype, num_pages=128,
+                              max_num_seqs=6, max_model_len=256,
+                              async_scheduling=async_scheduling)  # fmt: skip
+        assert engine.steps_ahead == async_scheduling and engine.runner.graphs is not None
+        with LaunchedAhead() as launched:
+            results.append(engine.generate(prompts, params))
+        assert (launched.count > 0) == async_scheduling
+    assert results[1] == results[0]
 
 
 def test_page_pressure_preempts_as_steps_taken_one_at_a_time_do(model):
