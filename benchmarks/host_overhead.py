@@ -359,14 +359,15 @@ def main() -> int:
         help="run the sampler's argmax over the logits here, and give the total less its time "
         "alone (its cold caches counted as the host's)",
     )
-    parser.add_argument(
+    device_time = parser.add_mutually_exclusive_group()
+    device_time.add_argument(
         "--device-ms",
         type=float,
         default=0.0,
         help="play a GPU whose decode step takes this long, and time the loop with steps taken "
         "one at a time and launched ahead (--async-scheduling), wall time per step",
     )
-    parser.add_argument(
+    device_time.add_argument(
         "--forward-ms",
         type=float,
         default=0.0,
