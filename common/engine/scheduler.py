@@ -133,29 +133,7 @@ class Scheduler:
         no admission). Each gets one token again, and a page where its token starts a new one,
         unless the free pages are short (the full pass then preempts). What ``_schedule_anew``
         would decide, in about a fifth of its time at batch 64; None where it is not that step."""
-        last = self._decodes
-        running = self.running
-        if (
-            not last
-            or len(last) != len(running)
-            or len(running) > self.max_num_batched_tokens
-            or self.speculator is not None
-            or (self.waiting and len(running) < self.max_num_seqs)
-        ):
-            return None
-        page_size = self.page_size
-        starting_pages = []
-        for item, seq in zip(last, running, strict=True):
-            computed = seq.num_computed_tokens
-            if item.seq is not seq or len(seq.token_ids) - computed != 1:
-                return None
-            if computed >= len(seq.page_ids) * page_size:
-                starting_pages.append(seq)
-        if len(starting_pages) > self.page_manager.num_free_pages:
-            return None
-        for seq in starting_pages:
-            seq.page_ids.extend(self.page_manager.allocate(1))
-        return list(last)
+        return self._decodes_again(self._decodes, ahead=False)
 
     def schedule_ahead(self, batch: list[ScheduledSequence]) -> list[ScheduledSequence] | None:
         """The step after ``batch``, a step of decodes launched but whose tokens are not read
@@ -166,37 +144,49 @@ class Scheduler:
         past the model's). Each row gets a page where its next position starts one, or None
         where the free pages are short (``schedule`` then preempts). Pages freed from here
         until the step is read are held back (``release_held_pages``)."""
+        ahead = self._decodes_again(batch, ahead=True)
+        if ahead is not None:
+            self._holding_freed_pages = True
+            self._ahead_batch = ahead
+        return ahead
+
+    def _decodes_again(
+        self, batch: list[ScheduledSequence], ahead: bool
+    ) -> list[ScheduledSequence] | None:
+        """``batch``'s rows decoding again, in a copy of it, with a page for each row whose
+        position starts one: the position after its computed tokens, or (``ahead``) the one
+        after that, while ``batch``'s tokens are not read yet. None unless the rows are every
+        running sequence, in running order, each one known token from its end (a decode), with
+        no speculation, nothing waiting for a seat and pages enough; ahead, also none where a
+        row ends by its length at the token not read yet."""
         running = self.running
         if (
-            len(batch) != len(running)
+            not batch
+            or len(batch) != len(running)
             or len(running) > self.max_num_batched_tokens
             or self.speculator is not None
             or (self.waiting and len(running) < self.max_num_seqs)
         ):
             return None
-        page_size, max_model_len = self.page_size, self.max_model_len
+        page_size, max_model_len, lead = self.page_size, self.max_model_len, int(ahead)
         starting_pages = []
         for item, seq in zip(batch, running, strict=True):
             computed = seq.num_computed_tokens
             num_tokens = len(seq.token_ids)
-            if (
-                item.seq is not seq
-                or item.num_new_tokens != 1
-                or item.num_draft_slots
-                or num_tokens - computed != 1
-                or num_tokens + 1 >= max_model_len
+            if item.seq is not seq or num_tokens - computed != 1:
+                return None
+            if ahead and (
+                num_tokens + 1 >= max_model_len
                 or num_tokens + 1 - seq.num_prompt_tokens >= seq.params.max_tokens
             ):
                 return None
-            if computed + 1 >= len(seq.page_ids) * page_size:
+            if computed + lead >= len(seq.page_ids) * page_size:
                 starting_pages.append(seq)
         if len(starting_pages) > self.page_manager.num_free_pages:
             return None
         for seq in starting_pages:
             seq.page_ids.extend(self.page_manager.allocate(1))
-        self._holding_freed_pages = True
-        ahead = self._ahead_batch = list(batch)
-        return ahead
+        return list(batch)
 
     def release_held_pages(self) -> None:
         """No step launched ahead is in flight any more: the pages freed meanwhile are free."""
