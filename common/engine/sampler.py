@@ -388,11 +388,16 @@ def _select(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
 
 
 def on_device(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A short host list as a tensor on ``device``, sent without waiting for the device: on
-    CUDA through pinned memory, non-blocking. (A copy from pageable memory, which indexing a
-    device tensor with a Python list or ``torch.tensor(..., device=)`` makes, waits for the
+    """A short host list as a tensor on ``device``, sent without waiting for the device
+    (``sent``)."""
+    return sent(torch.tensor(values, dtype=dtype), device)
+
+
+def sent(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device``, sent without waiting for the device: on CUDA through
+    pinned memory, non-blocking. (A copy from pageable memory, which ``.to(device)``, indexing
+    a device tensor with a Python list or ``torch.tensor(..., device=)`` makes, waits for the
     stream: for everything launched before it, a step launched ahead included.)"""
-    host = torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)
@@ -456,15 +461,9 @@ def _filter_threshold(x: torch.Tensor, params: Sequence[SamplingParams]) -> torc
         chosen = [params[i] for i in sorted_rows]
         top_k = torch.tensor([min(p.top_k or vocab_size, vocab_size) for p in chosen])
         # top_p = 1 becomes inf so rounding in the running sums can never drop a tail token.
-        top_p = [p.top_p if p.top_p < 1 else math.inf for p in chosen]
+        top_p = torch.tensor([p.top_p if p.top_p < 1 else math.inf for p in chosen])
         first_width = vocab_size if x.device.type == "cuda" else _FIRST_CANDIDATES
-        found = _top_k_top_p_threshold(
-            _select(x, sorted_rows),
-            top_k,
-            on_device(top_p, torch.float32, x.device),
-            first_width,
-            on_device(top_k.tolist(), torch.long, x.device),
-        )
+        found = _top_k_top_p_threshold(_select(x, sorted_rows), top_k, top_p, first_width)
         if len(sorted_rows) == n:  # the usual case: no index into the device's tensor
             threshold = found
         else:
@@ -481,9 +480,8 @@ def _filter_threshold(x: torch.Tensor, params: Sequence[SamplingParams]) -> torc
 def _top_k_top_p_threshold(
     x: torch.Tensor,  # [n, V] float32, row max 0
     top_k: torch.Tensor,  # [n] int64 in [1, V]; V means off (on the host: read there)
-    top_p: torch.Tensor,  # [n] float32 in (0, 1), or inf for off
+    top_p: torch.Tensor,  # [n] float32 in (0, 1), or inf for off; on the host
     first_width: int = _FIRST_CANDIDATES,
-    device_top_k: torch.Tensor | None = None,  # top_k on x's device, where already sent
 ) -> torch.Tensor:
     """The lowest logit each row keeps under top-k and then top-p over the renormalised top-k,
     searched first among each row's ``first_width`` largest values (and more where needed).
@@ -500,8 +498,7 @@ def _top_k_top_p_threshold(
     full_mass = x.exp().sum(dim=-1) if bool((host_k == vocab_size).any()) else None
     largest_k = int(host_k.masked_fill(host_k == vocab_size, 0).max())
     width = min(vocab_size, max(first_width, largest_k))
-    top_k = device_top_k if device_top_k is not None else top_k.to(x.device)
-    top_p = top_p.to(x.device)
+    top_k, top_p = sent(top_k, x.device), sent(top_p, x.device)
     todo = torch.arange(n, device=x.device)
     while True:
         k, p = top_k[todo], top_p[todo]
