@@ -129,12 +129,12 @@ def flatten_decodes(
     sequences whose tokens are not read yet. This step feeds those, one position further on
     (the engine's step ahead)."""
     num_seqs = len(seqs)
+    positions = np.fromiter(map(_NUM_COMPUTED, seqs), np.int64, num_seqs)
     if after is None:
         input_ids = np.fromiter([seq.token_ids[-1] for seq in seqs], np.int64, num_seqs)
-        positions = np.fromiter(map(_NUM_COMPUTED, seqs), np.int64, num_seqs)
     else:
         input_ids = np.zeros(num_seqs, np.int64)  # replaced by ``after`` once on the device
-        positions = np.fromiter(map(_NUM_COMPUTED, seqs), np.int64, num_seqs) + 1
+        positions += 1
     tables = (page_tables or PageTables()).gather(list(map(_PAGE_IDS, seqs)))
     rows = np.arange(num_seqs)
     slots = page_slots(tables[rows, positions // page_size], positions, page_size)
