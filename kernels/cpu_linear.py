@@ -318,10 +318,16 @@ class CpuLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, {self.plan.describe()}"
 
 
+def onednn_reorders_bf16() -> bool:
+    """Whether oneDNN can reorder a bf16 weight on this processor: it needs AVX-512 (BW, VL,
+    DQ) or AVX-NE-CONVERT, so not on an AVX2-only core, where torch's bf16 linear still runs."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def onednn_packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """``weight [out, in]`` (bf16) reordered once into oneDNN's blocked layout for
-    ``torch.ops.mkldnn._linear_pointwise``; None where this torch has no oneDNN."""
-    if not torch.backends.mkldnn.is_available():
+    ``torch.ops.mkldnn._linear_pointwise``; None where oneDNN cannot (``onednn_reorders_bf16``)."""
+    if not onednn_reorders_bf16():
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_PACKED_ROWS_HINT)
 
