@@ -77,21 +77,26 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
 
 
 def huge_page_bytes(tensor: torch.Tensor) -> int:
-    """Bytes of the mappings ``tensor``'s memory lies in that the kernel backs with huge pages
-    now (their ``AnonHugePages``; 0 where /proc/self/smaps cannot be read)."""
+    """Bytes of ``tensor``'s memory that the kernel backs with huge pages now, from the
+    ``AnonHugePages`` of the mappings it lies in (0 where /proc/self/smaps cannot be read). The
+    kernel merges neighbouring mappings of like flags, so a mapping may hold other tensors' huge
+    pages too: each counts at most the bytes it shares with this tensor."""
     start = tensor.data_ptr()
     end = start + tensor.numel() * tensor.element_size()
-    return sum(int(fields["AnonHugePages"].split()[0]) * 1024 for fields in mappings(start, end))
+    return sum(
+        min(int(fields["AnonHugePages"].split()[0]) * 1024, min(end, high) - max(start, low))
+        for low, high, fields in mappings(start, end)
+    )
 
 
-def mappings(start: int, end: int) -> list[dict[str, str]]:
-    """The /proc/self/smaps fields (name -> the rest of its line) of each of this process's
-    mappings that overlaps the addresses [start, end)."""
+def mappings(start: int, end: int) -> list[tuple[int, int, dict[str, str]]]:
+    """Each of this process's mappings that overlaps the addresses [start, end): its own range
+    [low, high) and its /proc/self/smaps fields (name -> the rest of its line)."""
     try:
         lines = Path("/proc/self/smaps").read_text().splitlines()
     except OSError:
         return []
-    found: list[dict[str, str]] = []
+    found: list[tuple[int, int, dict[str, str]]] = []
     fields: dict[str, str] | None = None
     for line in lines:
         head, _, rest = line.partition(" ")
@@ -99,7 +104,7 @@ def mappings(start: int, end: int) -> list[dict[str, str]]:
             low, high = (int(bound, 16) for bound in head.split("-"))
             fields = {} if low < end and start < high else None
             if fields is not None:
-                found.append(fields)
+                found.append((low, high, fields))
         elif fields is not None and head.endswith(":"):
             fields[head[:-1]] = rest.strip()
     return found

@@ -25,7 +25,7 @@ def advised_for_huge_pages(tensor: torch.Tensor) -> bool:
     start = tensor.data_ptr()
     end = start + tensor.numel() * tensor.element_size() // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
     found = mappings(start, end)
-    return bool(found) and all("hg" in fields["VmFlags"].split() for fields in found)
+    return bool(found) and all("hg" in fields["VmFlags"].split() for _, _, fields in found)
 
 
 @needs_huge_pages
@@ -40,8 +40,30 @@ def test_a_large_tensor_starts_on_a_huge_page_marked_for_huge_pages_and_is_zero(
     tensor[-1, -1] = 5.0  # all of it is writable, to its last element
     assert float(tensor.sum()) == 5.0
     # How much the kernel did back with huge pages depends on its free memory: it is only
-    # reported, never more than the tensor's own bytes and the slack around them.
-    assert 0 <= huge_page_bytes(tensor) <= tensor.numel() * 4 + 2 * HUGE_PAGE_BYTES
+    # reported, never more than the tensor's own bytes.
+    assert 0 <= huge_page_bytes(tensor) <= tensor.numel() * 4
+
+
+def test_huge_pages_of_a_mapping_merged_with_others_count_only_the_tensors_share(
+    monkeypatch,
+) -> None:
+    """The kernel merges neighbouring advised mappings into one, whose AnonHugePages then
+    covers other tensors too: a tensor is counted at most the bytes it shares with each."""
+    tensor = torch.zeros(3 * HUGE_PAGE_BYTES // 4)
+    start = tensor.data_ptr()
+    end = start + 3 * HUGE_PAGE_BYTES
+    merged = (start - 8 * HUGE_PAGE_BYTES, end + 8 * HUGE_PAGE_BYTES)
+    monkeypatch.setattr(
+        "kernels.huge_pages.mappings",
+        lambda low, high: [(*merged, {"AnonHugePages": f"{19 * HUGE_PAGE_BYTES // 1024} kB"})],
+    )
+    assert huge_page_bytes(tensor) == 3 * HUGE_PAGE_BYTES
+    part = (start + HUGE_PAGE_BYTES, end + HUGE_PAGE_BYTES)
+    monkeypatch.setattr(
+        "kernels.huge_pages.mappings",
+        lambda low, high: [(*part, {"AnonHugePages": f"{HUGE_PAGE_BYTES // 1024} kB"})],
+    )
+    assert huge_page_bytes(tensor) == HUGE_PAGE_BYTES
 
 
 def test_a_small_tensor_is_plain_zeros() -> None:
