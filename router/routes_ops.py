@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import importlib.metadata
-
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from common.protocol import ROLE_DECODE, ROLE_PREFILL
+from common.version import pdserve_version
 from router.edge import body_schema, off_the_loop_if_large
 from router.errors import BadRequest
 from router.openai_api import (
@@ -20,7 +19,7 @@ from router.openai_api import (
 )
 from router.state import RouterState
 
-PDSERVE_VERSION = importlib.metadata.version("pdserve")
+PDSERVE_VERSION = pdserve_version()
 
 
 def add_routes(app: FastAPI, state: RouterState) -> None:

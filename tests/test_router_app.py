@@ -12,6 +12,7 @@ import time
 import httpx
 import openai
 import pytest
+import tomllib
 import zmq
 from router_fakes import (
     ControlSocket,
@@ -25,6 +26,7 @@ from router_fakes import (
 
 from common.model.default_model import resolve_model_path
 from common.protocol import ROLE_PREFILL, AbortRequest, DecodeRequest, PrefillRequest
+from common.version import PYPROJECT, pdserve_version
 from router.server import build_parser, config_from_args
 
 MODEL = resolve_model_path(None)
@@ -657,3 +659,15 @@ def test_a_registration_sent_again_is_acknowledged_and_a_new_incarnation_replace
             router.wait_for_workers(prefill=1, decode=0)
         finally:
             link.sock.close()
+
+
+def test_a_checkout_that_is_not_installed_reports_its_pyproject_version(monkeypatch):
+    """The GPU check runs pdserve from a checkout on PYTHONPATH, with no distribution metadata:
+    the router must start, and /version says the checkout's version."""
+
+    def not_installed(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    with PYPROJECT.open("rb") as file:
+        assert pdserve_version() == tomllib.load(file)["project"]["version"]
