@@ -136,7 +136,12 @@ def test_cuda_graphs_give_the_eager_tokens(tmp_path, monkeypatch, dtype, kv_cach
         if graphs is not None:
             assert graphs.sizes == [1, 2, 4, 6]
             assert graphs.replays > 0
-    assert_greedy_equal_up_to_near_ties(folder, prompts, results[1], results[0])
+    # FP8 pages keep 3 bits of mantissa: where the padded batch's GEMMs round a key one bf16 step
+    # apart, its page can hold a value one e4m3 step (up to 1/8) apart, and the logits move far
+    # more than bf16's near ties. On an H200 two tokens 0.196 apart parted that way; a token from a
+    # wrong replay lies ~2.9 below the best on this model (the median of its logits' gaps).
+    tolerance = 0.5 if kv_cache_dtype == "fp8" else 0.15
+    assert_greedy_equal_up_to_near_ties(folder, prompts, results[1], results[0], tolerance)
 
 
 def test_a_failed_capture_leaves_the_engine_eager(tmp_path, monkeypatch, caplog) -> None:
