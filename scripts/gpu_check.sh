@@ -6,25 +6,28 @@
 #            decode graphs, and steps launched ahead against steps one at a time (those in
 #            test_cuda_graphs/test_async_scheduling); deterministic inference on the Triton
 #            path (test_deterministic_triton.py);
-#   bench    python -m benchmarks.kernels: prefill TFLOP/s beside SDPA, decode GB/s beside a copy;
-#   serving  pdserve up with one prefill and one decode worker sharing the GPU, each given
-#            --gpu-memory-utilization 0.4 of it, then W1 of benchmarks.serving against it.
-# and four more that the default run leaves out (all eight do not fit in one 10-minute command):
-#   tune     python -m benchmarks.tune_kernels: every tile candidate on the bench's shapes, and
-#            the choice to record in kernels/triton_tiles.py;
 #   graphs   python -m benchmarks.cuda_graphs: decode steps with CUDA graphs against eager ones;
 #   realshape python -m benchmarks.real_shape: Llama-3.1-8B's shape with random weights made on
 #            the device: its decode step at batch 1/8/32/64 beside the weight floor measured in
 #            the same run, and its prefill TFLOP/s beside the bf16 peak;
+#   serving  pdserve up with one prefill and one decode worker sharing the GPU, each given
+#            --gpu-memory-utilization 0.4 of it, then W1 of benchmarks.serving against it.
+# and three more that the default run leaves out (all of them do not fit in one 10-minute
+# command):
+#   bench    python -m benchmarks.kernels: prefill TFLOP/s beside SDPA, decode GB/s beside a copy;
 #   realserving  W1 as in serving, on Llama-3.1-8B's layers (SmolLM2's vocabulary, the carried
-#            tokenizer's), each worker given 0.45 of the GPU and drawing its weights there.
-# Each step has its own time limit, and one that fails does not stop the next. Logs go to $OUT
-# where it is set (else /tmp/gpu-check); a summary table ends the output, and the exit status is
-# 1 if any step did not pass.
+#            tokenizer's), each worker given 0.45 of the GPU and drawing its weights there;
+#   tune     python -m benchmarks.tune_kernels: every tile candidate on the bench's shapes, and
+#            the choice to record in kernels/triton_tiles.py.
+# Each step has its own time limit, and one that fails does not stop the next. Steps joined by
+# "+" run side by side: the two test steps, which spend most of their time compiling kernels on
+# the host's cores (on an H200 machine's 16, about 270 s together, 500 one after the other).
+# Logs go to $OUT where it is set (else /tmp/gpu-check); a summary table ends the output, and the
+# exit status is 1 if any step did not pass.
 #
-#   bash scripts/gpu_check.sh [setup|kernels|engine|bench|serving|tune|graphs ...]
-#       # default: kernels engine bench serving; then, as a second command:
-#       #   realshape realserving graphs; and where tiles are to be tuned, a third: tune
+#   bash scripts/gpu_check.sh [setup|kernels|engine|graphs|realshape|serving|bench|realserving|tune ...]
+#       # default: kernels+engine graphs realshape serving (about 470 s on an H200); then, as a
+#       #   second command: bench realserving; and where tiles are to be tuned, a third: tune
 #
 # It first installs what `make gpu-carry` put in .gpu-carry/ (the wheels the image lacks, and
 # SmolLM2's config and tokenizer, served with random weights: the real ones do not fit) into
@@ -51,7 +54,7 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 DEADLINE_S=${GPU_CHECK_DEADLINE_S:-560}
 declare -A LIMIT_S=(
-    [kernels]=${GPU_CHECK_KERNELS_S:-150}
+    [kernels]=${GPU_CHECK_KERNELS_S:-300}
     [engine]=${GPU_CHECK_ENGINE_S:-300}
     [bench]=${GPU_CHECK_BENCH_S:-75}
     [serving]=${GPU_CHECK_SERVING_S:-150}
@@ -271,12 +274,15 @@ EOF
 }
 
 steps=("$@")
-if [[ ${#steps[@]} -eq 0 ]]; then steps=(kernels engine bench serving); fi
-for step in "${steps[@]}"; do
-    if [[ $step != setup && -z ${LIMIT_S[$step]:-} ]]; then
-        echo "unknown step $step; choose from setup kernels engine bench serving tune graphs realshape realserving" >&2
-        exit 2
-    fi
+if [[ ${#steps[@]} -eq 0 ]]; then steps=(kernels+engine graphs realshape serving); fi
+for item in "${steps[@]}"; do
+    IFS=+ read -ra group <<<"$item"
+    for step in "${group[@]}"; do
+        if [[ $step != setup && -z ${LIMIT_S[$step]:-} ]]; then
+            echo "unknown step $step; choose from setup kernels engine bench serving tune graphs realshape realserving" >&2
+            exit 2
+        fi
+    done
 done
 
 setup 2>&1 | tee "$LOGS/setup.log"
@@ -293,26 +299,9 @@ elif [[ ${GPU_CHECK_ALLOW_CPU:-0} != 1 ]]; then
     record cuda FAILED 0 "torch sees no CUDA device"
 fi
 
-for step in "${steps[@]}"; do
-    [[ $step == setup ]] && continue
-    left=$((DEADLINE_S - (SECONDS - START)))
-    limit=${LIMIT_S[$step]}
-    ((limit > left)) && limit=$left
-    if ((limit < 10)); then
-        record "$step" skipped 0 "no time left before the ${DEADLINE_S} s deadline"
-        continue
-    fi
-    echo "== $step (at most $limit s)"
-    began=$SECONDS
-    # SIGINT first, so pytest still prints what passed and the cluster shuts down in order.
-    timeout -s INT -k 10 "$limit" bash "$SELF" --step "$step" 2>&1 | tee "$LOGS/$step.log"
-    rc=${PIPESTATUS[0]}
-    took=$((SECONDS - began))
-    case $rc in
-        0) status=ok ;;
-        124 | 130 | 137) status=TIMEOUT ;;
-        *) status="FAILED($rc)" ;;
-    esac
+# The figures the summary shows for STEP, read from its log.
+figures_of() {
+    local step=$1 figures="" prefill sdpa decode pages memory
     case $step in
         kernels | engine) figures=$(pytest_figures "$LOGS/$step.log") ;;
         bench)
@@ -325,7 +314,7 @@ for step in "${steps[@]}"; do
             figures="prefill bf16 best ${prefill:-?} TFLOP/s (SDPA ${sdpa:-?}); decode best ${decode:-?}"
             ;;
         serving | realserving)
-            figures=$(awk '$1 ~ /^(output_tok_s|ttft_p50_ms|tpot_mean_ms|itl_p99_ms|errors)$/ {
+            figures=$(awk '$1 ~ /^(output_tok_s|ttft_p50_ms|tpot_mean_ms|itl_p99_ms|decode_step_ms|tpot_over_step|errors)$/ {
                 printf "%s %s, ", $1, $2 }' "$LOGS/$step.log")
             pages=$(grep -aoE '^(prefill|decode) worker [^:]*: [0-9]+' "$LOGS/$step.log" |
                 awk '{ printf "%s %s ", $1, $4 }')
@@ -341,12 +330,69 @@ for step in "${steps[@]}"; do
             figures="${figures%, }"
             ;;
         graphs)
-            figures=$(awk '$1 ~ /^[0-9]+$/ && NF == 6 { printf "b%s %s, ", $1, $4 }' \
+            # batch, eager, graphs 1 by 1, graphs (launched ahead), speed-up, two tok/s columns
+            figures=$(awk '$1 ~ /^[0-9]+$/ && NF == 7 { printf "b%s %s ms (%s), ", $1, $4, $5 }' \
                 "$LOGS/graphs.log")
-            figures="speed-up of graphs over eager: ${figures%, }"
+            figures="graph step, launched ahead (speed-up over eager): ${figures%, }"
             ;;
     esac
-    record "$step" "$status" "$took" "$figures"
+    echo "$figures"
+}
+
+# The status the summary shows for an exit code.
+status_of() {
+    case $1 in
+        0) echo ok ;;
+        124 | 130 | 137) echo TIMEOUT ;;
+        *) echo "FAILED($1)" ;;
+    esac
+}
+
+# STEP's time limit: its own, cut to what is left before the deadline.
+limit_of() {
+    local left=$((DEADLINE_S - (SECONDS - START))) limit=${LIMIT_S[$1]}
+    echo $((limit < left ? limit : left))
+}
+
+# Runs STEP under its limit: SIGINT first, so pytest still prints what passed and the cluster
+# shuts down in order. Writes "exit-code seconds" to $WORK/STEP.rc.
+run_step() {
+    local step=$1 began=$SECONDS
+    timeout -s INT -k 10 "$(limit_of "$step")" bash "$SELF" --step "$step"
+    echo "$? $((SECONDS - began))" >"$WORK/$step.rc"
+}
+
+# A step named a+b runs its parts side by side (the test steps, which spend most of their time
+# compiling kernels on the host's cores); the benchmark steps run alone, so that nothing else
+# shares the GPU they time.
+for item in "${steps[@]}"; do
+    [[ $item == setup ]] && continue
+    IFS=+ read -ra group <<<"$item"
+    if (($(limit_of "${group[0]}") < 10)); then
+        for step in "${group[@]}"; do
+            record "$step" skipped 0 "no time left before the ${DEADLINE_S} s deadline"
+        done
+        continue
+    fi
+    if ((${#group[@]} == 1)); then
+        echo "== $item (at most $(limit_of "$item") s)"
+        run_step "$item" 2>&1 | tee "$LOGS/$item.log"
+    else
+        echo "== ${group[*]}, side by side (logs in $LOGS)"
+        for step in "${group[@]}"; do
+            echo "   $step at most $(limit_of "$step") s"
+            run_step "$step" >"$LOGS/$step.log" 2>&1 &
+        done
+        wait
+        for step in "${group[@]}"; do
+            echo "-- the end of $step's log"
+            tail -n 15 "$LOGS/$step.log"
+        done
+    fi
+    for step in "${group[@]}"; do
+        read -r rc took <"$WORK/$step.rc" || { rc=1 took=0; }
+        record "$step" "$(status_of "$rc")" "$took" "$(figures_of "$step")"
+    done
 done
 
 {
