@@ -67,6 +67,12 @@ def one_process(model, prompts, params, dtype, kv_cache_dtype, deterministic=Fal
         torch.set_num_threads(threads)
 
 
+def release_tapped_handoff(router, request_id: str) -> None:
+    """A handoff sent to a tap is never fetched: its pages stay leased on the prefill worker, which
+    told to stop would wait for them until its drain deadline. The router's abort ends the lease."""
+    router.send(router.worker("prefill").worker_id, AbortRequest(request_id))
+
+
 def start_pair(router, model, backend, *flags, prefill_flags=(), decode_flags=()):
     common = (*ENGINE_FLAGS, "--kv-transfer", backend, *flags)
     # Small prefill chunks: pages of earlier chunks are final before the prompt ends.
@@ -389,6 +395,7 @@ def test_garbage_on_every_socket_is_dropped_and_counted(router, model):
     for sock in (push, dealer):
         sock.close()
     tap.close()
+    release_tapped_handoff(router, "probe")
 
 
 def test_redispatch_after_abort_with_the_same_id_is_served(router, model):
@@ -414,6 +421,7 @@ def test_redispatch_after_abort_with_the_same_id_is_served(router, model):
     router.pump(1.0)
     assert len(router.log("again").deltas) == len(expected)
     assert router.metrics("decode")["pdserve_kv_pages_received_total"] == 0
+    release_tapped_handoff(router, "again")
 
 
 def test_a_worker_process_freezes_what_start_up_left_before_it_serves():
