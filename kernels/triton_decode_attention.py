@@ -38,7 +38,9 @@ _MAX_SPLITS = 128
 _PROGRAMS_PER_MULTIPROCESSOR = 4
 
 
-@triton.jit
+# The split count follows the batch and its context; left unspecialised, so that a new count
+# compiles nothing (see the prefill kernel).
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_kernel(
     q_ptr,  # [S, num_heads, head_dim]
     k_cache_ptr,  # [num_pages, page_size, num_kv_heads, head_dim], strided
@@ -145,7 +147,7 @@ def _decode_kernel(
     tl.store(lse_ptr + lse_row, lse, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_splits_kernel(
     partial_ptr,  # [S, num_heads, num_splits, head_dim] float32, contiguous
     lse_ptr,  # [S, num_heads, num_splits] float32, contiguous

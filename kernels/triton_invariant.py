@@ -121,7 +121,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.view(*x.shape[:-1], n)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # as the linear kernel's
 def _rms_norm_kernel(
     x_ptr,  # [num_rows, size], unit stride along size
     weight_ptr,  # [size]

@@ -40,8 +40,13 @@ from kernels.reference import (
 from kernels.registry import get_attention_backend
 from kernels.sizes import ceil_div
 from kernels.triton_backend import TritonAttentionBackend
-from kernels.triton_decode_attention import decode_attention, splits_to_fill
-from kernels.triton_prefill_attention import prefill_attention
+from kernels.triton_decode_attention import (
+    _decode_kernel,
+    decode_attention,
+    splits_to_fill,
+)
+from kernels.triton_invariant import _rms_norm_kernel, rms_norm
+from kernels.triton_prefill_attention import _prefill_kernel, prefill_attention
 from kernels.triton_store_kv import store_kv
 from kernels.triton_tiles import (
     DECODE_CANDIDATES,
@@ -727,3 +732,39 @@ def test_pool_offsets_beyond_int32(kv_dtype: torch.dtype) -> None:
         query = torch.randn(sum(query_lens), 4, head_dim, device=DEVICE).half()
         out = TritonAttentionBackend().attention(query, cache, meta, head_dim**-0.5)
         assert_matches_reference(out, Batch(pools["triton"], cache, meta, query), torch.float16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiled variants
+
+
+def compiled_variants(kernel) -> int:
+    """How many variants of ``kernel`` Triton has compiled on the current GPU (its per-device
+    cache's first member is the kernels by specialisation key)."""
+    return len(kernel.device_caches[torch.cuda.current_device()][0])
+
+
+@pytest.mark.gpu
+def test_a_batch_of_another_size_compiles_no_new_kernel() -> None:
+    """Triton specialises an integer argument that is 1 or a multiple of 16: a prefill batch of
+    2 sequences after the start-up's 1, or 16 decode splits after 3, would compile the kernel
+    again, a stall of seconds in front of a request. The counts that change from call to call are
+    left unspecialised. A head size and group no other test uses, so no variant is there yet.
+    (One split writes the output in place, and more than 4 combine in a wider block: those are
+    other variants by design, and not counted here.)"""
+    head_dim, group, half = 48, 3, torch.float16
+    first: dict[str, int] = {}
+    for count in (3, 1, 2, 16):
+        batch = make_batch([2] * count, [9] * count, 1, group, head_dim, half, half)
+        prefill_attention(batch.query, batch.cache, batch.meta, head_dim**-0.5)
+        rms_norm(batch.query.view(-1, head_dim), torch.ones(head_dim, device=DEVICE), 1e-6)
+        if count > 1:
+            one = make_batch([1], [300], 1, group, head_dim, half, half)
+            decode_attention(one.query, one.cache, one.meta, head_dim**-0.5, num_splits=count)
+        counts = {
+            "prefill": compiled_variants(_prefill_kernel),
+            "rms_norm": compiled_variants(_rms_norm_kernel),
+            "decode": compiled_variants(_decode_kernel),
+        }
+        first = first or counts
+        assert counts == first, f"a count of {count} compiled another variant"
