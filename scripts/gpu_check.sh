@@ -358,6 +358,7 @@ limit_of() {
 # shuts down in order. Writes "exit-code seconds" to $WORK/STEP.rc.
 run_step() {
     local step=$1 began=$SECONDS
+    rm -f "$WORK/$step.rc"
     timeout -s INT -k 10 "$(limit_of "$step")" bash "$SELF" --step "$step"
     echo "$? $((SECONDS - began))" >"$WORK/$step.rc"
 }
