@@ -13,7 +13,11 @@ of bf16 weights, drawn on the device). Printed:
 - ``prefill T``: one ``T``-token chunk of a new prompt, tokens/s and TFLOP/s (matmuls and
   causal attention) as a share of the datasheet and of the measured bf16 peak.
 
+- ``profile batch B`` (with ``--profile``): the device's busy time in a decode step beside the
+  step's wall time, and the kernels that take the most of it, per step.
+
     python -m benchmarks.real_shape [--model DIR] [--batch-sizes 1,8,32,64] [--context 1024]
+        [--profile 1,8]
 
 Without CUDA it runs on the CPU only with ``--allow-cpu`` (for its plumbing, on a small shape).
 """
@@ -21,7 +25,9 @@ Without CUDA it runs on the CPU only with ``--allow-cpu`` (for its plumbing, on 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -102,8 +108,10 @@ def random_prompt(vocab: int, length: int, generator: torch.Generator) -> list[i
     return torch.randint(vocab, (length,), generator=generator).tolist()
 
 
-def decode_step_seconds(engine: LLMEngine, batch: int, args: argparse.Namespace) -> float:
-    """Seconds per decode step of ``batch`` sequences with ``--context`` tokens each."""
+@contextlib.contextmanager
+def decoding(engine: LLMEngine, batch: int, args: argparse.Namespace) -> Iterator[None]:
+    """``batch`` sequences of ``--context`` tokens prefilled and a few decode steps warmed up;
+    inside, each ``engine.step()`` is one decode step of the batch. Aborted on the way out."""
     generator = torch.Generator().manual_seed(batch)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=args.steps + 8, temperature=0.0, ignore_eos=True)
@@ -117,16 +125,62 @@ def decode_step_seconds(engine: LLMEngine, batch: int, args: argparse.Namespace)
     for _ in range(3):  # warm-up
         engine.step()
     synchronize(engine.device)
-    began = time.perf_counter()
-    for _ in range(args.steps):
-        engine.step()
-    synchronize(engine.device)
-    elapsed = (time.perf_counter() - began) / args.steps
-    for request_id in ids:
-        engine.abort(request_id)
-    while engine.has_unfinished:
-        engine.step()
-    return elapsed
+    try:
+        yield
+    finally:
+        for request_id in ids:
+            engine.abort(request_id)
+        while engine.has_unfinished:
+            engine.step()
+
+
+def decode_step_seconds(engine: LLMEngine, batch: int, args: argparse.Namespace) -> float:
+    """Seconds per decode step of ``batch`` sequences with ``--context`` tokens each."""
+    with decoding(engine, batch, args):
+        began = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        synchronize(engine.device)
+        return (time.perf_counter() - began) / args.steps
+
+
+def profile_decode(
+    engine: LLMEngine, batch: int, args: argparse.Namespace, steps: int = 5, top: int = 12
+) -> None:
+    """Where a decode step's device time goes, by kernel: a few steps under torch.profiler (the
+    kernels inside CUDA graph replays included), the device's busy time per step beside the
+    step's wall time (the rest is the device waiting), and the kernels that take the most."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_cuda = engine.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    with decoding(engine, batch, args), profile(activities=activities) as profiler:
+        began = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        synchronize(engine.device)
+        wall_us = (time.perf_counter() - began) / steps * 1e6
+    rows = []
+    for event in profiler.key_averages():
+        if on_cuda:  # kernels and copies on the device, not the host ops that launched them
+            if event.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            self_us = event.self_device_time_total
+        else:
+            self_us = event.self_cpu_time_total
+        if self_us > 0:
+            rows.append((self_us / steps, event.count / steps, event.key))
+    rows.sort(reverse=True)
+    busy_us = sum(us for us, _, _ in rows)
+    where = "device" if on_cuda else "host ops"
+    print(
+        f"profile batch {batch}: {where} busy {busy_us:.0f} us of a {wall_us:.0f} us step "
+        f"({busy_us / wall_us:.0%}; under the profiler), "
+        f"{sum(calls for _, calls, _ in rows):.0f} {'kernels' if on_cuda else 'ops'} a step",
+        flush=True,
+    )
+    for us, calls, name in rows[:top]:
+        print(f"  {us:8.1f} us {us / busy_us:6.1%} {calls:5.0f}x  {name[:90]}")
 
 
 def prefill_seconds(engine: LLMEngine, tokens: int, repeats: int = 3) -> float:
@@ -165,9 +219,15 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30, help="decode steps timed per batch")
     parser.add_argument("--prefill-chunks", default="512,2048")
     parser.add_argument("--kv-cache-gib", type=int, default=24)
+    parser.add_argument(
+        "--profile",
+        default="",
+        help="batch sizes whose decode step is also profiled by kernel, e.g. 1,8",
+    )
     parser.add_argument("--allow-cpu", action="store_true", help="run without CUDA")
     args = parser.parse_args()
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    args.profile = [int(b) for b in args.profile.split(",") if b]
     args.prefill_chunks = [int(t) for t in args.prefill_chunks.split(",")]
     if torch.cuda.is_available():
         device = torch.device("cuda")
@@ -207,6 +267,8 @@ def main() -> int:
             f"{batch / step_s:.0f} tok/s",
             flush=True,
         )
+    for batch in args.profile:
+        profile_decode(engine, batch, args)
     for tokens in args.prefill_chunks:
         seconds = prefill_seconds(engine, tokens)
         tflops = prefill_flops(engine, tokens) / seconds / 1e12

@@ -9,7 +9,8 @@
 #   graphs   python -m benchmarks.cuda_graphs: decode steps with CUDA graphs against eager ones;
 #   realshape python -m benchmarks.real_shape: Llama-3.1-8B's shape with random weights made on
 #            the device: its decode step at batch 1/8/32/64 beside the weight floor measured in
-#            the same run, and its prefill TFLOP/s beside the bf16 peak;
+#            the same run, its prefill TFLOP/s beside the bf16 peak, and where the device's
+#            time goes in the steps of batch 1 and 8, by kernel;
 #   serving  pdserve up with one prefill and one decode worker sharing the GPU, each given
 #            --gpu-memory-utilization 0.4 of it, then W1 of benchmarks.serving against it.
 # and three more that the default run leaves out (all of them do not fit in one 10-minute
@@ -38,7 +39,8 @@
 # GPU_CHECK_DEADLINE_S (560: no step runs past this many seconds from the start),
 # GPU_CHECK_<STEP>_S (each step's limit), GPU_CHECK_KERNELS_ARGS and GPU_CHECK_ENGINE_ARGS
 # (added to those pytest runs, e.g. -k store_kv),
-# GPU_CHECK_W1_ARGS (replaces W1's benchmark flags), GPU_CHECK_GPU_SHARE (0.4), and
+# GPU_CHECK_W1_ARGS (replaces W1's benchmark flags), GPU_CHECK_REALSHAPE_ARGS (replaces
+# realshape's, --profile 1,8), GPU_CHECK_GPU_SHARE (0.4), and
 # GPU_CHECK_ALLOW_CPU=1 to run the plumbing without a GPU (interpreted kernels, no bench).
 # shellcheck disable=SC2317  # the steps are called by name, "step_$2"
 set -uo pipefail
@@ -128,7 +130,7 @@ step_graphs() {
 
 step_realshape() {
     # shellcheck disable=SC2086
-    "$PY" -m benchmarks.real_shape ${GPU_CHECK_REALSHAPE_ARGS:-}
+    "$PY" -m benchmarks.real_shape ${GPU_CHECK_REALSHAPE_ARGS:---profile 1,8}
 }
 
 step_serving() {

@@ -83,3 +83,23 @@ def test_the_host_overhead_benchmark_prints_a_line_per_batch_size(mode: list[str
     lines = [line for line in result.stdout.splitlines() if line.startswith("batch ")]
     assert [line.split(":")[0] for line in lines] == ["batch 1", "batch 3"]
     assert all(float(line.split()[2]) > 0 for line in lines)
+
+
+@pytest.mark.slow
+def test_the_real_shape_benchmark_times_and_profiles_a_config_only_model(config_only: Path) -> None:
+    """``benchmarks.real_shape``'s plumbing on the CPU: a decode step beside its floors, that
+    step profiled (host ops here, kernels on a GPU), and a prefill chunk."""
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.real_shape", "--allow-cpu", "--model", str(config_only),
+         "--batch-sizes", "2", "--context", "32", "--steps", "3", "--prefill-chunks", "16",
+         "--kv-cache-gib", "1", "--profile", "2"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("decode batch 2: ") for line in lines)
+    profile = next(i for i, line in enumerate(lines) if line.startswith("profile batch 2: "))
+    assert "ops a step" in lines[profile]
+    top = lines[profile + 1 : profile + 4]
+    assert len(top) == 3 and all(" us " in line and "aten::" in line for line in top)
+    assert any(line.startswith("prefill 16: ") for line in lines)
