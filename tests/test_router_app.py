@@ -663,7 +663,7 @@ def test_a_registration_sent_again_is_acknowledged_and_a_new_incarnation_replace
 
 def test_a_checkout_that_is_not_installed_reports_its_pyproject_version(monkeypatch):
     """The GPU check runs pdserve from a checkout on PYTHONPATH, with no distribution metadata:
-    the router must start, and /version says the checkout's version."""
+    /version then says the checkout's version (the router used to fail at import there)."""
 
     def not_installed(name: str) -> str:
         raise importlib.metadata.PackageNotFoundError(name)
