@@ -11,8 +11,7 @@ of bf16 weights, drawn on the device). Printed:
   tokens, beside the weight floor (weight bytes / bandwidth) and the floor with the step's KV
   reads added; the ratio to the weight floor is the figure to watch;
 - ``prefill T``: one ``T``-token chunk of a new prompt, tokens/s and TFLOP/s (matmuls and
-  causal attention) as a share of the datasheet and of the measured bf16 peak.
-
+  causal attention) as a share of the datasheet and of the measured bf16 peak;
 - ``profile batch B`` (with ``--profile``): the device's busy time in a decode step beside the
   step's wall time, and the kernels that take the most of it, per step.
 
@@ -147,9 +146,10 @@ def decode_step_seconds(engine: LLMEngine, batch: int, args: argparse.Namespace)
 def profile_decode(
     engine: LLMEngine, batch: int, args: argparse.Namespace, steps: int = 5, top: int = 12
 ) -> None:
-    """Where a decode step's device time goes, by kernel: a few steps under torch.profiler (the
-    kernels inside CUDA graph replays included), the device's busy time per step beside the
-    step's wall time (the rest is the device waiting), and the kernels that take the most."""
+    """Where a decode step's device time goes, by kernel: a few steps under torch.profiler, the
+    device's busy time per step beside the step's wall time (the rest is the device waiting),
+    and the kernels that take the most. Whether CUPTI lists the kernels inside a CUDA graph's
+    replay is the device's to say: a busy share near zero with graphs on means it did not."""
     from torch.profiler import ProfilerActivity, profile
 
     on_cuda = engine.device.type == "cuda"
