@@ -35,8 +35,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -360,7 +358,13 @@ def choose_gemm_plan(linears: list[CpuLinear]) -> GemmPlan:
     """The plan this machine chose for these layers' shapes, probing it on first use (see
     ``_probe_plan``). Concurrent first uses agree: the first plan written is the one kept."""
     path = _plan_path(linears)
-    return _read_plan(path) or _publish(path, _probe_plan(linears))
+    return _read_plan(path) or cpu_library.publish_first(
+        path, _probe_plan(linears), _encode_plan, _read_plan
+    )
+
+
+def _encode_plan(plan: GemmPlan) -> str:
+    return json.dumps({"tile_max_rows": plan.tile_max_rows, "blas_dtype": plan.blas_dtype})
 
 
 def _plan_path(linears: list[CpuLinear]) -> Path:
@@ -373,26 +377,6 @@ def _plan_path(linears: list[CpuLinear]) -> Path:
     kernels = (PROBE_ROWS, FLOAT32_BLAS, BF16_BLAS, cpu_library.bf16_tiles(), "running time")
     digest.update(repr(kernels).encode())
     return cpu_library.cache_dir() / f"gemm-plan-{digest.hexdigest()[:16]}.json"
-
-
-def _publish(path: Path, plan: GemmPlan) -> GemmPlan:
-    """Write ``plan`` unless another process wrote one first; return the plan on disk."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, private = tempfile.mkstemp(prefix=path.stem, dir=path.parent)
-    try:
-        with os.fdopen(handle, "w") as file:
-            json.dump({"tile_max_rows": plan.tile_max_rows, "blas_dtype": plan.blas_dtype}, file)
-        os.link(private, path)  # fails if the plan exists: the first one written stays
-    except FileExistsError:
-        stored = _read_plan(path)
-        if stored is not None:
-            return stored
-        os.replace(private, path)  # not a plan: this one takes its place
-        return plan
-    finally:
-        if os.path.exists(private):
-            os.unlink(private)
-    return plan
 
 
 def _read_plan(path: Path) -> GemmPlan | None:

@@ -833,6 +833,122 @@ def test_a_call_is_timed_by_its_running_time_not_its_wait_for_a_core() -> None:
         os.sched_setaffinity(0, before)
 
 
+class FakeTileLibrary:
+    """The library's bf16 tile switches over the kinds ``available`` names, recording the
+    kernel each tile GEMM ran with and its shape: what ``_machine_bf16_tiles`` decides by."""
+
+    def __init__(self, available: set[str]) -> None:
+        self.available = available
+        self.kind = cpu_library.BF16_TILES["fma"]
+        self.calls: list[tuple[str, int, int]] = []  # (kernel, rows, threads)
+
+    def name(self, code: int) -> str:
+        return next(k for k, v in cpu_library.BF16_TILES.items() if v == code)
+
+    def pdserve_bf16_tiles_available(self, code: int) -> int:
+        return int(self.name(code) in self.available)
+
+    def pdserve_use_bf16_tiles(self, code: int) -> int:
+        if self.name(code) not in self.available:
+            return -1
+        self.kind = code
+        return 0
+
+    def pdserve_bf16_tiles(self) -> int:
+        return self.kind
+
+    def pdserve_linear_bf16(self, x, x_stride, packed, bias, y, y_stride, m, n, k, threads) -> int:
+        self.calls.append((self.name(self.kind), m, threads))
+        return 0
+
+
+@pytest.mark.parametrize("dpbf16_faster_at", [(), (8,), (8, 128)])
+def test_a_machine_with_avx512_bf16_keeps_the_tile_kernel_it_timed_faster(
+    tmp_path, monkeypatch, dpbf16_faster_at
+) -> None:
+    """Without AMX, vdpbf16ps and the FMAs are timed against each other once per machine:
+    vdpbf16ps must win at a decode batch and at a prefill-sized block alike. The verdict is kept
+    on disk and every later process runs it, since the two kernels round differently; the
+    kernel in use before the probe is in use after it."""
+    library = FakeTileLibrary({"fma", "dpbf16"})
+
+    def first_is_faster(first, second, rounds: int = 4) -> bool:
+        library.calls.clear()
+        first()
+        [(kernel, rows, threads)] = set(library.calls)
+        assert kernel == "dpbf16" and threads == 1
+        assert len(library.calls) == cpu_library.BF16_TILES_PROBE_WEIGHTS
+        library.calls.clear()
+        second()
+        assert {call[0] for call in library.calls} == {"fma"}
+        return rows in dpbf16_faster_at
+
+    monkeypatch.setattr(cpu_library, "first_is_faster", first_is_faster)
+    store = tmp_path / "bf16-tiles.json"
+    expected = "dpbf16" if len(dpbf16_faster_at) == 2 else "fma"
+    library.kind = cpu_library.BF16_TILES["dpbf16"]  # the probe's last call ran the FMAs
+    assert cpu_library._machine_bf16_tiles(library, store) == expected
+    assert library.name(library.kind) == "dpbf16"
+    assert json.loads(store.read_text()) == {"kernel": expected}
+    monkeypatch.setattr(cpu_library, "first_is_faster", None)  # never timed again
+    assert cpu_library._machine_bf16_tiles(library, store) == expected
+    # Whatever the file says is what every later process runs; garbage there is timed over.
+    other = "fma" if expected == "dpbf16" else "dpbf16"
+    store.write_text(json.dumps({"kernel": other}))
+    assert cpu_library._machine_bf16_tiles(library, store) == other
+    store.write_text(json.dumps({"kernel": "amx"}))
+    monkeypatch.setattr(cpu_library, "first_is_faster", first_is_faster)
+    assert cpu_library._machine_bf16_tiles(library, store) == expected
+    assert json.loads(store.read_text()) == {"kernel": expected}
+
+
+@pytest.mark.parametrize(
+    ("available", "expected"),
+    [({"fma"}, "fma"), ({"fma", "dpbf16", "amx"}, "amx"), ({"fma", "amx"}, "amx")],
+)
+def test_a_machine_without_a_choice_to_time_runs_its_kernel_untimed(
+    tmp_path, monkeypatch, available, expected
+) -> None:
+    """AMX, where there is AMX, beats both by several times; without AVX512_BF16 the FMAs are
+    all there is. Neither times anything nor writes a choice down."""
+    monkeypatch.setattr(cpu_library, "first_is_faster", None)
+    store = tmp_path / "bf16-tiles.json"
+    assert cpu_library._machine_bf16_tiles(FakeTileLibrary(available), store) == expected
+    assert not store.exists()
+
+
+def test_the_environment_names_the_bf16_tile_kernel_over_the_machines_choice(
+    tmp_path, monkeypatch
+) -> None:
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_library, "first_is_faster", None)
+    library = FakeTileLibrary({"fma", "dpbf16"})
+    monkeypatch.setenv(cpu_library.ENV_BF16_TILES, "fma")
+    assert cpu_library._default_bf16_tiles(library, "cc") == "fma"
+    monkeypatch.setenv(cpu_library.ENV_BF16_TILES, "dpbf16")
+    assert cpu_library._default_bf16_tiles(library, "cc") == "dpbf16"
+    # A kernel this machine lacks falls back to the machine's own, AMX here.
+    monkeypatch.setenv(cpu_library.ENV_BF16_TILES, "amx")
+    library = FakeTileLibrary({"fma", "amx"})
+    assert cpu_library._default_bf16_tiles(library, "cc") == "amx"
+    assert not list(tmp_path.rglob("bf16-tiles-*.json"))
+
+
+def test_this_machine_chooses_a_bf16_tile_kernel_it_runs(backend, tmp_path) -> None:
+    """The real library on this processor: where it has AVX512_BF16 and no AMX, the two
+    kernels are timed for real over the probe's weights and the faster kept."""
+    library = cpu_library.load()
+    before = library.pdserve_bf16_tiles()
+    store = tmp_path / "bf16-tiles.json"
+    chosen = cpu_library._machine_bf16_tiles(library, store)
+    assert cpu_library.bf16_tiles_available(chosen)
+    assert library.pdserve_bf16_tiles() == before
+    timed = cpu_library.bf16_tiles_available("dpbf16") and not cpu_library.bf16_tiles_available(
+        "amx"
+    )
+    assert store.exists() == timed
+
+
 # ---------------------------------------------------------------------------------------------
 # Elementwise ops
 
