@@ -28,6 +28,7 @@ from cluster_harness import (
     worker_metric,
 )
 from tiny_models import build_tiny_chat_model
+from zmq_strangers import send_unless_refused
 
 from benchmarks import serving
 from common.config import EngineConfig, SchedulerConfig
@@ -182,7 +183,7 @@ def test_strangers_cannot_register_or_hand_off(cluster):
         rogue.setsockopt(zmq.IDENTITY, b"rogue-decode")
         rogue.setsockopt(zmq.LINGER, 0)
         rogue.connect(f"tcp://127.0.0.1:{port + 1}")
-        rogue.send(encode(RegisterWorker(
+        send_unless_refused(rogue, encode(RegisterWorker(
             protocol_version=PROTOCOL_VERSION, worker_id="rogue-decode", incarnation="rogue",
             role="decode",
             model="tiny-chat", kv_layout=KVLayout("bfloat16", 16, 2, 2, 64),
@@ -192,7 +193,7 @@ def test_strangers_cannot_register_or_hand_off(cluster):
         pusher = context.socket(zmq.PUSH)
         pusher.setsockopt(zmq.LINGER, 0)
         pusher.connect(before["decode"][0]["endpoint"])
-        pusher.send(b"not a handoff")
+        send_unless_refused(pusher, b"not a handoff")
 
         def refused(read_metric) -> float:
             """The count once it is at least 1, or at a generous deadline."""

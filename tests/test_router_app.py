@@ -23,6 +23,7 @@ from router_fakes import (
     start_fakes,
     wait_until,
 )
+from zmq_strangers import send_unless_refused
 
 from common.model.default_model import resolve_model_path
 from common.protocol import ROLE_PREFILL, AbortRequest, DecodeRequest, PrefillRequest
@@ -362,7 +363,7 @@ def test_control_socket_admits_only_holders_of_the_cluster_secret():
             stranger = context.socket(zmq.DEALER)  # a worker without the secret
             stranger.setsockopt(zmq.LINGER, 0)
             stranger.connect(router.control)
-            stranger.send(b"a registration would go here")
+            send_unless_refused(stranger, b"a registration would go here")
             deadline = time.monotonic() + 30
             while router.metric("pdserve_auth_failures_total", socket="control") < 1:
                 assert time.monotonic() < deadline, "the stranger's handshake was not refused"

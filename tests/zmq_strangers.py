@@ -1,0 +1,22 @@
+"""Sending as a peer that the other side refuses at the handshake (no cluster secret)."""
+
+from __future__ import annotations
+
+import zmq
+
+# How long a stranger's send may wait for a connection to take it.
+SEND_TIMEOUT_MS = 5000
+
+
+def send_unless_refused(sock: zmq.Socket, payload: bytes) -> bool:
+    """Send ``payload`` from a DEALER or PUSH socket whose peer may refuse its handshake; whether
+    it was queued. A refused handshake drops the connection, and a socket left with none blocks
+    its sends for good (a test that sent after the refusal hung on a loaded 2-core machine):
+    the send waits ``SEND_TIMEOUT_MS`` at most. Either way the refusal is the peer's to count,
+    and what a test asserts."""
+    sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+    try:
+        sock.send(payload)
+    except zmq.Again:
+        return False
+    return True
