@@ -239,13 +239,13 @@ def _read_bf16_tiles(store: Path) -> str | None:
 def _probe_bf16_tiles(library: ctypes.CDLL) -> str:
     """Which bf16 tile kernel this machine runs: vdpbf16ps ("dpbf16") where it multiplies the
     probe's weights faster than the FMAs at every one of ``BF16_TILES_PROBE_ROWS``, else the
-    FMAs ("fma"). One thread: which instruction a core runs faster
-    does not depend on how many cores run it, and one thread is what ``first_is_faster`` can
-    time on a busy machine. The weights' values do not matter to either kernel's speed, only
-    their bytes (one layout's size is the other's: both dimensions are multiples of the tiles'
-    32 columns and of the pairs' block of k)."""
-    import torch  # the library itself loads without torch (the CLI reads its flags); the probe
-    # alone needs buffers
+    FMAs ("fma"). One thread: which instruction a core runs faster does not depend on how many
+    cores run it, and one thread is what ``first_is_faster`` can time on a busy machine. The
+    weights' values do not matter to either kernel's speed, only their bytes (one layout's size
+    is the other's: both dimensions are multiples of the tiles' 32 columns and of the pairs'
+    block of k)."""
+    # Imported here: the library loads without torch (the CLI asks it for the CPU's flags).
+    import torch
 
     out_features, in_features = BF16_TILES_PROBE_SHAPE
     weights = [
