@@ -19,10 +19,10 @@ def _patch_device_functions_once_per_launch() -> None:
     """Triton's interpreter patches its language module (``_patch_lang``: every builtin of
     ``tl``, ``tl.tensor``, ``tl.math``, found by ``inspect.getmembers``) at each kernel launch,
     and again at every call of a ``@triton.jit`` helper inside it, in every program. The helpers'
-    patches find the language patched already and change nothing, yet cost ~3 ms each: most of
-    a store_kv launch, whose programs call three helpers per token. So a helper's first call in
-    a launch patches and its later ones skip; every launch still patches (and restores) the
-    language as before. Where this Triton has no such internals, nothing changes."""
+    patches find the language patched already and change nothing, yet cost ~3 ms each, and a
+    store_kv launch pays two to four of them per token. So a helper's first call in a launch
+    patches and its later ones skip; every launch still patches (and restores) the language as
+    before. Where this Triton has no such internals, nothing changes."""
     try:
         from triton.runtime import interpreter
 
