@@ -173,7 +173,7 @@ def _load_once() -> ctypes.CDLL | CpuKernelsUnavailable:
     library = ctypes.CDLL(str(path))
     _declare(library)
     library.pdserve_init()
-    library.pdserve_use_bf16_tiles(BF16_TILES[_default_bf16_tiles(library, compiler)])
+    library.pdserve_use_bf16_tiles(BF16_TILES[_default_bf16_tiles(library, path)])
     library.pdserve_use_bf16_pair_scores(int(_pair_scores_wanted(library)))
     return library
 
@@ -190,10 +190,11 @@ def _pair_scores_wanted(library: ctypes.CDLL) -> bool:
     return False
 
 
-def _default_bf16_tiles(library: ctypes.CDLL, compiler: str) -> str:
+def _default_bf16_tiles(library: ctypes.CDLL, library_path: Path) -> str:
     """The bf16 tile kernel a process runs: ``ENV_BF16_TILES``'s where it names one this
-    machine runs, else the machine's own (``_machine_bf16_tiles``). Fixed at load, before
-    anything packs tiles (their layout follows the kernel)."""
+    machine runs, else the machine's own (``_machine_bf16_tiles``), kept beside the library
+    file at ``library_path``, whose name already says the sources, flags and CPU it was timed
+    with. Fixed at load, before anything packs tiles (their layout follows the kernel)."""
     wanted = os.environ.get(ENV_BF16_TILES, "")
     if wanted:
         if wanted in BF16_TILES and library.pdserve_bf16_tiles_available(BF16_TILES[wanted]):
@@ -204,7 +205,7 @@ def _default_bf16_tiles(library: ctypes.CDLL, compiler: str) -> str:
             wanted,
             ", ".join(k for k, v in BF16_TILES.items() if library.pdserve_bf16_tiles_available(v)),
         )
-    return _machine_bf16_tiles(library, cache_dir() / f"bf16-tiles-{build_digest(compiler)}.json")
+    return _machine_bf16_tiles(library, library_path.with_suffix(".bf16-tiles.json"))
 
 
 def _machine_bf16_tiles(library: ctypes.CDLL, store: Path) -> str:

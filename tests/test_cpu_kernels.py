@@ -920,18 +920,17 @@ def test_a_machine_without_a_choice_to_time_runs_its_kernel_untimed(
 def test_the_environment_names_the_bf16_tile_kernel_over_the_machines_choice(
     tmp_path, monkeypatch
 ) -> None:
-    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cpu_library, "first_is_faster", None)
     library = FakeTileLibrary({"fma", "dpbf16"})
     monkeypatch.setenv(cpu_library.ENV_BF16_TILES, "fma")
-    assert cpu_library._default_bf16_tiles(library, "cc") == "fma"
+    assert cpu_library._default_bf16_tiles(library, tmp_path / "pdserve_cpu.so") == "fma"
     monkeypatch.setenv(cpu_library.ENV_BF16_TILES, "dpbf16")
-    assert cpu_library._default_bf16_tiles(library, "cc") == "dpbf16"
+    assert cpu_library._default_bf16_tiles(library, tmp_path / "pdserve_cpu.so") == "dpbf16"
     # A kernel this machine lacks falls back to the machine's own, AMX here.
     monkeypatch.setenv(cpu_library.ENV_BF16_TILES, "amx")
     library = FakeTileLibrary({"fma", "amx"})
-    assert cpu_library._default_bf16_tiles(library, "cc") == "amx"
-    assert not list(tmp_path.rglob("bf16-tiles-*.json"))
+    assert cpu_library._default_bf16_tiles(library, tmp_path / "pdserve_cpu.so") == "amx"
+    assert not list(tmp_path.glob("*.json"))
 
 
 def test_this_machine_chooses_a_bf16_tile_kernel_it_runs(backend, tmp_path) -> None:
