@@ -16,6 +16,7 @@ sequence with ``q == 1``; a prefill chunk over a cached prefix is one with ``q <
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -98,6 +99,13 @@ class AttentionBackend(ABC):
         the result to every layer's ``attention`` in place of ``meta``; it is ``meta`` or a
         subclass of it that carries the derived fields. The default derives nothing."""
         return meta
+
+    def launching_every_variant(self) -> contextlib.AbstractContextManager[None]:
+        """Inside, ``attention`` also launches each compiled variant of its kernels that it
+        could choose for the batch's kind (decode or prefill) and shapes: the start-up's forward
+        runs under it, so that none is compiled later, in front of a request. A backend whose
+        kernels are not compiled on first use has nothing to launch."""
+        return contextlib.nullcontext()
 
     @abstractmethod
     def store_kv(

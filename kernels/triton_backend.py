@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from kernels.interface import AttentionBackend, AttentionMetadata, KVCacheView
-from kernels.triton_decode_attention import decode_attention
+from kernels.triton_decode_attention import decode_attention, split_counts_to_compile
 from kernels.triton_prefill_attention import prefill_attention
 from kernels.triton_store_kv import store_kv
 
@@ -27,6 +30,18 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self, deterministic: bool = False) -> None:
         self.deterministic = deterministic
+        self._every_variant = False
+
+    @contextlib.contextmanager
+    def launching_every_variant(self) -> Iterator[None]:
+        """The prefill kernel has one variant per model and page format; the decode kernel's
+        split count picks among several (``split_counts_to_compile``), and a decode batch inside
+        launches each of them over its own inputs."""
+        self._every_variant = True
+        try:
+            yield
+        finally:
+            self._every_variant = False
 
     def store_kv(
         self,
@@ -46,5 +61,8 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         decode_only = meta.max_query_len == 1 and query.shape[0] == meta.num_seqs
         if decode_only and not self.deterministic:
+            if self._every_variant:
+                for num_splits in split_counts_to_compile(cache.key.shape[2], query.device):
+                    decode_attention(query, cache, meta, softmax_scale, num_splits=num_splits)
             return decode_attention(query, cache, meta, softmax_scale)
         return prefill_attention(query, cache, meta, softmax_scale)

@@ -38,9 +38,9 @@ _MAX_SPLITS = 128
 _PROGRAMS_PER_MULTIPROCESSOR = 4
 
 
-# The split count follows the batch and its context; left unspecialised, so that a new count
-# compiles nothing (see the prefill kernel).
-@triton.jit(do_not_specialize=["num_splits"])
+# The split count follows the batch and its context, the page tables' width its longest
+# sequence; left unspecialised, so that a new count compiles nothing (see the prefill kernel).
+@triton.jit(do_not_specialize=["num_splits", "stride_table_seq"])
 def _decode_kernel(
     q_ptr,  # [S, num_heads, head_dim]
     k_cache_ptr,  # [num_pages, page_size, num_kv_heads, head_dim], strided
@@ -206,6 +206,18 @@ def splits_to_fill(num_seqs: int, num_kv_heads: int, max_seq_len: int, multiproc
     by_occupancy = triton.cdiv(target, programs)
     by_length = triton.cdiv(max_seq_len, _MIN_TOKENS_PER_SPLIT)
     return max(1, min(by_occupancy, by_length, _MAX_SPLITS))
+
+
+def split_counts_to_compile(num_kv_heads: int, device: torch.device) -> list[int]:
+    """One split count for each compiled variant that ``default_num_splits`` can lead to on
+    ``device``: 1 (the decode kernel writes the output itself, nothing to combine), then one for
+    each width of the combine kernel's block of splits (the next power of two), up to the most
+    splits a lone sequence of any length is given."""
+    most = default_num_splits(1, num_kv_heads, _MAX_SPLITS * _MIN_TOKENS_PER_SPLIT, device)
+    counts = [1]
+    while counts[-1] < most:
+        counts.append(min(2 * counts[-1], most))
+    return counts
 
 
 def decode_attention(

@@ -53,9 +53,10 @@ def _find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-# A batch's sequence count changes from call to call: specialised, a count of 1 or a multiple of
-# 16 would compile the kernel again (seconds, in front of a request) the first time it came.
-@triton.jit(do_not_specialize=["num_seqs"])
+# A batch's sequence count changes from call to call, and so does its page tables' width (the
+# longest sequence's pages): specialised, a count of 1 or a multiple of 16 would compile the
+# kernel again (seconds, in front of a request) the first time it came.
+@triton.jit(do_not_specialize=["num_seqs", "stride_table_seq"])
 def _prefill_kernel(
     q_ptr,  # [N, num_heads, head_dim]
     k_cache_ptr,  # [num_pages, page_size, num_kv_heads, head_dim], strided

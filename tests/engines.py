@@ -1,9 +1,10 @@
 """One builder for the one-process engines the tests run: every knob a test turns, by name.
 
 The defaults are a small CPU engine: float32, a fixed pool of 256 pages of 16 tokens (no memory
-planning), prefix caching on, 256-token steps (the CPU engine's own default), prompts up to 512
-tokens, no speculation, the default kernels, decode steps one at a time (no async scheduling,
-as on any CPU), a one-process engine (``role`` None; "prefill" or "decode" for a worker's).
+planning; ``num_pages=None`` plans the pool, from ``kv_cache_memory`` bytes where given),
+prefix caching on, 256-token steps (the CPU engine's own default), prompts up to 512 tokens, no
+speculation, the default kernels, decode steps one at a time (no async scheduling, as on any
+CPU), a one-process engine (``role`` None; "prefill" or "decode" for a worker's).
 A test passes only what it changes.
 """
 
@@ -21,7 +22,8 @@ def build_engine(
     dtype: str = "float32",
     device: str = "cpu",
     kv_cache_dtype: str = "auto",
-    num_pages: int = 256,
+    num_pages: int | None = 256,
+    kv_cache_memory: int | None = None,
     page_size: int = 16,
     prefix_caching: bool = True,
     max_num_batched_tokens: int = 256,
@@ -43,6 +45,7 @@ def build_engine(
                 kv_cache_dtype=kv_cache_dtype,
                 enable_prefix_caching=prefix_caching,
                 num_pages=num_pages,
+                kv_cache_memory=kv_cache_memory,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,

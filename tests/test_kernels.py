@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from triton_variants import compiled_on_gpu, new_variants, record_variants
 
 from kernels.interface import (
     FP8_DTYPE,
@@ -43,6 +44,8 @@ from kernels.triton_backend import TritonAttentionBackend
 from kernels.triton_decode_attention import (
     _decode_kernel,
     decode_attention,
+    default_num_splits,
+    split_counts_to_compile,
     splits_to_fill,
 )
 from kernels.triton_invariant import _rms_norm_kernel, rms_norm
@@ -738,12 +741,6 @@ def test_pool_offsets_beyond_int32(kv_dtype: torch.dtype) -> None:
 # Compiled variants
 
 
-def compiled_variants(kernel) -> int:
-    """How many variants of ``kernel`` Triton has compiled on the current GPU (its per-device
-    cache's first member is the kernels by specialisation key)."""
-    return len(kernel.device_caches[torch.cuda.current_device()][0])
-
-
 @pytest.mark.gpu
 def test_a_batch_of_another_size_compiles_no_new_kernel() -> None:
     """Triton specialises an integer argument that is 1 or a multiple of 16: a prefill batch of
@@ -762,9 +759,37 @@ def test_a_batch_of_another_size_compiles_no_new_kernel() -> None:
             one = make_batch([1], [300], 1, group, head_dim, half, half)
             decode_attention(one.query, one.cache, one.meta, head_dim**-0.5, num_splits=count)
         counts = {
-            "prefill": compiled_variants(_prefill_kernel),
-            "rms_norm": compiled_variants(_rms_norm_kernel),
-            "decode": compiled_variants(_decode_kernel),
+            "prefill": compiled_on_gpu(_prefill_kernel),
+            "rms_norm": compiled_on_gpu(_rms_norm_kernel),
+            "decode": compiled_on_gpu(_decode_kernel),
         }
         first = first or counts
         assert counts == first, f"a count of {count} compiled another variant"
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="works specialisations out in the interpreter")
+def test_launching_every_variant_covers_every_split_count_a_decode_can_choose() -> None:
+    """A decode batch's split count follows its size and context; 1 writes the output in place
+    and more combine in a block as wide as the next power of two, each a compiled variant of its
+    own. The start-up's decode, launched under ``launching_every_variant``, must have launched
+    every variant that any split count the heuristic can choose on this device would need."""
+    num_kv_heads, group, head_dim = 2, 3, 32
+    batch = make_batch([1], [40], num_kv_heads, group, head_dim, torch.float32, torch.float32)
+    backend = TritonAttentionBackend()
+    scale = head_dim**-0.5
+    with record_variants() as at_start_up, backend.launching_every_variant():
+        backend.attention(batch.query, batch.cache, batch.meta, scale)
+    most = split_counts_to_compile(num_kv_heads, DEVICE)[-1]
+    assert most > 4, "more than one width of the combine's block"
+    chosen = {
+        default_num_splits(num_seqs, num_kv_heads, seq_len, DEVICE)
+        for num_seqs in (1, 2, 5, 40)
+        for seq_len in (1, 300, 2000, 10**6)
+    }
+    assert max(chosen) == most
+    with record_variants() as later:
+        for num_splits in range(1, most + 1):
+            decode_attention(batch.query, batch.cache, batch.meta, scale, num_splits=num_splits)
+        backend.attention(batch.query, batch.cache, batch.meta, scale)  # outside: one launch
+    assert new_variants(at_start_up, later) == {}
+    assert len(later["_combine_splits_kernel"]) == len(split_counts_to_compile(2, DEVICE)) - 1

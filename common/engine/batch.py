@@ -303,13 +303,20 @@ class PageTables:
         self._table = grown
 
 
+# Triton compiles a kernel once per "specialisation" of its arguments, and a pointer's is
+# whether it is a multiple of 16 bytes. Views of the staged buffer at offsets of only 8 would
+# make a step's tables land on either side of that by the sizes of the arrays before them, and
+# each new pattern compiled the kernels that read them again, seconds in front of a request.
+STAGED_ALIGNMENT = 16
+
+
 class HostStaging:
     """Moves a step's arrays to the device in one copy: on CUDA their bytes are packed into a
     pinned buffer (two, used in turn, so a step's copy never races the next step's packing),
-    each at an 8-byte aligned offset, sent with one non-blocking host-to-device copy and viewed
-    there in each array's dtype and shape; on the CPU they are wrapped, not copied. (A pinned
-    buffer is freed only once the copies from it are done: torch's host allocator records
-    them.)"""
+    each at a 16-byte aligned offset (``STAGED_ALIGNMENT``), sent with one non-blocking
+    host-to-device copy and viewed there in each array's dtype and shape; on the CPU they are
+    wrapped, not copied. (A pinned buffer is freed only once the copies from it are done:
+    torch's host allocator records them.)"""
 
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor] = []
@@ -329,7 +336,7 @@ class HostStaging:
         offsets, end = [], 0
         for raw in flat:
             offsets.append(end)
-            end += -(-raw.size // 8) * 8
+            end += -(-raw.size // STAGED_ALIGNMENT) * STAGED_ALIGNMENT
         self._turn ^= 1
         if len(self._buffers) < 2 or self._buffers[self._turn].numel() < end:
             capacity = max(end, 1 << 17) * 2

@@ -32,7 +32,7 @@ from common.config import (
 from common.engine.batch import ScheduledSequence, SequenceOutput
 from common.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from common.engine.kv_pool import KVPool, dtype_name, kv_layout
-from common.engine.memory import plan_num_pages
+from common.engine.memory import plan_num_pages, warm_up, warms_up
 from common.engine.model_runner import AroundForward, LaunchedDecodes, ModelRunner
 from common.engine.page_manager import PageManager
 from common.engine.sampler import PromptLogprob, SampledToken, Sampler
@@ -347,6 +347,11 @@ class LLMEngine:
             proposer = NgramProposer(config.ngram_min, config.ngram_max)
         else:
             model, layout = draft
+            if warms_up(self.config, self.device):
+                # A draft of another shape launches kernel variants of its own: compiled here,
+                # not at the first step that speculates.
+                tokens = min(self.config.scheduler.token_budget, self.max_model_len)
+                warm_up(model, layout, tokens, self.backend)
             # The draft's pages share the target's ids: one page table serves both.
             pool = KVPool(layout, num_pages, self.device)
             model.bind_kv(pool, self.backend)

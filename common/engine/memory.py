@@ -41,24 +41,46 @@ def parse_memory_size(text: str) -> int:
 def warm_up(
     model: LlamaForCausalLM, layout: KVLayout, num_tokens: int, backend: AttentionBackend
 ) -> None:
-    """One forward of ``num_tokens`` prompt tokens through a scratch pool (the model stays
-    bound to it: bind the real pool afterwards)."""
+    """One forward of ``num_tokens`` prompt tokens through a scratch pool, then one of a decode
+    token over them (the model stays bound to the pool: bind the real pool afterwards). Both
+    run with ``backend`` launching every variant of its kernels, so that on a GPU each is
+    compiled here: a prefill worker decodes too, a lone token over a cached prompt."""
     device = next(model.parameters()).device
     num_pages = ceil_div(num_tokens, layout.page_size)
     pool = KVPool(layout, num_pages, device)
     model.bind_kv(pool, backend)
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
-        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
-        page_tables=torch.arange(num_pages, dtype=torch.int32, device=device)[None],
-        slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=device),
-        max_query_len=num_tokens,
-        max_seq_len=num_tokens,
-    )
-    tokens = torch.zeros(num_tokens, dtype=torch.long, device=device)
-    positions = torch.arange(num_tokens, device=device)
-    last = torch.tensor([num_tokens - 1], device=device)
-    model(tokens, positions, meta, last)
+    page_tables = torch.arange(num_pages, dtype=torch.int32, device=device)[None]
+    seq_lens = torch.tensor([num_tokens], dtype=torch.int32, device=device)
+    with backend.launching_every_variant():
+        # The prompt, ``num_tokens`` query rows.
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+            seq_lens=seq_lens,
+            page_tables=page_tables,
+            slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=device),
+            max_query_len=num_tokens,
+            max_seq_len=num_tokens,
+        )
+        tokens = torch.zeros(num_tokens, dtype=torch.long, device=device)
+        positions = torch.arange(num_tokens, device=device)
+        model(tokens, positions, meta, torch.tensor([num_tokens - 1], device=device))
+        # Its last token again, as a decode step: one query row over the whole prompt.
+        last = torch.tensor([num_tokens - 1], device=device)
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=device),
+            seq_lens=seq_lens,
+            page_tables=page_tables,
+            slot_mapping=last,
+            max_query_len=1,
+            max_seq_len=num_tokens,
+        )
+        model(tokens[:1], last, meta, torch.tensor([0], device=device))
+
+
+def warms_up(config: EngineConfig, device: torch.device) -> bool:
+    """Whether an engine's start-up runs ``warm_up``: to measure a forward's activations where
+    the pool is sized from memory, and on CUDA always, where it compiles the kernels."""
+    return config.cache.num_pages is None or device.type == "cuda"
 
 
 def graph_memory(warm_up_activations: int, graph_batch: int, vocab_size: int) -> int:
@@ -97,10 +119,14 @@ def plan_num_pages(
     target's own (a draft model's page of the same id). ``graph_batch``: the largest decode
     batch CUDA graphs will be captured for, whose memory the graphs keep to themselves."""
     cache = config.cache
+    warm_tokens = min(config.scheduler.token_budget, max_model_len)
     if cache.num_pages is not None:
         num_pages = cache.num_pages
+        if warms_up(config, device):
+            # Nothing to measure, but the forwards still compile the Triton kernels a worker
+            # runs, which would otherwise compile in front of the first request.
+            warm_up(model, layout, warm_tokens, backend)
     else:
-        warm_tokens = min(config.scheduler.token_budget, max_model_len)
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
