@@ -39,6 +39,7 @@
 # GPU_CHECK_DEADLINE_S (560: no step runs past this many seconds from the start),
 # GPU_CHECK_<STEP>_S (each step's limit), GPU_CHECK_KERNELS_ARGS and GPU_CHECK_ENGINE_ARGS
 # (added to those pytest runs, e.g. -k store_kv),
+# GPU_CHECK_TEST_THREADS (1: torch's threads in each test worker),
 # GPU_CHECK_W1_ARGS (replaces W1's benchmark flags), GPU_CHECK_REALSHAPE_ARGS (replaces
 # realshape's, --profile 1,8), GPU_CHECK_GPU_SHARE (0.4), and
 # GPU_CHECK_ALLOW_CPU=1 to run the plumbing without a GPU (interpreted kernels, no bench).
@@ -74,6 +75,13 @@ xdist_flags() {
     if "$PY" -c "import xdist" 2>/dev/null; then echo "-n $1"; fi
 }
 
+# Threads for torch's host-side work in each test worker (the references' forwards): by default
+# each of the dozen workers of the two test steps ran as many threads as the host has cores,
+# beside the compiles. On an H100 host (16 cores) the engine tests' fixtures, a tiny model's
+# transformers forwards, took 60-75 s each, and an int8 engine test 165 s with 12 workers
+# against 34 s with 4 on the H200's.
+TEST_THREADS=${GPU_CHECK_TEST_THREADS:-1}
+
 # Each pytest run's closing line (the engine step has two), joined by "; ".
 pytest_figures() {
     grep -aE '^=*ERROR|[0-9]+ (passed|failed|skipped|error|errors|deselected)' "$1" | tr -d '=' |
@@ -84,21 +92,21 @@ pytest_figures() {
 
 step_kernels() {
     # shellcheck disable=SC2046,SC2086
-    "$PY" -m pytest tests/test_kernels.py -q -rfE -p no:cacheprovider $(xdist_flags 8) \
-        ${GPU_CHECK_KERNELS_ARGS:-}
+    OMP_NUM_THREADS=$TEST_THREADS "$PY" -m pytest tests/test_kernels.py -q -rfE \
+        -p no:cacheprovider $(xdist_flags 8) ${GPU_CHECK_KERNELS_ARGS:-}
 }
 
 step_engine() {
     # The tests marked gpu, and deterministic inference on the Triton path (its tests run
     # wherever Triton does, so they carry no mark): the kernels compiled, bf16 included.
     # shellcheck disable=SC2046,SC2086
-    "$PY" -m pytest tests/test_engine_equivalence.py tests/test_engine_triton.py \
-        tests/test_cuda_graphs.py tests/test_async_scheduling.py -m gpu -q -rfE \
-        -p no:cacheprovider $(xdist_flags 4) ${GPU_CHECK_ENGINE_ARGS:-}
+    OMP_NUM_THREADS=$TEST_THREADS "$PY" -m pytest tests/test_engine_equivalence.py \
+        tests/test_engine_triton.py tests/test_cuda_graphs.py tests/test_async_scheduling.py \
+        -m gpu -q -rfE -p no:cacheprovider $(xdist_flags 4) ${GPU_CHECK_ENGINE_ARGS:-}
     local marked=$?
     # shellcheck disable=SC2046,SC2086
-    "$PY" -m pytest tests/test_deterministic_triton.py -q -rfE -p no:cacheprovider \
-        $(xdist_flags 4) ${GPU_CHECK_ENGINE_ARGS:-}
+    OMP_NUM_THREADS=$TEST_THREADS "$PY" -m pytest tests/test_deterministic_triton.py -q -rfE \
+        -p no:cacheprovider $(xdist_flags 4) ${GPU_CHECK_ENGINE_ARGS:-}
     local deterministic=$?
     # 5: GPU_CHECK_ENGINE_ARGS selected nothing in that run, which is not a failure.
     ((marked == 5)) && marked=0
