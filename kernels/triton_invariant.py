@@ -12,7 +12,8 @@ These kernels fix every sum by what one row needs, whatever the batch:
   whatever the row count. ``num_rows`` is not specialised on, so one compiled kernel serves
   every batch.
 - ``rms_norm``: each row reduced whole within one program, as many rows to a program as
-  the row's size allows (so never a function of the batch).
+  the row's size allows (so never a function of the batch); ``add_rms_norm`` adds the residual
+  first, in the same pass.
 
 Twins: ``torch.nn.functional.linear`` and ``common.model.llama.RMSNorm`` (equal up to summation
 order; the tests check that and the invariance itself).
@@ -121,6 +122,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.view(*x.shape[:-1], n)
 
 
+@triton.jit
+def _normalise_rows(x, weight_ptr, out_ptr, offs, size, eps):
+    """The RMSNorm of float32 rows ``x [ROWS, BLOCK]`` (zeros past ``size``), in the dtype of
+    ``out_ptr``'s elements; both norm kernels' one copy of it, so that they round alike."""
+    dtype = out_ptr.dtype.element_ty
+    # Every row of the block is reduced alike, so a row's sum does not depend on its neighbours.
+    mean_square = tl.sum(x * x, 1) / size
+    normed = (x * (1.0 / tl.sqrt(mean_square + eps))[:, None]).to(dtype)
+    # As the torch module: the normalised row is rounded to the model's dtype, then scaled.
+    weight = tl.load(weight_ptr + offs, mask=offs < size, other=0.0)
+    return (normed.to(tl.float32) * weight.to(tl.float32)[None, :]).to(dtype)
+
+
 @triton.jit(do_not_specialize=["num_rows"])  # as the linear kernel's
 def _rms_norm_kernel(
     x_ptr,  # [num_rows, size], unit stride along size
@@ -138,48 +152,113 @@ def _rms_norm_kernel(
     mask = (rows < num_rows)[:, None] & (offs < size)[None, :]
     rows = rows.to(tl.int64)
     x = tl.load(x_ptr + rows[:, None] * stride_x_row + offs[None, :], mask=mask, other=0.0)
-    x = x.to(tl.float32)
-    # Every row of the block is reduced alike, so a row's sum does not depend on its neighbours.
-    mean_square = tl.sum(x * x, 1) / size
-    normed = (x * (1.0 / tl.sqrt(mean_square + eps))[:, None]).to(out_ptr.dtype.element_ty)
-    # As the torch module: the normalised row is rounded to the model's dtype, then scaled.
-    weight = tl.load(weight_ptr + offs, mask=offs < size, other=0.0)
-    out = normed.to(tl.float32) * weight.to(tl.float32)[None, :]
-    tl.store(
-        out_ptr + rows[:, None] * size + offs[None, :], out.to(out_ptr.dtype.element_ty), mask=mask
+    out = _normalise_rows(x.to(tl.float32), weight_ptr, out_ptr, offs, size, eps)
+    tl.store(out_ptr + rows[:, None] * size + offs[None, :], out, mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _add_rms_norm_kernel(
+    x_ptr,  # [num_rows, size], unit stride along size
+    delta_ptr,  # [num_rows, size], unit stride along size
+    weight_ptr,  # [size]
+    total_ptr,  # [num_rows, size], contiguous: x + delta
+    out_ptr,  # [num_rows, size], contiguous: its norm
+    num_rows,
+    size,
+    stride_x_row,
+    stride_delta_row,
+    eps,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    offs = tl.arange(0, BLOCK)
+    mask = (rows < num_rows)[:, None] & (offs < size)[None, :]
+    rows = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows[:, None] * stride_x_row + offs[None, :], mask=mask, other=0.0)
+    delta = tl.load(
+        delta_ptr + rows[:, None] * stride_delta_row + offs[None, :], mask=mask, other=0.0
     )
+    # As torch adds two 16-bit tensors: in float32, rounded once to their dtype.
+    total = (x.to(tl.float32) + delta.to(tl.float32)).to(total_ptr.dtype.element_ty)
+    tl.store(total_ptr + rows[:, None] * size + offs[None, :], total, mask=mask)
+    out = _normalise_rows(total.to(tl.float32), weight_ptr, out_ptr, offs, size, eps)
+    tl.store(out_ptr + rows[:, None] * size + offs[None, :], out, mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of every row of ``x [..., size]`` in float32; how many rows a program takes
-    depends on ``size`` alone."""
+def _check_norm_operands(x: torch.Tensor, weight: torch.Tensor) -> None:
     size = x.shape[-1]
     if x.dtype not in _DTYPES or weight.shape != (size,):
         raise ValueError(
             f"rms_norm needs fp16/bf16/fp32 rows matching weight {tuple(weight.shape)}, "
             f"got {x.dtype} {tuple(x.shape)}"
         )
-    rows = x.reshape(-1, size)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    num_rows = rows.shape[0]
+
+
+def _rows_of(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as [rows, size] with unit stride along a row."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _norm_launch(size: int) -> tuple[int, dict[str, int]]:
+    """Rows per program and the launch's constants, which depend on ``size`` alone (so never
+    on the batch)."""
+    block = triton.next_power_of_2(size)
+    rows_per_program = max(1, NORM_BLOCK_ELEMENTS // block)
+    return rows_per_program, {
+        "ROWS": rows_per_program,
+        "BLOCK": block,
+        "num_warps": 4 if block <= 4096 else 8,
+    }
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of every row of ``x [..., size]`` in float32; how many rows a program takes
+    depends on ``size`` alone."""
+    _check_norm_operands(x, weight)
+    rows = _rows_of(x)
+    num_rows, size = rows.shape
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if num_rows > 0:
-        block = triton.next_power_of_2(size)
-        rows_per_program = max(1, NORM_BLOCK_ELEMENTS // block)
+        rows_per_program, launch = _norm_launch(size)
         _rms_norm_kernel[(triton.cdiv(num_rows, rows_per_program),)](
+            rows, weight, out, num_rows, size, rows.stride(0), eps, **launch
+        )
+    return out.view(x.shape)
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x + delta, rms_norm(x + delta))`` in one kernel, the same bits as the two calls: a
+    layer's residual add and the norm after it, which read and wrote the rows twice more."""
+    _check_norm_operands(x, weight)
+    if delta.shape != x.shape or delta.dtype != x.dtype:
+        raise ValueError(
+            f"add_rms_norm adds rows of one shape and dtype, got {x.dtype} {tuple(x.shape)} "
+            f"and {delta.dtype} {tuple(delta.shape)}"
+        )
+    rows, deltas = _rows_of(x), _rows_of(delta)
+    num_rows, size = rows.shape
+    total = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if num_rows > 0:
+        rows_per_program, launch = _norm_launch(size)
+        _add_rms_norm_kernel[(triton.cdiv(num_rows, rows_per_program),)](
             rows,
+            deltas,
             weight,
+            total,
             out,
             num_rows,
             size,
             rows.stride(0),
+            deltas.stride(0),
             eps,
-            ROWS=rows_per_program,
-            BLOCK=block,
-            num_warps=4 if block <= 4096 else 8,
+            **launch,
         )
-    return out.view(x.shape)
+    return total.view(x.shape), out.view(x.shape)
 
 
 class InvariantLinear(nn.Module):
@@ -204,3 +283,10 @@ class InvariantRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(
+        self, x: torch.Tensor, delta: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # x + delta, and its norm
+        """``(x + delta, self(x + delta))`` in one kernel (``add_rms_norm``), the same bits
+        as the two calls; ``common.model.llama.add_and_norm`` finds it."""
+        return add_rms_norm(x, delta, self.weight, self.eps)

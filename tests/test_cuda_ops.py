@@ -14,7 +14,7 @@ from common.model.llama import RMSNorm, RotaryApply, SiluAndMul
 from common.sampling_params import SamplingParams
 from kernels.cuda_ops import CudaRotaryApply, CudaSiluAndMul, cuda_ops_apply
 from kernels.layer_kernels import CudaKernels
-from kernels.triton_invariant import InvariantRMSNorm
+from kernels.triton_invariant import InvariantRMSNorm, add_rms_norm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.bfloat16, torch.float16]
@@ -78,6 +78,42 @@ def test_rms_norm_matches_the_twin(dtype: torch.dtype, shape: tuple[int, ...]) -
     torch.testing.assert_close(
         got, expected, atol=0, rtol=2**-6 if dtype == torch.bfloat16 else 2**-9
     )
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float32])
+@pytest.mark.parametrize("num_rows", [1, 9])
+def test_add_rms_norm_gives_the_bits_of_the_add_then_the_norm(
+    dtype: torch.dtype, num_rows: int
+) -> None:
+    """The residual add and the norm after it in one kernel: the sum has torch's add's bits
+    and its norm the norm kernel's, also where the delta is a strided view (a slice of a wider
+    output) and its rows' sum cancels."""
+    torch.manual_seed(3)
+    size = 576
+    norm = InvariantRMSNorm((torch.rand(size, device=DEVICE) + 0.5).to(dtype), 1e-5)
+    hidden = (torch.randn(num_rows, size, device=DEVICE) * 3).to(dtype)
+    wider = (torch.randn(num_rows, 2 * size, device=DEVICE) * 3).to(dtype)
+    delta = wider[:, size:]
+    delta[0, :8] = -hidden[0, :8]  # sums of exactly zero
+    total, normed = norm.add_and_norm(hidden, delta)
+    expected_total = hidden + delta
+    assert total.shape == normed.shape == hidden.shape and total.dtype == normed.dtype == dtype
+    assert_twins_bits(total, expected_total)
+    assert torch.equal(normed, norm(total))
+    assert torch.equal(total[0, :8], torch.zeros(8, dtype=dtype, device=DEVICE))
+
+
+def test_add_rms_norm_refuses_rows_that_do_not_match() -> None:
+    weight = torch.ones(64, device=DEVICE)
+    x = torch.randn(3, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        add_rms_norm(x, torch.randn(2, 64, device=DEVICE), weight, 1e-6)
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        add_rms_norm(x, x.half(), weight, 1e-6)
+    with pytest.raises(ValueError, match="matching weight"):
+        add_rms_norm(x, x, torch.ones(32, device=DEVICE), 1e-6)
+    empty = torch.empty(0, 64, device=DEVICE)
+    assert [t.shape for t in add_rms_norm(empty, empty, weight, 1e-6)] == [(0, 64), (0, 64)]
 
 
 def test_empty_batches_and_which_models_they_serve() -> None:
