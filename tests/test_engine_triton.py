@@ -184,16 +184,16 @@ def test_a_speculating_engine_compiles_its_drafts_kernel_variants_at_start_up(
 @pytest.mark.gpu
 def test_on_cuda_a_prefill_workers_requests_compile_no_kernel(tmp_path, monkeypatch):
     """The compiled twin of the prefill worker's test above: Triton's own caches on the GPU
-    count every kernel's variants, in bf16, so the one-kernel norms, RoPE and SiLU-and-multiply
-    are among them. None grows after the start-up."""
+    count every kernel's variants, in bf16, so that the one-kernel norms (with the residual
+    adds), RoPE and SiLU-and-multiply are counted too. None grows after the start-up."""
     from kernels.cuda_ops import _rope_kernel, _silu_and_mul_kernel
     from kernels.triton_decode_attention import _combine_splits_kernel, _decode_kernel
-    from kernels.triton_invariant import _rms_norm_kernel
+    from kernels.triton_invariant import _add_rms_norm_kernel, _rms_norm_kernel
     from kernels.triton_prefill_attention import _prefill_kernel
     from kernels.triton_store_kv import _store_kv_kernel
 
     kernels = (_prefill_kernel, _decode_kernel, _combine_splits_kernel, _store_kv_kernel)
-    kernels += (_rms_norm_kernel, _rope_kernel, _silu_and_mul_kernel)
+    kernels += (_rms_norm_kernel, _add_rms_norm_kernel, _rope_kernel, _silu_and_mul_kernel)
     folder = build_tiny_model("qwen2-bias", tmp_path / "model")
     monkeypatch.setenv(ENV_VAR, "triton")
     engine = build_engine(
