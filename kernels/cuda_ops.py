@@ -20,6 +20,8 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from kernels.sizes import ceil_div, next_power_of_2
+
 # 16-bit only: every kernel rounds between its products and sums, as its twin does, so no FMA
 # contraction can change a bit; in float32 a compiler would contract them, and float32 is the
 # dtype the engine is checked against transformers in.
@@ -80,9 +82,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of ``gate_up [rows, 2 * size]`` (gate first)."""
     size = gate_up.shape[-1] // 2
     out = torch.empty(gate_up.shape[0], size, dtype=gate_up.dtype, device=gate_up.device)
-    block = min(1024, triton.next_power_of_2(size))
+    block = min(1024, next_power_of_2(size))
     if gate_up.shape[0]:
-        grid = (gate_up.shape[0], triton.cdiv(size, block))
+        grid = (gate_up.shape[0], ceil_div(size, block))
         _silu_and_mul_kernel[grid](gate_up, out, size, gate_up.stride(0), BLOCK=block)
     return out
 
@@ -95,8 +97,8 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
         _rope_kernel[(tokens,)](
             x, cos, sin, heads, x.stride(0), x.stride(1), cos.stride(0),
             HALF=half,
-            BLOCK_HEADS=triton.next_power_of_2(heads),
-            BLOCK_HALF=triton.next_power_of_2(half),
+            BLOCK_HEADS=next_power_of_2(heads),
+            BLOCK_HALF=next_power_of_2(half),
         )  # fmt: skip
     return x
 

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from kernels.interface import AttentionMetadata, KVCacheView
+from kernels.sizes import ceil_div, next_power_of_2
 from kernels.triton_paged import (
     LOG2E,
     attend_span,
@@ -203,8 +204,8 @@ def splits_to_fill(num_seqs: int, num_kv_heads: int, max_seq_len: int, multiproc
     target = _PROGRAMS_PER_MULTIPROCESSOR * multiprocessors
     if programs >= target:
         return 1
-    by_occupancy = triton.cdiv(target, programs)
-    by_length = triton.cdiv(max_seq_len, _MIN_TOKENS_PER_SPLIT)
+    by_occupancy = ceil_div(target, programs)
+    by_length = ceil_div(max_seq_len, _MIN_TOKENS_PER_SPLIT)
     return max(1, min(by_occupancy, by_length, _MAX_SPLITS))
 
 
@@ -286,7 +287,7 @@ def decode_attention(
         meta.page_tables.stride(0),
         GROUP=group,
         HEAD_DIM=head_dim,
-        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_G=max(16, next_power_of_2(group)),
         BLOCK_D=block_d,
         BLOCK_N=tiles.block_n,
         KV_QUANT=args.kv_quant,
@@ -303,7 +304,7 @@ def decode_attention(
             out.stride(1),
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
-            BLOCK_SPLITS=triton.next_power_of_2(num_splits),
+            BLOCK_SPLITS=next_power_of_2(num_splits),
             num_warps=4,
         )
     return out

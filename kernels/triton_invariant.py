@@ -28,6 +28,8 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from kernels.sizes import ceil_div, next_power_of_2
+
 # One tile shape for every call: a change here changes every deterministic answer. Triton's
 # interpreter (the tests on a CPU) pays per program and per op, not per element, so it takes
 # wider tiles; invariance holds for any one shape.
@@ -101,7 +103,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     n = weight.shape[0]
     out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     if num_rows > 0:
-        grid = (triton.cdiv(num_rows, BLOCK_M), triton.cdiv(n, BLOCK_N))
+        grid = (ceil_div(num_rows, BLOCK_M), ceil_div(n, BLOCK_N))
         _linear_kernel[grid](
             rows,
             weight,
@@ -204,7 +206,7 @@ def _rows_of(x: torch.Tensor) -> torch.Tensor:
 def _norm_launch(size: int) -> tuple[int, dict[str, int]]:
     """Rows per program and the launch's constants, which depend on ``size`` alone (so never
     on the batch)."""
-    block = triton.next_power_of_2(size)
+    block = next_power_of_2(size)
     rows_per_program = max(1, NORM_BLOCK_ELEMENTS // block)
     return rows_per_program, {
         "ROWS": rows_per_program,
@@ -222,7 +224,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if num_rows > 0:
         rows_per_program, launch = _norm_launch(size)
-        _rms_norm_kernel[(triton.cdiv(num_rows, rows_per_program),)](
+        _rms_norm_kernel[(ceil_div(num_rows, rows_per_program),)](
             rows, weight, out, num_rows, size, rows.stride(0), eps, **launch
         )
     return out.view(x.shape)
@@ -245,7 +247,7 @@ def add_rms_norm(
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if num_rows > 0:
         rows_per_program, launch = _norm_launch(size)
-        _add_rms_norm_kernel[(triton.cdiv(num_rows, rows_per_program),)](
+        _add_rms_norm_kernel[(ceil_div(num_rows, rows_per_program),)](
             rows,
             deltas,
             weight,

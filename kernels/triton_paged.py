@@ -22,6 +22,7 @@ from kernels.interface import (
     AttentionMetadata,
     KVCacheView,
 )
+from kernels.sizes import next_power_of_2
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Quantised page dtypes: the kernels' KV_QUANT flag ("none" for pages in an activation dtype)
@@ -186,7 +187,7 @@ def check_softmax_scale(softmax_scale: float) -> None:
 
 def head_block(head_dim: int) -> int:
     # tl.dot needs every tile side >= 16; a head_dim of 80 or 96 pads to the next power of two.
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
 @triton.jit

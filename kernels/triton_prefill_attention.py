@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels.interface import AttentionMetadata, KVCacheView
+from kernels.sizes import next_power_of_2
 from kernels.triton_paged import (
     LOG2E,
     attend_span,
@@ -198,7 +199,7 @@ def prefill_attention(
     if tiles is None:
         tiles = prefill_tiles(query.device, block_d, args.kv_quant)
     # A tile holds whole GQA groups: at least one group's rows, rounded up to a power of two.
-    block_m = max(tiles.block_m, triton.next_power_of_2(group))
+    block_m = max(tiles.block_m, next_power_of_2(group))
     block_q = block_m // group
     grid = (num_tokens // block_q + meta.num_seqs, args.num_kv_heads)
     _prefill_kernel[grid](

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from kernels.interface import FP8_MAX, FP8_MIN_SCALE, INT8_MAX, INT8_SCALE_BITS_BASE, KVCacheView
+from kernels.sizes import next_power_of_2
 from kernels.triton_paged import ACTIVATION_DTYPES, check_cache, int8_scale
 
 # Globals read inside a kernel must be constexpr.
@@ -202,8 +203,8 @@ def store_kv(
         *args.kv_strides,
         *args.scale_strides,
         HEAD_DIM=args.head_dim,
-        BLOCK_H=triton.next_power_of_2(args.num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(args.head_dim),
+        BLOCK_H=next_power_of_2(args.num_kv_heads),
+        BLOCK_D=next_power_of_2(args.head_dim),
         KV_QUANT=args.kv_quant,
         num_warps=4,
     )

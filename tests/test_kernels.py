@@ -39,7 +39,7 @@ from kernels.reference import (
     store_kv_reference,
 )
 from kernels.registry import get_attention_backend
-from kernels.sizes import ceil_div
+from kernels.sizes import ceil_div, next_power_of_2
 from kernels.triton_backend import TritonAttentionBackend
 from kernels.triton_decode_attention import (
     _decode_kernel,
@@ -519,6 +519,17 @@ def test_decode_attention_every_tile_candidate(tiles: DecodeTiles, num_splits: i
         batch.query, batch.cache, batch.meta, 64**-0.5, num_splits=num_splits, tiles=tiles
     )
     assert_matches_reference(out, batch, torch.float32)
+
+
+def test_the_hosts_block_sizes_are_tritons() -> None:
+    """The launches' block sizes come from ``kernels.sizes``, not from Triton's constexpr
+    functions (microseconds a call on the host): the same numbers."""
+    import triton
+
+    for n in [*range(1, 2100), 2**20 - 1, 2**20, 2**20 + 1]:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        assert ceil_div(n, 7) == triton.cdiv(n, 7) and ceil_div(n, 64) == triton.cdiv(n, 64)
+    assert next_power_of_2(0) == 1  # a block of at least one
 
 
 def test_tiles_fit_the_head_size() -> None:
