@@ -30,23 +30,10 @@ import os
 import pstats
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, MLP, VOCAB = 30, 9, 3, 64, 576, 1536, 1024
 CONTEXT = 64  # tokens of context each decode row attends over
 PAGE_SIZE = 16
-
-
-def best_time(run: Callable[[], object], rounds: int) -> float:
-    """The fastest of ``rounds`` calls of ``run`` (this machine is shared), after one more."""
-    run()
-    best = float("inf")
-    for _ in range(rounds):
-        began = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - began)
-    return best
 
 
 def measure(args: argparse.Namespace) -> None:
@@ -59,6 +46,7 @@ def measure(args: argparse.Namespace) -> None:
     from common.config import ModelConfig
     from common.engine.kv_pool import KVPool, kv_layout
     from common.model.loader import load_model
+    from kernels.cpu_library import best_seconds
     from kernels.interface import AttentionMetadata
     from kernels.layer_kernels import CudaKernels
     from kernels.triton_backend import TritonAttentionBackend
@@ -126,7 +114,7 @@ def measure(args: argparse.Namespace) -> None:
             (f"decode {args.batch} rows", decode_forward),
             (f"prefill {args.prompt} tokens", prefill_forward),
         ):
-            seconds = best_time(forward, args.rounds)
+            seconds = best_seconds(forward, args.rounds)  # this machine is shared
             per_layer = seconds / LAYERS * 1e6
             print(f"{label}: {seconds * 1e3:.2f} ms a forward, {per_layer:.0f} us a layer")
         if args.profile:

@@ -125,6 +125,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 @triton.jit
+def _row_block(num_rows, size, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's ``ROWS`` rows (int64, for the offsets), the ``BLOCK`` columns, and which
+    of them exist."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    offs = tl.arange(0, BLOCK)
+    mask = (rows < num_rows)[:, None] & (offs < size)[None, :]
+    return rows.to(tl.int64), offs, mask
+
+
+@triton.jit
+def _load_rows(ptr, stride_row, rows, offs, mask):
+    """Rows of a [num_rows, size] tensor with unit stride along a row, in float32 (zeros
+    outside ``mask``)."""
+    x = tl.load(ptr + rows[:, None] * stride_row + offs[None, :], mask=mask, other=0.0)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _normalise_rows(x, weight_ptr, out_ptr, offs, size, eps):
     """The RMSNorm of float32 rows ``x [ROWS, BLOCK]`` (zeros past ``size``), in the dtype of
     ``out_ptr``'s elements; both norm kernels' one copy of it, so that they round alike."""
@@ -149,12 +167,9 @@ def _rms_norm_kernel(
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    offs = tl.arange(0, BLOCK)
-    mask = (rows < num_rows)[:, None] & (offs < size)[None, :]
-    rows = rows.to(tl.int64)
-    x = tl.load(x_ptr + rows[:, None] * stride_x_row + offs[None, :], mask=mask, other=0.0)
-    out = _normalise_rows(x.to(tl.float32), weight_ptr, out_ptr, offs, size, eps)
+    rows, offs, mask = _row_block(num_rows, size, ROWS, BLOCK)
+    x = _load_rows(x_ptr, stride_x_row, rows, offs, mask)
+    out = _normalise_rows(x, weight_ptr, out_ptr, offs, size, eps)
     tl.store(out_ptr + rows[:, None] * size + offs[None, :], out, mask=mask)
 
 
@@ -173,16 +188,11 @@ def _add_rms_norm_kernel(
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    offs = tl.arange(0, BLOCK)
-    mask = (rows < num_rows)[:, None] & (offs < size)[None, :]
-    rows = rows.to(tl.int64)
-    x = tl.load(x_ptr + rows[:, None] * stride_x_row + offs[None, :], mask=mask, other=0.0)
-    delta = tl.load(
-        delta_ptr + rows[:, None] * stride_delta_row + offs[None, :], mask=mask, other=0.0
-    )
+    rows, offs, mask = _row_block(num_rows, size, ROWS, BLOCK)
+    x = _load_rows(x_ptr, stride_x_row, rows, offs, mask)
+    delta = _load_rows(delta_ptr, stride_delta_row, rows, offs, mask)
     # As torch adds two 16-bit tensors: in float32, rounded once to their dtype.
-    total = (x.to(tl.float32) + delta.to(tl.float32)).to(total_ptr.dtype.element_ty)
+    total = (x + delta).to(total_ptr.dtype.element_ty)
     tl.store(total_ptr + rows[:, None] * size + offs[None, :], total, mask=mask)
     out = _normalise_rows(total.to(tl.float32), weight_ptr, out_ptr, offs, size, eps)
     tl.store(out_ptr + rows[:, None] * size + offs[None, :], out, mask=mask)
