@@ -49,6 +49,7 @@ def measure(args: argparse.Namespace) -> None:
     from kernels.cpu_library import best_seconds
     from kernels.interface import AttentionMetadata
     from kernels.layer_kernels import CudaKernels
+    from kernels.sizes import ceil_div
     from kernels.triton_backend import TritonAttentionBackend
 
     InterpretedFunction.run = lambda self, *args, grid, warmup, **kwargs: None
@@ -75,12 +76,12 @@ def measure(args: argparse.Namespace) -> None:
     # Every linear layer and the head go through it.
     functional.linear = lambda x, weight, bias=None: x.new_empty(*x.shape[:-1], weight.shape[0])
     rows = max(args.batch * CONTEXT, args.prompt)
-    num_pages = -(-rows // PAGE_SIZE) + args.batch
+    num_pages = ceil_div(rows, PAGE_SIZE) + args.batch
     pool = KVPool(kv_layout(dtype, PAGE_SIZE, LAYERS, KV_HEADS, HEAD_DIM), num_pages, device)
     model.bind_kv(pool, TritonAttentionBackend())
 
     def decode_forward() -> None:
-        batch, pages = args.batch, -(-CONTEXT // PAGE_SIZE)
+        batch, pages = args.batch, ceil_div(CONTEXT, PAGE_SIZE)
         meta = AttentionMetadata(
             query_start_loc=torch.arange(batch + 1, dtype=torch.int32),
             seq_lens=torch.full((batch,), CONTEXT, dtype=torch.int32),
@@ -93,7 +94,7 @@ def measure(args: argparse.Namespace) -> None:
         model(torch.ones(batch, dtype=torch.long), positions, meta, torch.arange(batch))
 
     def prefill_forward() -> None:
-        tokens, pages = args.prompt, -(-args.prompt // PAGE_SIZE)
+        tokens, pages = args.prompt, ceil_div(args.prompt, PAGE_SIZE)
         meta = AttentionMetadata(
             query_start_loc=torch.tensor([0, tokens], dtype=torch.int32),
             seq_lens=torch.tensor([tokens], dtype=torch.int32),

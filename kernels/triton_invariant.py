@@ -213,16 +213,13 @@ def _rows_of(x: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def _norm_launch(size: int) -> tuple[int, dict[str, int]]:
-    """Rows per program and the launch's constants, which depend on ``size`` alone (so never
-    on the batch)."""
+def _norm_launch(num_rows: int, size: int) -> tuple[tuple[int], dict[str, int]]:
+    """The grid of a norm kernel over ``num_rows`` rows and its constants: how many rows a
+    program takes depends on ``size`` alone (so never on the batch)."""
     block = next_power_of_2(size)
     rows_per_program = max(1, NORM_BLOCK_ELEMENTS // block)
-    return rows_per_program, {
-        "ROWS": rows_per_program,
-        "BLOCK": block,
-        "num_warps": 4 if block <= 4096 else 8,
-    }
+    launch = {"ROWS": rows_per_program, "BLOCK": block, "num_warps": 4 if block <= 4096 else 8}
+    return (ceil_div(num_rows, rows_per_program),), launch
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -233,10 +230,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     num_rows, size = rows.shape
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if num_rows > 0:
-        rows_per_program, launch = _norm_launch(size)
-        _rms_norm_kernel[(ceil_div(num_rows, rows_per_program),)](
-            rows, weight, out, num_rows, size, rows.stride(0), eps, **launch
-        )
+        grid, launch = _norm_launch(num_rows, size)
+        _rms_norm_kernel[grid](rows, weight, out, num_rows, size, rows.stride(0), eps, **launch)
     return out.view(x.shape)
 
 
@@ -256,8 +251,8 @@ def add_rms_norm(
     total = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if num_rows > 0:
-        rows_per_program, launch = _norm_launch(size)
-        _add_rms_norm_kernel[(ceil_div(num_rows, rows_per_program),)](
+        grid, launch = _norm_launch(num_rows, size)
+        _add_rms_norm_kernel[grid](
             rows,
             deltas,
             weight,

@@ -51,6 +51,7 @@ def warm_up(
     model.bind_kv(pool, backend)
     page_tables = torch.arange(num_pages, dtype=torch.int32, device=device)[None]
     seq_lens = torch.tensor([num_tokens], dtype=torch.int32, device=device)
+    last = torch.tensor([num_tokens - 1], device=device)
     with backend.launching_every_variant():
         # The prompt, ``num_tokens`` query rows.
         meta = AttentionMetadata(
@@ -63,9 +64,8 @@ def warm_up(
         )
         tokens = torch.zeros(num_tokens, dtype=torch.long, device=device)
         positions = torch.arange(num_tokens, device=device)
-        model(tokens, positions, meta, torch.tensor([num_tokens - 1], device=device))
+        model(tokens, positions, meta, last)
         # Its last token again, as a decode step: one query row over the whole prompt.
-        last = torch.tensor([num_tokens - 1], device=device)
         meta = AttentionMetadata(
             query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=device),
             seq_lens=seq_lens,
