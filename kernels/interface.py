@@ -2,7 +2,8 @@
 
 The model runner calls, for every layer of one forward:
 
-1. ``store_kv`` to write the step's new keys and values into their pages, then
+1. ``store_kv`` to write the step's new keys and values into their pages (or
+   ``rotate_and_store_kv``, which first rotates the queries and keys by RoPE), then
 2. ``attention`` to attend every new query token over its sequence's whole context, which is
    read back from the pages (so the tokens of this step are seen exactly as later steps will see
    them, FP8 rounding included).
@@ -21,6 +22,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -122,6 +124,23 @@ class AttentionBackend(ABC):
         ``amax / 127`` and round to nearest (``reference.quantize_int8``). Only the given slots
         are modified.
         """
+
+    def rotate_and_store_kv(
+        self,
+        rotary: nn.Module,  # the layer's RoPE: (q, k, cos, sin) -> (q, k)
+        query: torch.Tensor,  # [N, num_heads, head_dim]
+        key: torch.Tensor,  # [N, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [N, num_kv_heads, head_dim]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [N, head_dim]
+        cache: KVCacheView,
+        slot_mapping: torch.Tensor,  # [N] int64
+    ) -> torch.Tensor:  # the rotated query
+        """``rotary`` on the queries and keys, then ``store_kv`` of the rotated keys and the
+        values. A backend with a kernel that gives ``rotary``'s bits may do all of it in one
+        pass; the rotated keys are then only in the pages, where ``attention`` reads them."""
+        query, key = rotary(query, key, *rope)
+        self.store_kv(key, value, cache, slot_mapping)
+        return query
 
     @abstractmethod
     def attention(

@@ -6,11 +6,13 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+from torch import nn
 
+from kernels.cuda_ops import CudaRotaryApply
 from kernels.interface import AttentionBackend, AttentionMetadata, KVCacheView
 from kernels.triton_decode_attention import decode_attention, split_counts_to_compile
 from kernels.triton_prefill_attention import prefill_attention
-from kernels.triton_store_kv import store_kv
+from kernels.triton_store_kv import rotate_and_store_kv, store_kv
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -51,6 +53,23 @@ class TritonAttentionBackend(AttentionBackend):
         slot_mapping: torch.Tensor,
     ) -> None:
         store_kv(key, value, cache, slot_mapping)
+
+    def rotate_and_store_kv(
+        self,
+        rotary: nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: KVCacheView,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """One launch where the layer's RoPE is ``CudaRotaryApply``, whose bits the store kernel
+        gives: on CUDA a layer's RoPE and store were three launches."""
+        if isinstance(rotary, CudaRotaryApply):
+            rotate_and_store_kv(query, key, value, *rope, cache, slot_mapping)
+            return query
+        return super().rotate_and_store_kv(rotary, query, key, value, rope, cache, slot_mapping)
 
     def attention(
         self,

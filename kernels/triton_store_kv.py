@@ -1,6 +1,12 @@
 """KV store: write a step's new keys and values into their pages, quantising to FP8 or int8.
 
-Twin: ``kernels.reference.store_kv_reference``.
+``rotate_and_store_kv`` also rotates the step's queries and keys by RoPE on the way, as
+``kernels/cuda_ops.py``'s kernel does: on CUDA that is one launch a layer where RoPE and the
+store took three (RoPE on the queries, on the keys, then the store), and a small model's decode
+step is mostly launches.
+
+Twins: ``kernels.reference.store_kv_reference``; for the rotation, ``common.model.llama``'s
+``apply_rope``.
 """
 
 from __future__ import annotations
@@ -55,21 +61,55 @@ def _int8_scale_code(amax):
 
 
 @triton.jit
+def _load_heads(
+    src_ptr,  # [heads, head_dim] at one token, unit stride within a head
+    stride_head,
+    offs_h,  # [BLOCK_H]
+    offs_d,  # [BLOCK_D]
+    mask,  # [BLOCK_H, BLOCK_D]
+):
+    return tl.load(src_ptr + offs_h[:, None] * stride_head + offs_d[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _rotated_heads(
+    src_ptr,  # [heads, head_dim] at one token, unit stride within a head
+    stride_head,
+    cos,  # [1, BLOCK_D] float32 (its two halves equal)
+    sin,  # [1, BLOCK_D] float32
+    offs_h,  # [BLOCK_H]
+    offs_d,  # [BLOCK_D]
+    mask,  # [BLOCK_H, BLOCK_D]
+    HEAD_DIM: tl.constexpr,
+):
+    """RoPE of the head vectors at ``src_ptr``, in their dtype: ``x * cos + cat(-x2, x1) *
+    sin`` with each product rounded to the dtype before the sum, as the torch twin rounds."""
+    in_first_half = offs_d < HEAD_DIM // 2
+    # Each element's partner in the other half: x2 beside x1 and x1 beside x2.
+    partner = tl.where(in_first_half, offs_d + HEAD_DIM // 2, offs_d - HEAD_DIM // 2)
+    x = _load_heads(src_ptr, stride_head, offs_h, offs_d, mask)
+    x_partner = _load_heads(src_ptr, stride_head, offs_h, partner, mask)
+    dtype = x.dtype
+    x, x_partner = x.to(tl.float32), x_partner.to(tl.float32)
+    # Negating is exact, so -x2 * sin here rounds as the twin's (-x2) * sin does.
+    x_partner = tl.where(in_first_half[None, :], -x_partner, x_partner)
+    turned = (x * cos).to(dtype).to(tl.float32) + (x_partner * sin).to(dtype).to(tl.float32)
+    return turned.to(dtype)
+
+
+@triton.jit
 def _store_one(
-    src_ptr,  # [N, num_kv_heads, head_dim], at this token
+    x,  # [BLOCK_H, BLOCK_D]: one token's heads, in the activations' dtype
     cache_ptr,  # [num_pages, page_size, num_kv_heads, head_dim] at this slot; uint8 if FP8
     scale_ptr,  # [num_pages, page_size, num_kv_heads] float32 or uint8 code, at this slot
-    stride_src_head,
     stride_kv_head,
     stride_scale_head,
     offs_h,  # [BLOCK_H]
     offs_d,  # [BLOCK_D]
     h_mask,  # [BLOCK_H]
-    d_mask,  # [BLOCK_D]
+    mask,  # [BLOCK_H, BLOCK_D]
     KV_QUANT: tl.constexpr,  # "none", "fp8" or "int8"
 ):
-    mask = h_mask[:, None] & d_mask[None, :]
-    x = tl.load(src_ptr + offs_h[:, None] * stride_src_head + offs_d[None, :], mask=mask, other=0.0)
     dst = cache_ptr + offs_h[:, None] * stride_kv_head + offs_d[None, :]
     # div_rn in both quantised paths: a plain fp32 division may be approximate on GPU, and the
     # pages and scales must match the reference bit for bit.
@@ -100,12 +140,19 @@ def _store_kv_kernel(
     k_scale_ptr,  # [num_pages, page_size, num_kv_heads] float32 (FP8) / uint8 (int8), strided
     v_scale_ptr,  # [num_pages, page_size, num_kv_heads] float32 (FP8) / uint8 (int8), strided
     slot_mapping_ptr,  # [N] int64
+    query_ptr,  # ROTATE: [N, num_heads, head_dim], rotated in place
+    cos_ptr,  # ROTATE: [N, head_dim] (its two halves equal)
+    sin_ptr,  # ROTATE: [N, head_dim]
     page_size,
     num_kv_heads,
+    num_heads,
     stride_key_token,
     stride_key_head,
     stride_value_token,
     stride_value_head,
+    stride_query_token,
+    stride_query_head,
+    stride_angle,
     stride_kv_page,
     stride_kv_slot,
     stride_kv_head,
@@ -114,67 +161,74 @@ def _store_kv_kernel(
     stride_scale_head,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    BLOCK_QH: tl.constexpr,  # ROTATE: query heads rotated at a time
     BLOCK_D: tl.constexpr,
     KV_QUANT: tl.constexpr,  # "none", "fp8" or "int8"
+    ROTATE: tl.constexpr,  # RoPE on the queries (in place) and on the keys before the store
 ):
-    token = tl.program_id(0)
-    slot_id = tl.load(slot_mapping_ptr + token)  # int64, so the page offsets below are too
-    if slot_id < 0:  # a padding row (a CUDA graph's batch is larger than the step's)
-        return
-    page = slot_id // page_size
-    slot = slot_id % page_size
-    kv_offset = page * stride_kv_page + slot * stride_kv_slot
-    scale_offset = page * stride_scale_page + slot * stride_scale_slot
-
-    offs_h = tl.arange(0, BLOCK_H)
+    token = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
-    h_mask = offs_h < num_kv_heads
     d_mask = offs_d < HEAD_DIM
-    _store_one(
-        key_ptr + token.to(tl.int64) * stride_key_token,
-        k_cache_ptr + kv_offset,
-        k_scale_ptr + scale_offset,
-        stride_key_head,
-        stride_kv_head,
-        stride_scale_head,
-        offs_h,
-        offs_d,
-        h_mask,
-        d_mask,
-        KV_QUANT,
-    )
-    _store_one(
-        value_ptr + token.to(tl.int64) * stride_value_token,
-        v_cache_ptr + kv_offset,
-        v_scale_ptr + scale_offset,
-        stride_value_head,
-        stride_kv_head,
-        stride_scale_head,
-        offs_h,
-        offs_d,
-        h_mask,
-        d_mask,
-        KV_QUANT,
-    )
+    if ROTATE:
+        cos = tl.load(cos_ptr + token * stride_angle + offs_d, mask=d_mask, other=0.0)
+        sin = tl.load(sin_ptr + token * stride_angle + offs_d, mask=d_mask, other=0.0)
+        cos, sin = cos.to(tl.float32)[None, :], sin.to(tl.float32)[None, :]
+        # A padding row's queries too: the step reads its outputs from the real rows only.
+        query = query_ptr + token * stride_query_token
+        for first_head in range(0, num_heads, BLOCK_QH):
+            offs_qh = first_head + tl.arange(0, BLOCK_QH)
+            q_mask = (offs_qh < num_heads)[:, None] & d_mask[None, :]
+            rotated = _rotated_heads(
+                query, stride_query_head, cos, sin, offs_qh, offs_d, q_mask, HEAD_DIM
+            )
+            dst = query + offs_qh[:, None] * stride_query_head + offs_d[None, :]
+            tl.store(dst, rotated, mask=q_mask)
+
+    slot_id = tl.load(slot_mapping_ptr + token)  # int64, so the page offsets below are too
+    if slot_id >= 0:  # else a padding row (a CUDA graph's batch is larger than the step's)
+        page = slot_id // page_size
+        slot = slot_id % page_size
+        kv_offset = page * stride_kv_page + slot * stride_kv_slot
+        scale_offset = page * stride_scale_page + slot * stride_scale_slot
+        offs_h = tl.arange(0, BLOCK_H)
+        h_mask = offs_h < num_kv_heads
+        mask = h_mask[:, None] & d_mask[None, :]
+        key_row = key_ptr + token * stride_key_token
+        if ROTATE:
+            key = _rotated_heads(key_row, stride_key_head, cos, sin, offs_h, offs_d, mask, HEAD_DIM)
+        else:
+            key = _load_heads(key_row, stride_key_head, offs_h, offs_d, mask)
+        value = _load_heads(value_ptr + token * stride_value_token, stride_value_head, offs_h,
+                            offs_d, mask)  # fmt: skip
+        _store_one(
+            key, k_cache_ptr + kv_offset, k_scale_ptr + scale_offset, stride_kv_head,
+            stride_scale_head, offs_h, offs_d, h_mask, mask, KV_QUANT,
+        )  # fmt: skip
+        _store_one(
+            value, v_cache_ptr + kv_offset, v_scale_ptr + scale_offset, stride_kv_head,
+            stride_scale_head, offs_h, offs_d, h_mask, mask, KV_QUANT,
+        )  # fmt: skip
 
 
-def store_kv(
-    key: torch.Tensor,  # [N, num_kv_heads, head_dim]
-    value: torch.Tensor,  # [N, num_kv_heads, head_dim]
+def _check_heads(name: str, heads: torch.Tensor, shape: tuple[int, ...], dtypes, device) -> None:
+    if tuple(heads.shape) != shape or heads.dtype not in dtypes:
+        names = "/".join(str(dtype).removeprefix("torch.") for dtype in dtypes)
+        raise ValueError(f"{name} must be {names} {shape}, got {heads.dtype} {tuple(heads.shape)}")
+    if heads.stride(-1) != 1 or heads.device != device:
+        raise ValueError(f"{name} needs a unit stride along its last dim and the cache's device")
+
+
+def _launch_store(
+    key: torch.Tensor,
+    value: torch.Tensor,
     cache: KVCacheView,
-    slot_mapping: torch.Tensor,  # [N] int64
+    slot_mapping: torch.Tensor,
+    rotation: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,  # query, cos, sin
 ) -> None:
-    """Write token ``n``'s key and value into slot ``slot_mapping[n]`` of ``cache``; a negative
-    slot writes nothing (the padding rows of ``common.engine.cuda_graphs``)."""
     args = check_cache(cache, key.device)
     shape = (slot_mapping.shape[0], args.num_kv_heads, args.head_dim)
     for name, tensor in (("key", key), ("value", value)):
-        if tuple(tensor.shape) != shape or tensor.dtype not in ACTIVATION_DTYPES:
-            raise ValueError(
-                f"{name} must be fp16/bf16/fp32 {shape}, got {tensor.dtype} {tuple(tensor.shape)}"
-            )
-        if tensor.stride(-1) != 1 or tensor.device != key.device:
-            raise ValueError(f"{name} needs a unit head_dim stride and the cache's device")
+        _check_heads(name, tensor, shape, ACTIVATION_DTYPES, key.device)
         if not args.is_quantized and tensor.dtype != args.key.dtype:
             raise ValueError(f"{name} is {tensor.dtype} but the cache is {args.key.dtype}")
     if slot_mapping.dtype != torch.int64 or slot_mapping.dim() != 1:
@@ -182,6 +236,14 @@ def store_kv(
     if slot_mapping.device != key.device or slot_mapping.stride(0) != 1:
         raise ValueError("slot_mapping must be contiguous and on the cache's device")
     num_tokens = slot_mapping.shape[0]
+    if rotation is None:
+        # Unread in the kernel: any tensor will do for the pointers, 0 for the sizes.
+        query, cos, sin = key, key, key
+        num_heads, query_strides, stride_angle = 0, (0, 0), 0
+    else:
+        query, cos, sin = rotation
+        _check_rotation(query, cos, sin, key, num_tokens, args.head_dim)
+        num_heads, query_strides, stride_angle = query.shape[1], query.stride()[:2], cos.stride(0)
     if num_tokens == 0:
         return
 
@@ -194,17 +256,74 @@ def store_kv(
         args.value.view(torch.uint8) if is_fp8 else args.value,
         *args.scale_pointers(),
         slot_mapping,
+        query,
+        cos,
+        sin,
         args.page_size,
         args.num_kv_heads,
+        num_heads,
         key.stride(0),
         key.stride(1),
         value.stride(0),
         value.stride(1),
+        *query_strides,
+        stride_angle,
         *args.kv_strides,
         *args.scale_strides,
         HEAD_DIM=args.head_dim,
         BLOCK_H=next_power_of_2(args.num_kv_heads),
+        BLOCK_QH=min(next_power_of_2(max(num_heads, 1)), _MAX_QUERY_HEADS_AT_A_TIME),
         BLOCK_D=next_power_of_2(args.head_dim),
         KV_QUANT=args.kv_quant,
+        ROTATE=rotation is not None,
         num_warps=4,
     )
+
+
+# Query heads a program rotates at a time, so that a model with many heads does not hold all of
+# them in registers at once (8 heads of 128: 1024 float32 values, 8 a thread of 4 warps).
+_MAX_QUERY_HEADS_AT_A_TIME = 8
+# RoPE's products are rounded to 16 bits before their sum, as the torch twin rounds in those
+# dtypes; in float32 a compiler may contract them into an FMA, which the twin never does.
+_ROTATION_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _check_rotation(query, cos, sin, key, num_tokens: int, head_dim: int) -> None:
+    if query.dim() != 3:
+        raise ValueError(f"query must be [N, num_heads, head_dim], got {tuple(query.shape)}")
+    if head_dim % 2:
+        raise ValueError(f"RoPE rotates pairs of a head's halves; head_dim {head_dim} is odd")
+    shape = (num_tokens, query.shape[1], head_dim)
+    _check_heads("query", query, shape, _ROTATION_DTYPES, key.device)
+    if key.dtype != query.dtype:
+        raise ValueError(f"key is {key.dtype} but query is {query.dtype}: RoPE rounds to one")
+    for name, angles in (("cos", cos), ("sin", sin)):
+        _check_heads(name, angles, (num_tokens, head_dim), ACTIVATION_DTYPES, key.device)
+    if cos.stride(0) != sin.stride(0):
+        raise ValueError(f"cos and sin need one row stride, got {cos.stride(0)}, {sin.stride(0)}")
+
+
+def store_kv(
+    key: torch.Tensor,  # [N, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [N, num_kv_heads, head_dim]
+    cache: KVCacheView,
+    slot_mapping: torch.Tensor,  # [N] int64
+) -> None:
+    """Write token ``n``'s key and value into slot ``slot_mapping[n]`` of ``cache``; a negative
+    slot writes nothing (the padding rows of ``common.engine.cuda_graphs``)."""
+    _launch_store(key, value, cache, slot_mapping, rotation=None)
+
+
+def rotate_and_store_kv(
+    query: torch.Tensor,  # [N, num_heads, head_dim] fp16/bf16: rotated in place
+    key: torch.Tensor,  # [N, num_kv_heads, head_dim], query's dtype
+    value: torch.Tensor,  # [N, num_kv_heads, head_dim]
+    cos: torch.Tensor,  # [N, head_dim] (its two halves equal)
+    sin: torch.Tensor,  # [N, head_dim]
+    cache: KVCacheView,
+    slot_mapping: torch.Tensor,  # [N] int64
+) -> None:
+    """RoPE on ``query`` in place and on ``key``, then ``store_kv`` of the rotated key and
+    ``value``, in one launch. ``key`` itself is left as it was: the layer reads its keys from
+    the pages. The rotation has the bits of ``apply_rope`` in the 16-bit dtypes it takes."""
+    _launch_store(key, value, cache, slot_mapping, rotation=(query, cos, sin))

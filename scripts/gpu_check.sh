@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check: on a fresh GPU machine with no network, in one command of under ten minutes,
-#   kernels  the kernel tests compiled for the GPU (bf16 included) against their torch twins;
+#   kernels  the kernel tests compiled for the GPU (bf16 included) against their torch twins, and
+#            the one-kernel norms, RoPE and SiLU (test_cuda_ops) in a model;
 #   engine   the engine on CUDA against transformers, and the compiled Triton backend against
 #            the torch one (the tests marked gpu in test_engine_equivalence/test_engine_triton);
 #            decode graphs, and steps launched ahead against steps one at a time (those in
@@ -92,7 +93,7 @@ pytest_figures() {
 
 step_kernels() {
     # shellcheck disable=SC2046,SC2086
-    OMP_NUM_THREADS=$TEST_THREADS "$PY" -m pytest tests/test_kernels.py -q -rfE \
+    OMP_NUM_THREADS=$TEST_THREADS "$PY" -m pytest tests/test_kernels.py tests/test_cuda_ops.py -q -rfE \
         -p no:cacheprovider $(xdist_flags 8) ${GPU_CHECK_KERNELS_ARGS:-}
 }
 

@@ -24,6 +24,7 @@ import pytest
 import torch
 from triton_variants import compiled_on_gpu, new_variants, record_variants
 
+from kernels.cuda_ops import rope_
 from kernels.interface import (
     FP8_DTYPE,
     INT8_DTYPE,
@@ -50,7 +51,7 @@ from kernels.triton_decode_attention import (
 )
 from kernels.triton_invariant import _rms_norm_kernel, rms_norm
 from kernels.triton_prefill_attention import _prefill_kernel, prefill_attention
-from kernels.triton_store_kv import store_kv
+from kernels.triton_store_kv import rotate_and_store_kv, store_kv
 from kernels.triton_tiles import (
     DECODE_CANDIDATES,
     DEFAULT_DECODE,
@@ -393,6 +394,66 @@ def test_store_kv_rejects_bad_input(kv_dtype: torch.dtype) -> None:
     )
     with pytest.raises(ValueError, match=f"scales of a {kv_dtype} cache must be"):
         store_kv(key, key, swapped, slots)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("kv_dtype", [None, *QUANTIZED_KV_DTYPES], ids=dtype_id)
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads, head_dim",
+    [(4, 2, 64), (12, 3, 80)],  # the second: two blocks of query heads, a head_dim off 2^n
+)
+def test_rotate_and_store_kv_gives_rope_then_the_store(
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype | None,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> None:
+    """The one launch gives the bits of the two it stands in for: RoPE's kernel on the queries
+    and on the keys (``kernels/cuda_ops.py``, the twin's bits), then the store; the key and
+    value it was given are left as they were, and a padding row's queries are rotated too."""
+    torch.manual_seed(3)
+    num_tokens, page_size = 21, 16
+    pool = Pool.create(4, page_size, num_kv_heads, head_dim, kv_dtype or dtype)
+    expected_pool = pool.clone()
+    slots = torch.randperm(4 * page_size)[:num_tokens].to(DEVICE)
+    slots[[2, 11]] = -1
+    # q, k and v as the attention makes them: views of one qkv buffer.
+    sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+    qkv = (torch.randn(num_tokens, sum(sizes), device=DEVICE) * 3).to(dtype)
+    q, k, v = (
+        part.unflatten(-1, (-1, head_dim)) for part in qkv.split(sizes, dim=-1)
+    )  # fmt: skip
+    angles = torch.rand(num_tokens, head_dim // 2, device=DEVICE) * 100
+    cos, sin = (f(torch.cat((angles, angles), dim=-1)).to(dtype) for f in (torch.cos, torch.sin))
+    expected_q, expected_k = rope_(q.clone(), cos, sin), rope_(k.clone(), cos, sin)
+    store_kv(expected_k, v, expected_pool.layer(0), slots)
+    k_before, v_before = k.clone(), v.clone()
+
+    rotate_and_store_kv(q, k, v, cos, sin, pool.layer(0), slots)
+    assert torch.equal(q, expected_q)
+    pool.assert_matches(expected_pool)
+    assert torch.equal(k, k_before) and torch.equal(v, v_before)
+
+
+def test_rotate_and_store_kv_rejects_what_it_cannot_rotate() -> None:
+    pool = Pool.create(4, 16, 2, 64, torch.float16)
+    query, key = (torch.randn(3, n, 64, device=DEVICE).half() for n in (4, 2))
+    angles = torch.randn(3, 64, device=DEVICE).half()
+    slots = torch.arange(3, device=DEVICE)
+    with pytest.raises(ValueError, match="query must be"):
+        rotate_and_store_kv(query.float(), key.float(), key.float(), angles, angles,
+                            Pool.create(4, 16, 2, 64, torch.float32).layer(0), slots)  # fmt: skip
+    with pytest.raises(ValueError, match="query must be"):
+        rotate_and_store_kv(query[:2], key, key, angles, angles, pool.layer(0), slots)
+    with pytest.raises(ValueError, match="cos must be"):
+        rotate_and_store_kv(query, key, key, angles[:, :32], angles, pool.layer(0), slots)
+    with pytest.raises(ValueError, match="RoPE rounds to one"):
+        rotate_and_store_kv(query.bfloat16(), key, key, angles, angles, pool.layer(0), slots)
+    odd = Pool.create(4, 16, 2, 63, torch.float16)
+    with pytest.raises(ValueError, match="odd"):
+        rotate_and_store_kv(query[..., :63], key[..., :63], key[..., :63], angles[:, :63],
+                            angles[:, :63], odd.layer(0), slots)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------

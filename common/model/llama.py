@@ -148,16 +148,19 @@ class Attention(nn.Module):
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:  # both or neither (qk_norm)
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(q, k, *rope)
+        cache = kv.layers[self.layer_index]
         query_turn, kv_turn = self.query_turn, self.kv_turn  # both or neither (turn_kv_heads)
         if query_turn is not None and kv_turn is not None:
+            q, k = self.rotary(q, k, *rope)
             q, k, v = (
                 self._turn(query_turn, q),
                 self._turn(kv_turn, k),
                 self._turn(kv_turn, v),
             )
-        cache = kv.layers[self.layer_index]
-        kv.backend.store_kv(k, v, cache, meta.slot_mapping)
+            kv.backend.store_kv(k, v, cache, meta.slot_mapping)
+        else:
+            # The backend may rotate and store in one pass (the Triton store on CUDA).
+            q = kv.backend.rotate_and_store_kv(self.rotary, q, k, v, rope, cache, meta.slot_mapping)
         out = kv.backend.attention(q, cache, meta, self.softmax_scale)
         if query_turn is not None:
             out = self._turn(query_turn, out).to(hidden.dtype)
