@@ -47,6 +47,69 @@ def _silu_and_mul_kernel(
 
 
 @triton.jit
+def load_half_angles(
+    cos_ptr,  # [tokens, head_dim] (its two halves equal)
+    sin_ptr,
+    token,  # int64
+    stride_angle,
+    offs_half,  # [BLOCK_HALF]
+    HALF: tl.constexpr,
+):
+    """A token's cos and sin over the first half of a head, as [1, BLOCK_HALF] float32."""
+    mask = offs_half < HALF
+    cos = tl.load(cos_ptr + token * stride_angle + offs_half, mask=mask, other=0.0)
+    sin = tl.load(sin_ptr + token * stride_angle + offs_half, mask=mask, other=0.0)
+    return cos.to(tl.float32)[None, :], sin.to(tl.float32)[None, :]
+
+
+@triton.jit
+def rotated_halves(
+    src_ptr,  # [heads, head_dim] at one token, unit stride within a head
+    stride_head,
+    cos,  # [1, BLOCK_HALF] float32, from load_half_angles
+    sin,  # [1, BLOCK_HALF] float32
+    offs_h,  # [BLOCK_H]
+    offs_half,  # [BLOCK_HALF]
+    mask,  # [BLOCK_H, BLOCK_HALF]
+    HALF: tl.constexpr,
+):
+    """RoPE of the head vectors at ``src_ptr``, as their two halves in their dtype.
+
+    The twin: ``x * cos + cat(-x2, x1) * sin``, each product rounded to the dtype, then the sum.
+    A kernel that calls this must be launched with ``enable_fp_fusion=False``: on an H100 the
+    compiler otherwise made each product and sum one bf16 FMA (the product unrounded), and a
+    quarter of the outputs were a bit off the twin's. Each output element is made from the two
+    elements at its own place in the halves, so a caller may store it in place: no element is
+    read by one thread and written by another (the threads of a program are not ordered between
+    a load and a store)."""
+    first = src_ptr + offs_h[:, None] * stride_head + offs_half[None, :]
+    x1 = tl.load(first, mask=mask, other=0.0)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0)
+    dtype = x1.dtype
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    out1 = (x1 * cos).to(dtype).to(tl.float32) + (-x2 * sin).to(dtype).to(tl.float32)
+    out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
+    return out1.to(dtype), out2.to(dtype)
+
+
+@triton.jit
+def rotate_in_place(
+    src_ptr,  # [heads, head_dim] at one token, unit stride within a head
+    stride_head,
+    cos,  # [1, BLOCK_HALF] float32, from load_half_angles
+    sin,  # [1, BLOCK_HALF] float32
+    offs_h,  # [BLOCK_H]
+    offs_half,  # [BLOCK_HALF]
+    mask,  # [BLOCK_H, BLOCK_HALF]
+    HALF: tl.constexpr,
+):
+    out1, out2 = rotated_halves(src_ptr, stride_head, cos, sin, offs_h, offs_half, mask, HALF)
+    first = src_ptr + offs_h[:, None] * stride_head + offs_half[None, :]
+    tl.store(first, out1, mask=mask)
+    tl.store(first + HALF, out2, mask=mask)
+
+
+@triton.jit
 def _rope_kernel(
     x_ptr,  # [tokens, heads, head_dim], unit stride within a head; rotated in place
     cos_ptr,  # [tokens, head_dim] (its two halves equal)
@@ -63,19 +126,8 @@ def _rope_kernel(
     head = tl.arange(0, BLOCK_HEADS)
     col = tl.arange(0, BLOCK_HALF)
     mask = (head < heads)[:, None] & (col < HALF)[None, :]
-    cos = tl.load(cos_ptr + token * stride_angle + col, mask=col < HALF, other=0.0)
-    sin = tl.load(sin_ptr + token * stride_angle + col, mask=col < HALF, other=0.0)
-    cos, sin = cos.to(tl.float32)[None, :], sin.to(tl.float32)[None, :]
-    first = x_ptr + token * stride_token + head[:, None] * stride_head + col[None, :]
-    x1 = tl.load(first, mask=mask, other=0.0)
-    x2 = tl.load(first + HALF, mask=mask, other=0.0)
-    dtype = x1.dtype
-    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
-    # The twin: x * cos + cat(-x2, x1) * sin, each product rounded to the dtype, then the sum.
-    out1 = (x1 * cos).to(dtype).to(tl.float32) + (-x2 * sin).to(dtype).to(tl.float32)
-    out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
-    tl.store(first, out1.to(dtype), mask=mask)
-    tl.store(first + HALF, out2.to(dtype), mask=mask)
+    cos, sin = load_half_angles(cos_ptr, sin_ptr, token, stride_angle, col, HALF)
+    rotate_in_place(x_ptr + token * stride_token, stride_head, cos, sin, head, col, mask, HALF)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -99,6 +151,7 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
             HALF=half,
             BLOCK_HEADS=next_power_of_2(heads),
             BLOCK_HALF=next_power_of_2(half),
+            enable_fp_fusion=False,  # see rotated_halves
         )  # fmt: skip
     return x
 

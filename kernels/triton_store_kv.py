@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.cuda_ops import load_half_angles, rotate_in_place, rotated_halves
 from kernels.interface import FP8_MAX, FP8_MIN_SCALE, INT8_MAX, INT8_SCALE_BITS_BASE, KVCacheView
 from kernels.sizes import next_power_of_2
 from kernels.triton_paged import ACTIVATION_DTYPES, check_cache, int8_scale
@@ -61,47 +62,58 @@ def _int8_scale_code(amax):
 
 
 @triton.jit
-def _load_heads(
-    src_ptr,  # [heads, head_dim] at one token, unit stride within a head
-    stride_head,
-    offs_h,  # [BLOCK_H]
-    offs_d,  # [BLOCK_D]
-    mask,  # [BLOCK_H, BLOCK_D]
-):
-    return tl.load(src_ptr + offs_h[:, None] * stride_head + offs_d[None, :], mask=mask, other=0.0)
+def _head_scales(amax, KV_QUANT: tl.constexpr):
+    """Each head vector's scale from its largest magnitude ``amax`` (float32): the float32 scale
+    of FP8 pages, the one-byte code (int32) of int8 pages. div_rn in both quantised paths: a plain
+    fp32 division may be approximate on GPU, and the pages and scales must match the reference
+    bit for bit."""
+    if KV_QUANT == "fp8":
+        return tl.maximum(tl.math.div_rn(amax, _FP8_MAX), _FP8_MIN_SCALE)
+    else:
+        return _int8_scale_code(amax)
 
 
 @triton.jit
-def _rotated_heads(
-    src_ptr,  # [heads, head_dim] at one token, unit stride within a head
-    stride_head,
-    cos,  # [1, BLOCK_D] float32 (its two halves equal)
-    sin,  # [1, BLOCK_D] float32
-    offs_h,  # [BLOCK_H]
-    offs_d,  # [BLOCK_D]
-    mask,  # [BLOCK_H, BLOCK_D]
-    HEAD_DIM: tl.constexpr,
+def _store_scales(
+    scale_ptr,  # [num_pages, page_size, num_kv_heads] float32 or uint8 code, at this slot
+    scales,  # [BLOCK_H] from _head_scales
+    offs_h,
+    h_mask,
+    stride_scale_head,
+    KV_QUANT: tl.constexpr,
 ):
-    """RoPE of the head vectors at ``src_ptr``, in their dtype: ``x * cos + cat(-x2, x1) *
-    sin`` with each product rounded to the dtype before the sum, as the torch twin rounds."""
-    in_first_half = offs_d < HEAD_DIM // 2
-    # Each element's partner in the other half: x2 beside x1 and x1 beside x2.
-    partner = tl.where(in_first_half, offs_d + HEAD_DIM // 2, offs_d - HEAD_DIM // 2)
-    x = _load_heads(src_ptr, stride_head, offs_h, offs_d, mask)
-    x_partner = _load_heads(src_ptr, stride_head, offs_h, partner, mask)
-    dtype = x.dtype
-    x, x_partner = x.to(tl.float32), x_partner.to(tl.float32)
-    # Negating is exact, so -x2 * sin here rounds as the twin's (-x2) * sin does.
-    x_partner = tl.where(in_first_half[None, :], -x_partner, x_partner)
-    turned = (x * cos).to(dtype).to(tl.float32) + (x_partner * sin).to(dtype).to(tl.float32)
-    return turned.to(dtype)
+    if KV_QUANT == "fp8":
+        tl.store(scale_ptr + offs_h * stride_scale_head, scales, mask=h_mask)
+    else:
+        tl.store(scale_ptr + offs_h * stride_scale_head, scales.to(tl.uint8), mask=h_mask)
+
+
+@triton.jit
+def _store_scaled(
+    x,  # [BLOCK_H, BLOCK]: some of one token's head vectors' elements, in the activations' dtype
+    cache_ptr,  # [num_pages, page_size, num_kv_heads, head_dim] at this slot; uint8 if FP8
+    offsets,  # [BLOCK_H, BLOCK]: the elements' places from cache_ptr
+    mask,  # [BLOCK_H, BLOCK]
+    scales,  # [BLOCK_H] from _head_scales; unread for pages in an activation dtype
+    KV_QUANT: tl.constexpr,  # "none", "fp8" or "int8"
+):
+    if KV_QUANT == "fp8":
+        y = tl.clamp(tl.math.div_rn(x.to(tl.float32), scales[:, None]), -_FP8_MAX, _FP8_MAX)
+        tl.store(cache_ptr + offsets, _e4m3_bits(y), mask=mask)
+    elif KV_QUANT == "int8":
+        # Half up, floor(y + 0.5) in float32, exactly as the reference rounds.
+        y = tl.floor(tl.math.div_rn(x.to(tl.float32), int8_scale(scales)[:, None]) + 0.5)
+        tl.store(cache_ptr + offsets, tl.clamp(y, -_INT8_MAX, _INT8_MAX).to(tl.int8), mask=mask)
+    else:
+        tl.store(cache_ptr + offsets, x.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _store_one(
-    x,  # [BLOCK_H, BLOCK_D]: one token's heads, in the activations' dtype
+    src_ptr,  # [heads, head_dim] at one token, unit stride within a head
     cache_ptr,  # [num_pages, page_size, num_kv_heads, head_dim] at this slot; uint8 if FP8
     scale_ptr,  # [num_pages, page_size, num_kv_heads] float32 or uint8 code, at this slot
+    stride_src_head,
     stride_kv_head,
     stride_scale_head,
     offs_h,  # [BLOCK_H]
@@ -110,25 +122,47 @@ def _store_one(
     mask,  # [BLOCK_H, BLOCK_D]
     KV_QUANT: tl.constexpr,  # "none", "fp8" or "int8"
 ):
-    dst = cache_ptr + offs_h[:, None] * stride_kv_head + offs_d[None, :]
-    # div_rn in both quantised paths: a plain fp32 division may be approximate on GPU, and the
-    # pages and scales must match the reference bit for bit.
-    if KV_QUANT == "fp8":
-        x = x.to(tl.float32)
-        amax = tl.max(tl.abs(x), 1)
-        scale = tl.maximum(tl.math.div_rn(amax, _FP8_MAX), _FP8_MIN_SCALE)
-        x = tl.clamp(tl.math.div_rn(x, scale[:, None]), -_FP8_MAX, _FP8_MAX)
-        tl.store(scale_ptr + offs_h * stride_scale_head, scale, mask=h_mask)
-        tl.store(dst, _e4m3_bits(x), mask=mask)
-    elif KV_QUANT == "int8":
-        x = x.to(tl.float32)
-        code = _int8_scale_code(tl.max(tl.abs(x), 1))
-        # Half up, floor(y + 0.5) in float32, exactly as the reference rounds.
-        y = tl.floor(tl.math.div_rn(x, int8_scale(code)[:, None]) + 0.5)
-        tl.store(scale_ptr + offs_h * stride_scale_head, code.to(tl.uint8), mask=h_mask)
-        tl.store(dst, tl.clamp(y, -_INT8_MAX, _INT8_MAX).to(tl.int8), mask=mask)
+    """One token's head vectors as they are into the pages."""
+    x = tl.load(src_ptr + offs_h[:, None] * stride_src_head + offs_d[None, :], mask=mask, other=0.0)
+    if KV_QUANT == "none":
+        scales = 0.0
     else:
-        tl.store(dst, x.to(cache_ptr.dtype.element_ty), mask=mask)
+        scales = _head_scales(tl.max(tl.abs(x.to(tl.float32)), 1), KV_QUANT)
+        _store_scales(scale_ptr, scales, offs_h, h_mask, stride_scale_head, KV_QUANT)
+    offsets = offs_h[:, None] * stride_kv_head + offs_d[None, :]
+    _store_scaled(x, cache_ptr, offsets, mask, scales, KV_QUANT)
+
+
+@triton.jit
+def _store_one_rotated(
+    src_ptr,  # [heads, head_dim] at one token, unit stride within a head
+    cache_ptr,  # [num_pages, page_size, num_kv_heads, head_dim] at this slot; uint8 if FP8
+    scale_ptr,  # [num_pages, page_size, num_kv_heads] float32 or uint8 code, at this slot
+    stride_src_head,
+    stride_kv_head,
+    stride_scale_head,
+    cos,  # [1, BLOCK_HALF] float32
+    sin,  # [1, BLOCK_HALF] float32
+    offs_h,  # [BLOCK_H]
+    offs_half,  # [BLOCK_HALF]
+    h_mask,  # [BLOCK_H]
+    mask,  # [BLOCK_H, BLOCK_HALF]
+    HALF: tl.constexpr,
+    KV_QUANT: tl.constexpr,
+):
+    """One token's head vectors rotated by RoPE into the pages, as two halves; a head's scale
+    comes from both."""
+    x1, x2 = rotated_halves(src_ptr, stride_src_head, cos, sin, offs_h, offs_half, mask, HALF)
+    if KV_QUANT == "none":
+        scales = 0.0
+    else:
+        amax1 = tl.max(tl.abs(x1.to(tl.float32)), 1)
+        amax2 = tl.max(tl.abs(x2.to(tl.float32)), 1)
+        scales = _head_scales(tl.maximum(amax1, amax2), KV_QUANT)
+        _store_scales(scale_ptr, scales, offs_h, h_mask, stride_scale_head, KV_QUANT)
+    offsets = offs_h[:, None] * stride_kv_head + offs_half[None, :]
+    _store_scaled(x1, cache_ptr, offsets, mask, scales, KV_QUANT)
+    _store_scaled(x2, cache_ptr, offsets + HALF, mask, scales, KV_QUANT)
 
 
 @triton.jit
@@ -163,26 +197,23 @@ def _store_kv_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_QH: tl.constexpr,  # ROTATE: query heads rotated at a time
     BLOCK_D: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,  # ROTATE: a power of two of at least head_dim / 2
     KV_QUANT: tl.constexpr,  # "none", "fp8" or "int8"
     ROTATE: tl.constexpr,  # RoPE on the queries (in place) and on the keys before the store
 ):
     token = tl.program_id(0).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
     if ROTATE:
-        cos = tl.load(cos_ptr + token * stride_angle + offs_d, mask=d_mask, other=0.0)
-        sin = tl.load(sin_ptr + token * stride_angle + offs_d, mask=d_mask, other=0.0)
-        cos, sin = cos.to(tl.float32)[None, :], sin.to(tl.float32)[None, :]
+        offs_half = tl.arange(0, BLOCK_HALF)
+        half_mask = offs_half < HEAD_DIM // 2
+        cos, sin = load_half_angles(cos_ptr, sin_ptr, token, stride_angle, offs_half, HEAD_DIM // 2)
         # A padding row's queries too: the step reads its outputs from the real rows only.
         query = query_ptr + token * stride_query_token
         for first_head in range(0, num_heads, BLOCK_QH):
             offs_qh = first_head + tl.arange(0, BLOCK_QH)
-            q_mask = (offs_qh < num_heads)[:, None] & d_mask[None, :]
-            rotated = _rotated_heads(
-                query, stride_query_head, cos, sin, offs_qh, offs_d, q_mask, HEAD_DIM
+            q_mask = (offs_qh < num_heads)[:, None] & half_mask[None, :]
+            rotate_in_place(
+                query, stride_query_head, cos, sin, offs_qh, offs_half, q_mask, HEAD_DIM // 2
             )
-            dst = query + offs_qh[:, None] * stride_query_head + offs_d[None, :]
-            tl.store(dst, rotated, mask=q_mask)
 
     slot_id = tl.load(slot_mapping_ptr + token)  # int64, so the page offsets below are too
     if slot_id >= 0:  # else a padding row (a CUDA graph's batch is larger than the step's)
@@ -191,22 +222,25 @@ def _store_kv_kernel(
         kv_offset = page * stride_kv_page + slot * stride_kv_slot
         scale_offset = page * stride_scale_page + slot * stride_scale_slot
         offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
         h_mask = offs_h < num_kv_heads
-        mask = h_mask[:, None] & d_mask[None, :]
+        mask = h_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
         key_row = key_ptr + token * stride_key_token
         if ROTATE:
-            key = _rotated_heads(key_row, stride_key_head, cos, sin, offs_h, offs_d, mask, HEAD_DIM)
+            _store_one_rotated(
+                key_row, k_cache_ptr + kv_offset, k_scale_ptr + scale_offset, stride_key_head,
+                stride_kv_head, stride_scale_head, cos, sin, offs_h, offs_half, h_mask,
+                h_mask[:, None] & half_mask[None, :], HEAD_DIM // 2, KV_QUANT,
+            )  # fmt: skip
         else:
-            key = _load_heads(key_row, stride_key_head, offs_h, offs_d, mask)
-        value = _load_heads(value_ptr + token * stride_value_token, stride_value_head, offs_h,
-                            offs_d, mask)  # fmt: skip
+            _store_one(
+                key_row, k_cache_ptr + kv_offset, k_scale_ptr + scale_offset, stride_key_head,
+                stride_kv_head, stride_scale_head, offs_h, offs_d, h_mask, mask, KV_QUANT,
+            )  # fmt: skip
         _store_one(
-            key, k_cache_ptr + kv_offset, k_scale_ptr + scale_offset, stride_kv_head,
-            stride_scale_head, offs_h, offs_d, h_mask, mask, KV_QUANT,
-        )  # fmt: skip
-        _store_one(
-            value, v_cache_ptr + kv_offset, v_scale_ptr + scale_offset, stride_kv_head,
-            stride_scale_head, offs_h, offs_d, h_mask, mask, KV_QUANT,
+            value_ptr + token * stride_value_token, v_cache_ptr + kv_offset,
+            v_scale_ptr + scale_offset, stride_value_head, stride_kv_head, stride_scale_head,
+            offs_h, offs_d, h_mask, mask, KV_QUANT,
         )  # fmt: skip
 
 
@@ -274,9 +308,11 @@ def _launch_store(
         BLOCK_H=next_power_of_2(args.num_kv_heads),
         BLOCK_QH=min(next_power_of_2(max(num_heads, 1)), _MAX_QUERY_HEADS_AT_A_TIME),
         BLOCK_D=next_power_of_2(args.head_dim),
+        BLOCK_HALF=next_power_of_2(max(args.head_dim // 2, 1)),
         KV_QUANT=args.kv_quant,
         ROTATE=rotation is not None,
         num_warps=4,
+        enable_fp_fusion=False,  # RoPE rounds as its twin does (cuda_ops.rotated_halves)
     )
 
 
