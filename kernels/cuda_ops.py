@@ -10,7 +10,11 @@ one-kernel RMSNorm, in on CUDA (not in deterministic mode, which has its own ker
 
 Every kernel rounds where its torch twin (``common/model/llama.py``) rounds: RoPE's two products
 are each rounded to the model's dtype before their sum, SiLU is rounded before the multiply. So
-RoPE gives the twin's bits; SiLU-and-multiply differs where its exp's last bit tips a rounding.
+RoPE gives the twin's bits (launched without FP fusion, see ``rotated_halves``); SiLU-and-multiply
+differs where its exp's last bit tips a rounding. On the Triton attention backend RoPE runs
+inside the KV store's launch (``kernels/triton_store_kv.py``'s ``rotate_and_store_kv``), with
+the jit helpers here; this module's own RoPE kernel serves where the store does not rotate
+(int8 pages, whose heads are turned between RoPE and the store; the other backends).
 """
 
 from __future__ import annotations
