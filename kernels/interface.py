@@ -58,7 +58,9 @@ class AttentionMetadata:
         return self.seq_lens.shape[0]
 
 
-@dataclass(frozen=True)
+# eq=False: a view is itself, compared and hashed by identity (its tensors have no equality to
+# compare by), so a backend may keep what it works out from a view beside it.
+@dataclass(frozen=True, eq=False)
 class KVCacheView:
     """One layer's view of the page-major pool; every tensor is a strided view, never a copy.
 

@@ -14,6 +14,7 @@ each of them against the torch twin).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -79,6 +80,8 @@ TUNED_PREFILL: dict[tuple[tuple[int, int], str], PrefillTiles] = {}
 TUNED_DECODE: dict[tuple[tuple[int, int], str], DecodeTiles] = {}
 
 
+# Each attention launch looks its tiles up: the answers are kept (6 us a lookup on the host).
+@functools.cache
 def _capability(device: torch.device) -> tuple[int, int] | None:
     if device.type != "cuda":
         return None  # Triton's interpreter
@@ -121,6 +124,7 @@ def decode_tiles(
     return decode_tiles_for(_capability(device), head_block, kv_quant, page_bytes)
 
 
+@functools.cache
 def prefill_tiles_for(
     capability: tuple[int, int] | None, head_block: int, kv_quant: str
 ) -> PrefillTiles:
@@ -129,6 +133,7 @@ def prefill_tiles_for(
     return _fit_prefill(tuned, head_block)
 
 
+@functools.cache
 def decode_tiles_for(
     capability: tuple[int, int] | None, head_block: int, kv_quant: str, page_bytes: int
 ) -> DecodeTiles:

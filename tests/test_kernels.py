@@ -17,7 +17,9 @@ int8 pages are dequantised exactly, so quantised pages add no tolerance of their
 
 from __future__ import annotations
 
+import gc
 import os
+import weakref
 from dataclasses import dataclass
 
 import pytest
@@ -50,6 +52,7 @@ from kernels.triton_decode_attention import (
     splits_to_fill,
 )
 from kernels.triton_invariant import _rms_norm_kernel, rms_norm
+from kernels.triton_paged import check_cache
 from kernels.triton_prefill_attention import _prefill_kernel, prefill_attention
 from kernels.triton_store_kv import rotate_and_store_kv, store_kv
 from kernels.triton_tiles import (
@@ -394,6 +397,25 @@ def test_store_kv_rejects_bad_input(kv_dtype: torch.dtype) -> None:
     )
     with pytest.raises(ValueError, match=f"scales of a {kv_dtype} cache must be"):
         store_kv(key, key, swapped, slots)
+
+
+def test_a_view_is_checked_once_and_not_kept_alive_by_it() -> None:
+    """The kernels check a layer's view at each launch, and the check is kept beside the view:
+    a view on another device than the inputs is still refused after it passed, a malformed one
+    every time, and the kept check does not keep the view alive."""
+    pool = Pool.create(4, 16, 2, 64, FP8_DTYPE)
+    view = pool.layer(0)
+    assert check_cache(view, DEVICE) is check_cache(view, DEVICE)
+    with pytest.raises(ValueError, match="inputs on meta"):
+        check_cache(view, torch.device("meta"))
+    unscaled = KVCacheView(view.key, view.value)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="needs key_scale"):
+            check_cache(unscaled, DEVICE)
+    dead = weakref.ref(view)
+    del view
+    gc.collect()
+    assert dead() is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=dtype_id)
