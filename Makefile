@@ -58,9 +58,11 @@ clean:
 
 # The GPU check (README, "On a GPU"). Here, where pip reaches a registry: the wheels a GPU machine
 # without network lacks, and the default model's config and tokenizer, into .gpu-carry/. There:
-# `make gpu-check` (or `bash scripts/gpu_check.sh`) with .gpu-carry carried along.
+# `make gpu-check` (or `bash scripts/gpu_check.sh`) with .gpu-carry carried along. BASE=COMMIT
+# also carries that commit's tree, whose decode steps the graphs step times beside the checkout's.
 gpu-carry: $(STAMP)
-	$(PY) scripts/gpu_carry.py --model "$$($(VENV)/bin/pdserve convert | tail -n 1)"
+	$(PY) scripts/gpu_carry.py --model "$$($(VENV)/bin/pdserve convert | tail -n 1)" \
+		$(if $(BASE),--base $(BASE))
 
 gpu-check:
 	bash scripts/gpu_check.sh $(ARGS)

@@ -11,9 +11,12 @@ pdserve's HTTP and messaging stack. This writes, into DEST (default .gpu-carry, 
   checked against the others, so a missing one fails here rather than there;
 - ``SmolLM2-135M-Instruct/``: the default model's config and tokenizer. Its weights (270 MB) are
   more than a GPU run may carry (64 MiB with the repo), so the check serves random weights of the
-  same shape (benchmarks/random_model.py).
+  same shape (benchmarks/random_model.py);
+- ``base/``, with ``--base COMMIT``: the source tree at that commit, whose decode steps the
+  check's graphs step times first, on the same machine and model as the checkout's, for a
+  change's before and after in one run (left out, an earlier one is removed).
 
-    python scripts/gpu_carry.py --model "$(pdserve convert)"    # make gpu-carry
+    python scripts/gpu_carry.py --model "$(pdserve convert)"    # make gpu-carry [BASE=COMMIT]
 """
 
 from __future__ import annotations
@@ -124,6 +127,21 @@ def copy_model_shape(model: Path, dest: Path) -> None:
         shutil.copy(model / name, dest / name)
 
 
+def copy_base_tree(commit: str | None, dest: Path) -> None:
+    """The tree at ``commit`` into ``dest``, with its short hash in ``dest/BASE_COMMIT``; without
+    a commit, no base tree."""
+    shutil.rmtree(dest, ignore_errors=True)
+    if commit is None:
+        return
+    dest.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", commit], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    short = subprocess.run(
+        ["git", "rev-parse", "--short", commit], check=True, capture_output=True, text=True
+    ).stdout
+    (dest / "BASE_COMMIT").write_text(short)
+
+
 def size_of(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
@@ -134,6 +152,7 @@ def main() -> int:
         "--model", type=Path, required=True, help="the converted default model's folder"
     )
     parser.add_argument("--dest", type=Path, default=Path(".gpu-carry"))
+    parser.add_argument("--base", help="a commit whose tree the graphs step times first")
     args = parser.parse_args()
     wheels = download_wheels(args.dest / "wheels")
     problems = unmet_requirements(wheels)
@@ -142,6 +161,7 @@ def main() -> int:
     if problems:
         return 1
     copy_model_shape(args.model, args.dest / args.model.name)
+    copy_base_tree(args.base, args.dest / "base")
     for wheel in wheels:
         print(f"  {wheel.stat().st_size / 2**20:6.2f} MiB  {wheel.name}")
     print(f"{args.dest}: {len(wheels)} wheels, {size_of(args.dest) / 2**20:.1f} MiB in all")

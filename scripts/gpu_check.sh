@@ -7,7 +7,8 @@
 #            decode graphs, and steps launched ahead against steps one at a time (those in
 #            test_cuda_graphs/test_async_scheduling); deterministic inference on the Triton
 #            path (test_deterministic_triton.py);
-#   graphs   python -m benchmarks.cuda_graphs: decode steps with CUDA graphs against eager ones;
+#   graphs   python -m benchmarks.cuda_graphs: decode steps with CUDA graphs against eager ones
+#            (first on the tree `make gpu-carry BASE=COMMIT` carried, where it did);
 #   realshape python -m benchmarks.real_shape: Llama-3.1-8B's shape with random weights made on
 #            the device: its decode step at batch 1/8/32/64 beside the weight floor measured in
 #            the same run, its prefill TFLOP/s beside the bf16 peak, and where the device's
@@ -134,6 +135,14 @@ random_model() {
 step_graphs() {
     local model
     model=$(random_model) || return 1
+    # A base tree carried (make gpu-carry BASE=COMMIT): its steps first, on the same machine and
+    # model, so that a change's before and after come from one run.
+    if [[ -d $CARRY/base ]]; then
+        echo "== the base tree, $(cat "$CARRY/base/BASE_COMMIT" 2>/dev/null || echo '?')"
+        (cd "$CARRY/base" && PYTHONPATH="$SITE:$PWD" "$PY" -m benchmarks.cuda_graphs \
+            --model "$model" --batch-sizes 1,8,64) || echo "the base tree's run failed"
+        echo "== this tree"
+    fi
     "$PY" -m benchmarks.cuda_graphs --model "$model"
 }
 
@@ -342,7 +351,8 @@ figures_of() {
             ;;
         graphs)
             # batch, eager, graphs 1 by 1, graphs (launched ahead), speed-up, two tok/s columns
-            figures=$(awk '$1 ~ /^[0-9]+$/ && NF == 7 { printf "b%s %s ms (%s), ", $1, $4, $5 }' \
+            figures=$(awk '/^== the base tree/ { base = "base " } /^== this tree/ { base = "" }
+                $1 ~ /^[0-9]+$/ && NF == 7 { printf "%sb%s %s ms (%s), ", base, $1, $4, $5 }' \
                 "$LOGS/graphs.log")
             figures="graph step, launched ahead (speed-up over eager): ${figures%, }"
             ;;
