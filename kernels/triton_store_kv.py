@@ -62,30 +62,24 @@ def _int8_scale_code(amax):
 
 
 @triton.jit
-def _head_scales(amax, KV_QUANT: tl.constexpr):
-    """Each head vector's scale from its largest magnitude ``amax`` (float32): the float32 scale
-    of FP8 pages, the one-byte code (int32) of int8 pages. div_rn in both quantised paths: a plain
-    fp32 division may be approximate on GPU, and the pages and scales must match the reference
-    bit for bit."""
-    if KV_QUANT == "fp8":
-        return tl.maximum(tl.math.div_rn(amax, _FP8_MAX), _FP8_MIN_SCALE)
-    else:
-        return _int8_scale_code(amax)
-
-
-@triton.jit
-def _store_scales(
+def _store_head_scales(
+    amax,  # [BLOCK_H] float32: each head vector's largest magnitude
     scale_ptr,  # [num_pages, page_size, num_kv_heads] float32 or uint8 code, at this slot
-    scales,  # [BLOCK_H] from _head_scales
     offs_h,
     h_mask,
     stride_scale_head,
-    KV_QUANT: tl.constexpr,
+    KV_QUANT: tl.constexpr,  # "fp8" or "int8"
 ):
+    """Each head vector's scale into the pages' scales, returned for _store_scaled: the float32
+    scale of FP8 pages, the one-byte code (int32) of int8 pages. div_rn: a plain fp32 division
+    may be approximate on GPU, and the scales must match the reference bit for bit."""
     if KV_QUANT == "fp8":
+        scales = tl.maximum(tl.math.div_rn(amax, _FP8_MAX), _FP8_MIN_SCALE)
         tl.store(scale_ptr + offs_h * stride_scale_head, scales, mask=h_mask)
     else:
+        scales = _int8_scale_code(amax)
         tl.store(scale_ptr + offs_h * stride_scale_head, scales.to(tl.uint8), mask=h_mask)
+    return scales
 
 
 @triton.jit
@@ -94,7 +88,7 @@ def _store_scaled(
     cache_ptr,  # [num_pages, page_size, num_kv_heads, head_dim] at this slot; uint8 if FP8
     offsets,  # [BLOCK_H, BLOCK]: the elements' places from cache_ptr
     mask,  # [BLOCK_H, BLOCK]
-    scales,  # [BLOCK_H] from _head_scales; unread for pages in an activation dtype
+    scales,  # [BLOCK_H] from _store_head_scales; unread for pages in an activation dtype
     KV_QUANT: tl.constexpr,  # "none", "fp8" or "int8"
 ):
     if KV_QUANT == "fp8":
@@ -127,8 +121,8 @@ def _store_one(
     if KV_QUANT == "none":
         scales = 0.0
     else:
-        scales = _head_scales(tl.max(tl.abs(x.to(tl.float32)), 1), KV_QUANT)
-        _store_scales(scale_ptr, scales, offs_h, h_mask, stride_scale_head, KV_QUANT)
+        amax = tl.max(tl.abs(x.to(tl.float32)), 1)
+        scales = _store_head_scales(amax, scale_ptr, offs_h, h_mask, stride_scale_head, KV_QUANT)
     offsets = offs_h[:, None] * stride_kv_head + offs_d[None, :]
     _store_scaled(x, cache_ptr, offsets, mask, scales, KV_QUANT)
 
@@ -158,8 +152,8 @@ def _store_one_rotated(
     else:
         amax1 = tl.max(tl.abs(x1.to(tl.float32)), 1)
         amax2 = tl.max(tl.abs(x2.to(tl.float32)), 1)
-        scales = _head_scales(tl.maximum(amax1, amax2), KV_QUANT)
-        _store_scales(scale_ptr, scales, offs_h, h_mask, stride_scale_head, KV_QUANT)
+        amax = tl.maximum(amax1, amax2)
+        scales = _store_head_scales(amax, scale_ptr, offs_h, h_mask, stride_scale_head, KV_QUANT)
     offsets = offs_h[:, None] * stride_kv_head + offs_half[None, :]
     _store_scaled(x1, cache_ptr, offsets, mask, scales, KV_QUANT)
     _store_scaled(x2, cache_ptr, offsets + HALF, mask, scales, KV_QUANT)

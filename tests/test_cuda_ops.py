@@ -166,7 +166,6 @@ def test_the_triton_backend_rotates_and_stores_in_one_launch_with_the_same_token
     (one launch a layer for RoPE and the store): the same greedy tokens as RoPE's own kernel
     then the plain store, on FP8 pages (every page format's bits: test_kernels.py)."""
     folder = build_tiny_model("llama3-rope", tmp_path / "model")
-    kv_cache_dtype = "fp8"
     prompts = random_prompts(3, seed=5)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -176,7 +175,7 @@ def test_the_triton_backend_rotates_and_stores_in_one_launch_with_the_same_token
             dtype="float16",
             device=DEVICE,
             enforce_eager=True,
-            kv_cache_dtype=kv_cache_dtype,
+            kv_cache_dtype="fp8",
         )
         engine.model.use_kernels(CudaKernels())
         return engine.generate(prompts, params)
