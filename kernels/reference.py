@@ -11,7 +11,6 @@ import itertools
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from kernels.interface import (
     FP8_DTYPE,
@@ -174,6 +173,10 @@ def chunk_attention_reference(
     softmax_scale: float,
 ) -> torch.Tensor:  # [q_len, num_heads, head_dim]
     """One sequence's chunk of queries over its context: SDPA over its gathered pages."""
+    # Imported here: the module imports torch._dynamo, seconds of every worker's start-up that
+    # only this reference needs.
+    from torch.nn.attention.bias import causal_lower_right
+
     queries, keys, values = sequence_context(query, cache, page_table, seq_len)
     # Lower-right causal alignment: the chunk's queries are the context's last q_len positions.
     attended = F.scaled_dot_product_attention(

@@ -103,3 +103,35 @@ def test_the_real_shape_benchmark_times_and_profiles_a_config_only_model(config_
     top = lines[profile + 1 : profile + 4]
     assert len(top) == 3 and all(" us " in line and "aten::" in line for line in top)
     assert any(line.startswith("prefill 16: ") for line in lines)
+
+
+# Loads a dummy model of ``sys.argv[1]``'s config in bf16 and serves a request on it, printing
+# its parameters' dtypes and whether torch's compiler stack (torch._dynamo, and sympy under it)
+# was imported on the way.
+LOAD_AND_SERVE = """
+import json, sys
+import torch
+from common.config import CacheConfig, EngineConfig
+from common.engine.llm_engine import LLMEngine
+from common.sampling_params import SamplingParams
+
+engine = LLMEngine(EngineConfig(model=sys.argv[1], dtype="bfloat16", device="cpu",
+                                load_format="dummy", cache=CacheConfig(num_pages=64)))
+engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+print(json.dumps({"dtypes": sorted({str(p.dtype) for p in engine.model.parameters()}),
+                  "inv_freq": str(engine.model.rotary.inv_freq.dtype),
+                  "compiler": sorted({"torch._dynamo", "sympy"} & set(sys.modules))}))
+"""
+
+
+def test_neither_loading_a_model_nor_serving_it_imports_torchs_compiler(config_only: Path) -> None:
+    """torch._dynamo and sympy, which torch's Python reference ops import on their first call
+    (arithmetic on the meta device the model is built on, Module.to_empty), take seconds of
+    every worker's start-up; pdserve never needs them. The weights come out in the model's
+    dtype, the RoPE frequencies in float32."""
+    result = subprocess.run(
+        [sys.executable, "-c", LOAD_AND_SERVE, str(config_only)],
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    loaded = json.loads(result.stdout.splitlines()[-1])
+    assert loaded == {"dtypes": ["torch.bfloat16"], "inv_freq": "torch.float32", "compiler": []}

@@ -44,10 +44,11 @@ class RMSNorm(nn.Module):
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    """On the CPU, whatever the default device: a model is built on the meta device, where
+    this arithmetic would run torch's Python decompositions (and import torch._dynamo)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (
-        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
-    )
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq
@@ -71,7 +72,8 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+        inv_freq = rope_inverse_frequencies(config).to(torch.get_default_device())
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -310,8 +312,14 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.tp = tp = tp or TensorParallel()
+        # The table is built empty: the loader fills it, and nn.Embedding's own normal draw,
+        # on the meta device, imports torch._dynamo (seconds of every worker's start-up).
         self.embed_tokens: nn.Embedding | VocabParallelEmbedding = (
-            nn.Embedding(config.vocab_size, config.hidden_size)
+            nn.Embedding(
+                config.vocab_size,
+                config.hidden_size,
+                _weight=torch.empty(config.vocab_size, config.hidden_size),
+            )
             if tp.size == 1
             else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         )

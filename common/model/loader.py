@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch import nn
 
 from common.config import LOAD_FORMATS, ModelConfig
 from common.model.llama import LlamaForCausalLM, rope_inverse_frequencies
@@ -96,8 +97,9 @@ def load_model(
         raise ValueError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}")
     with torch.device("meta"):
         model = LlamaForCausalLM(config, tp)
-    model = model.to_empty(device=device).to(dtype)
-    # .to(dtype) cast every buffer; the RoPE frequencies must stay float32 for exact positions.
+    _allocate(model, dtype, device)
+    # _allocate gave every floating-point buffer ``dtype``; the RoPE frequencies must stay
+    # float32 for exact positions.
     model.rotary.inv_freq = rope_inverse_frequencies(config).to(device)
     if load_format == "dummy":
         return _fill_randomly(model).eval()
@@ -130,6 +132,31 @@ def load_model(
         shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
         raise ValueError(f"weights missing from {config.path}: {shown}")
     return model.eval()
+
+
+def _allocate(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Storage on ``device`` for every parameter and buffer of a model built on the meta
+    device, uninitialised, floating-point ones in ``dtype``; a tensor two modules share stays
+    shared. ``Module.to_empty`` then ``.to(dtype)`` would allocate a 16-bit model in float32
+    first (twice its bytes, on a GPU before the first weight is read), and to_empty's
+    empty_like of a meta tensor runs torch's Python reference ops, whose first call imports
+    sympy: seconds of every worker's start-up."""
+    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(meta tensor): (it, its storage)
+
+    def storage_for(meta: torch.Tensor) -> torch.Tensor:
+        if id(meta) not in made:
+            kind = dtype if meta.is_floating_point() else meta.dtype
+            real = torch.empty(meta.shape, dtype=kind, device=device)
+            if isinstance(meta, nn.Parameter):
+                real = nn.Parameter(real, requires_grad=meta.requires_grad)
+            made[id(meta)] = (meta, real)  # the meta tensor kept alive: its id stays its own
+        return made[id(meta)][1]
+
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            setattr(module, name, storage_for(param))
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            setattr(module, name, storage_for(buffer))
 
 
 @torch.no_grad()
