@@ -77,6 +77,33 @@ def test_greedy_completion_equals_one_process_engine(cluster, reference, prompt)
     assert choice.finish_reason in ("stop", "length")
 
 
+def test_the_router_serves_without_loading_torch(cluster):
+    """The router runs no model: after it has served chat (the template) and completions, its
+    process maps no torch library (transformers would load torch, for seconds of the router's
+    start-up and hundreds of MiB of its memory, wherever it finds it installed)."""
+    client, _, base = cluster
+    messages = [{"role": "user", "content": "Hello"}]
+    client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=2)
+    client.completions.create(model="tiny-chat", prompt="Hello", max_tokens=2, logprobs=1)
+    with open(f"/proc/{router_pid(base)}/maps") as maps:
+        libraries = {line.split()[-1] for line in maps if line.rstrip().endswith(".so")}
+    assert libraries and not [path for path in libraries if "libtorch" in path]
+
+
+def router_pid(base: str) -> int:
+    """The process of the router that serves ``base`` (`python -m router ... --port PORT`)."""
+    port = base.rsplit(":", 1)[1]
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                argv = cmdline.read().decode().split("\0")
+        except (OSError, ValueError):
+            continue
+        if "router" in argv and "--port" in argv and argv[argv.index("--port") + 1] == port:
+            return int(entry)
+    raise AssertionError(f"no router process on port {port}")
+
+
 def test_long_prompts_are_prefilled_remotely_and_their_pages_shipped(cluster):
     client, _, base = cluster
     before = worker_metric(base, "decode", "pdserve_kv_pages_received_total")
