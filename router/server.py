@@ -289,6 +289,10 @@ def hide_torch() -> None:
     so transformers loads as where torch is not installed. Not where torch is loaded already."""
     if "torch" not in sys.modules:
         sys.modules["torch"] = None  # type: ignore[assignment]
+        # transformers says, on import, that it will have no models: the router wants none.
+        logging.getLogger("transformers").addFilter(
+            lambda record: not record.getMessage().startswith("PyTorch was not found")
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

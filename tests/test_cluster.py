@@ -253,6 +253,25 @@ def router_metric(base: str, name: str, **labels: str) -> float:
     return samples.get(key, 0.0)
 
 
+def test_the_startup_benchmark_times_a_cluster_up_and_its_first_answer(tmp_path):
+    """benchmarks.startup starts `pdserve up` (with the flags it does not know itself), waits
+    for it to say it is up and for a first completion, and prints both times."""
+    folder = build_tiny_chat_model(tmp_path / "m")
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.startup", "--model", str(folder), "--rounds", "1",
+         "--port", str(free_port_pair()), "--max-model-len", "256", "--kv-cache-memory", "16MiB",
+         "--dtype", "float32"],
+        capture_output=True, text=True, timeout=600, check=True,
+    )  # fmt: skip
+    summary = re.fullmatch(
+        r"up: best ([\d.]+) s, median \1 s; first completion: best ([\d.]+) s, median \2 s",
+        result.stdout.splitlines()[-1],
+    )
+    assert summary is not None, result.stdout
+    up, first = float(summary[1]), float(summary[2])
+    assert 0 < up <= first
+
+
 def test_sigterm_stops_every_process(tmp_path):
     """`pdserve up` takes its children down with it."""
     folder = build_tiny_chat_model(tmp_path / "m")
