@@ -93,15 +93,11 @@ def test_the_router_serves_without_loading_torch(cluster):
 def router_pid(base: str) -> int:
     """The process of the router that serves ``base`` (`python -m router ... --port PORT`)."""
     port = base.rsplit(":", 1)[1]
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
-                argv = cmdline.read().decode().split("\0")
-        except (OSError, ValueError):
-            continue
-        if "router" in argv and "--port" in argv and argv[argv.index("--port") + 1] == port:
-            return int(entry)
-    raise AssertionError(f"no router process on port {port}")
+    found = subprocess.run(
+        ["pgrep", "-f", "--", f"-m router .*--port {port}( |$)"], capture_output=True, text=True
+    ).stdout.split()
+    assert len(found) == 1, f"router processes on port {port}: {found}"
+    return int(found[0])
 
 
 def test_long_prompts_are_prefilled_remotely_and_their_pages_shipped(cluster):

@@ -110,7 +110,6 @@ def test_the_real_shape_benchmark_times_and_profiles_a_config_only_model(config_
 # was imported on the way.
 LOAD_AND_SERVE = """
 import json, sys
-import torch
 from common.config import CacheConfig, EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.sampling_params import SamplingParams
