@@ -405,13 +405,14 @@ def test_a_view_is_checked_once_and_not_kept_alive_by_it() -> None:
     every time, and the kept check does not keep the view alive."""
     pool = Pool.create(4, 16, 2, 64, FP8_DTYPE)
     view = pool.layer(0)
-    assert check_cache(view, DEVICE) is check_cache(view, DEVICE)
+    device = view.key.device  # as the kernels pass it, an input tensor's (cuda:0, not cuda)
+    assert check_cache(view, device) is check_cache(view, device)
     with pytest.raises(ValueError, match="inputs on meta"):
         check_cache(view, torch.device("meta"))
     unscaled = KVCacheView(view.key, view.value)
     for _ in range(2):
         with pytest.raises(ValueError, match="needs key_scale"):
-            check_cache(unscaled, DEVICE)
+            check_cache(unscaled, device)
     dead = weakref.ref(view)
     del view
     gc.collect()
