@@ -14,8 +14,10 @@ A worker that dies is started again; the router re-dispatches or migrates its re
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -26,6 +28,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 from common import cluster_auth
 from common.service.core_loan import create_loan_file, omp_places
@@ -340,6 +343,39 @@ def gpu_shares(sizes: list[int], gpus: list[str]) -> list[list[str]]:
     return shares
 
 
+def gpu_available() -> bool:
+    """``torch.cuda.is_available()`` as the workers' torch will answer it, without importing
+    torch where its build has no GPU backend: the import is seconds of every start on a small
+    CPU box, before anything else can start."""
+    if not torch_build_has_gpu_backend():
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def torch_build_has_gpu_backend() -> bool:
+    """Whether the installed torch was built for CUDA or ROCm, from its ``torch/version.py``
+    (read, not imported). True where that cannot be told, so that torch is asked."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return True
+    path = Path(next(iter(spec.submodule_search_locations))) / "version.py"
+    try:
+        return names_a_gpu_backend(path.read_text())
+    except (OSError, ValueError):
+        return True
+
+
+def names_a_gpu_backend(version_py: str) -> bool:
+    """Whether torch's ``version.py`` names a CUDA or ROCm version (``cuda: Optional[str] =
+    None`` in a CPU build); True where it does not say either way."""
+    versions = dict(re.findall(r"^(cuda|hip)\b[^=\n]*=\s*(.*?)\s*$", version_py, re.MULTILINE))
+    if set(versions) != {"cuda", "hip"}:
+        return True
+    return any(version != "None" for version in versions.values())
+
+
 def visible_gpus() -> list[str]:
     """The GPUs this process sees, as CUDA_VISIBLE_DEVICES would name them to a child."""
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -496,9 +532,8 @@ def main(argv: list[str] | None = None) -> int:
     for flag in router_flags:
         if getattr(args, flag) is not None:
             router_args += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    import torch
-
-    router_args += local_prefill_flags(args, on_gpu=torch.cuda.is_available())
+    on_gpu = gpu_available()
+    router_args += local_prefill_flags(args, on_gpu)
     shared = [
         "--router",
         control,
@@ -519,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
         shared += ["--max-model-len", str(args.max_model_len)]
     roles = ["prefill"] * args.prefill + ["decode"] * args.decode
     try:
-        placements = worker_placements(args, roles, torch.cuda.is_available())
+        placements = worker_placements(args, roles, on_gpu)
     except ValueError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2

@@ -77,6 +77,14 @@ def test_greedy_completion_equals_one_process_engine(cluster, reference, prompt)
     assert choice.finish_reason in ("stop", "length")
 
 
+def test_pdserve_up_starts_the_cluster_without_loading_torch(cluster):
+    """The launcher asks whether there is a GPU before it starts anything; where torch's build
+    has no GPU backend it answers from torch's version file, not by importing torch (seconds
+    that every start waited on)."""
+    _, _, base = cluster
+    assert not torch_libraries(process_on_port("pdserve.cli up", base))
+
+
 def test_the_router_serves_without_loading_torch(cluster):
     """The router runs no model: after it has served chat (the template) and completions, its
     process maps no torch library (transformers would load torch, for seconds of the router's
@@ -85,19 +93,24 @@ def test_the_router_serves_without_loading_torch(cluster):
     messages = [{"role": "user", "content": "Hello"}]
     client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=2)
     client.completions.create(model="tiny-chat", prompt="Hello", max_tokens=2, logprobs=1)
-    with open(f"/proc/{router_pid(base)}/maps") as maps:
+    assert not torch_libraries(process_on_port("router", base))
+
+
+def torch_libraries(pid: int) -> list[str]:
+    """The torch libraries process ``pid`` maps (it must map some library: the check reads)."""
+    with open(f"/proc/{pid}/maps") as maps:
         libraries = {line.split()[-1] for line in maps if line.rstrip().endswith(".so")}
-    assert libraries and not [path for path in libraries if "libtorch" in path]
+    assert libraries
+    return [path for path in libraries if "libtorch" in path]
 
 
-def router_pid(base: str) -> int:
-    """The process of the router that serves ``base`` (`python -m router ... --port PORT`)."""
+def process_on_port(module: str, base: str) -> int:
+    """The process `python -m MODULE ... --port PORT` of the cluster that serves ``base``."""
     port = base.rsplit(":", 1)[1]
-    found = subprocess.run(
-        ["pgrep", "-f", "--", f"-m router .*--port {port}( |$)"], capture_output=True, text=True
-    ).stdout.split()
-    assert len(found) == 1, f"router processes on port {port}: {found}"
-    return int(found[0])
+    pattern = f"-m {module} .*--port {port}( |$)"
+    found = subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True, text=True)
+    assert len(found.stdout.split()) == 1, f"{pattern}: {found.stdout.split()}"
+    return int(found.stdout.split()[0])
 
 
 def test_long_prompts_are_prefilled_remotely_and_their_pages_shipped(cluster):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from decode_worker.worker import build_parser as decode_parser
 from pdserve import launcher
@@ -13,8 +14,10 @@ from pdserve.launcher import (
     Placement,
     build_parser,
     core_shares,
+    gpu_available,
     gpu_shares,
     local_prefill_flags,
+    names_a_gpu_backend,
     pair_core_loans,
     role_flags,
     worker_env,
@@ -175,3 +178,25 @@ def test_no_core_loan_across_ranks_shared_cores_or_unpinned_workers(tmp_path, si
     flags = pair_core_loans(["prefill", "decode"], sizes, placements, str(tmp_path))
     assert flags == [[], []] and all(p.lent is None for p in placements)
     assert not list(tmp_path.iterdir())
+
+
+CPU_BUILD = """from typing import Optional
+
+__version__ = '2.13.0+cpu'
+debug = False
+cuda: Optional[str] = None
+git_version = 'cf30153c4c131c8164ee7798e5022d810682e2cb'
+hip: Optional[str] = None
+"""
+
+
+def test_a_torch_build_names_its_gpu_backend_or_none():
+    """`pdserve up` reads torch's version.py instead of importing torch to ask for a GPU: a CPU
+    build names neither CUDA nor ROCm, and whatever the file does not say plainly counts as a
+    GPU build, so that torch itself is asked."""
+    assert not names_a_gpu_backend(CPU_BUILD)
+    assert names_a_gpu_backend(CPU_BUILD.replace("cuda: Optional[str] = None", "cuda = '13.0'"))
+    assert names_a_gpu_backend(CPU_BUILD.replace("hip: Optional[str] = None", "hip = '6.4.1'"))
+    assert names_a_gpu_backend(CPU_BUILD.replace("cuda: Optional[str] = None\n", ""))
+    assert names_a_gpu_backend("")
+    assert gpu_available() == torch.cuda.is_available()

@@ -28,7 +28,6 @@ import argparse
 import mmap
 import os
 
-import torch
 from prometheus_client import Counter, Gauge
 
 # One flag byte a side: 1 while that worker has work, 0 while it waits.
@@ -91,6 +90,11 @@ class CoreLoan:
         self.side, self.partner = side, 1 - side
         self.own_threads, self.lent_threads = own_threads, lent_threads
         self._busy: bool | None = None
+        # torch is imported here, not at the top: `pdserve up` writes the loan files with this
+        # module's helpers before it starts the workers, and does not import torch for that.
+        import torch
+
+        self._set_num_threads = torch.set_num_threads
         self._threads = torch.get_num_threads()
         self.mark_busy(True)  # until this worker's loop says it waits
 
@@ -111,6 +115,8 @@ class CoreLoan:
                 f"--core-loan {args.core_loan} holds {size} bytes, not a pair's "
                 f"{LOAN_FILE_BYTES} flags"
             )
+        import torch
+
         return cls(args.core_loan, args.core_loan_side, torch.get_num_threads(), args.lent_cores)
 
     def mark_busy(self, busy: bool) -> None:
@@ -137,7 +143,7 @@ class CoreLoan:
 
     def _run_on(self, threads: int) -> None:
         if threads != self._threads:
-            torch.set_num_threads(threads)
+            self._set_num_threads(threads)
             self._threads = threads
             LENT_CORES_IN_USE.set(threads - self.own_threads)
 
