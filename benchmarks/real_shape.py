@@ -13,10 +13,11 @@ of bf16 weights, drawn on the device). Printed:
 - ``prefill T``: one ``T``-token chunk of a new prompt, tokens/s and TFLOP/s (matmuls and
   causal attention) as a share of the datasheet and of the measured bf16 peak;
 - ``profile batch B`` (with ``--profile``): the device's busy time in a decode step beside the
-  step's wall time, and the kernels that take the most of it, per step.
+  step's wall time, and the kernels that take the most of it, per step; ``profile prefill T``
+  (with ``--profile-prefill``) the same for a step that prefills a ``T``-token prompt.
 
     python -m benchmarks.real_shape [--model DIR] [--batch-sizes 1,8,32,64] [--context 1024]
-        [--profile 1,8]
+        [--profile 1,8] [--profile-prefill 512]
 
 Without CUDA it runs on the CPU only with ``--allow-cpu`` (for its plumbing, on a small shape).
 """
@@ -87,6 +88,7 @@ def datasheet_tflops(device: torch.device) -> float | None:
 
 def build_engine(args: argparse.Namespace, device: torch.device) -> LLMEngine:
     longest = args.context + args.steps + 16
+    prompts = args.prefill_chunks + args.profile_prefill  # each prefilled in one step
     return LLMEngine(
         EngineConfig(
             model=str(args.model),
@@ -96,8 +98,8 @@ def build_engine(args: argparse.Namespace, device: torch.device) -> LLMEngine:
             cache=CacheConfig(kv_cache_memory=args.kv_cache_gib << 30, enable_prefix_caching=False),
             scheduler=SchedulerConfig(
                 max_num_seqs=max(args.batch_sizes),
-                max_model_len=max(longest, max(args.prefill_chunks) + 16),
-                max_num_batched_tokens=max(args.prefill_chunks),
+                max_model_len=max(longest, max(prompts) + 16),
+                max_num_batched_tokens=max(prompts),
             ),
         )
     )
@@ -143,21 +145,46 @@ def decode_step_seconds(engine: LLMEngine, batch: int, args: argparse.Namespace)
         return (time.perf_counter() - began) / args.steps
 
 
-def profile_decode(
-    engine: LLMEngine, batch: int, args: argparse.Namespace, steps: int = 5, top: int = 12
-) -> None:
-    """Where a decode step's device time goes, by kernel: a few steps under torch.profiler, the
-    device's busy time per step beside the step's wall time (the rest is the device waiting),
-    and the kernels that take the most. Whether CUPTI lists the kernels inside a CUDA graph's
-    replay is the device's to say: a busy share near zero with graphs on means it did not."""
+def profile_decode(engine: LLMEngine, batch: int, args: argparse.Namespace, steps: int = 5) -> None:
+    """Where a decode step's device time goes, by kernel (``profiled``). Whether CUPTI lists the
+    kernels inside a CUDA graph's replay is the device's to say: a busy share near zero with
+    graphs on means it did not."""
+    with decoding(engine, batch, args), profiled(engine, f"batch {batch}", steps):
+        for _ in range(steps):
+            engine.step()
+
+
+def profile_prefill(engine: LLMEngine, tokens: int, steps: int = 3) -> None:
+    """Where the time of a step that prefills a new ``tokens``-token prompt goes (``profiled``):
+    prefill runs eagerly, so a busy share well under 1 is the host's launches and waits."""
+    generator = torch.Generator().manual_seed(tokens + 1)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    def prefill() -> None:
+        engine.add_request(random_prompt(vocab, tokens, generator), params)
+        while engine.has_unfinished:  # one step: the prompt's one token ends it
+            engine.step()
+
+    prefill()  # warm-up
+    synchronize(engine.device)
+    with profiled(engine, f"prefill {tokens}", steps):
+        for _ in range(steps):
+            prefill()
+
+
+@contextlib.contextmanager
+def profiled(engine: LLMEngine, label: str, steps: int, top: int = 12) -> Iterator[None]:
+    """Runs the block (``steps`` steps) under torch.profiler, then prints the device's busy
+    time per step beside the step's wall time (the rest is the device waiting for the host) and
+    the kernels that take the most of it."""
     from torch.profiler import ProfilerActivity, profile
 
     on_cuda = engine.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
-    with decoding(engine, batch, args), profile(activities=activities) as profiler:
+    with profile(activities=activities) as profiler:
         began = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
+        yield
         synchronize(engine.device)
         wall_us = (time.perf_counter() - began) / steps * 1e6
     rows = []
@@ -174,7 +201,7 @@ def profile_decode(
     busy_us = sum(us for us, _, _ in rows)
     where = "device" if on_cuda else "host ops"
     print(
-        f"profile batch {batch}: {where} busy {busy_us:.0f} us of a {wall_us:.0f} us step "
+        f"profile {label}: {where} busy {busy_us:.0f} us of a {wall_us:.0f} us step "
         f"({busy_us / wall_us:.0%}; under the profiler), "
         f"{sum(calls for _, calls, _ in rows):.0f} {'kernels' if on_cuda else 'ops'} a step",
         flush=True,
@@ -224,10 +251,16 @@ def main() -> int:
         default="",
         help="batch sizes whose decode step is also profiled by kernel, e.g. 1,8",
     )
+    parser.add_argument(
+        "--profile-prefill",
+        default="",
+        help="prompt lengths whose prefill step is also profiled by kernel, e.g. 512",
+    )
     parser.add_argument("--allow-cpu", action="store_true", help="run without CUDA")
     args = parser.parse_args()
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     args.profile = [int(b) for b in args.profile.split(",") if b]
+    args.profile_prefill = [int(t) for t in args.profile_prefill.split(",") if t]
     args.prefill_chunks = [int(t) for t in args.prefill_chunks.split(",")]
     if torch.cuda.is_available():
         device = torch.device("cuda")
@@ -279,6 +312,8 @@ def main() -> int:
             f"prefill {tokens}: {tokens / seconds:.0f} tok/s, {tflops:.1f} TFLOP/s ({shares})",
             flush=True,
         )
+    for tokens in args.profile_prefill:
+        profile_prefill(engine, tokens)
     return 0
 
 

@@ -12,7 +12,7 @@
 #   realshape python -m benchmarks.real_shape: Llama-3.1-8B's shape with random weights made on
 #            the device: its decode step at batch 1/8/32/64 beside the weight floor measured in
 #            the same run, its prefill TFLOP/s beside the bf16 peak, and where the device's
-#            time goes in the steps of batch 1 and 8, by kernel;
+#            time goes in the decode steps of batch 1 and 8 and a 512-token prefill, by kernel;
 #   serving  pdserve up with one prefill and one decode worker sharing the GPU, each given
 #            --gpu-memory-utilization 0.4 of it, then W1 of benchmarks.serving against it.
 # and three more that the default run leaves out (all of them do not fit in one 10-minute
@@ -43,7 +43,7 @@
 # (added to those pytest runs, e.g. -k store_kv),
 # GPU_CHECK_TEST_THREADS (1: torch's threads in each test worker),
 # GPU_CHECK_W1_ARGS (replaces W1's benchmark flags), GPU_CHECK_REALSHAPE_ARGS (replaces
-# realshape's, --profile 1,8), GPU_CHECK_GPU_SHARE (0.4), and
+# realshape's, --profile 1,8 --profile-prefill 512), GPU_CHECK_GPU_SHARE (0.4), and
 # GPU_CHECK_ALLOW_CPU=1 to run the plumbing without a GPU (interpreted kernels, no bench).
 # shellcheck disable=SC2317  # the steps are called by name, "step_$2"
 set -uo pipefail
@@ -148,7 +148,7 @@ step_graphs() {
 
 step_realshape() {
     # shellcheck disable=SC2086
-    "$PY" -m benchmarks.real_shape ${GPU_CHECK_REALSHAPE_ARGS:---profile 1,8}
+    "$PY" -m benchmarks.real_shape ${GPU_CHECK_REALSHAPE_ARGS:---profile 1,8 --profile-prefill 512}
 }
 
 step_serving() {

@@ -88,11 +88,11 @@ def test_the_host_overhead_benchmark_prints_a_line_per_batch_size(mode: list[str
 @pytest.mark.slow
 def test_the_real_shape_benchmark_times_and_profiles_a_config_only_model(config_only: Path) -> None:
     """``benchmarks.real_shape``'s plumbing on the CPU: a decode step beside its floors, that
-    step profiled (host ops here, kernels on a GPU), and a prefill chunk."""
+    step and a prefill step profiled (host ops here, kernels on a GPU), and a prefill chunk."""
     result = subprocess.run(
         [sys.executable, "-m", "benchmarks.real_shape", "--allow-cpu", "--model", str(config_only),
          "--batch-sizes", "2", "--context", "32", "--steps", "3", "--prefill-chunks", "16",
-         "--kv-cache-gib", "1", "--profile", "2"],
+         "--kv-cache-gib", "1", "--profile", "2", "--profile-prefill", "24"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
@@ -103,6 +103,8 @@ def test_the_real_shape_benchmark_times_and_profiles_a_config_only_model(config_
     top = lines[profile + 1 : profile + 4]
     assert len(top) == 3 and all(" us " in line and "aten::" in line for line in top)
     assert any(line.startswith("prefill 16: ") for line in lines)
+    profile = next(i for i, line in enumerate(lines) if line.startswith("profile prefill 24: "))
+    assert "ops a step" in lines[profile] and "aten::" in lines[profile + 1]
 
 
 # Loads a dummy model of ``sys.argv[1]``'s config in bf16 and serves a request on it, printing
