@@ -43,6 +43,9 @@ class SamplingParams:
     ignore_eos: bool = False
     # token id -> added to its logit before penalties and sampling (not to reported logprobs).
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # vLLM's whitelist: every other token's logit is -inf before anything else edits them (not
+    # in reported logprobs). None: every token may be chosen.
+    allowed_token_ids: list[int] | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -51,7 +54,8 @@ class SamplingParams:
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ``ValueError`` naming the first field that is of the wrong type or out of range.
 
-        ``vocab_size``, when given, also bounds ``stop_token_ids``.
+        ``vocab_size``, when given, also bounds the token ids of ``stop_token_ids``,
+        ``logit_bias`` and ``allowed_token_ids``.
         """
         _check_int("max_tokens", self.max_tokens, ">= 1", lambda v: v >= 1)
         _check_int(
@@ -108,6 +112,18 @@ class SamplingParams:
                     f"logit_bias must have integer token ids >= 0{upper} as keys, got {token_id!r}"
                 )
             _check_float("logit_bias", bias, "in [-100, 100]", lambda v: -100 <= v <= 100)
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
+                raise ValueError(
+                    "allowed_token_ids must be a non-empty list of token ids (or absent, to "
+                    f"allow every token), got {self.allowed_token_ids!r:.80}"
+                )
+            for token_id in self.allowed_token_ids:
+                if not _is_token_id(token_id, vocab_size):
+                    raise ValueError(
+                        f"allowed_token_ids must hold integer token ids >= 0{upper}, "
+                        f"got {token_id!r}"
+                    )
 
 
 def _is_token_id(value: object, vocab_size: int | None) -> bool:

@@ -61,6 +61,8 @@ class _SamplingBody(BaseModel):
     user: str | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None
+    # vLLM's: sample only among these tokens.
+    allowed_token_ids: list[int] | None = None
     # Each prompt token's logprob given the ones before it, with this many alternatives.
     prompt_logprobs: int | None = None
     # vLLM's extensions: the prompt's and each choice's token ids in the response, and tokens
@@ -229,7 +231,6 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "guided_choice": _off,
     "guided_grammar": _off,
     "prompt_embeds": _off,
-    "allowed_token_ids": _off,
     "bad_words": _off,
     "include_stop_str_in_output": _off,
     "prediction": _off,
@@ -281,6 +282,7 @@ def refuse_with_beam_search(body: CompletionBody | ChatBody) -> None:
         "frequency_penalty": (None, 0),
         "repetition_penalty": (None, 1),
         "logit_bias": (None, {}),
+        "allowed_token_ids": None,
         "min_tokens": 0,
     }
     for name, allowed in neutral.items():
@@ -382,6 +384,10 @@ def to_generation(
         min_tokens=body.min_tokens,
         ignore_eos=body.ignore_eos,
         logit_bias=_logit_bias(body.logit_bias, codec.vocab_size),
+        # Sorted and each once: the same whitelist, in fewer bytes on every hop.
+        allowed_token_ids=(
+            None if body.allowed_token_ids is None else sorted(set(body.allowed_token_ids))
+        ),
     )
     try:
         params.validate(codec.vocab_size)

@@ -105,6 +105,44 @@ def test_logit_bias_with_bad_token_ids_is_a_400(cluster, bias):
         complete(client, logit_bias=bias)
 
 
+# -- allowed_token_ids -----------------------------------------------------------------------
+
+
+def test_allowed_token_ids_keep_every_token_in_the_list_as_the_engine_does(cluster, reference):
+    """vLLM's whitelist: greedy tokens are the engine's under the same list, from the prefill
+    worker's first token on; sampled ones, seeded, never leave it; logprobs stay the model's."""
+    client, _, _ = cluster
+    generate, tokenizer = reference
+    prompt_ids = tokenizer.encode(PROMPT)
+    plain = generate(prompt_ids, 8, ignore_eos=True)
+    allowed = sorted({(plain[0] + 11) % 1000, (plain[1] + 23) % 1000, 42} - set(plain))
+    expected = generate(prompt_ids, 8, ignore_eos=True, allowed_token_ids=allowed)
+    assert set(expected) <= set(allowed)
+    result = complete(
+        client,
+        logprobs=0,
+        extra_body={"allowed_token_ids": allowed, "return_token_ids": True},
+    )
+    assert result.choices[0].token_ids == expected
+    assert all(lp <= 0 for lp in result.choices[0].logprobs.token_logprobs)
+
+    stream = chat(
+        client,
+        temperature=1.0,
+        seed=5,
+        stream=True,
+        extra_body={"allowed_token_ids": allowed, "return_token_ids": True},
+    )
+    assert set(streamed_ids(stream)) <= set(allowed)
+
+
+@pytest.mark.parametrize("allowed", [[], [49152], [-1]], ids=["empty", "beyond-vocab", "negative"])
+def test_allowed_token_ids_that_name_no_token_are_a_400(cluster, allowed):
+    client, _, _ = cluster
+    with pytest.raises(openai.BadRequestError, match="allowed_token_ids"):
+        complete(client, extra_body={"allowed_token_ids": allowed})
+
+
 # -- logprobs --------------------------------------------------------------------------------
 
 

@@ -100,6 +100,11 @@ def test_defaults_are_valid_and_not_greedy():
         ("logit_bias", {"5": 1.0}),
         ("logit_bias", {5: 101.0}),
         ("logit_bias", {5: float("nan")}),
+        ("allowed_token_ids", []),
+        ("allowed_token_ids", [-1]),
+        ("allowed_token_ids", [1.0]),
+        ("allowed_token_ids", [True]),
+        ("allowed_token_ids", "12"),
     ],
 )
 def test_bad_values_are_rejected_naming_the_field(field, value):
@@ -119,6 +124,7 @@ def test_bad_values_are_rejected_naming_the_field(field, value):
         {"logprobs": 20, "seed": (1 << 64) - 1, "min_tokens": 16, "max_tokens": 16},
         {"stop_token_ids": [0, 99], "ignore_eos": True, "top_k": 10**6},
         {"prompt_logprobs": 0, "logit_bias": {0: -100.0, 99: 100.0}},
+        {"allowed_token_ids": [0, 99], "logprobs": 1},
     ],
 )
 def test_boundary_values_are_accepted(changes):
@@ -132,6 +138,8 @@ def test_stop_token_ids_are_bounded_by_the_vocabulary():
         SamplingParams(stop_token_ids=[100]).validate(vocab_size=100)
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={100: 1.0}).validate(vocab_size=100)
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[5, 100]).validate(vocab_size=100)
 
 
 def off_the_wire(raw) -> SamplingParams:
@@ -425,6 +433,59 @@ def test_logit_bias_moves_sampling_but_not_reported_logprobs():
     # At temperature 1 a -100 bias makes a token unreachable, whatever its mass.
     banned = [row(seed=s, logit_bias={best[0]: -100.0}) for s in range(300)]
     assert best[0] not in token_ids(sampler.sample(logits[:1].expand(300, -1), banned))
+
+
+def test_allowed_token_ids_limit_sampling_but_not_reported_logprobs():
+    """A whitelist leaves its row only the listed tokens, greedy or sampled, before the bias and
+    the min_tokens ban (vLLM's order); logprobs still come from the raw logits, and a row
+    without one beside it is untouched."""
+    vocab = 10
+    logits = make_logits(4, vocab, seed=7)
+    best = logits.argmax(dim=-1).tolist()
+    allowed = sorted({(best[0] + 1) % vocab, (best[0] + 4) % vocab})
+    sampler = Sampler(vocab, [EOS])
+    rows = [
+        row(temperature=0.0, logprobs=1, allowed_token_ids=allowed),
+        row(temperature=0.0, logprobs=1),
+        # The bias acts among the allowed tokens only: 100 on a token outside them changes
+        # nothing, on one inside them makes it the pick.
+        row(temperature=0.0, allowed_token_ids=[1, 2], logit_bias={0: 100.0}),
+        row(temperature=0.0, allowed_token_ids=[1, 2], logit_bias={2: 100.0}),
+    ]
+    results = sampler.sample(logits, rows)
+    masked = torch.full((vocab,), -math.inf)
+    masked[allowed] = logits[0, allowed]
+    expected_third = 1 if logits[2, 1] >= logits[2, 2] else 2
+    assert token_ids(results) == [int(masked.argmax()), best[1], expected_third, 2]
+    raw = torch.log_softmax(logits, dim=-1)
+    for i in (0, 1):
+        assert results[i].logprob == pytest.approx(raw[i, results[i].token_id].item())
+        assert results[i].top_logprobs[0][0] == best[i]
+    # Sampled rows: only the allowed tokens come out, however little their mass; the whole
+    # allowed set does, in proportion to their probabilities among themselves.
+    spread = torch.zeros(1, vocab)
+    spread[0, 0], spread[0, 5], spread[0, 6] = 30.0, 0.0, math.log(3.0)
+    draws = [row(seed=s, allowed_token_ids=[5, 6]) for s in range(2000)]
+    counts = Counter(token_ids(sampler.sample(spread.expand(2000, -1), draws)))
+    assert set(counts) == {5, 6} and 0.2 < counts[5] / 2000 < 0.3
+    # min_tokens bans EOS inside the whitelist too: the other allowed token comes out.
+    banned = row(output=[], temperature=0.0, min_tokens=1, allowed_token_ids=[EOS, 7])
+    eos_best = torch.zeros(1, vocab)
+    eos_best[0, EOS] = 9.0
+    assert token_ids(sampler.sample(eos_best, [banned])) == [7]
+
+
+def test_a_whitelist_is_drawn_on_the_device_and_keeps_plain_rows_plain():
+    """A whitelist reads no history, so a step launched ahead still draws its row from the
+    logits alone; but the row is no plain argmax, so its logits are copied before the mask."""
+    params = SamplingParams(temperature=0.0, allowed_token_ids=[1])
+    assert sampler_module.draws_from_logits_alone(params, 0)
+    assert not sampler_module.plain_argmax(params, 0)
+    logits = make_logits(2, 6, seed=2)
+    before = logits.clone()
+    rows = [SamplingRow.of(params, [], []), row(temperature=0.0)]
+    ids = Sampler(6, [EOS]).sample_ids(logits, rows).tolist()
+    assert ids == [1, int(before[1].argmax())] and torch.equal(logits, before)
 
 
 # --------------------------------------------------------------------------- penalties

@@ -3,12 +3,13 @@
 The order of operations is vLLM's:
 
 1. logprobs to report come from the raw logits (``log_softmax`` before anything below);
-2. ``min_tokens``: until a sequence has that many output tokens, its stop token ids, and EOS
+2. ``allowed_token_ids``: every token outside the list gets ``-inf``;
+3. ``min_tokens``: until a sequence has that many output tokens, its stop token ids, and EOS
    unless ``ignore_eos``, get ``-inf``;
-3. ``logit_bias`` is added;
-4. repetition, frequency and presence penalties;
-5. greedy rows (``temperature == 0``) take the argmax;
-6. the other rows are divided by their temperature, filtered by top-k, top-p and min-p, and
+4. ``logit_bias`` is added;
+5. repetition, frequency and presence penalties;
+6. greedy rows (``temperature == 0``) take the argmax;
+7. the other rows are divided by their temperature, filtered by top-k, top-p and min-p, and
    sampled.
 
 Sampling is an exponential race, ``argmax(p / E)`` with ``E ~ Exponential(1)`` drawn per token,
@@ -190,7 +191,7 @@ class Sampler:
     def _draw(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], want_logprobs: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Steps 1 to 6 of the module's docstring: the token ids [len(rows)] on the device, and
+        """Steps 1 to 7 of the module's docstring: the token ids [len(rows)] on the device, and
         the raw logprobs of the rows ``want_logprobs`` (None if none)."""
         x = logits[:, : self.vocab_size]
         # The steps below edit x in place: a float32 copy of the real vocabulary where any row
@@ -203,6 +204,7 @@ class Sampler:
         if want_logprobs:
             raw_logprobs = torch.log_softmax(_select(x, want_logprobs), dim=-1)
 
+        _keep_allowed_tokens(x, params)
         self._mask_stop_tokens(x, rows)
         _add_logit_bias(x, params)
         apply_penalties(x, rows)
@@ -305,6 +307,24 @@ def plain_samples(token_ids: list[int]) -> list[SampledToken]:
     return cast(list[SampledToken], list(map(tuple.__new__, repeat(SampledToken), rows)))
 
 
+def _keep_allowed_tokens(x: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """``-inf`` for every token outside a row's ``allowed_token_ids``: a row of ``-inf`` with
+    zeros at the allowed places, added to the row's logits. Only the allowed ids travel to the
+    device, not a mask of the vocabulary."""
+    rows = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+    if not rows:
+        return
+    width = x.shape[1]
+    flat = [
+        slot * width + token
+        for slot, i in enumerate(rows)
+        for token in cast("list[int]", params[i].allowed_token_ids)
+    ]
+    kept = torch.full((len(rows), width), -math.inf, device=x.device)
+    kept.view(-1).index_fill_(0, on_device(flat, torch.long, x.device), 0.0)
+    x.index_add_(0, on_device(rows, torch.long, x.device), kept)
+
+
 def _add_logit_bias(x: torch.Tensor, params: Sequence[SamplingParams]) -> None:
     row_index: list[int] = []
     token_index: list[int] = []
@@ -405,14 +425,17 @@ def sent(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def _edits_logits(row: SamplingRow) -> bool:
     """Whether sampling ``row`` edits its logits: a random pick (its noise race works in
-    place), stop tokens banned until min_tokens, a logit bias or a penalty."""
+    place), a whitelist, stop tokens banned until min_tokens, a logit bias or a penalty."""
     return not row.params.is_greedy or _edits_beyond_sampling(row.params, row.num_output_tokens)
 
 
 def _edits_beyond_sampling(params: SamplingParams, num_output_tokens: int) -> bool:
-    """Stop tokens banned until min_tokens, a logit bias or a penalty."""
+    """A whitelist of tokens, stop tokens banned until min_tokens, a logit bias or a penalty."""
     return (
-        num_output_tokens < params.min_tokens or bool(params.logit_bias) or _has_penalties(params)
+        params.allowed_token_ids is not None
+        or num_output_tokens < params.min_tokens
+        or bool(params.logit_bias)
+        or _has_penalties(params)
     )
 
 
@@ -432,7 +455,7 @@ def draws_from_logits_alone(params: SamplingParams, num_output_tokens: int) -> b
 def plain_argmax(params: SamplingParams, num_output_tokens: int) -> bool:
     """Whether the next token of a sequence with ``params`` and ``num_output_tokens`` output
     tokens so far is its logits' argmax and nothing else is asked of it: greedy, with nothing to
-    report, ban (min_tokens), bias or penalise."""
+    report, whitelist, ban (min_tokens), bias or penalise."""
     return (
         params.is_greedy
         and params.logprobs is None
