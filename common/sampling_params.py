@@ -20,6 +20,9 @@ SEED_MIN = -(1 << 63)
 SEED_MAX = (1 << 64) - 1
 # Any top_k at or beyond the vocabulary keeps every token; beyond this one it is a client bug.
 TOP_K_MAX = (1 << 31) - 1
+# Token sequences of a request's bad words (each word gives one or two): every one is checked
+# against the output at every step.
+MAX_BAD_WORDS = 128
 
 
 @dataclass(slots=True)
@@ -46,6 +49,9 @@ class SamplingParams:
     # vLLM's whitelist: every other token's logit is -inf before anything else edits them (not
     # in reported logprobs). None: every token may be chosen.
     allowed_token_ids: list[int] | None = None
+    # vLLM's bad words, as the router tokenized them: a sequence's last token gets -inf wherever
+    # the output ends with the rest of it (a one-token sequence's, always).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def is_greedy(self) -> bool:
@@ -55,7 +61,7 @@ class SamplingParams:
         """Raise ``ValueError`` naming the first field that is of the wrong type or out of range.
 
         ``vocab_size``, when given, also bounds the token ids of ``stop_token_ids``,
-        ``logit_bias`` and ``allowed_token_ids``.
+        ``logit_bias``, ``allowed_token_ids`` and ``bad_words_token_ids``.
         """
         _check_int("max_tokens", self.max_tokens, ">= 1", lambda v: v >= 1)
         _check_int(
@@ -124,6 +130,19 @@ class SamplingParams:
                         f"allowed_token_ids must hold integer token ids >= 0{upper}, "
                         f"got {token_id!r}"
                     )
+        words = self.bad_words_token_ids
+        if not isinstance(words, list) or len(words) > MAX_BAD_WORDS:
+            raise ValueError(
+                f"bad_words_token_ids must be a list of at most {MAX_BAD_WORDS} token sequences, "
+                f"got {words!r:.80}"
+            )
+        for word in words:
+            ids = isinstance(word, list) and all(_is_token_id(t, vocab_size) for t in word)
+            if not (ids and word):
+                raise ValueError(
+                    "bad_words_token_ids must hold non-empty lists of integer token ids "
+                    f">= 0{upper}, got {word!r:.80}"
+                )
 
 
 def _is_token_id(value: object, vocab_size: int | None) -> bool:

@@ -15,7 +15,7 @@ from typing import Any, Literal, TypeGuard, TypeVar
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field
 
-from common.sampling_params import MAX_LOGPROBS, SamplingParams
+from common.sampling_params import MAX_BAD_WORDS, MAX_LOGPROBS, SamplingParams
 from router.beam_search import MAX_BEAM_WIDTH
 from router.errors import BadRequest
 
@@ -61,8 +61,9 @@ class _SamplingBody(BaseModel):
     user: str | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None
-    # vLLM's: sample only among these tokens.
+    # vLLM's: sample only among these tokens; never complete one of these words.
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # Each prompt token's logprob given the ones before it, with this many alternatives.
     prompt_logprobs: int | None = None
     # vLLM's extensions: the prompt's and each choice's token ids in the response, and tokens
@@ -231,7 +232,6 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "guided_choice": _off,
     "guided_grammar": _off,
     "prompt_embeds": _off,
-    "bad_words": _off,
     "include_stop_str_in_output": _off,
     "prediction": _off,
     "audio": _off,
@@ -283,6 +283,7 @@ def refuse_with_beam_search(body: CompletionBody | ChatBody) -> None:
         "repetition_penalty": (None, 1),
         "logit_bias": (None, {}),
         "allowed_token_ids": None,
+        "bad_words": (None, []),
         "min_tokens": 0,
     }
     for name, allowed in neutral.items():
@@ -388,6 +389,7 @@ def to_generation(
         allowed_token_ids=(
             None if body.allowed_token_ids is None else sorted(set(body.allowed_token_ids))
         ),
+        bad_words_token_ids=_bad_words_token_ids(body.bad_words, codec),
     )
     try:
         params.validate(codec.vocab_size)
@@ -467,6 +469,35 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, flo
             raise BadRequest(f"logit_bias values must be finite, got {value}", "logit_bias")
         out[token_id] = min(100.0, max(-100.0, float(value)))
     return out
+
+
+def _bad_words_token_ids(words: list[str] | None, codec: TextCodec) -> list[list[int]]:
+    """Each bad word as the token sequences that spell it (vLLM's rule): as it stands where a
+    text begins, and after a space where that spells it in as many tokens but another first one
+    (a word mid-sentence), so that it is banned in both places."""
+    sequences: list[list[int]] = []
+    for word in words or []:
+        bare = codec.encode(word.lstrip(), add_special_tokens=False)
+        if not bare:
+            raise BadRequest(f"bad_words must hold words with text, got {word!r:.40}", "bad_words")
+        sequences.append(bare)
+        spaced = codec.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            sequences.append(spaced)
+    if len(sequences) > MAX_BAD_WORDS:
+        raise BadRequest(
+            f"bad_words spell {len(sequences)} token sequences; at most {MAX_BAD_WORDS} are "
+            "allowed",
+            "bad_words",
+        )
+    outside = [t for sequence in sequences for t in sequence if not 0 <= t < codec.vocab_size]
+    if outside:
+        raise BadRequest(
+            f"bad_words spell token ids {outside[:8]} outside the model's vocabulary of "
+            f"{codec.vocab_size} tokens",
+            "bad_words",
+        )
+    return sequences
 
 
 def _is_int(text: str) -> bool:

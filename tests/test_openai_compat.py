@@ -143,6 +143,46 @@ def test_allowed_token_ids_that_name_no_token_are_a_400(cluster, allowed):
         complete(client, extra_body={"allowed_token_ids": allowed})
 
 
+# -- bad_words -------------------------------------------------------------------------------
+
+
+def spelled(words: list[str], tokenizer) -> list[list[int]]:
+    """vLLM's token sequences for ``words``: each word as it stands, and after a space where
+    that spells it in as many tokens but another first one."""
+    sequences = []
+    for word in words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        sequences.append(bare)
+        if spaced[0] != bare[0] and len(spaced) == len(bare):
+            sequences.append(spaced)
+    return sequences
+
+
+def test_bad_words_are_never_completed_as_the_engine_bans_them(cluster, reference):
+    """The first token (the prefill worker's) and a two-token word later on (the decode
+    worker's) are banned as the engine bans the router's spelling of the words."""
+    client, _, _ = cluster
+    generate, tokenizer = reference
+    prompt_ids = tokenizer.encode(PROMPT)
+    plain = generate(prompt_ids, 8, ignore_eos=True)
+    words = [tokenizer.decode(plain[:1]), tokenizer.decode(plain[3:5])]
+    sequences = spelled(words, tokenizer)
+    assert plain[:1] in sequences and plain[3:5] in sequences
+    expected = generate(prompt_ids, 8, ignore_eos=True, bad_words_token_ids=sequences)
+    assert expected[0] != plain[0]
+    for banned in sequences:
+        assert all(expected[i : i + len(banned)] != banned for i in range(len(expected)))
+    result = complete(client, extra_body={"bad_words": words, "return_token_ids": True})
+    assert result.choices[0].token_ids == expected
+
+
+def test_bad_words_that_spell_nothing_are_a_400(cluster):
+    client, _, _ = cluster
+    with pytest.raises(openai.BadRequestError, match="bad_words"):
+        complete(client, extra_body={"bad_words": ["  "]})
+
+
 # -- logprobs --------------------------------------------------------------------------------
 
 

@@ -272,6 +272,7 @@ REFUSED = [
     ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs", "beam search"),
     ("/v1/completions", {"logit_bias": {"5": 10}}, "logit_bias", "beam search"),
     ("/v1/completions", {"allowed_token_ids": [5, 6]}, "allowed_token_ids", "beam search"),
+    ("/v1/completions", {"bad_words": ["no"]}, "bad_words", "beam search"),
     ("/v1/chat/completions", {"presence_penalty": 0.5}, "presence_penalty", "beam search"),
     ("/v1/chat/completions", {"repetition_penalty": 1.2}, "repetition_penalty", "beam search"),
     ("/v1/chat/completions", {"min_tokens": 2}, "min_tokens", "beam search"),

@@ -178,6 +178,51 @@ def test_truncate_prompt_tokens_minus_one_is_what_the_context_holds():
         CompletionBody.model_validate({"prompt": "a", "truncation_side": "middle"})
 
 
+class SpacedCodec(Codec):
+    """A leading space joins the next character in one token of its own (900 + the character
+    mod 100), as byte-level BPE vocabularies spell a word mid-sentence."""
+
+    def encode(self, text, add_special_tokens=True):
+        if text.startswith(" ") and len(text) > 1:
+            return [900 + ord(text[1]) % 100, *super().encode(text[2:])]
+        return super().encode(text)
+
+
+def bad_words_of(words, codec: TextCodec) -> list[list[int]]:
+    body = CompletionBody.model_validate({"prompt": "a", "bad_words": words})
+    return to_generation(body, codec, 100, None).params.bad_words_token_ids
+
+
+def test_bad_words_are_banned_as_they_begin_a_text_and_after_a_space():
+    """vLLM's rule: each word as it stands, and its spelling after a space where that is as
+    many tokens with another first one; a word's leading spaces are dropped first."""
+    expected = [[97, 98], [997, 98], [99, 100], [999, 100]]
+    assert bad_words_of(["ab", "  cd"], SpacedCodec()) == expected
+    # Where a space is a token of its own, the spaced spelling is longer: the word alone.
+    assert bad_words_of(["ab"], Codec()) == [[97, 98]]
+    assert bad_words_of([], Codec()) == [] and bad_words_of(None, Codec()) == []
+
+
+class SmallCodec(Codec):
+    vocab_size = 100
+
+
+@pytest.mark.parametrize(
+    ("words", "codec", "words_in_error"),
+    [
+        ([""], Codec(), "words with text"),
+        (["   "], Codec(), "words with text"),
+        ([f"w{i}" for i in range(129)], Codec(), "at most 128"),
+        (["az"], SmallCodec(), "outside the model's vocabulary"),
+    ],
+    ids=["empty", "spaces", "too-many", "beyond-vocab"],
+)
+def test_bad_words_that_ban_nothing_or_too_much_are_a_400(words, codec, words_in_error):
+    with pytest.raises(APIError, match=words_in_error) as info:
+        bad_words_of(words, codec)
+    assert info.value.param == "bad_words"
+
+
 def test_every_logit_bias_key_that_is_not_a_token_id_is_named():
     with pytest.raises(APIError) as info:
         parse({"prompt": "a", "logit_bias": {"bad1": 50.0, "7": 1.0, "bad2": 20.0}})

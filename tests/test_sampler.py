@@ -105,6 +105,11 @@ def test_defaults_are_valid_and_not_greedy():
         ("allowed_token_ids", [1.0]),
         ("allowed_token_ids", [True]),
         ("allowed_token_ids", "12"),
+        ("bad_words_token_ids", [[]]),
+        ("bad_words_token_ids", [[-1]]),
+        ("bad_words_token_ids", [[1.0]]),
+        ("bad_words_token_ids", [1]),
+        ("bad_words_token_ids", [[1]] * 129),
     ],
 )
 def test_bad_values_are_rejected_naming_the_field(field, value):
@@ -125,6 +130,7 @@ def test_bad_values_are_rejected_naming_the_field(field, value):
         {"stop_token_ids": [0, 99], "ignore_eos": True, "top_k": 10**6},
         {"prompt_logprobs": 0, "logit_bias": {0: -100.0, 99: 100.0}},
         {"allowed_token_ids": [0, 99], "logprobs": 1},
+        {"bad_words_token_ids": [[0], [5, 99]] + [[1]] * 126},
     ],
 )
 def test_boundary_values_are_accepted(changes):
@@ -140,6 +146,8 @@ def test_stop_token_ids_are_bounded_by_the_vocabulary():
         SamplingParams(logit_bias={100: 1.0}).validate(vocab_size=100)
     with pytest.raises(ValueError, match="allowed_token_ids"):
         SamplingParams(allowed_token_ids=[5, 100]).validate(vocab_size=100)
+    with pytest.raises(ValueError, match="bad_words_token_ids"):
+        SamplingParams(bad_words_token_ids=[[5, 100]]).validate(vocab_size=100)
 
 
 def off_the_wire(raw) -> SamplingParams:
@@ -486,6 +494,40 @@ def test_a_whitelist_is_drawn_on_the_device_and_keeps_plain_rows_plain():
     rows = [SamplingRow.of(params, [], []), row(temperature=0.0)]
     ids = Sampler(6, [EOS]).sample_ids(logits, rows).tolist()
     assert ids == [1, int(before[1].argmax())] and torch.equal(logits, before)
+
+
+def test_bad_words_ban_the_token_that_would_complete_one():
+    """A one-token word is never chosen; a longer word's last token only where the output
+    (proposals under verification included, the prompt not) ends with the rest of it, ahead of
+    min_tokens and the bias (vLLM's order); logprobs stay raw."""
+    vocab = 8
+    logits = torch.zeros(1, vocab)
+    logits[0, 5], logits[0, 6], logits[0, 7] = 9.0, 8.0, 7.0
+    sampler = Sampler(vocab, [EOS])
+    words = [[5], [1, 2, 6]]
+
+    def greedy(output, prompt=(), proposed=(), **params) -> SampledToken:
+        params = {"temperature": 0.0, "bad_words_token_ids": words} | params
+        row = SamplingRow(SamplingParams(**params), [*prompt, *output], len(prompt), proposed)
+        return sampler.sample(logits, [row])[0]
+
+    assert greedy([]).token_id == 6  # 5 is banned outright; [1, 2, 6] has no prefix yet
+    assert greedy([1, 2]).token_id == 7  # the output ends with [1, 2]: 6 would complete it
+    assert greedy([1, 2, 0]).token_id == 6
+    assert greedy([2], prompt=[1]).token_id == 6  # the prompt does not count
+    assert greedy([1], proposed=[2]).token_id == 7  # a proposal does
+    # The bias cannot bring a banned token back; logprobs are the raw logits'.
+    result = greedy([1, 2], logit_bias={6: 100.0}, logprobs=0)
+    assert result.token_id == 7
+    assert result.logprob == pytest.approx(torch.log_softmax(logits, -1)[0, 7].item())
+    # Sampled rows never complete a word either, however much mass its last token has.
+    seeded = [SamplingParams(seed=s, bad_words_token_ids=words) for s in range(300)]
+    rows = [SamplingRow(params, [1, 2], 0) for params in seeded]
+    assert {5, 6}.isdisjoint(token_ids(sampler.sample(logits.expand(300, -1), rows)))
+    # A row reading its output is never drawn ahead of it, and never a plain argmax.
+    params = SamplingParams(temperature=0.0, bad_words_token_ids=[[5]])
+    assert not sampler_module.draws_from_logits_alone(params, 0)
+    assert not sampler_module.plain_argmax(params, 0)
 
 
 # --------------------------------------------------------------------------- penalties

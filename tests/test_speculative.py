@@ -267,6 +267,29 @@ def test_seeded_sampling_gives_the_same_tokens_with_speculation(target):
     assert 0 < counted.accepted < counted.proposed
 
 
+@pytest.mark.usefixtures("weight_bound_step_costs")
+def test_whitelists_and_bad_words_give_the_same_tokens_with_speculation(target):
+    """A draft equal to the target proposes what the target says without a whitelist or bad
+    words, and verification samples under them, a run's proposals counting as output for the
+    bad words: speculation changes no token, and the proposals they rule out are rejected."""
+    prompts = repetitive_prompts(4)
+    greedy = SamplingParams(max_tokens=30, temperature=0.0)
+    plain = build_engine(target).generate(prompts, [greedy] * len(prompts))
+    params = [
+        SamplingParams(max_tokens=30, temperature=0.0, bad_words_token_ids=[[out[2]], out[5:8]])
+        if i % 2
+        else SamplingParams(
+            max_tokens=30, temperature=0.0, allowed_token_ids=sorted(set(out) - {out[4]})
+        )
+        for i, out in enumerate(plain)
+    ]
+    expected = build_engine(target).generate(prompts, params)
+    assert all(ours != theirs for ours, theirs in zip(expected, plain, strict=True))
+    with Counted() as counted:
+        assert build_engine(target, speculative=draft(target)).generate(prompts, params) == expected
+    assert 0 < counted.accepted < counted.proposed
+
+
 def test_logprobs_are_reported_for_every_token_of_a_run(target):
     prompt = random_prompts(1, seed=24)[0]
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2)

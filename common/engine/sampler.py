@@ -4,12 +4,13 @@ The order of operations is vLLM's:
 
 1. logprobs to report come from the raw logits (``log_softmax`` before anything below);
 2. ``allowed_token_ids``: every token outside the list gets ``-inf``;
-3. ``min_tokens``: until a sequence has that many output tokens, its stop token ids, and EOS
+3. bad words: the token that would complete one at the end of the output gets ``-inf``;
+4. ``min_tokens``: until a sequence has that many output tokens, its stop token ids, and EOS
    unless ``ignore_eos``, get ``-inf``;
-4. ``logit_bias`` is added;
-5. repetition, frequency and presence penalties;
-6. greedy rows (``temperature == 0``) take the argmax;
-7. the other rows are divided by their temperature, filtered by top-k, top-p and min-p, and
+5. ``logit_bias`` is added;
+6. repetition, frequency and presence penalties;
+7. greedy rows (``temperature == 0``) take the argmax;
+8. the other rows are divided by their temperature, filtered by top-k, top-p and min-p, and
    sampled.
 
 Sampling is an exponential race, ``argmax(p / E)`` with ``E ~ Exponential(1)`` drawn per token,
@@ -191,7 +192,7 @@ class Sampler:
     def _draw(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], want_logprobs: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Steps 1 to 7 of the module's docstring: the token ids [len(rows)] on the device, and
+        """Steps 1 to 8 of the module's docstring: the token ids [len(rows)] on the device, and
         the raw logprobs of the rows ``want_logprobs`` (None if none)."""
         x = logits[:, : self.vocab_size]
         # The steps below edit x in place: a float32 copy of the real vocabulary where any row
@@ -205,6 +206,7 @@ class Sampler:
             raw_logprobs = torch.log_softmax(_select(x, want_logprobs), dim=-1)
 
         _keep_allowed_tokens(x, params)
+        _ban_bad_words(x, rows)
         self._mask_stop_tokens(x, rows)
         _add_logit_bias(x, params)
         apply_penalties(x, rows)
@@ -325,6 +327,27 @@ def _keep_allowed_tokens(x: torch.Tensor, params: Sequence[SamplingParams]) -> N
     x.index_add_(0, on_device(rows, torch.long, x.device), kept)
 
 
+def _ban_bad_words(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """``-inf`` for each token that would complete one of a row's bad words: a one-token
+    word's always, a longer word's last token where the output (proposals under verification
+    included, the prompt not, as in vLLM) ends with the rest of the word."""
+    width = x.shape[1]
+    flat: list[int] = []
+    for i, row in enumerate(rows):
+        words = row.params.bad_words_token_ids
+        if not words:
+            continue
+        longest = max(len(word) for word in words)
+        tail = row.output_token_ids[-(longest - 1) :] if longest > 1 else []
+        for word in words:
+            before = len(word) - 1
+            if before == 0 or (before <= len(tail) and tail[len(tail) - before :] == word[:-1]):
+                flat.append(i * width + word[-1])
+    if flat:
+        # x is the sampler's own contiguous copy here (a bad word edits the logits).
+        x.view(-1).index_fill_(0, on_device(flat, torch.long, x.device), -math.inf)
+
+
 def _add_logit_bias(x: torch.Tensor, params: Sequence[SamplingParams]) -> None:
     row_index: list[int] = []
     token_index: list[int] = []
@@ -425,14 +448,17 @@ def sent(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def _edits_logits(row: SamplingRow) -> bool:
     """Whether sampling ``row`` edits its logits: a random pick (its noise race works in
-    place), a whitelist, stop tokens banned until min_tokens, a logit bias or a penalty."""
+    place), a whitelist, bad words, stop tokens banned until min_tokens, a logit bias or a
+    penalty."""
     return not row.params.is_greedy or _edits_beyond_sampling(row.params, row.num_output_tokens)
 
 
 def _edits_beyond_sampling(params: SamplingParams, num_output_tokens: int) -> bool:
-    """A whitelist of tokens, stop tokens banned until min_tokens, a logit bias or a penalty."""
+    """A whitelist of tokens, bad words, stop tokens banned until min_tokens, a logit bias or
+    a penalty."""
     return (
         params.allowed_token_ids is not None
+        or bool(params.bad_words_token_ids)
         or num_output_tokens < params.min_tokens
         or bool(params.logit_bias)
         or _has_penalties(params)
@@ -442,12 +468,14 @@ def _edits_beyond_sampling(params: SamplingParams, num_output_tokens: int) -> bo
 def draws_from_logits_alone(params: SamplingParams, num_output_tokens: int) -> bool:
     """Whether the next token of a sequence with ``params`` and ``num_output_tokens`` output
     tokens so far is drawn from its logits with nothing read of its history and nothing to
-    report: no penalty, no stop token banned (min_tokens), no logprobs. Greedy or not, seeded
-    or not, biased or filtered: ``sample_ids`` draws it on the device. Like ``plain_argmax``,
-    once true it stays so as the output grows."""
+    report: no penalty, no bad word (they read the output), no stop token banned
+    (min_tokens), no logprobs. Greedy or not, seeded or not, biased or filtered:
+    ``sample_ids`` draws it on the device. Like ``plain_argmax``, once true it stays so as the
+    output grows."""
     return (
         params.logprobs is None
         and not _has_penalties(params)
+        and not params.bad_words_token_ids
         and num_output_tokens >= params.min_tokens
     )
 
@@ -455,7 +483,7 @@ def draws_from_logits_alone(params: SamplingParams, num_output_tokens: int) -> b
 def plain_argmax(params: SamplingParams, num_output_tokens: int) -> bool:
     """Whether the next token of a sequence with ``params`` and ``num_output_tokens`` output
     tokens so far is its logits' argmax and nothing else is asked of it: greedy, with nothing to
-    report, whitelist, ban (min_tokens), bias or penalise."""
+    report, whitelist, ban (bad words, min_tokens), bias or penalise."""
     return (
         params.is_greedy
         and params.logprobs is None
