@@ -39,6 +39,7 @@ class BeamSearchParams:
     ignore_eos: bool = False
     stop_token_ids: frozenset[int] = frozenset()
     stop: tuple[str, ...] = ()
+    include_stop_str: bool = False  # a stop string ends the text instead of being cut from it
     logprobs: int | None = None  # alternatives to report per token; None: none
 
     def step_params(self) -> SamplingParams:
@@ -157,14 +158,15 @@ class BeamSearch:
         return Beam(tokens, samples, candidate.logprob, reason, stop)
 
     def _stop_string(self, beam: Beam) -> tuple[str, str] | None:
-        """(the stop string, the text before it) where the beam's text now holds one."""
+        """(the stop string, the beam's text up to it, or through it with
+        ``include_stop_str``) where the beam's text now holds one."""
         text = self.decode(beam.tokens)
         found = [(text.find(s), s) for s in self.params.stop]
         hits = [(at, s) for at, s in found if at >= 0]
         if not hits:
             return None
         at, stop = min(hits)
-        return stop, text[:at]
+        return stop, text[: at + (len(stop) if self.params.include_stop_str else 0)]
 
 
 def _continuations(sample: TokenSample, count: int) -> list[tuple[int, float]]:

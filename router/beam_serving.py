@@ -33,6 +33,7 @@ class BeamSearchRun(Run):
             ignore_eos=request.params.ignore_eos,
             stop_token_ids=frozenset(request.params.stop_token_ids),
             stop=tuple(request.stop),
+            include_stop_str=request.include_stop_str,
             logprobs=request.logprobs,
         )
         self.searches = [

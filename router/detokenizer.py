@@ -3,8 +3,10 @@
 Byte-level BPE splits a multi-byte character across tokens, so text is taken from a window of
 recent tokens and only once it no longer ends in U+FFFD (the decoder's mark for an incomplete
 character). Text that could still grow into a stop string is held back; a stop string, once
-complete, is cut off and never emitted. At the end, the held-back tail is flushed so the emitted
-text equals the full decode of the tokens (minus anything from a stop string on). Stop strings
+complete, is cut off and never emitted (or, with ``include_stop``, emitted and the text cut
+after it: nothing is held back then, since what precedes a match is emitted either way). At the
+end, the held-back tail is flushed so the emitted text equals the full decode of the tokens
+(minus anything from a stop string on, or after it). Stop strings
 are followed by ``StopMatcher`` automata, so a token costs what its own characters cost, however
 long the text and the stop strings are.
 """
@@ -27,9 +29,11 @@ class IncrementalDetokenizer:
         decode: Callable[[Sequence[int]], str],
         stop: Sequence[str] = (),
         skip_token_ids: frozenset[int] = frozenset(),
+        include_stop: bool = False,
     ):
         self._decode = decode
         self._stop = [StopMatcher(s) for s in stop if s]
+        self._include_stop = include_stop
         self._fed = 0  # characters of ``text`` the stop matchers have seen
         self._skip = skip_token_ids  # e.g. a stop token id, whose text is not emitted
         self.token_ids: list[int] = []
@@ -96,7 +100,9 @@ class IncrementalDetokenizer:
             self._fed = len(self.text)
             if earliest is not None:
                 self.stopped = True
-                self.text = self.text[:earliest]
+                assert self.stop_reason is not None
+                cut = earliest + (len(self.stop_reason) if self._include_stop else 0)
+                self.text = self.text[:cut]
                 self._emitted = len(self.text)
                 return self.text[start:]
         end = len(self.text) if final else len(self.text) - self._holdback()
@@ -105,5 +111,8 @@ class IncrementalDetokenizer:
         return self.text[start:end]
 
     def _holdback(self) -> int:
-        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        """Length of the longest tail of the text that is a proper prefix of a stop string
+        (none where matched stop strings are emitted)."""
+        if self._include_stop:
+            return 0
         return max((matcher.matched for matcher in self._stop), default=0)

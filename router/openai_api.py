@@ -51,6 +51,8 @@ class _SamplingBody(BaseModel):
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    # vLLM's: a matched stop string ends the text instead of being cut from it.
+    include_stop_str_in_output: bool = False
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -142,6 +144,7 @@ class GenerationRequest:
     params: SamplingParams
     n: int
     stop: list[str]
+    include_stop_str: bool
     stream: bool
     include_usage: bool
     logprobs: int | None  # alternatives per token; None: no logprobs
@@ -232,7 +235,6 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "guided_choice": _off,
     "guided_grammar": _off,
     "prompt_embeds": _off,
-    "include_stop_str_in_output": _off,
     "prediction": _off,
     "audio": _off,
     "modalities": lambda value: value is None or value == ["text"],
@@ -402,6 +404,7 @@ def to_generation(
         params=params,
         n=body.n,
         stop=stop,
+        include_stop_str=body.include_stop_str_in_output,
         stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         logprobs=logprobs,

@@ -111,6 +111,7 @@ class Run:
                     lambda ids: text.text(list(ids), request.skip_special_tokens),
                     request.stop,
                     skip,
+                    request.include_stop_str,
                 )
                 self.choices.append(Choice(gen, detok, p))
 

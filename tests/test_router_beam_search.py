@@ -113,6 +113,11 @@ def test_stop_strings_and_stop_tokens_end_beams_without_taking_a_slot():
     cut = [b for b in beams if b.stop_reason == "ba"]
     assert cut and all(b.text == decode(b.tokens).split("ba")[0] for b in cut)
     assert all("ba" not in decode(b.tokens) for b in beams if b.stop_reason != "ba")
+    # include_stop_str_in_output: the same beams, their text cut after the stop string.
+    including = BeamSearchParams(10, 3, 1.0, frozenset({EOS}), stop=("ba",), include_stop_str=True)
+    kept = run_search(prompt, vocab, including, decode)
+    assert [b.tokens for b in kept] == [b.tokens for b in beams]
+    assert [b.text for b in kept if b.stop_reason == "ba"] == [b.text + "ba" for b in cut]
 
     as_stop_token = BeamSearchParams(10, 3, 1.0, frozenset(), stop_token_ids=frozenset({EOS}))
     assert_same(run_search(prompt, vocab, as_stop_token), exhaustive(prompt, vocab, EOS, 3, 10, 1))
@@ -244,6 +249,11 @@ def test_logprobs_length_penalty_and_stop_strings(router):
     for c in cut["choices"]:
         assert " dog" not in c["text"]
         assert c["stop_reason"] in (" dog", EOS, None)
+    kept = post(router, "/v1/completions", prompt=prompt, n=3, max_tokens=3, stop=[" dog"],
+                include_stop_str_in_output=True)  # fmt: skip
+    assert [c["text"] for c in kept["choices"]] == [
+        c["text"] + (" dog" if c["stop_reason"] == " dog" else "") for c in cut["choices"]
+    ]
 
 
 def test_chat_beam_search_plain_and_streamed(router):

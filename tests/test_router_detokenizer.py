@@ -49,6 +49,27 @@ def test_stop_string_across_token_boundaries_is_cut_and_never_emitted(text):
     assert not any("END" in p for p in pieces)
 
 
+def test_an_included_stop_string_ends_the_text_and_nothing_is_held_back(text):
+    """vLLM's include_stop_str_in_output: the stop string is emitted and the text cut after it
+    (the rest of the token that completed it too); every character before the match left as
+    soon as it was decoded, since it is emitted either way."""
+    sample = "The answer is 42. END OF ANSWER and more text"
+    ids = text.encode(sample, add_special_tokens=False)
+    detok = IncrementalDetokenizer(text.decode, ["OF ANS"], include_stop=True)
+    pieces, decoded = [], ""
+    for token_id in ids:
+        pieces.append(detok.add([token_id]))
+        if not detok.stopped:
+            decoded = text.decode(ids[: len(pieces)])
+            assert "".join(pieces) == decoded  # nothing held back
+    pieces.append(detok.finish())
+    assert "".join(pieces) == "The answer is 42. END OF ANS"
+    assert detok.stopped and detok.stop_reason == "OF ANS"
+    # Arriving together, the tokens give the same text.
+    together = IncrementalDetokenizer(text.decode, ["OF ANS"], include_stop=True)
+    assert together.add(ids) + together.finish() == "".join(pieces)
+
+
 def test_tokens_arriving_together_stop_at_the_one_that_completes_the_stop_string(text):
     """A speculative step delivers several tokens at once: the text is cut as if they came one
     by one, and the tokens after the one that completed the stop string are not taken."""

@@ -62,6 +62,28 @@ def test_stop_reason_is_the_stop_token_or_string_that_ended_the_choice(router, p
     assert ended["usage"]["completion_tokens"] == STOP_TOKEN - 1000 + 1
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_an_included_stop_string_ends_the_text_streamed_or_not(router, path):
+    """vLLM's include_stop_str_in_output: the text runs through the stop string that ended the
+    choice instead of stopping before it, streamed the same as not."""
+    prompt = {"messages": CHAT} if "chat" in path else {"prompt": "hi"}
+    stop_text = model_text(MODEL).decode([1004], skip_special_tokens=False)
+
+    def text_of(choice: dict) -> str:
+        return choice["text"] if "text" in choice else choice["message"]["content"]
+
+    def streamed_text(**fields) -> str:
+        chunks = [c["choices"][0] for c in stream(router, path, **prompt, **fields) if c["choices"]]
+        return "".join(c.get("text") or c.get("delta", {}).get("content") or "" for c in chunks)
+
+    cut = text_of(post(router, path, **prompt, stop=[stop_text])["choices"][0])
+    choice = post(router, path, **prompt, stop=[stop_text], include_stop_str_in_output=True)
+    kept = choice["choices"][0]
+    assert text_of(kept) == cut + stop_text and kept["stop_reason"] == stop_text
+    assert streamed_text(stop=[stop_text], include_stop_str_in_output=True) == cut + stop_text
+    assert streamed_text(stop=[stop_text]) == cut
+
+
 def _assert_offsets_agree(text: str, logprobs: dict) -> None:
     for token, offset in zip(logprobs["tokens"], logprobs["text_offset"], strict=True):
         assert text[offset : offset + len(token)] == token, (token, offset, text)
