@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from transformers import AutoTokenizer
 
@@ -45,9 +47,11 @@ class Tokenizer:
         messages: list[dict],
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """Render a conversation to the prompt text the model was trained on; with
-        ``continue_final_message`` the last message is left open for the model to go on."""
+        ``continue_final_message`` the last message is left open for the model to go on.
+        ``template_kwargs`` are more variables for the template (``documents`` among them)."""
         if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template")
         # tokenize=False: a str.
@@ -56,6 +60,7 @@ class Tokenizer:
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            **(template_kwargs or {}),
         )
 
     def encode_chat(
@@ -63,9 +68,12 @@ class Tokenizer:
         messages: list[dict],
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         # The rendered template already holds the special tokens; adding BOS again would double it.
-        text = self.apply_chat_template(messages, add_generation_prompt, continue_final_message)
+        text = self.apply_chat_template(
+            messages, add_generation_prompt, continue_final_message, template_kwargs
+        )
         return self.encode(text, add_special_tokens=False)
 
     def token_strings(self, token_ids: list[int]) -> list[str]:

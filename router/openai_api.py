@@ -8,7 +8,7 @@ The pydantic models describe what a client may send; ``to_generation`` turns one
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeGuard, TypeVar
 
@@ -102,6 +102,10 @@ class _ChatTemplateFields(BaseModel):
     # the model continues it (a prefilled answer); never both.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's: more variables for the chat template (say Qwen3's enable_thinking), and documents
+    # for a template that grounds its answer in them.
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None
 
 
 class ChatBody(_SamplingBody, _ChatTemplateFields):
@@ -181,6 +185,7 @@ class TextCodec:
         messages: list[dict],
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         raise NotImplementedError
 
@@ -239,10 +244,19 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "audio": _off,
     "modalities": lambda value: value is None or value == ["text"],
     "chat_template": _off,
-    "chat_template_kwargs": _off,
-    "documents": _off,
     "spaces_between_special_tokens": _on,
 }
+
+
+# The chat template renderer's own arguments (transformers' apply_chat_template), and the
+# conversation's name inside the template: set by the request's fields and the server, never by
+# chat_template_kwargs (``tokenize`` there would change what the renderer returns).
+TEMPLATE_ARGUMENTS = frozenset({
+    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation",
+    "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+})  # fmt: skip
 
 
 def refuse_unsupported(body: CompletionBody | ChatBody) -> None:
@@ -434,9 +448,21 @@ def encode_conversation(
             "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
             "continue_final_message",
         )
+    kwargs = dict(body.chat_template_kwargs or {})
+    reserved = sorted(kwargs.keys() & TEMPLATE_ARGUMENTS)
+    if reserved:
+        raise BadRequest(
+            f"chat_template_kwargs may not set {', '.join(reserved)}: the request's own fields "
+            "and the server give the template those",
+            "chat_template_kwargs",
+        )
+    if body.documents is not None:
+        kwargs["documents"] = body.documents
     try:
-        return codec.encode_chat(messages, body.add_generation_prompt, body.continue_final_message)
-    except (ValueError, TemplateError) as exc:
+        return codec.encode_chat(
+            messages, body.add_generation_prompt, body.continue_final_message, kwargs
+        )
+    except (ValueError, TypeError, TemplateError) as exc:
         # A template that refuses a role or an order of turns says so by raising.
         raise BadRequest(
             f"the chat template cannot render these messages: {exc}", "messages"

@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -57,10 +58,11 @@ class ModelText(TextCodec):
         messages: list[dict],
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         # The rendered template already holds the special tokens, as in Tokenizer.encode_chat.
         text = self._tokenizer.apply_chat_template(
-            messages, add_generation_prompt, continue_final_message
+            messages, add_generation_prompt, continue_final_message, template_kwargs
         )
         return self.encode(text, add_special_tokens=False)
 

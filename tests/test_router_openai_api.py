@@ -15,7 +15,9 @@ class Codec(TextCodec):
     def encode(self, text, add_special_tokens=True):
         return [ord(c) % 1000 for c in text]
 
-    def encode_chat(self, messages, add_generation_prompt=True, continue_final_message=False):
+    def encode_chat(
+        self, messages, add_generation_prompt=True, continue_final_message=False, kwargs=None
+    ):
         body = [ord(c) % 1000 for m in messages for c in m["content"]]
         return [1, *body] + ([] if continue_final_message else [2])
 
