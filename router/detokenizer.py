@@ -1,14 +1,13 @@
 """Incremental detokenization with stop strings, one instance per generated sequence.
 
-Byte-level BPE splits a multi-byte character across tokens, so text is taken from a window of
-recent tokens and only once it no longer ends in U+FFFD (the decoder's mark for an incomplete
-character). Text that could still grow into a stop string is held back; a stop string, once
-complete, is cut off and never emitted (or, with ``include_stop``, emitted and the text cut
-after it: nothing is held back then, since what precedes a match is emitted either way). At the
-end, the held-back tail is flushed so the emitted text equals the full decode of the tokens
-(minus anything from a stop string on, or after it). Stop strings
-are followed by ``StopMatcher`` automata, so a token costs what its own characters cost, however
-long the text and the stop strings are.
+Byte-level BPE splits a multi-byte character across tokens, so text is taken from a window of recent
+tokens and only once it no longer ends in U+FFFD (the decoder's mark for an incomplete character).
+Text that could still grow into a stop string is held back; a stop string, once complete, is cut off
+and never emitted (or, with ``include_stop``, emitted and the text cut after it: nothing is held
+back then, since what precedes a match is emitted either way). At the end, the held-back tail is
+flushed so the emitted text equals the full decode of the tokens (minus anything from a stop string
+on, or after it). Stop strings are followed by ``StopMatcher`` automata, so a token costs what its
+own characters cost, however long the text and the stop strings are.
 """
 
 from __future__ import annotations
