@@ -337,8 +337,10 @@ def _ban_bad_words(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         words = row.params.bad_words_token_ids
         if not words:
             continue
-        longest = max(len(word) for word in words)
-        tail = row.output_token_ids[-(longest - 1) :] if longest > 1 else []
+        # The output's last tokens a word's prefix can span, the rest of it not copied.
+        need = max(len(word) for word in words) - 1
+        start = max(row.num_prompt_tokens, len(row.token_ids) - need)
+        tail = [*row.token_ids[start:], *row.proposed][-need:] if need else []
         for word in words:
             before = len(word) - 1
             if before == 0 or (before <= len(tail) and tail[len(tail) - before :] == word[:-1]):
