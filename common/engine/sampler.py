@@ -206,8 +206,9 @@ class Sampler:
             raw_logprobs = torch.log_softmax(_select(x, want_logprobs), dim=-1)
 
         _keep_allowed_tokens(x, params)
-        _ban_bad_words(x, rows)
-        self._mask_stop_tokens(x, rows)
+        # Bad words and min_tokens' stop tokens are both bans: one fill of -inf for the two.
+        width = x.shape[1]
+        _ban(x, _bad_word_completions(rows, width) + self._stop_tokens_held_off(rows, width))
         _add_logit_bias(x, params)
         apply_penalties(x, rows)
 
@@ -239,22 +240,17 @@ class Sampler:
             x = x.float()
         return argmax_rows(x)
 
-    def _mask_stop_tokens(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-        row_index: list[int] = []
-        token_index: list[int] = []
+    def _stop_tokens_held_off(self, rows: Sequence[SamplingRow], width: int) -> list[int]:
+        """The flat positions (row * ``width`` + token) of the stop token ids, and EOS unless
+        ``ignore_eos``, of the rows short of their ``min_tokens``."""
+        flat: list[int] = []
         for i, row in enumerate(rows):
             p = row.params
             if row.num_output_tokens < p.min_tokens:
                 # With ignore_eos the scheduler does not stop on EOS, so it may be sampled.
                 banned = p.stop_token_ids if p.ignore_eos else p.stop_token_ids + self.eos_token_ids
-                row_index += [i] * len(banned)
-                token_index += banned
-        if row_index:
-            # x is the sampler's own contiguous copy here (a ban edits the logits): its flat
-            # positions row * V + token take the -inf as a plain number, nothing sent.
-            width = x.shape[1]
-            flat = [row * width + token for row, token in zip(row_index, token_index, strict=True)]
-            x.view(-1).index_fill_(0, on_device(flat, torch.long, x.device), -math.inf)
+                flat += [i * width + token for token in banned]
+        return flat
 
     def _sample_random(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Token ids [n] for rows of penalised logits ``x [n, V]`` (owned: edited in place)."""
@@ -327,11 +323,19 @@ def _keep_allowed_tokens(x: torch.Tensor, params: Sequence[SamplingParams]) -> N
     x.index_add_(0, on_device(rows, torch.long, x.device), kept)
 
 
-def _ban_bad_words(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    """``-inf`` for each token that would complete one of a row's bad words: a one-token
-    word's always, a longer word's last token where the output (proposals under verification
-    included, the prompt not, as in vLLM) ends with the rest of the word."""
-    width = x.shape[1]
+def _ban(x: torch.Tensor, flat: list[int]) -> None:
+    """``-inf`` at the flat positions row * V + token of ``x``, the sampler's own contiguous
+    copy here (a ban edits the logits): the -inf goes as a plain number, only the positions are
+    sent."""
+    if flat:
+        x.view(-1).index_fill_(0, on_device(flat, torch.long, x.device), -math.inf)
+
+
+def _bad_word_completions(rows: Sequence[SamplingRow], width: int) -> list[int]:
+    """The flat positions (row * ``width`` + token) of each token that would complete one of a
+    row's bad words: a one-token word's always, a longer word's last token where the output
+    (proposals under verification included, the prompt not, as in vLLM) ends with the rest of
+    the word."""
     flat: list[int] = []
     for i, row in enumerate(rows):
         words = row.params.bad_words_token_ids
@@ -345,9 +349,7 @@ def _ban_bad_words(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
             before = len(word) - 1
             if before == 0 or (before <= len(tail) and tail[len(tail) - before :] == word[:-1]):
                 flat.append(i * width + word[-1])
-    if flat:
-        # x is the sampler's own contiguous copy here (a bad word edits the logits).
-        x.view(-1).index_fill_(0, on_device(flat, torch.long, x.device), -math.inf)
+    return flat
 
 
 def _add_logit_bias(x: torch.Tensor, params: Sequence[SamplingParams]) -> None:
