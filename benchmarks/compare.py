@@ -55,7 +55,7 @@ from benchmarks.versus_vllm import (
     stop,
 )
 from common.model.default_model import resolve_model_path
-from kernels import cpu_library
+from kernels.cpu.features import cpu_flags
 
 HERE = Path(__file__).resolve().parent
 RESULTS_MD = HERE / "RESULTS.md"
@@ -434,7 +434,7 @@ def isa_of(flags: frozenset[str]) -> str:
 
 
 def machine_line() -> str:
-    isa = isa_of(cpu_library.cpu_flags())
+    isa = isa_of(cpu_flags())
     return f"{os.cpu_count()} cores of {cpu_model()} ({isa}), {platform.system()}"
 
 
@@ -443,7 +443,7 @@ def box_type() -> str:
     ("AVX2 EPYC", "AVX-512 BF16 AMX Xeon", "AVX-512 BF16 EPYC")."""
     model = cpu_model()
     line = next((name for name in ("EPYC", "Xeon") if name in model), model.split()[0])
-    return f"{isa_of(cpu_library.cpu_flags())} {line}"
+    return f"{isa_of(cpu_flags())} {line}"
 
 
 def main() -> None:

@@ -33,9 +33,9 @@ import triton.backends.nvidia
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels.triton_decode_attention import _decode_kernel
-from kernels.triton_prefill_attention import _prefill_kernel
-from kernels.triton_tiles import (
+from kernels.triton.decode_attention import _decode_kernel
+from kernels.triton.prefill_attention import _prefill_kernel
+from kernels.triton.tiles import (
     DecodeTiles,
     PrefillTiles,
     decode_tiles_for,

@@ -24,9 +24,9 @@ import time
 import torch
 
 from benchmarks.step import weight_read_floor
-from kernels import cpu_library
-from kernels.cpu_backend import CpuAttentionBackend
-from kernels.huge_pages import zeros_on_huge_pages
+from kernels.cpu import library as cpu_library
+from kernels.cpu.backend import CpuAttentionBackend
+from kernels.cpu.huge_pages import zeros_on_huge_pages
 from kernels.interface import FP8_DTYPE, INT8_DTYPE, SCALE_DTYPES, AttentionMetadata, KVCacheView
 from kernels.sizes import ceil_div
 

@@ -21,10 +21,11 @@ import os
 
 import torch
 
-from kernels import cpu_library
-from kernels.cpu_backend import CpuAttentionBackend
+from kernels.cpu import library as cpu_library
+from kernels.cpu.backend import CpuAttentionBackend
 from kernels.interface import AttentionMetadata, KVCacheView
 from kernels.sizes import ceil_div
+from kernels.timing import best_seconds
 
 PAGE_SIZE = 16
 # (query rows of each chunk, its sequence's length, chunks side by side)
@@ -96,12 +97,12 @@ def main() -> None:
         gflop = count * causal_gflop(query_len, seq_len, args.heads, args.head_dim)
         attend = functools.partial(backend.attention, query, cache, plan, scale)
         backend.prefill_on_amx = False
-        sdpa = cpu_library.best_seconds(attend, args.repeats) * 1e3
+        sdpa = best_seconds(attend, args.repeats) * 1e3
         line = f"{query_len:6d} x {seq_len:5d} (x {count})          "
         line += f"{sdpa:9.2f} {gflop / sdpa * 1e3:8.0f}"
         if amx:
             backend.prefill_on_amx = True
-            on_amx = cpu_library.best_seconds(attend, args.repeats) * 1e3
+            on_amx = best_seconds(attend, args.repeats) * 1e3
             line += f"  {on_amx:9.2f} {gflop / on_amx * 1e3:8.0f}   {sdpa / on_amx:7.2f}x"
         print(line)
 

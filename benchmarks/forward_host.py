@@ -46,11 +46,11 @@ def measure(args: argparse.Namespace) -> None:
     from common.config import ModelConfig
     from common.engine.kv_pool import KVPool, kv_layout
     from common.model.loader import load_model
-    from kernels.cpu_library import best_seconds
     from kernels.interface import AttentionMetadata
     from kernels.layer_kernels import CudaKernels
     from kernels.sizes import ceil_div
-    from kernels.triton_backend import TritonAttentionBackend
+    from kernels.timing import best_seconds
+    from kernels.triton.backend import TritonAttentionBackend
 
     InterpretedFunction.run = lambda self, *args, grid, warmup, **kwargs: None
     # The few ops left that touch data (the embedding's rows, the head's) would otherwise start

@@ -40,7 +40,7 @@ from common.engine.memory import parse_memory_size
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
 from kernels.interface import AttentionBackend
-from kernels.reference import TorchAttentionBackend
+from kernels.torch_backend import TorchAttentionBackend
 
 TASKS = ["Explain", "Write a short poem about", "Give three facts about", "Describe"]
 TOPICS = ["the moon", "photosynthesis", "the Roman empire", "volcanoes", "jazz music",

@@ -66,7 +66,7 @@ from common.protocol import (
 from common.sampling_params import SamplingParams
 from common.startup_objects import startup_objects_frozen
 from decode_worker.worker import DecodeWorker, build_parser
-from kernels.cpu_ops import argmax_rows
+from kernels.argmax import argmax_rows
 
 
 def build_model(folder: Path, vocab_size: int) -> Path:

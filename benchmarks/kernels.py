@@ -36,10 +36,10 @@ from kernels.interface import (
     AttentionMetadata,
     KVCacheView,
 )
-from kernels.reference import quantize_fp8, quantize_int8
+from kernels.kv_formats import quantize_fp8, quantize_int8
 from kernels.sizes import ceil_div
-from kernels.triton_decode_attention import decode_attention, default_num_splits
-from kernels.triton_prefill_attention import prefill_attention
+from kernels.triton.decode_attention import decode_attention, default_num_splits
+from kernels.triton.prefill_attention import prefill_attention
 
 PAGE_SIZE = 16
 # Llama-3-8B's attention: 32 query heads over 8 KV heads of 128. A pool laid out for two layers

@@ -14,7 +14,7 @@ turns.
 
 The formats: bf16 KV (the reference), ``fp8`` (vLLM's meaning: e4m3 with a scale per token and
 KV head) and ``int8`` (int8 after a Hadamard turn, a one-byte scale). The rounding row keeps bf16
-KV and reads the very same pages with another attention kernel (the torch reference backend's
+KV and reads the very same pages with another attention kernel (the portable torch backend's
 SDPA instead of the C kernel): attention changes only by float32 rounding, so that row is what
 the metric cannot resolve. Per format, one line a script can read::
 
@@ -44,17 +44,17 @@ from common.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.engine.batch import TokenRun, flatten_runs
 from common.engine.llm_engine import LLMEngine
 from common.tokenizer import Tokenizer
-from kernels.reference import TorchAttentionBackend
 from kernels.sizes import ceil_div
+from kernels.torch_backend import TorchAttentionBackend
 
 REFERENCE = "bf16"
-ROUNDING = "rounding"  # bf16 KV, the torch reference backend's attention
+ROUNDING = "rounding"  # bf16 KV, the portable torch backend's attention
 
 
 @dataclass(frozen=True)
 class KVFormat:
     """One way of keeping and reading the KV cache: an engine's ``--kv-cache-dtype`` and whether
-    its pages are attended by the torch reference backend instead of the engine's own."""
+    its pages are attended by the portable torch backend instead of the engine's own."""
 
     kv_cache_dtype: str
     torch_attention: bool = False

@@ -25,7 +25,9 @@ import torch
 from benchmarks.step import make_engine, prompts
 from common.model import llama
 from common.sampling_params import SamplingParams
-from kernels import cpu_backend, cpu_linear, cpu_ops
+from kernels.cpu import backend as cpu_backend
+from kernels.cpu import linear as cpu_linear
+from kernels.cpu import ops as cpu_ops
 
 # (owner, method, part): every call of the method counts toward the part.
 PARTS = (

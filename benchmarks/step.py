@@ -27,10 +27,10 @@ import torch.nn.functional as F
 from common.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.engine.llm_engine import LLMEngine
 from common.sampling_params import SamplingParams
-from kernels import cpu_library
-from kernels.cpu_library import best_seconds
-from kernels.cpu_linear import onednn_reorders_bf16
+from kernels.cpu import library as cpu_library
+from kernels.cpu.linear import onednn_reorders_bf16
 from kernels.registry import ENV_VAR as ENV_BACKEND
+from kernels.timing import best_seconds
 
 
 def weight_read_floor(num_bytes: int, repeats: int) -> float:

@@ -1,9 +1,9 @@
 """Tile sizes of the Triton attention kernels, tuned on this GPU.
 
-Times every candidate of ``kernels.triton_tiles`` on ``benchmarks.kernels``' shapes (bf16
+Times every candidate of ``kernels.triton.tiles`` on ``benchmarks.kernels``' shapes (bf16
 queries, bf16 and FP8 pages), prints each case's figures beside the default's, and for each
 kind of page the candidate with the best geometric-mean speed over all cases, as the line that
-records it in ``kernels/triton_tiles.py``. Recording is a person's decision: the table fixes
+records it in ``kernels/triton/tiles.py``. Recording is a person's decision: the table fixes
 the kernels' sums (deterministic inference included) on that generation of GPU.
 
     python -m benchmarks.tune_kernels [--kv-dtypes bf16,fp8] [--only prefill|decode]
@@ -33,10 +33,10 @@ from benchmarks.kernels import (
     paged_inputs,
 )
 from kernels.interface import FP8_DTYPE
-from kernels.triton_decode_attention import decode_attention, default_num_splits
-from kernels.triton_paged import QUANTIZED
-from kernels.triton_prefill_attention import prefill_attention
-from kernels.triton_tiles import (
+from kernels.triton.decode_attention import decode_attention, default_num_splits
+from kernels.triton.paged import QUANTIZED
+from kernels.triton.prefill_attention import prefill_attention
+from kernels.triton.tiles import (
     DECODE_CANDIDATES,
     DEFAULT_DECODE,
     DEFAULT_PREFILL,
@@ -153,7 +153,7 @@ def main() -> int:
         if args.only in (None, "decode"):
             tiles = tune_decode(name, kv_dtype)
             choices.append(f'TUNED_DECODE[({capability}, "{flag}")] = {tiles!r}')
-    print("\nfor kernels/triton_tiles.py (heads of up to 128):")
+    print("\nfor kernels/triton/tiles.py (heads of up to 128):")
     for line in choices:
         print(f"  {line}")
     return 0

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_library import has_amx_bf16
+from kernels.cpu.features import has_amx_bf16
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",

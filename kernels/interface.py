@@ -1,4 +1,4 @@
-"""The attention backend contract shared by the torch reference and the Triton kernels.
+"""The attention backend contract shared by the torch, C and Triton backends.
 
 The model runner calls, for every layer of one forward:
 
@@ -123,7 +123,7 @@ class AttentionBackend(ABC):
 
         For FP8 caches each (token, head) vector is scaled by ``amax / 448`` before the cast and
         the scale is written beside it; int8 caches take the smallest one-byte scale of at least
-        ``amax / 127`` and round to nearest (``reference.quantize_int8``). Only the given slots
+        ``amax / 127`` and round to nearest (``kernels/kv_formats.py``). Only the given slots
         are modified.
         """
 

@@ -17,10 +17,10 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from kernels.cpu_linear import BOTH, CpuLinear, GemmPlan, StepShape, choose_gemm_plan, probe_plan
-from kernels.cpu_ops import CpuRMSNorm, CpuRotaryApply, CpuSiluAndMul, cpu_ops_apply
-from kernels.cuda_ops import CudaRotaryApply, CudaSiluAndMul
-from kernels.triton_invariant import InvariantLinear, InvariantRMSNorm
+from kernels.cpu.linear import BOTH, CpuLinear, GemmPlan, StepShape, choose_gemm_plan, probe_plan
+from kernels.cpu.ops import CpuRMSNorm, CpuRotaryApply, CpuSiluAndMul, cpu_ops_apply
+from kernels.triton.elementwise import CudaRotaryApply, CudaSiluAndMul
+from kernels.triton.invariant import InvariantLinear, InvariantRMSNorm
 
 
 class LayerKernels:
@@ -93,7 +93,7 @@ class CpuKernels(LayerKernels):
 
 class InvariantKernels(LayerKernels):
     """Deterministic inference on the Triton path: linear layers and norms whose sums do not
-    depend on the batch (``kernels/triton_invariant.py``)."""
+    depend on the batch (``kernels/triton/invariant.py``)."""
 
     def linear(self, weight, bias) -> nn.Module:
         return InvariantLinear(weight, bias)
@@ -107,8 +107,8 @@ class InvariantKernels(LayerKernels):
 
 class CudaKernels(LayerKernels):
     """16-bit models on CUDA: RMSNorm, SiLU-and-multiply and RoPE as one Triton kernel each
-    (``kernels/cuda_ops.py``; the norm is the batch-invariant one, which rounds where the torch
-    module does). Linear layers stay cuBLAS's."""
+    (``kernels/triton/elementwise.py``; the norm is the batch-invariant one, which rounds where the
+    torch module does). Linear layers stay cuBLAS's."""
 
     def norm(self, weight, eps) -> nn.Module:
         return InvariantRMSNorm(weight, eps)

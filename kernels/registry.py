@@ -1,5 +1,5 @@
-"""Picks the attention backend: Triton on CUDA, the C kernels on a CPU, the torch reference
-where the C kernels cannot be built (no compiler).
+"""Picks the attention backend: Triton on CUDA, the C kernels on a CPU, the portable torch
+backend where the C kernels cannot be built (no compiler).
 
 ``PDSERVE_ATTENTION_BACKEND=triton|cpu|torch`` overrides the choice; on a CPU, ``triton`` is
 only useful under ``TRITON_INTERPRET=1`` (the kernel tests run that way).
@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from kernels.cpu_library import CpuKernelsUnavailable
+from kernels.cpu.library import CpuKernelsUnavailable
 from kernels.interface import AttentionBackend
 
 logger = logging.getLogger(__name__)
@@ -22,9 +22,9 @@ ENV_VAR = "PDSERVE_ATTENTION_BACKEND"
 
 # name -> "module:Class", imported only when chosen so a CPU install never needs Triton to load.
 _BACKENDS = {
-    "cpu": "kernels.cpu_backend:CpuAttentionBackend",
-    "torch": "kernels.reference:TorchAttentionBackend",
-    "triton": "kernels.triton_backend:TritonAttentionBackend",
+    "cpu": "kernels.cpu.backend:CpuAttentionBackend",
+    "torch": "kernels.torch_backend:TorchAttentionBackend",
+    "triton": "kernels.triton.backend:TritonAttentionBackend",
 }
 # Backends with a batch-invariant mode (their constructor takes ``deterministic``).
 _DETERMINISTIC = ("cpu", "triton")
@@ -59,7 +59,7 @@ def get_attention_backend(
     except CpuKernelsUnavailable as exc:
         if chosen or deterministic:
             raise ValueError(f"attention backend {name!r} is unavailable: {exc}") from exc
-        logger.warning("CPU kernels unavailable (%s); using the torch reference backend", exc)
+        logger.warning("CPU kernels unavailable (%s); using the portable torch backend", exc)
         return _create("torch", False)
 
 

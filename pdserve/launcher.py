@@ -33,7 +33,7 @@ from pathlib import Path
 from common import cluster_auth
 from common.service.core_loan import create_loan_file, omp_places
 from common.service.drain import DEFAULT_DRAIN_TIMEOUT_S, positive_seconds
-from kernels.cpu_library import has_amx_bf16
+from kernels.cpu.features import has_amx_bf16
 
 # A worker that dies is started again (the router re-dispatches its requests meanwhile), at
 # most this many times, so a worker that cannot start does not loop for ever.

@@ -21,7 +21,7 @@
 #   realserving  W1 as in serving, on Llama-3.1-8B's layers (SmolLM2's vocabulary, the carried
 #            tokenizer's), each worker given 0.45 of the GPU and drawing its weights there;
 #   tune     python -m benchmarks.tune_kernels: every tile candidate on the bench's shapes, and
-#            the choice to record in kernels/triton_tiles.py.
+#            the choice to record in kernels/triton/tiles.py.
 # Each step has its own time limit, and one that fails does not stop the next. Steps joined by
 # "+" run side by side: the two test steps, which spend most of their time compiling kernels on
 # the host's cores (on an H200 machine's 16, about 270 s together, 500 one after the other).

@@ -19,13 +19,23 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_twins import (
+    bf16_pair_scores,
+    paged_attention_twin,
+    prefill_attention_blocks_reference,
+    store_kv_twin,
+)
 from test_kernels import FP8_DTYPE, Pool, assert_matches_reference, dtype_id, make_batch
 
 from common.model.llama import RMSNorm, RotaryApply, SiluAndMul
-from kernels import cpu_library
-from kernels.cpu_backend import SHORT_QUERY_MAX, CpuAttentionBackend
-from kernels.cpu_library import CpuKernelsUnavailable
-from kernels.cpu_linear import (
+from kernels import timing
+from kernels.argmax import argmax_rows
+from kernels.cpu import library as cpu_library
+from kernels.cpu import linear as cpu_linear
+from kernels.cpu import tile_choice
+from kernels.cpu.backend import SHORT_QUERY_MAX, CpuAttentionBackend
+from kernels.cpu.library import CpuKernelsUnavailable
+from kernels.cpu.linear import (
     BF16_BLAS,
     BLAS_ONLY,
     BOTH,
@@ -38,17 +48,11 @@ from kernels.cpu_linear import (
     onednn_reorders_bf16,
     unpack_tiles,
 )
-from kernels.cpu_ops import CpuRMSNorm, CpuRotaryApply, CpuSiluAndMul, argmax_rows
+from kernels.cpu.ops import CpuRMSNorm, CpuRotaryApply, CpuSiluAndMul
 from kernels.interface import INT8_DTYPE, INT8_SCALE_DTYPE, AttentionMetadata
-from kernels.reference import (
-    bf16_pair_scores,
-    int8_scale,
-    paged_attention_reference,
-    prefill_attention_blocks_reference,
-    sequence_context,
-    store_kv_reference,
-)
+from kernels.kv_formats import int8_scale
 from kernels.registry import get_attention_backend
+from kernels.torch_backend import sequence_context
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path's kernels")
 
@@ -70,7 +74,7 @@ def backend() -> CpuAttentionBackend:
         pytest.skip(f"no C compiler here: {exc}")
 
 
-@pytest.fixture(params=list(cpu_library.BF16_TILES))
+@pytest.fixture(params=list(tile_choice.BF16_TILES))
 def bf16_tiles(request, backend) -> str:
     """Each bf16 tile kernel this machine runs (FMAs everywhere; AVX512_BF16 and AMX where the
     processor has them), for the test's whole body: tiles packed inside are laid out for it."""
@@ -146,7 +150,7 @@ def test_attention_matches_reference(
     scale = head_dim**-0.5
     plan = backend.plan(batch.meta)
     out = backend.attention(batch.query, batch.cache, plan, scale)
-    expected = paged_attention_reference(batch.query, batch.cache, batch.meta, scale)
+    expected = paged_attention_twin(batch.query, batch.cache, batch.meta, scale)
     assert out.dtype == dtype and out.shape == batch.query.shape
     assert not out.isnan().any(), "read a slot past a sequence's end"
     torch.testing.assert_close(out.float(), expected.float(), **TOLERANCE[dtype])
@@ -171,13 +175,13 @@ def test_a_chunk_after_a_prefix_attends_prefix_and_chunk_apart(
     assert len(plan.long_chunks) == 4
     out = backend.attention(batch.query, batch.cache, plan, scale)
     wide = batch.query.float()  # the reference in float32: both roundings are the kernel's
-    expected = paged_attention_reference(wide, batch.cache, batch.meta, scale)
+    expected = paged_attention_twin(wide, batch.cache, batch.meta, scale)
     assert out.dtype == dtype and not out.isnan().any()
     torch.testing.assert_close(out.float(), expected, **TOLERANCE[dtype])
     sdpa = prefill_kernel == "sdpa" or not backend._amx_takes(batch.query, batch.cache)
     if dtype == torch.bfloat16 and not backend._widen_long_chunks and sdpa:
         # The merge rounds each partial output once more: at most one bf16 step apart.
-        one_call = paged_attention_reference(batch.query, batch.cache, batch.meta, scale)
+        one_call = paged_attention_twin(batch.query, batch.cache, batch.meta, scale)
         assert torch.equal(out[-50:], one_call[-50:])
         assert (out.float() - one_call.float()).abs().max() <= 2 * 2**-7 * one_call.abs().max()
 
@@ -213,7 +217,7 @@ def test_whole_prompts_of_one_length_attend_as_one_batch(
         )
         expected = backend.attention(batch.query[start:end], batch.cache, alone, scale)
         assert torch.equal(out[start:end], expected)
-    reference = paged_attention_reference(batch.query, batch.cache, batch.meta, scale)
+    reference = paged_attention_twin(batch.query, batch.cache, batch.meta, scale)
     torch.testing.assert_close(out.float(), reference.float(), **TOLERANCE[dtype])
 
 
@@ -253,7 +257,7 @@ def test_amx_prefill_attention_is_its_twin(
     out = amx_prefill.attention(batch.query, batch.cache, amx_prefill.plan(batch.meta), scale)
     assert not out.isnan().any(), "read a slot past a sequence's end"
     assert_each_chunk_is_its_twin(out, batch, scale)
-    wide = paged_attention_reference(batch.query.float(), batch.cache, batch.meta, scale)
+    wide = paged_attention_twin(batch.query.float(), batch.cache, batch.meta, scale)
     torch.testing.assert_close(out.float(), wide, **TOLERANCE[torch.bfloat16])
 
 
@@ -401,14 +405,14 @@ def test_deterministic_attention_gives_a_position_the_same_bits_however_it_is_ba
         assert torch.equal(deterministic.attention(batch.query, batch.cache, meta, scale), whole)
     torch.testing.assert_close(
         whole.float(),
-        paged_attention_reference(batch.query, batch.cache, batch.meta, scale).float(),
+        paged_attention_twin(batch.query, batch.cache, batch.meta, scale).float(),
         **TOLERANCE[dtype],
     )
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
 def test_bf16_pair_scores_are_their_twins_bit_for_bit(backend, head_dim) -> None:
-    """vdpbf16ps's scores against kernels/reference.py's bf16_pair_scores: keys rows apart as
+    """vdpbf16ps's scores against tests/kernel_twins.py's bf16_pair_scores: keys rows apart as
     in a page (the row stride wider than a head), a count that ends inside a group of eight,
     a softmax scale that is not a power of two."""
     if not cpu_library.bf16_pair_scores_available():
@@ -429,10 +433,10 @@ def test_bf16_pair_scores_are_their_twins_bit_for_bit(backend, head_dim) -> None
 
 def test_bf16_pair_scores_are_taken_only_where_asked_for_and_available(monkeypatch) -> None:
     library = cpu_library.load()
-    monkeypatch.delenv(cpu_library.ENV_BF16_PAIR_SCORES, raising=False)
-    assert not cpu_library._pair_scores_wanted(library)
-    monkeypatch.setenv(cpu_library.ENV_BF16_PAIR_SCORES, "1")
-    assert cpu_library._pair_scores_wanted(library) == cpu_library.bf16_pair_scores_available()
+    monkeypatch.delenv(tile_choice.ENV_BF16_PAIR_SCORES, raising=False)
+    assert not tile_choice.pair_scores_wanted(library)
+    monkeypatch.setenv(tile_choice.ENV_BF16_PAIR_SCORES, "1")
+    assert tile_choice.pair_scores_wanted(library) == cpu_library.bf16_pair_scores_available()
 
 
 def test_attention_reads_query_views_of_a_fused_projection(backend) -> None:
@@ -460,7 +464,7 @@ def test_registry_falls_back_to_torch_without_a_compiler(monkeypatch) -> None:
     def unavailable():
         raise CpuKernelsUnavailable("no C compiler (gcc or cc) on PATH")
 
-    monkeypatch.setattr("kernels.cpu_library.load", unavailable)
+    monkeypatch.setattr("kernels.cpu.library.load", unavailable)
     assert get_attention_backend(torch.device("cpu")).name == "torch"
     monkeypatch.setenv("PDSERVE_ATTENTION_BACKEND", "cpu")
     with pytest.raises(ValueError, match="unavailable"):
@@ -641,12 +645,12 @@ def test_the_probe_takes_bf16_blas_only_where_it_is_faster(
 
     for kernel in (CpuLinear.forward_bf16_blas, CpuLinear.forward_float32_blas):
         monkeypatch.setattr(CpuLinear, kernel.__name__, record(kernel))
-    monkeypatch.setattr(cpu_library, "first_is_faster", first_is_faster)
+    monkeypatch.setattr(cpu_linear, "first_is_faster", first_is_faster)
     linears = [CpuLinear(torch.randn(64, 32).to(torch.bfloat16), None, BOTH) for _ in range(2)]
     plan = choose_gemm_plan(linears)
     expected = BF16_BLAS if bf16_faster else FLOAT32_BLAS
     assert plan == GemmPlan(tile_max_rows=0, blas_dtype=expected)
-    monkeypatch.setattr(cpu_library, "first_is_faster", None)  # never probed again
+    monkeypatch.setattr(cpu_linear, "first_is_faster", None)  # never probed again
     assert choose_gemm_plan(linears) == plan
     for linear in linears:
         linear.restrict(plan)
@@ -799,10 +803,10 @@ def test_a_burst_of_other_work_does_not_reverse_the_probes_verdict(monkeypatch) 
 
         return run
 
-    monkeypatch.setattr(cpu_library.time, "perf_counter", lambda: clock[0])
-    assert cpu_library.first_is_faster(kernel(1.0), kernel(2.0))
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
+    assert timing.first_is_faster(kernel(1.0), kernel(2.0))
     calls[0] = 0
-    assert not cpu_library.first_is_faster(kernel(2.0), kernel(1.0))
+    assert not timing.first_is_faster(kernel(2.0), kernel(1.0))
 
 
 @pytest.mark.skipif(
@@ -822,7 +826,7 @@ def test_a_call_is_timed_by_its_running_time_not_its_wait_for_a_core() -> None:
         work = torch.randn(256, 256)
         for _ in range(20):  # until the busy process shares the core: a call then waits
             start = time.perf_counter()
-            running = cpu_library.running_seconds(lambda: [work @ work for _ in range(200)])
+            running = timing.running_seconds(lambda: [work @ work for _ in range(200)])
             wall = time.perf_counter() - start
             if wall > 1.5 * running:
                 break
@@ -839,11 +843,11 @@ class FakeTileLibrary:
 
     def __init__(self, available: set[str]) -> None:
         self.available = available
-        self.kind = cpu_library.BF16_TILES["fma"]
+        self.kind = tile_choice.BF16_TILES["fma"]
         self.calls: list[tuple[str, int, int]] = []  # (kernel, rows, threads)
 
     def name(self, code: int) -> str:
-        return next(k for k, v in cpu_library.BF16_TILES.items() if v == code)
+        return next(k for k, v in tile_choice.BF16_TILES.items() if v == code)
 
     def pdserve_bf16_tiles_available(self, code: int) -> int:
         return int(self.name(code) in self.available)
@@ -877,28 +881,28 @@ def test_a_machine_with_avx512_bf16_keeps_the_tile_kernel_it_timed_faster(
         first()
         [(kernel, rows, threads)] = set(library.calls)
         assert kernel == "dpbf16" and threads == 1
-        assert len(library.calls) == cpu_library.BF16_TILES_PROBE_WEIGHTS
+        assert len(library.calls) == tile_choice.BF16_TILES_PROBE_WEIGHTS
         library.calls.clear()
         second()
         assert {call[0] for call in library.calls} == {"fma"}
         return rows in dpbf16_faster_at
 
-    monkeypatch.setattr(cpu_library, "first_is_faster", first_is_faster)
+    monkeypatch.setattr(tile_choice, "first_is_faster", first_is_faster)
     store = tmp_path / "bf16-tiles.json"
     expected = "dpbf16" if len(dpbf16_faster_at) == 2 else "fma"
-    library.kind = cpu_library.BF16_TILES["dpbf16"]  # the probe's last call ran the FMAs
-    assert cpu_library._machine_bf16_tiles(library, store) == expected
+    library.kind = tile_choice.BF16_TILES["dpbf16"]  # the probe's last call ran the FMAs
+    assert tile_choice.machine_bf16_tiles(library, store) == expected
     assert library.name(library.kind) == "dpbf16"
     assert json.loads(store.read_text()) == {"kernel": expected}
-    monkeypatch.setattr(cpu_library, "first_is_faster", None)  # never timed again
-    assert cpu_library._machine_bf16_tiles(library, store) == expected
+    monkeypatch.setattr(tile_choice, "first_is_faster", None)  # never timed again
+    assert tile_choice.machine_bf16_tiles(library, store) == expected
     # Whatever the file says is what every later process runs; garbage there is timed over.
     other = "fma" if expected == "dpbf16" else "dpbf16"
     store.write_text(json.dumps({"kernel": other}))
-    assert cpu_library._machine_bf16_tiles(library, store) == other
+    assert tile_choice.machine_bf16_tiles(library, store) == other
     store.write_text(json.dumps({"kernel": "amx"}))
-    monkeypatch.setattr(cpu_library, "first_is_faster", first_is_faster)
-    assert cpu_library._machine_bf16_tiles(library, store) == expected
+    monkeypatch.setattr(tile_choice, "first_is_faster", first_is_faster)
+    assert tile_choice.machine_bf16_tiles(library, store) == expected
     assert json.loads(store.read_text()) == {"kernel": expected}
 
 
@@ -911,25 +915,25 @@ def test_a_machine_without_a_choice_to_time_runs_its_kernel_untimed(
 ) -> None:
     """AMX, where there is AMX, beats both by several times; without AVX512_BF16 the FMAs are
     all there is. Neither times anything nor writes a choice down."""
-    monkeypatch.setattr(cpu_library, "first_is_faster", None)
+    monkeypatch.setattr(tile_choice, "first_is_faster", None)
     store = tmp_path / "bf16-tiles.json"
-    assert cpu_library._machine_bf16_tiles(FakeTileLibrary(available), store) == expected
+    assert tile_choice.machine_bf16_tiles(FakeTileLibrary(available), store) == expected
     assert not store.exists()
 
 
 def test_the_environment_names_the_bf16_tile_kernel_over_the_machines_choice(
     tmp_path, monkeypatch
 ) -> None:
-    monkeypatch.setattr(cpu_library, "first_is_faster", None)
+    monkeypatch.setattr(tile_choice, "first_is_faster", None)
     library = FakeTileLibrary({"fma", "dpbf16"})
-    monkeypatch.setenv(cpu_library.ENV_BF16_TILES, "fma")
-    assert cpu_library._default_bf16_tiles(library, tmp_path / "pdserve_cpu.so") == "fma"
-    monkeypatch.setenv(cpu_library.ENV_BF16_TILES, "dpbf16")
-    assert cpu_library._default_bf16_tiles(library, tmp_path / "pdserve_cpu.so") == "dpbf16"
+    monkeypatch.setenv(tile_choice.ENV_BF16_TILES, "fma")
+    assert tile_choice.default_bf16_tiles(library, tmp_path / "pdserve_cpu.so") == "fma"
+    monkeypatch.setenv(tile_choice.ENV_BF16_TILES, "dpbf16")
+    assert tile_choice.default_bf16_tiles(library, tmp_path / "pdserve_cpu.so") == "dpbf16"
     # A kernel this machine lacks falls back to the machine's own, AMX here.
-    monkeypatch.setenv(cpu_library.ENV_BF16_TILES, "amx")
+    monkeypatch.setenv(tile_choice.ENV_BF16_TILES, "amx")
     library = FakeTileLibrary({"fma", "amx"})
-    assert cpu_library._default_bf16_tiles(library, tmp_path / "pdserve_cpu.so") == "amx"
+    assert tile_choice.default_bf16_tiles(library, tmp_path / "pdserve_cpu.so") == "amx"
     assert not list(tmp_path.glob("*.json"))
 
 
@@ -939,7 +943,7 @@ def test_this_machine_chooses_a_bf16_tile_kernel_it_runs(backend, tmp_path) -> N
     library = cpu_library.load()
     before = library.pdserve_bf16_tiles()
     store = tmp_path / "bf16-tiles.json"
-    chosen = cpu_library._machine_bf16_tiles(library, store)
+    chosen = tile_choice.machine_bf16_tiles(library, store)
     assert cpu_library.bf16_tiles_available(chosen)
     assert library.pdserve_bf16_tiles() == before
     timed = cpu_library.bf16_tiles_available("dpbf16") and not cpu_library.bf16_tiles_available(
@@ -1071,7 +1075,7 @@ def test_store_kv_writes_exactly_the_reference_slots(backend, dtype) -> None:
     fused = torch.randn(num_tokens, 3, 2, 64).to(dtype)
     key, value = fused[:, 1], fused[:, 2]
     expected = batch.pool.clone()
-    store_kv_reference(key, value, expected.layer(1), batch.meta.slot_mapping)
+    store_kv_twin(key, value, expected.layer(1), batch.meta.slot_mapping)
     backend.store_kv(key, value, batch.cache, batch.meta.slot_mapping)
     batch.pool.assert_matches(expected)
 
@@ -1092,7 +1096,7 @@ def test_int8_store_quantises_exactly_as_the_twin(backend, dtype) -> None:
     fused = fused.to(dtype)
     key, value = fused[:, 1], fused[:, 2]
     expected = batch.pool.clone()
-    store_kv_reference(key, value, expected.layer(1), batch.meta.slot_mapping)
+    store_kv_twin(key, value, expected.layer(1), batch.meta.slot_mapping)
     backend.store_kv(key, value, batch.cache, batch.meta.slot_mapping)
     assert torch.equal(batch.pool.pages.view(torch.uint8), expected.pages.view(torch.uint8))
     assert torch.equal(batch.pool.scales, expected.scales)
@@ -1149,7 +1153,7 @@ def test_fp8_store_quantises_exactly_as_the_twin(backend, dtype) -> None:
         fused = fused.to(dtype)  # the sweep then tests bf16's values near each rounding point
     key, value = fused[:, 1], fused[:, 2]
     expected = batch.pool.clone()
-    store_kv_reference(key, value, expected.layer(1), batch.meta.slot_mapping)
+    store_kv_twin(key, value, expected.layer(1), batch.meta.slot_mapping)
     backend.store_kv(key, value, batch.cache, batch.meta.slot_mapping)
     assert torch.equal(batch.pool.pages.view(torch.uint8), expected.pages.view(torch.uint8))
     # Bits, not values: the pool's unwritten scales are NaN.

@@ -1,4 +1,4 @@
-"""A bf16 decoder layer as one C call (``kernels/cpu_layer.py``) against the module path it
+"""A bf16 decoder layer as one C call (``kernels/cpu/layer.py``) against the module path it
 stands in for: the same token ids and logprobs, bit for bit, in decode steps and in the short
 runs of speculative verification, over bf16, FP8 and int8 pages (int8 with its Hadamard turns);
 and the cases it must leave to the module path."""
@@ -13,9 +13,9 @@ from tiny_models import build_tiny_model, random_prompts
 from common.config import SpeculativeConfig
 from common.engine.llm_engine import LLMEngine
 from common.sampling_params import SamplingParams
-from kernels import cpu_library
-from kernels.cpu_layer import FusedDecoderLayer
-from kernels.cpu_linear import TILES_ONLY
+from kernels.cpu import library as cpu_library
+from kernels.cpu.layer import FusedDecoderLayer
+from kernels.cpu.linear import TILES_ONLY
 
 pytestmark = [
     pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path's kernels"),

@@ -1,7 +1,7 @@
-"""The one-kernel SiLU-and-multiply and RoPE of ``kernels/cuda_ops.py``, and the RMSNorm they go
-in with (``kernels/triton_invariant.py``), against their torch twins (``common/model/llama.py``):
-RoPE to the bit, SiLU-and-multiply and RMSNorm to their dtype's rounding. On a CPU Triton
-interprets."""
+"""The one-kernel SiLU-and-multiply and RoPE of ``kernels/triton/elementwise.py``, and the RMSNorm
+they go in with (``kernels/triton/invariant.py``), against their torch twins
+(``common/model/llama.py``): RoPE to the bit, SiLU-and-multiply and RMSNorm to their dtype's
+rounding. On a CPU Triton interprets."""
 
 from __future__ import annotations
 
@@ -10,16 +10,16 @@ import torch
 from engines import build_engine
 from tiny_models import assert_greedy_equal_up_to_near_ties, build_tiny_model, random_prompts
 
-import kernels.triton_backend as triton_backend
+import kernels.triton.backend as triton_backend
 from common.model.llama import RMSNorm, RotaryApply, SiluAndMul
 from common.sampling_params import SamplingParams
-from kernels.cuda_ops import CudaRotaryApply, CudaSiluAndMul, cuda_ops_apply
 from kernels.interface import AttentionBackend
 from kernels.layer_kernels import CudaKernels
 from kernels.registry import ENV_VAR
-from kernels.triton_backend import TritonAttentionBackend
-from kernels.triton_invariant import InvariantRMSNorm, add_rms_norm
-from kernels.triton_store_kv import rotate_and_store_kv
+from kernels.triton.backend import TritonAttentionBackend
+from kernels.triton.elementwise import CudaRotaryApply, CudaSiluAndMul, cuda_ops_apply
+from kernels.triton.invariant import InvariantRMSNorm, add_rms_norm
+from kernels.triton.store_kv import rotate_and_store_kv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.bfloat16, torch.float16]

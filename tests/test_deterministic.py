@@ -21,7 +21,7 @@ from engines import build_engine
 from tiny_models import build_tiny_model
 
 from common.model.default_model import ensure_default_model
-from kernels import cpu_library
+from kernels.cpu import library as cpu_library
 
 pytestmark = pytest.mark.skipif(not cpu_library.available(), reason="needs the C kernels")
 

@@ -18,7 +18,7 @@ from common.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.engine.llm_engine import LLMEngine
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
-from kernels import cpu_library
+from kernels.cpu import library as cpu_library
 
 pytestmark = [
     pytest.mark.skipif(not cpu_library.available(), reason="needs the C kernels"),

@@ -1,5 +1,5 @@
 """Deterministic inference on the Triton path (the GPU's): the batch-invariant Triton linear
-layers and norms (``kernels/triton_invariant.py``) and the attention backend's one-kernel mode
+layers and norms (``kernels/triton/invariant.py``) and the attention backend's one-kernel mode
 give a request the same bits alone or batched, under any chunk budget, with the prefix cache
 warm or off, with speculation on or off; without the flag the same requests differ.
 
@@ -30,9 +30,9 @@ from tiny_models import build_tiny_model
 
 from kernels.interface import FP8_DTYPE, AttentionMetadata
 from kernels.registry import ENV_VAR
-from kernels.triton_backend import TritonAttentionBackend
-from kernels.triton_decode_attention import decode_attention
-from kernels.triton_invariant import InvariantLinear, InvariantRMSNorm, linear, rms_norm
+from kernels.triton.backend import TritonAttentionBackend
+from kernels.triton.decode_attention import decode_attention
+from kernels.triton.invariant import InvariantLinear, InvariantRMSNorm, linear, rms_norm
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"
@@ -155,7 +155,7 @@ def test_deterministic_attention_gives_a_position_the_same_bits_however_it_is_ba
 _CONTRACTION_SCRIPT = """
 import torch
 from benchmarks.compiled_kernels import Case, contraction_differs
-from kernels.triton_tiles import PrefillTiles
+from kernels.triton.tiles import PrefillTiles
 
 major, minor = torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)
 for kv_quant in ("none", "fp8"):

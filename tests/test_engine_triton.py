@@ -188,11 +188,11 @@ def test_on_cuda_a_prefill_workers_requests_compile_no_kernel(tmp_path, monkeypa
     adds), RoPE and SiLU-and-multiply are counted too. None grows after the start-up. (RoPE
     rides in the KV store's launch here; its own kernel runs only for a model whose KV heads
     are turned, and is counted in case it runs.)"""
-    from kernels.cuda_ops import _rope_kernel, _silu_and_mul_kernel
-    from kernels.triton_decode_attention import _combine_splits_kernel, _decode_kernel
-    from kernels.triton_invariant import _add_rms_norm_kernel, _rms_norm_kernel
-    from kernels.triton_prefill_attention import _prefill_kernel
-    from kernels.triton_store_kv import _store_kv_kernel
+    from kernels.triton.decode_attention import _combine_splits_kernel, _decode_kernel
+    from kernels.triton.elementwise import _rope_kernel, _silu_and_mul_kernel
+    from kernels.triton.invariant import _add_rms_norm_kernel, _rms_norm_kernel
+    from kernels.triton.prefill_attention import _prefill_kernel
+    from kernels.triton.store_kv import _store_kv_kernel
 
     kernels = (_prefill_kernel, _decode_kernel, _combine_splits_kernel, _store_kv_kernel)
     kernels += (_rms_norm_kernel, _add_rms_norm_kernel, _rope_kernel, _silu_and_mul_kernel)

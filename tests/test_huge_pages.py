@@ -1,4 +1,4 @@
-"""Host tensors on 2 MB pages (kernels/huge_pages.py) and the CPU KV pool that takes them."""
+"""Host tensors on 2 MB pages (kernels/cpu/huge_pages.py) and the CPU KV pool that takes them."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from common.engine.kv_pool import KVPool, kv_layout
-from kernels.huge_pages import (
+from kernels.cpu.huge_pages import (
     HUGE_PAGE_BYTES,
     huge_page_bytes,
     huge_pages_mode,
@@ -54,13 +54,13 @@ def test_huge_pages_of_a_mapping_merged_with_others_count_only_the_tensors_share
     end = start + 3 * HUGE_PAGE_BYTES
     merged = (start - 8 * HUGE_PAGE_BYTES, end + 8 * HUGE_PAGE_BYTES)
     monkeypatch.setattr(
-        "kernels.huge_pages.mappings",
+        "kernels.cpu.huge_pages.mappings",
         lambda low, high: [(*merged, {"AnonHugePages": f"{19 * HUGE_PAGE_BYTES // 1024} kB"})],
     )
     assert huge_page_bytes(tensor) == 3 * HUGE_PAGE_BYTES
     part = (start + HUGE_PAGE_BYTES, end + HUGE_PAGE_BYTES)
     monkeypatch.setattr(
-        "kernels.huge_pages.mappings",
+        "kernels.cpu.huge_pages.mappings",
         lambda low, high: [(*part, {"AnonHugePages": f"{HUGE_PAGE_BYTES // 1024} kB"})],
     )
     assert huge_page_bytes(tensor) == HUGE_PAGE_BYTES
@@ -73,7 +73,7 @@ def test_a_small_tensor_is_plain_zeros() -> None:
 
 
 def test_without_huge_pages_the_tensor_is_plain_zeros(monkeypatch) -> None:
-    monkeypatch.setattr("kernels.huge_pages.huge_pages_mode", lambda: "never")
+    monkeypatch.setattr("kernels.cpu.huge_pages.huge_pages_mode", lambda: "never")
     tensor = zeros_on_huge_pages((1024, 1024), torch.float32)
     assert not tensor.any() and tensor.untyped_storage().nbytes() == 1024 * 1024 * 4
 

@@ -1,4 +1,4 @@
-"""The Triton kernels against their torch twins in ``kernels/reference.py``.
+"""The Triton kernels against their torch twins in ``tests/kernel_twins.py``.
 
 Without CUDA the kernels run in Triton's interpreter (``tests/conftest.py``), so sizes are small
 but chosen to cross every boundary: several query and key tiles, context lengths of 1 and
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from kernel_twins import paged_attention_twin, store_kv_twin
 from triton_variants import compiled_on_gpu, new_variants, record_variants
 
-from kernels.cuda_ops import rope_
 from kernels.interface import (
     FP8_DTYPE,
     INT8_DTYPE,
@@ -34,28 +34,24 @@ from kernels.interface import (
     AttentionMetadata,
     KVCacheView,
 )
-from kernels.reference import (
-    TorchAttentionBackend,
-    dequantize_int8,
-    int8_scale,
-    paged_attention_reference,
-    store_kv_reference,
-)
+from kernels.kv_formats import dequantize_int8, int8_scale
 from kernels.registry import get_attention_backend
 from kernels.sizes import ceil_div, next_power_of_2
-from kernels.triton_backend import TritonAttentionBackend
-from kernels.triton_decode_attention import (
+from kernels.torch_backend import TorchAttentionBackend
+from kernels.triton.backend import TritonAttentionBackend
+from kernels.triton.decode_attention import (
     _decode_kernel,
     decode_attention,
     default_num_splits,
     split_counts_to_compile,
     splits_to_fill,
 )
-from kernels.triton_invariant import _rms_norm_kernel, rms_norm
-from kernels.triton_paged import check_cache
-from kernels.triton_prefill_attention import _prefill_kernel, prefill_attention
-from kernels.triton_store_kv import rotate_and_store_kv, store_kv
-from kernels.triton_tiles import (
+from kernels.triton.elementwise import rope_
+from kernels.triton.invariant import _rms_norm_kernel, rms_norm
+from kernels.triton.paged import check_cache
+from kernels.triton.prefill_attention import _prefill_kernel, prefill_attention
+from kernels.triton.store_kv import rotate_and_store_kv, store_kv
+from kernels.triton.tiles import (
     DECODE_CANDIDATES,
     DEFAULT_DECODE,
     DEFAULT_PREFILL,
@@ -242,7 +238,7 @@ def make_batch(
     shape = (slots.shape[0], num_kv_heads, head_dim)
     key = torch.randn(shape, device=DEVICE).to(source_dtype)
     value = torch.randn(shape, device=DEVICE).to(source_dtype)
-    store_kv_reference(key, value, cache, slots)
+    store_kv_twin(key, value, cache, slots)
 
     starts = torch.tensor([0, *query_lens]).cumsum(0).to(torch.int32)
     meta = AttentionMetadata(
@@ -262,7 +258,7 @@ def make_batch(
 
 def assert_matches_reference(out: torch.Tensor, batch: Batch, dtype: torch.dtype) -> None:
     scale = batch.query.shape[-1] ** -0.5
-    expected = paged_attention_reference(batch.query, batch.cache, batch.meta, scale)
+    expected = paged_attention_twin(batch.query, batch.cache, batch.meta, scale)
     assert out.dtype == batch.query.dtype and out.shape == batch.query.shape
     torch.testing.assert_close(out.float(), expected.float(), **TOLERANCE[dtype])
 
@@ -307,7 +303,7 @@ def test_store_kv_matches_reference(
     key, value = fused[:, 1 : 1 + num_kv_heads], fused[:, 1 + num_kv_heads :]
 
     store_kv(key, value, pool.layer(1), slots)
-    store_kv_reference(key, value, expected.layer(1), slots)
+    store_kv_twin(key, value, expected.layer(1), slots)
     pool.assert_matches(expected)
 
 
@@ -320,7 +316,7 @@ def test_store_kv_skips_negative_slots(kv_dtype: torch.dtype) -> None:
     key, value = (torch.randn(4, 2, 64, device=DEVICE) for _ in range(2))
     store_kv(key, value, pool.layer(0), slots)
     real = slots >= 0
-    store_kv_reference(key[real], value[real], expected.layer(0), slots[real])
+    store_kv_twin(key[real], value[real], expected.layer(0), slots[real])
     pool.assert_matches(expected)
 
 
@@ -357,7 +353,7 @@ def test_store_kv_int8_scale_boundaries() -> None:
     slots = torch.randperm(pool.pages.shape[0] * page_size)[:num_tokens].to(DEVICE)
     key = vectors.to(DEVICE)[:, None]
     store_kv(key, -key, pool.layer(0), slots)
-    store_kv_reference(key, -key, expected.layer(0), slots)
+    store_kv_twin(key, -key, expected.layer(0), slots)
     pool.assert_matches(expected)
 
     # Half steps round up: 3.5 -> 4 and -60.5 -> -60 in the keys, -3.5 -> -3 and 60.5 -> 61 in
@@ -433,8 +429,8 @@ def test_rotate_and_store_kv_gives_rope_then_the_store(
     head_dim: int,
 ) -> None:
     """The one launch gives the bits of the two it stands in for: RoPE's kernel on the queries
-    and on the keys (``kernels/cuda_ops.py``, the twin's bits), then the store; the key and
-    value it was given are left as they were, and a padding row's queries are rotated too."""
+    and on the keys (``kernels/triton/elementwise.py``, the twin's bits), then the store; the key
+    and value it was given are left as they were, and a padding row's queries are rotated too."""
     torch.manual_seed(3)
     num_tokens, page_size = 21, 16
     pool = Pool.create(4, page_size, num_kv_heads, head_dim, kv_dtype or dtype)
@@ -809,7 +805,7 @@ def test_pool_offsets_beyond_int32(kv_dtype: torch.dtype) -> None:
     key = torch.randn(slots.shape[0], num_kv_heads, head_dim, device=DEVICE).half()
     value = torch.randn_like(key)
     store_kv(key, value, pools["triton"].layer(0), slots)
-    store_kv_reference(key, value, pools["torch"].layer(0), slots)
+    store_kv_twin(key, value, pools["torch"].layer(0), slots)
     used_pools = [
         Pool(pool.pages[used], None if pool.scales is None else pool.scales[used])
         for pool in pools.values()

@@ -18,8 +18,8 @@ from common.kv_layout import KVLayout
 from common.messages import from_wire, to_wire
 from common.sampling_params import SamplingParams
 from kernels.interface import FP8_DTYPE, INT8_DTYPE
+from kernels.kv_formats import dequantize_int8, quantize_int8
 from kernels.kv_turn import hadamard_turns, sylvester_hadamard, turn_scales
-from kernels.reference import dequantize_int8, quantize_int8
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
 # The engines here: 128 pages, 64-token steps.

@@ -16,7 +16,7 @@ from torch import nn
 from common.config import ModelConfig
 from common.model.llama import RMSNorm, RotaryApply, SiluAndMul
 from common.model.loader import load_model
-from kernels.cpu_linear import CpuLinear, StepShape
+from kernels.cpu.linear import CpuLinear, StepShape
 from kernels.layer_kernels import CpuKernels, LayerKernels
 
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from common.config import EngineConfig
+from common.engine.args import engine_config_from_args
 from common.engine.llm_engine import LLMEngine
-from common.engine_args import engine_config_from_args
 from common.sampling_params import SamplingParams
 from decode_worker.worker import build_parser
 

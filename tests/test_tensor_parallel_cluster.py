@@ -26,8 +26,8 @@ from optional_backends import needs_nixl
 
 from common import cluster_auth
 from common.config import CacheConfig, EngineConfig, SchedulerConfig
+from common.engine.args import engine_config_from_args
 from common.engine.llm_engine import LLMEngine
-from common.engine_args import engine_config_from_args
 from common.metrics import parse_exposition
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer

@@ -6,8 +6,8 @@ import argparse
 import logging
 import sys
 
+from common.engine.args import add_engine_args, engine_config_from_args
 from common.engine.llm_engine import LLMEngine
-from common.engine_args import add_engine_args, engine_config_from_args
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from common.kv_layout import FP8_E4M3, INT8_HADAMARD, KVLayout
-from kernels.huge_pages import zeros_on_huge_pages
+from kernels.cpu.huge_pages import zeros_on_huge_pages
 from kernels.interface import FP8_DTYPE, INT8_DTYPE, SCALE_DTYPES, KVCacheView
 
 _DTYPE_NAMES = {
@@ -64,7 +64,7 @@ class KVPool:
         shape = (num_pages, *layout.page_shape)
         if self.device.type == "cpu":
             # A decode step reads its pages at random: on 2 MB pages it seldom waits for a
-            # page walk (kernels/huge_pages.py).
+            # page walk (kernels/cpu/huge_pages.py).
             self.data = zeros_on_huge_pages(shape, page_dtype(layout))
         else:
             self.data = torch.zeros(shape, dtype=page_dtype(layout), device=self.device)

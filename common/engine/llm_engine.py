@@ -56,11 +56,11 @@ from common.model.loader import load_model
 from common.model.parallel import TensorParallel, check_shardable, connect
 from common.sampling_params import SamplingParams
 from common.startup_objects import startup_objects_frozen
-from kernels.cuda_ops import cuda_ops_apply
-from kernels.huge_pages import huge_page_bytes
+from kernels.cpu.huge_pages import huge_page_bytes
 from kernels.interface import FP8_DTYPE, INT8_DTYPE
 from kernels.layer_kernels import CpuKernels, CudaKernels, InvariantKernels
 from kernels.registry import get_attention_backend
+from kernels.triton.elementwise import cuda_ops_apply
 
 logger = logging.getLogger(__name__)
 
@@ -250,8 +250,9 @@ class LLMEngine:
         return wanted and role != "prefill" and self.speculator is None and self.tp.size == 1
 
     def _pool_pages_said(self) -> str:
-        """On the CPU, how much of the KV pool the kernel gave 2 MB pages (kernels/huge_pages.py),
-        for the start-up log: a pool left on 4 KB pages decodes slower."""
+        """On the CPU, how much of the KV pool the kernel gave 2 MB pages
+        (kernels/cpu/huge_pages.py), for the start-up log: a pool left on 4 KB pages decodes
+        slower."""
         if self.device.type != "cpu":
             return ""
         data = self.pool.data

@@ -32,7 +32,7 @@ from typing import NamedTuple, cast
 import torch
 
 from common.sampling_params import SamplingParams
-from kernels.cpu_ops import argmax_rows
+from kernels.argmax import argmax_rows
 
 _MASK64 = (1 << 64) - 1
 # Top-p usually keeps a few dozen tokens, so on a CPU its threshold is looked for among each row's

@@ -22,9 +22,9 @@ from torch import nn
 from common.config import ModelConfig
 from common.engine.kv_pool import KVPool
 from common.model.parallel import TensorParallel
-from kernels.cpu_backend import SHORT_QUERY_MAX, CpuAttentionBackend, CpuAttentionPlan
-from kernels.cpu_layer import FusedDecoderLayer
-from kernels.cpu_linear import StepShape
+from kernels.cpu.backend import SHORT_QUERY_MAX, CpuAttentionBackend, CpuAttentionPlan
+from kernels.cpu.layer import FusedDecoderLayer
+from kernels.cpu.linear import StepShape
 from kernels.interface import AttentionBackend, AttentionMetadata, KVCacheView
 from kernels.kv_turn import hadamard_turns
 from kernels.layer_kernels import LayerKernels
@@ -337,7 +337,7 @@ class LlamaForCausalLM(nn.Module):
         self.step_shape: StepShape | None = None  # the kernels' (LayerKernels.step_shape)
         self.kv: BoundKV | None = None
         # Each layer as one C call for steps of short runs, where every part of it would take
-        # the C kernels anyway (kernels/cpu_layer.py); None where some part would not.
+        # the C kernels anyway (kernels/cpu/layer.py); None where some part would not.
         self.fused_layers: list[FusedDecoderLayer] | None = None
         # Set by a worker whose forward may run on a paired worker's idle cores; None: the
         # process's thread count throughout.

@@ -8,7 +8,7 @@
  * rows, compute-bound on FMAs, becomes a stream over the weights again.
  *
  * The weights are packed as the FMA path's tiles of TILE output columns, but with their k-rows
- * in pairs (kernels/cpu_linear.py, pack_tiles): pair p of a tile is 32 words, word j holding
+ * in pairs (kernels/cpu/linear.py, pack_tiles): pair p of a tile is 32 words, word j holding
  * column j's weights of k-rows 2p (low half) and 2p + 1 (high half), the operand both
  * instructions read; K is padded with zero rows to a multiple of PAIR_K_BLOCK (one AMX tile of
  * k). x's rows are copied once into the same pairs, zero-padded alike.
@@ -19,7 +19,7 @@
  * beside it, as with the FMA path, and deterministic inference may take either. The hardware
  * treats denormal inputs as zero and flushes denormal sums, and its rounding within a block is
  * its own: each kind is tested against its own twin (tests/test_cpu_kernels.py), and which kind
- * a process runs is chosen once, at load (kernels/cpu_library.py).
+ * a process runs is chosen once, at load (kernels/cpu/library.py).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -36,7 +36,7 @@
 
 #define TILE 32
 /* k of one AMX tile: 16 rows of 64 bytes, 16 pairs of bf16. Must match PAIR_K_BLOCK in
- * kernels/cpu_linear.py. */
+ * kernels/cpu/linear.py. */
 #define PAIR_K_BLOCK 32
 /* Rows of x an AMX tile holds. */
 #define AMX_ROWS 16

@@ -13,7 +13,7 @@
 #include "numerics.h"
 
 /* What a layer keeps from load to load: its weights and its KV pages. Mirrored field by field
- * by kernels/cpu_layer.py's LayerWeights. */
+ * by kernels/cpu/layer.py's LayerWeights. */
 typedef struct {
     const uint16_t *input_norm;
     const uint16_t *post_attention_norm;
@@ -171,7 +171,7 @@ static int attend_turned(const layer_weights *w, const uint16_t *qkv, int rows,
  * rows `trig_stride` apart; slots: [rows] int64; the attention step arguments as
  * pdserve_paged_attention takes them; scratch: pdserve_decoder_layer_scratch_bytes. Returns 0,
  * or -1 if a kernel could not allocate its scratch memory (or, 8-bit pages, a head_dim beyond
- * the store's row buffer, which kernels/cpu_layer.py does not fuse). */
+ * the store's row buffer, which kernels/cpu/layer.py does not fuse). */
 int pdserve_decoder_layer_bf16(const layer_weights *w, uint16_t *hidden, int rows,
                                const uint16_t *cos, const uint16_t *sin, int64_t trig_stride,
                                const int64_t *slots, const int32_t *page_tables,

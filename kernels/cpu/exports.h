@@ -6,7 +6,7 @@
 #include <stdint.h>
 
 /* The dtype codes of the entry points' `dtype` (pages) and `io_dtype` (rows in and out, float32
- * or bf16) arguments; kernels/cpu_backend.py's KV_DTYPE_CODES mirrors them. */
+ * or bf16) arguments; kernels/cpu/backend.py's KV_DTYPE_CODES mirrors them. */
 enum kv_dtype { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_FP8_E4M3 = 3, KV_INT8 = 4 };
 
 void pdserve_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *weight,
@@ -21,7 +21,7 @@ void pdserve_rope_bf16(uint16_t *x, int64_t row_stride, int64_t head_stride, int
                        int head_dim, const uint16_t *cos, const uint16_t *sin,
                        int64_t trig_stride);
 /* Which kernel multiplies bf16 tiles (bf16_pair_tiles.c): float32 FMAs over widened weights
- * (linear_tiles.c), or the processor's bf16 pairs, AVX512_BF16 or AMX; kernels/cpu_library.py's
+ * (linear_tiles.c), or the processor's bf16 pairs, AVX512_BF16 or AMX; kernels/cpu/library.py's
  * BF16_TILES mirrors the codes. */
 enum bf16_tiles_kind { BF16_TILES_FMA = 0, BF16_TILES_DPBF16 = 1, BF16_TILES_AMX = 2 };
 

@@ -1,7 +1,7 @@
 /* y = x W^T (+ bias) over weights prepacked in tiles: bf16 or float32 weights, float32 sums.
  *
  * The weight is prepacked once into tiles of TILE output columns, each tile [K, TILE]
- * contiguous (see kernels/cpu_linear.py), so a tile is one sequential stream. bf16 weights are
+ * contiguous (see kernels/cpu/linear.py), so a tile is one sequential stream. bf16 weights are
  * widened to float32 as they are read (a 16-bit shift: exact), and every product is a float32
  * FMA. The result is rounded to the output dtype once. A tile is read from memory once and then
  * serves every row of x while it sits in cache: a decode step streams the weights at memory
@@ -439,7 +439,7 @@ static int linear_tiles(const float *x, int64_t x_stride, const void *packed, in
     return failed ? -1 : 0;
 }
 
-/* How a bf16 tile orders its columns, for kernels/cpu_linear.py to pack them: 0, in column
+/* How a bf16 tile orders its columns, for kernels/cpu/linear.py to pack them: 0, in column
  * order (what the portable kernel reads); 1, each 16 columns as eight 32-bit words, word i
  * holding column i in its low half and column i + 8 in its high half (the AVX2 kernel, see
  * weight16); 2, each k-row's 32 columns as sixteen words, word i holding columns i and i + 16

@@ -27,15 +27,8 @@
 #endif
 
 #include "exports.h"
+#include "kv_rows.h"
 #include "numerics.h"
-
-/* An int8 page's scale is a one-byte code whose float32 bits are (code << 20) + this base
- * (kernels/interface.py): decoded by integer ops alone, it is bit for bit the torch twin's. */
-#define INT8_SCALE_BITS_BASE ((uint32_t)(127 - 20) << 23)
-/* An FP8 page's vector is scaled to e4m3's largest finite value; an all-zero vector's scale stays
- * positive (kernels/interface.py: FP8_MAX, FP8_MIN_SCALE). */
-#define FP8_MAX 448.0f
-#define FP8_MIN_SCALE 1e-12f
 
 /* Query rows of one sequence attended together: one tile's scores stay small, and tiles of a long
  * prefill chunk spread over the threads. */
@@ -58,100 +51,6 @@
 #else
 #define KEY_GROUP 8
 #endif
-
-static float fp8_e4m3_table[256];
-
-/* Called once when the library is loaded, before any attention call. */
-void pdserve_init(void) {
-    for (int byte = 0; byte < 256; byte++) {
-        int sign = byte >> 7, exponent = (byte >> 3) & 0xF, mantissa = byte & 0x7;
-        float value;
-        if (exponent == 0xF && mantissa == 0x7) {
-            value = NAN; /* e4m3fn has no infinities; S.1111.111 is NaN */
-        } else if (exponent == 0) {
-            value = ldexpf((float)mantissa, -9); /* subnormal: m/8 * 2^-6 */
-        } else {
-            value = ldexpf(1.0f + mantissa / 8.0f, exponent - 7);
-        }
-        fp8_e4m3_table[byte] = sign ? -value : value;
-    }
-}
-
-/* Widen one head vector of `dim` elements to float32 (times `scale` for FP8 and int8 pages). */
-static inline __attribute__((always_inline)) void load_row(const void *restrict src, int dtype,
-                                                           float scale, int dim,
-                                                           float *restrict dst) {
-    switch (dtype) {
-    case KV_F32:
-        memcpy(dst, src, (size_t)dim * sizeof(float));
-        break;
-    case KV_BF16: {
-        const uint16_t *bits = (const uint16_t *)src;
-#pragma omp simd
-        for (int d = 0; d < dim; d++) dst[d] = bf16_to_float(bits[d]);
-        break;
-    }
-    case KV_F16: {
-        const _Float16 *halves = (const _Float16 *)src;
-#pragma omp simd
-        for (int d = 0; d < dim; d++) dst[d] = (float)halves[d];
-        break;
-    }
-    case KV_FP8_E4M3: {
-        const uint8_t *bytes = (const uint8_t *)src;
-        int d = 0;
-#ifdef __F16C__
-        /* An e4m3 byte's sign, and its exponent and mantissa moved up 7 bits, are the bits of a
-         * half whose value is the byte's over 2^8, subnormals included (their exponents are 8
-         * apart), which F16C widens exactly. 2^8 goes into the scale: the product is the
-         * table's, rounded once. NaN (S.1111.111) becomes a half NaN. */
-        const __m256 scale8 = _mm256_set1_ps(scale * 256.0f);
-        const __m128i magnitude_mask = _mm_set1_epi16(0x7F), sign_mask = _mm_set1_epi16(0x80);
-        const __m128i half_nan = _mm_set1_epi16(0x7E00);
-        for (; d + 8 <= dim; d += 8) {
-            const __m128i wide = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(bytes + d)));
-            const __m128i magnitude = _mm_and_si128(wide, magnitude_mask);
-            __m128i half = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(wide, sign_mask), 8),
-                                        _mm_slli_epi16(magnitude, 7));
-            half = _mm_blendv_epi8(half, half_nan, _mm_cmpeq_epi16(magnitude, magnitude_mask));
-            _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_cvtph_ps(half), scale8));
-        }
-#endif
-        for (; d < dim; d++) dst[d] = fp8_e4m3_table[bytes[d]] * scale;
-        break;
-    }
-    case KV_INT8: {
-        /* Exact either way (an 8-bit integer times a 4-bit significand fits in float32), so the
-         * vector body and the scalar tail give the twin's bits. */
-        const int8_t *values = (const int8_t *)src;
-        int d = 0;
-#ifdef __AVX2__
-        const __m256 scale8 = _mm256_set1_ps(scale);
-        for (; d + 8 <= dim; d += 8) {
-            const __m128i bytes = _mm_loadl_epi64((const __m128i *)(values + d));
-            const __m256 widened = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
-            _mm256_storeu_ps(dst + d, _mm256_mul_ps(widened, scale8));
-        }
-#endif
-        for (; d < dim; d++) dst[d] = (float)values[d] * scale;
-        break;
-    }
-    }
-}
-
-/* Write one float32 head vector as float32 or bf16 (rounded to nearest even). */
-static inline void store_row(const float *restrict src, int dtype, int dim, void *restrict dst) {
-    if (dtype == KV_F32) {
-        memcpy(dst, src, (size_t)dim * sizeof(float));
-        return;
-    }
-    uint16_t *bits = (uint16_t *)dst;
-    for (int d = 0; d < dim; d++) bits[d] = float_to_bf16(src[d]);
-}
-
-static inline size_t element_size(int dtype) {
-    return dtype == KV_F32 ? 4 : dtype == KV_FP8_E4M3 || dtype == KV_INT8 ? 1 : 2;
-}
 
 /* Rows of the widened-page buffer: a page rounded up to whole key groups. */
 static inline int page_rows(int page_size) {
@@ -691,13 +590,13 @@ static inline __attribute__((always_inline)) void weigh_bf16_rows(
  * add rounded to float32, denormals read and written as zero), chunk after chunk; the 16 lanes
  * then go through sum16's tree and the sum is multiplied by the softmax scale. That is another
  * order than the widening path's (16-lane chunks of FMAs over scaled queries), so it is a
- * rounding path of its own, with its own twin (kernels/reference.py's bf16_pair_scores); every
+ * rounding path of its own, with its own twin (tests/kernel_twins.py's bf16_pair_scores); every
  * query row takes it, whatever its run's length, so a position's bits stay the same however a
  * step is batched. Off unless asked for: on a 2-core AMX Xeon (SmolLM2's heads) it changed
  * nothing measurable, cached pages or not, since the kernel's time there is not in the score
  * products; it is here for processors whose FMAs are the slower half (an AVX-512 BF16 EPYC). */
 #define PAIR_SCORE_MAX_DIM 256
-static int bf16_pair_scores_on = 0; /* kernels/cpu_library.py's ENV_BF16_PAIR_SCORES */
+static int bf16_pair_scores_on = 0; /* kernels/cpu/library.py's ENV_BF16_PAIR_SCORES */
 
 int pdserve_bf16_pair_scores_available(void) { return 1; }
 
@@ -1129,170 +1028,4 @@ int pdserve_paged_attention(const void *query, int64_t query_row_stride, void *o
     }
     free(items);
     return failed ? -1 : 0;
-}
-
-/* Write token n's key and value rows into slot slots[n] of a 16- or 32-bit cache whose dtype
- * is the rows' own (FP8 and int8 caches quantise on the way: pdserve_store_kv_fp8 / _int8).
- * key/value: [N, num_kv_heads, head_dim], rows key_stride / value_stride elements apart, unit
- * stride within a row; caches as in kv_cache. */
-void pdserve_store_kv(const void *key, int64_t key_stride, const void *value,
-                      int64_t value_stride, void *key_cache, void *value_cache,
-                      int64_t page_stride, int64_t token_stride, int64_t head_stride,
-                      int element_bytes, int page_size, const int64_t *slots, int num_tokens,
-                      int num_kv_heads, int head_dim) {
-    const size_t row_bytes = (size_t)head_dim * element_bytes;
-    for (int n = 0; n < num_tokens; n++) {
-        const int64_t page = slots[n] / page_size, offset = slots[n] % page_size;
-        for (int h = 0; h < num_kv_heads; h++) {
-            const int64_t at = (page * page_stride + offset * token_stride + h * head_stride) *
-                               element_bytes;
-            memcpy((char *)key_cache + at,
-                   (const char *)key + (n * key_stride + h * head_dim) * element_bytes, row_bytes);
-            memcpy((char *)value_cache + at,
-                   (const char *)value + (n * value_stride + h * head_dim) * element_bytes,
-                   row_bytes);
-        }
-    }
-}
-
-/* The code of the smallest one-byte scale s with 127 * s >= amax: positive floats order like
- * their bits, so it is the ceiling of (bits(amax / 127) - base) over 2^20, as in the twin. */
-static inline uint8_t int8_scale_code(float amax) {
-    const float target = amax / 127.0f;
-    uint32_t bits;
-    memcpy(&bits, &target, sizeof bits);
-    const int64_t above = (int64_t)bits - (int64_t)INT8_SCALE_BITS_BASE + ((1 << 20) - 1);
-    if (above < 0) return 0;
-    return above >> 20 > 255 ? 255 : (uint8_t)(above >> 20);
-}
-
-/* Quantise one head vector (float32) into int8 page bytes and its scale code, exactly as
- * reference.quantize_int8: x / s (an IEEE division), plus one half, floored, clamped. */
-static void quantize_int8_row(const float *restrict x, int dim, void *restrict out_bytes,
-                              void *restrict scale_out) {
-    int8_t *out = out_bytes;
-    float amax = 0.0f;
-    for (int d = 0; d < dim; d++) amax = fmaxf(amax, fabsf(x[d]));
-    const uint8_t code = int8_scale_code(amax);
-    const uint32_t scale_bits = ((uint32_t)code << 20) + INT8_SCALE_BITS_BASE;
-    float scale;
-    memcpy(&scale, &scale_bits, sizeof scale);
-    for (int d = 0; d < dim; d++) {
-        const float step = floorf(x[d] / scale + 0.5f);
-        out[d] = (int8_t)(step > 127.0f ? 127.0f : step < -127.0f ? -127.0f : step);
-    }
-    *(uint8_t *)scale_out = code;
-}
-
-/* float32 -> e4m3fn byte, rounded to nearest even, as torch converts (c10's
- * fp8e4m3fn_from_fp32_value): 480 and beyond (never reached after the store's clamp) is NaN. */
-static inline uint8_t fp8_e4m3_from_float(float value) {
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    const uint32_t sign = bits & 0x80000000u;
-    bits ^= sign;
-    uint8_t byte;
-    if (bits >= 1087u << 20) {
-        byte = 0x7f;
-    } else if (bits < 121u << 23) {
-        /* Below e4m3's smallest normal, 2^-6: adding 2^14 leaves the subnormal's three bits at
-         * the bottom of the float32 mantissa, rounded to nearest even by the addition itself. */
-        const uint32_t magic_bits = 141u << 23;
-        float magic, sum;
-        memcpy(&magic, &magic_bits, sizeof magic);
-        memcpy(&sum, &bits, sizeof sum);
-        sum += magic;
-        memcpy(&bits, &sum, sizeof bits);
-        byte = (uint8_t)(bits - magic_bits);
-    } else {
-        const uint32_t mantissa_odd = (bits >> 20) & 1;
-        bits += ((uint32_t)(7 - 127) << 23) + 0x7FFFFu + mantissa_odd;
-        byte = (uint8_t)(bits >> 20);
-    }
-    return byte | (uint8_t)(sign >> 24);
-}
-
-/* Quantise one head vector (float32) into e4m3 page bytes and its float32 scale, exactly as
- * reference.quantize_fp8: s = max(amax / 448, 1e-12), x / s clamped to +-448, then rounded. */
-static void quantize_fp8_row(const float *restrict x, int dim, void *restrict out_bytes,
-                             void *restrict scale_out) {
-    uint8_t *out = out_bytes;
-    float amax = 0.0f;
-    for (int d = 0; d < dim; d++) amax = fmaxf(amax, fabsf(x[d]));
-    float scale = amax / FP8_MAX;
-    if (scale < FP8_MIN_SCALE) scale = FP8_MIN_SCALE;
-    for (int d = 0; d < dim; d++) {
-        const float step = x[d] / scale;
-        out[d] = fp8_e4m3_from_float(step > FP8_MAX ? FP8_MAX : step < -FP8_MAX ? -FP8_MAX : step);
-    }
-    memcpy(scale_out, &scale, sizeof scale);
-}
-
-typedef void (*quantize_row_fn)(const float *restrict x, int dim, void *restrict out_bytes,
-                                void *restrict scale_out);
-
-/* Write token n's key and value rows, quantised by `quantize`, into slot slots[n] of a
- * one-byte cache and their scales (`scale_bytes` each) beside them. key/value:
- * [N, num_kv_heads, head_dim] of `io_dtype` (float32, bf16 or fp16), rows key_stride /
- * value_stride elements apart; caches and scales as in kv_cache, strides in elements. Returns
- * 0, or -1 for a head_dim beyond the row buffer. */
-static int store_kv_quantized(quantize_row_fn quantize, size_t scale_bytes, const void *key,
-                              int64_t key_stride, const void *value, int64_t value_stride,
-                              int io_dtype, uint8_t *key_cache, uint8_t *value_cache,
-                              int64_t page_stride, int64_t token_stride, int64_t head_stride,
-                              char *key_scales, char *value_scales, int64_t scale_page_stride,
-                              int64_t scale_token_stride, int64_t scale_head_stride,
-                              int page_size, const int64_t *slots, int num_tokens,
-                              int num_kv_heads, int head_dim) {
-    enum { MAX_DIM = 1024 };
-    if (head_dim > MAX_DIM) return -1;
-    const size_t io_size = element_size(io_dtype);
-    float row[MAX_DIM];
-    for (int n = 0; n < num_tokens; n++) {
-        const int64_t page = slots[n] / page_size, offset = slots[n] % page_size;
-        for (int h = 0; h < num_kv_heads; h++) {
-            const int64_t at = page * page_stride + offset * token_stride + h * head_stride;
-            const int64_t scale_at = (page * scale_page_stride + offset * scale_token_stride +
-                                      h * scale_head_stride) *
-                                     (int64_t)scale_bytes;
-            load_row((const char *)key + (n * key_stride + h * head_dim) * io_size, io_dtype,
-                     1.0f, head_dim, row);
-            quantize(row, head_dim, key_cache + at, key_scales + scale_at);
-            load_row((const char *)value + (n * value_stride + h * head_dim) * io_size, io_dtype,
-                     1.0f, head_dim, row);
-            quantize(row, head_dim, value_cache + at, value_scales + scale_at);
-        }
-    }
-    return 0;
-}
-
-/* store_kv_quantized into an int8 cache, one-byte scale codes beside it. */
-int pdserve_store_kv_int8(const void *key, int64_t key_stride, const void *value,
-                          int64_t value_stride, int io_dtype, int8_t *key_cache,
-                          int8_t *value_cache, int64_t page_stride, int64_t token_stride,
-                          int64_t head_stride, uint8_t *key_codes, uint8_t *value_codes,
-                          int64_t scale_page_stride, int64_t scale_token_stride,
-                          int64_t scale_head_stride, int page_size, const int64_t *slots,
-                          int num_tokens, int num_kv_heads, int head_dim) {
-    return store_kv_quantized(quantize_int8_row, 1, key, key_stride, value, value_stride,
-                              io_dtype, (uint8_t *)key_cache, (uint8_t *)value_cache,
-                              page_stride, token_stride, head_stride, (char *)key_codes,
-                              (char *)value_codes, scale_page_stride, scale_token_stride,
-                              scale_head_stride, page_size, slots, num_tokens, num_kv_heads,
-                              head_dim);
-}
-
-/* store_kv_quantized into an e4m3 cache, float32 scales beside it. */
-int pdserve_store_kv_fp8(const void *key, int64_t key_stride, const void *value,
-                         int64_t value_stride, int io_dtype, uint8_t *key_cache,
-                         uint8_t *value_cache, int64_t page_stride, int64_t token_stride,
-                         int64_t head_stride, float *key_scales, float *value_scales,
-                         int64_t scale_page_stride, int64_t scale_token_stride,
-                         int64_t scale_head_stride, int page_size, const int64_t *slots,
-                         int num_tokens, int num_kv_heads, int head_dim) {
-    return store_kv_quantized(quantize_fp8_row, sizeof(float), key, key_stride, value,
-                              value_stride, io_dtype, key_cache, value_cache, page_stride,
-                              token_stride, head_stride, (char *)key_scales, (char *)value_scales,
-                              scale_page_stride, scale_token_stride, scale_head_stride, page_size,
-                              slots, num_tokens, num_kv_heads, head_dim);
 }

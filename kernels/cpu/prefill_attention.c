@@ -27,7 +27,7 @@
  * beside whichever rows share its block. (Not the decode kernel's bits, which sum another way:
  * the deterministic mode keeps every row on paged_attention.c.)
  *
- * Twin: kernels/reference.py's prefill_attention_blocks_reference, the same blocks and
+ * Twin: tests/kernel_twins.py's prefill_attention_blocks_reference, the same blocks and
  * roundings, within the order of the sums and the last bits of the exps.
  */
 #include <math.h>

@@ -22,7 +22,7 @@ from common.engine.batch import HostStaging, PageTables, TokenRun, flatten_runs
 from common.engine.kv_pool import KVPool
 from common.engine.sequence import Sequence
 from common.model.llama import LlamaForCausalLM
-from kernels.cpu_ops import argmax_rows
+from kernels.argmax import argmax_rows
 
 
 class DraftModelProposer:

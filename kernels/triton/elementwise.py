@@ -1,5 +1,5 @@
 """SiLU-and-multiply and RoPE as one Triton kernel each, for models on CUDA (RMSNorm's one kernel
-is ``kernels/triton_invariant.py``'s, which rounds where the torch module does).
+is ``kernels/triton/invariant.py``'s, which rounds where the torch module does).
 
 Written as torch ops, a Llama layer's RMSNorm is 8 kernels (cast, square, mean, add, rsqrt,
 multiply, cast, multiply), RoPE 5 per tensor and SiLU-and-multiply 2: on a GPU a small model's
@@ -12,7 +12,7 @@ Every kernel rounds where its torch twin (``common/model/llama.py``) rounds: RoP
 are each rounded to the model's dtype before their sum, SiLU is rounded before the multiply. So
 RoPE gives the twin's bits (launched without FP fusion, see ``rotated_halves``); SiLU-and-multiply
 differs where its exp's last bit tips a rounding. On the Triton attention backend RoPE runs
-inside the KV store's launch (``kernels/triton_store_kv.py``'s ``rotate_and_store_kv``), with
+inside the KV store's launch (``kernels/triton/store_kv.py``'s ``rotate_and_store_kv``), with
 the jit helpers here; this module's own RoPE kernel serves where the store does not rotate
 (int8 pages, whose heads are turned between RoPE and the store; the other backends).
 """

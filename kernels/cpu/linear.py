@@ -43,8 +43,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_library
+from kernels.cpu import library as cpu_library
+from kernels.cpu.tile_choice import publish_first
 from kernels.sizes import ceil_div
+from kernels.timing import first_is_faster
 
 logger = logging.getLogger(__name__)
 
@@ -358,9 +360,7 @@ def choose_gemm_plan(linears: list[CpuLinear]) -> GemmPlan:
     """The plan this machine chose for these layers' shapes, probing it on first use (see
     ``_probe_plan``). Concurrent first uses agree: the first plan written is the one kept."""
     path = _plan_path(linears)
-    return _read_plan(path) or cpu_library.publish_first(
-        path, _probe_plan(linears), _encode_plan, _read_plan
-    )
+    return _read_plan(path) or publish_first(path, _probe_plan(linears), _encode_plan, _read_plan)
 
 
 def _encode_plan(plan: GemmPlan) -> str:
@@ -373,7 +373,7 @@ def _plan_path(linears: list[CpuLinear]) -> Path:
         digest.update(f"{linear.out_features}x{linear.in_features};".encode())
     # The kernels a plan chooses between: a plan probed before bf16's BLAS competed, or with
     # another bf16 tile kernel, is stale; so is one timed by wall clock, which a busy machine's
-    # waits for a core could reverse (cpu_library.first_is_faster).
+    # waits for a core could reverse (first_is_faster).
     kernels = (PROBE_ROWS, FLOAT32_BLAS, BF16_BLAS, cpu_library.bf16_tiles(), "running time")
     digest.update(repr(kernels).encode())
     return cpu_library.cache_dir() / f"gemm-plan-{digest.hexdigest()[:16]}.json"
@@ -408,7 +408,7 @@ def _probe_plan(linears: list[CpuLinear]) -> GemmPlan:
         probed, inputs = _probe_inputs(linears, rows)
         tiles = _runner(probed, inputs, lambda linear: "forward_tiles")
         blas = _runner(probed, inputs, lambda linear: _blas_kernel(linear, blas_dtype))
-        tiles_win.append(cpu_library.first_is_faster(tiles, blas))
+        tiles_win.append(first_is_faster(tiles, blas))
     if all(tiles_win):
         return TILES_ONLY
     limit = 0
@@ -426,7 +426,7 @@ def _probe_blas_dtype(linears: list[CpuLinear]) -> str:
     if not bf16_linears:
         return FLOAT32_BLAS
     probed, inputs = _probe_inputs(bf16_linears, PROBE_ROWS[-1])
-    bf16_wins = cpu_library.first_is_faster(
+    bf16_wins = first_is_faster(
         _runner(probed, inputs, lambda linear: "forward_bf16_blas"),
         _runner(probed, inputs, lambda linear: "forward_float32_blas"),
     )

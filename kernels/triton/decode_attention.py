@@ -5,7 +5,8 @@ each page is read once) and one split of the context. With few sequences a GPU w
 idle, so the context is cut into ``num_splits`` slices whose partial results, each normalised
 and tagged with its log-sum-exp, a second kernel combines (flash-decoding).
 
-Twin: ``kernels.reference.paged_attention_reference`` with every query length 1.
+Twin: the torch backend's ``paged_attention`` with every query length 1; tested against
+``tests/kernel_twins.py``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import triton.language as tl
 
 from kernels.interface import AttentionMetadata, KVCacheView
 from kernels.sizes import ceil_div, next_power_of_2
-from kernels.triton_paged import (
+from kernels.triton.paged import (
     LOG2E,
     attend_span,
     check_cache,
@@ -27,7 +28,7 @@ from kernels.triton_paged import (
     check_softmax_scale,
     head_block,
 )
-from kernels.triton_tiles import DecodeTiles, decode_tiles
+from kernels.triton.tiles import DecodeTiles, decode_tiles
 
 # A split shorter than this spends more on its launch share and combine than it saves.
 _MIN_TOKENS_PER_SPLIT = 256
@@ -233,7 +234,7 @@ def decode_attention(
     """Attention of each sequence's single new token over its whole context in ``cache``.
 
     ``meta`` must describe one query token per sequence. ``num_splits`` overrides the split-K
-    heuristic and ``tiles`` the device's tile sizes (``kernels.triton_tiles``) for tests, the
+    heuristic and ``tiles`` the device's tile sizes (``kernels.triton.tiles``) for tests, the
     tuner and benchmarks; neither changes the result beyond rounding.
     """
     args = check_cache(cache, query.device)

@@ -1,12 +1,12 @@
 """KV store: write a step's new keys and values into their pages, quantising to FP8 or int8.
 
 ``rotate_and_store_kv`` also rotates the step's queries and keys by RoPE on the way, as
-``kernels/cuda_ops.py``'s kernel does: on CUDA that is one launch a layer where RoPE and the
-store took three (RoPE on the queries, on the keys, then the store), and a small model's decode
+``kernels/triton/elementwise.py``'s kernel does: on CUDA that is one launch a layer where RoPE and
+the store took three (RoPE on the queries, on the keys, then the store), and a small model's decode
 step is mostly launches.
 
-Twins: ``kernels.reference.store_kv_reference``; for the rotation, ``common.model.llama``'s
-``apply_rope``.
+Twins: the formats of ``kernels/kv_formats.py`` and ``tests/kernel_twins.py``'s store; for the
+rotation, ``common.model.llama``'s ``apply_rope``.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.cuda_ops import load_half_angles, rotate_in_place, rotated_halves
 from kernels.interface import FP8_MAX, FP8_MIN_SCALE, INT8_MAX, INT8_SCALE_BITS_BASE, KVCacheView
 from kernels.sizes import next_power_of_2
-from kernels.triton_paged import ACTIVATION_DTYPES, check_cache, int8_scale
+from kernels.triton.elementwise import load_half_angles, rotate_in_place, rotated_halves
+from kernels.triton.paged import ACTIVATION_DTYPES, check_cache, int8_scale
 
 # Globals read inside a kernel must be constexpr.
 _FP8_MAX = tl.constexpr(FP8_MAX)

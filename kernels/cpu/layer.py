@@ -16,10 +16,10 @@ import ctypes
 
 import torch
 
-from kernels import cpu_library
-from kernels.cpu_backend import KV_DTYPE_CODES
-from kernels.cpu_linear import CpuLinear
-from kernels.cpu_ops import CpuRMSNorm, CpuRotaryApply, CpuSiluAndMul
+from kernels.cpu import library as cpu_library
+from kernels.cpu.backend import KV_DTYPE_CODES
+from kernels.cpu.linear import CpuLinear
+from kernels.cpu.ops import CpuRMSNorm, CpuRotaryApply, CpuSiluAndMul
 from kernels.interface import FP8_DTYPE, INT8_DTYPE, SCALE_DTYPES, KVCacheView
 
 

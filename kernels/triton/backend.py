@@ -8,11 +8,11 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from kernels.cuda_ops import CudaRotaryApply
 from kernels.interface import AttentionBackend, AttentionMetadata, KVCacheView
-from kernels.triton_decode_attention import decode_attention, split_counts_to_compile
-from kernels.triton_prefill_attention import prefill_attention
-from kernels.triton_store_kv import rotate_and_store_kv, store_kv
+from kernels.triton.decode_attention import decode_attention, split_counts_to_compile
+from kernels.triton.elementwise import CudaRotaryApply
+from kernels.triton.prefill_attention import prefill_attention
+from kernels.triton.store_kv import rotate_and_store_kv, store_kv
 
 
 class TritonAttentionBackend(AttentionBackend):

@@ -10,9 +10,9 @@ weighed by their log-sum-exps. On the 2-core AMX Xeon (9 query heads, 3 KV heads
 bf16) one layer took 10.6 ms against 17.0 ms for a 1024-token chunk after 1024 cached tokens.
 
 The two partial outputs are each rounded to the query's dtype before the merge, so in bf16 this
-rounds differently from one SDPA call; ``kernels.reference.chunk_attention_reference`` is its
+rounds differently from one SDPA call; the torch backend's ``chunk_attention`` is its
 twin, within the tolerance of one bf16 rounding. A chunk with no prefix is one call, the
-reference's very bits.
+torch backend's very bits.
 
 Prompts that a step prefills whole, of one length and in consecutive rows (a batch of equal
 prompts), attend as one batch of SDPA: one gather and one call instead of a dozen small torch
@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.interface import KVCacheView
-from kernels.reference import gather_context, sequence_context
 from kernels.sizes import ceil_div
+from kernels.torch_backend import gather_context, sequence_context
 
 
 def chunk_attention_after_prefix(
@@ -39,12 +39,12 @@ def chunk_attention_after_prefix(
     seq_len: int,
     softmax_scale: float,
 ) -> torch.Tensor:  # [q_len, num_heads, head_dim]
-    """``chunk_attention_reference``'s result, the cached prefix and the chunk attended apart."""
+    """The torch backend's ``chunk_attention``, the cached prefix and the chunk attended apart."""
     prefix = seq_len - query.shape[0]
     queries, keys, values = sequence_context(query, cache, page_table, seq_len)
     if prefix == 0:
-        # The reference's own call: its lower-right mask of a square is SDPA's causal mask, which
-        # this names directly, without the mask object's Python dispatch.
+        # The torch backend's own call: its lower-right mask of a square is SDPA's causal mask,
+        # which this names directly, without the mask object's Python dispatch.
         attended = F.scaled_dot_product_attention(
             queries, keys, values, is_causal=True, scale=softmax_scale, enable_gqa=True
         )

@@ -12,7 +12,7 @@ pairs, so each key/value tile is read once per KV head and a one-token chunk sti
 each program finds its sequence by binary search over ``query_start_loc``. Programs take the
 tiles in reverse, so the heaviest tiles of a causal prompt (its last) are scheduled first.
 
-Twin: ``kernels.reference.paged_attention_reference``.
+Twin: the torch backend's ``paged_attention``; tested against ``tests/kernel_twins.py``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import triton.language as tl
 
 from kernels.interface import AttentionMetadata, KVCacheView
 from kernels.sizes import next_power_of_2
-from kernels.triton_paged import (
+from kernels.triton.paged import (
     LOG2E,
     attend_span,
     check_cache,
@@ -32,7 +32,7 @@ from kernels.triton_paged import (
     check_softmax_scale,
     head_block,
 )
-from kernels.triton_tiles import PrefillTiles, prefill_tiles
+from kernels.triton.tiles import PrefillTiles, prefill_tiles
 
 
 @triton.jit
@@ -183,7 +183,7 @@ def prefill_attention(
     """Causal attention of every query token over its sequence's context in ``cache``.
 
     Any mix of query lengths (including one) is allowed; the step's keys and values must
-    already be stored. ``tiles`` overrides the device's tile sizes (``kernels.triton_tiles``;
+    already be stored. ``tiles`` overrides the device's tile sizes (``kernels.triton.tiles``;
     tests, the tuner).
     """
     args = check_cache(cache, query.device)

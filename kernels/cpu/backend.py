@@ -3,9 +3,9 @@
 Decode steps and speculative verification (a few query rows per sequence) spend almost nothing
 on arithmetic and everything on overhead when they go through gathered pages and SDPA, so they
 go to ``kernels/cpu/paged_attention.c``, which reads the pages in place. Prefill chunks are
-compute-bound and go to SDPA's blocked kernel over their gathered context, as in the reference;
+compute-bound and go to SDPA's blocked kernel over their gathered context, as in the torch backend;
 a chunk after a cached prefix in two calls, prefix and chunk, so that SDPA skips the masked half
-of the chunk's own keys (``kernels/cpu_chunk_attention.py``).
+of the chunk's own keys (``kernels/cpu/chunk_attention.py``).
 Which sequence takes which path is decided once per step in ``plan``.
 
 Deterministic inference sends every run to the C kernel: it sums in an order fixed by absolute
@@ -21,13 +21,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_library
-from kernels.cpu_chunk_attention import (
+from kernels.cpu import library as cpu_library
+from kernels.cpu.chunk_attention import (
     WholePrompts,
     chunk_attention_after_prefix,
     whole_prompts,
     whole_prompts_attention,
 )
+from kernels.cpu.features import has_amx_bf16
 from kernels.interface import (
     FP8_DTYPE,
     INT8_DTYPE,
@@ -36,7 +37,7 @@ from kernels.interface import (
     AttentionMetadata,
     KVCacheView,
 )
-from kernels.reference import store_kv_reference
+from kernels.torch_backend import store_kv as torch_store_kv
 
 # Sequences with at most this many query rows in a step attend in the C kernel. It reads every
 # key once per (sequence, KV head) and keeps a score row per query vector, which beats SDPA
@@ -122,7 +123,7 @@ class CpuAttentionBackend(AttentionBackend):
     def store_kv(self, key, value, cache, slot_mapping) -> None:
         pages = cache.key
         if not _rows_fit_the_c_store(key, value, cache, slot_mapping):
-            store_kv_reference(key, value, cache, slot_mapping)
+            torch_store_kv(key, value, cache, slot_mapping)
             return
         if cache.is_quantized:
             self._store_quantized(key, value, cache, slot_mapping)
@@ -146,8 +147,8 @@ class CpuAttentionBackend(AttentionBackend):
         )
 
     def _store_quantized(self, key, value, cache: KVCacheView, slot_mapping) -> None:
-        """Quantise in C, bit for bit as ``reference.quantize_fp8`` / ``quantize_int8``: a
-        decode step's store in torch would take a dozen small ops per layer."""
+        """Quantise in C, bit for bit as ``kernels/kv_formats.py``'s ``quantize_fp8`` /
+        ``quantize_int8``: a decode step's store in torch would take a dozen small ops per layer."""
         assert cache.key_scale is not None and cache.value_scale is not None
         pages, scales = cache.key, cache.key_scale
         store = (
@@ -331,7 +332,7 @@ def _float32_sdpa_is_faster() -> bool:
     and 9 heads on a Xeon without AMX). Decided by the processor's flags, not by timing it: the
     two paths round differently, and every process on a machine must choose alike to give the
     same tokens."""
-    return not cpu_library.has_amx_bf16()
+    return not has_amx_bf16()
 
 
 def _heads_packed(query: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
 
 Each replaces the torch module of the same role in ``common/model/llama.py`` (``RMSNorm``,
 ``SiluAndMul``, ``RotaryApply``) and computes the same thing with the same bf16 roundings.
-``argmax_rows`` is the sampler's ``argmax(dim=-1)`` (``kernels/cpu/row_argmax.c``).
+``argmax_rows_c`` is the sampler's ``argmax(dim=-1)`` (``kernels/cpu/row_argmax.c``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import cpu_library
+from kernels.cpu import library as cpu_library
 
 # rotate_half works on halves of a head vector; the kernel keeps a half on its stack.
 MAX_HEAD_DIM = 512
@@ -118,9 +118,10 @@ def cpu_ops_apply(dtype: torch.dtype, head_dim: int) -> bool:
     )
 
 
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x.argmax(dim=-1)`` of a 2-D tensor, the same indices (the first of equal maxima, NaN
-    above every number); through the C kernel for float32 rows on the CPU, else torch."""
+def argmax_rows_c(x: torch.Tensor) -> torch.Tensor | None:
+    """``x.argmax(dim=-1)`` of a 2-D float32 tensor on the CPU through the C kernel (the same
+    indices: the first of equal maxima, NaN above every number), or None where the kernel does
+    not take ``x``."""
     if (
         x.dim() != 2
         or x.dtype != torch.float32
@@ -129,7 +130,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
         or x.stride(-1) != 1
         or not cpu_library.available()
     ):
-        return x.argmax(dim=-1)
+        return None
     out = torch.empty(x.shape[0], dtype=torch.long)
     cpu_library.load().pdserve_argmax_f32(
         x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr()

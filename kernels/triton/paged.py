@@ -221,7 +221,7 @@ def page_slots(page_table_ptr, positions, mask, page_size):
 @triton.jit
 def int8_scale(code):
     """float32 scales of one-byte int8 scale codes (any integer type): their bits, not an exp2,
-    so every backend decodes them alike (``reference.int8_scale``)."""
+    so every backend decodes them alike (``kv_formats.int8_scale``)."""
     return ((code.to(tl.int32) << 20) + _INT8_SCALE_BITS_BASE).to(tl.float32, bitcast=True)
 
 
