@@ -20,6 +20,11 @@ PAGE_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, FP8_E4M3: 1, INT8_HA
 SCALE_ITEMSIZE = {FP8_E4M3: 4, INT8_HADAMARD: 1}
 
 
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """The pages that ``num_tokens`` tokens fill, the last one maybe in part."""
+    return -(-num_tokens // page_size)
+
+
 @dataclass(frozen=True, slots=True)
 class KVLayout:
     """The page format and shape; a pool's pages are ``(num_layers, 2, page_size, num_kv_heads,

@@ -45,10 +45,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from common.engine.sequence import Sequence
+from common.kv_layout import pages_for
 from common.metrics import KV_HANDOFF_SECONDS, KV_PAGES_RECEIVED, KV_TRANSFER_FALLBACKS
 from common.protocol import Handoff, HandoffPart
 from common.sampling_params import SamplingParams
-from kernels.sizes import ceil_div
 from kvtransfer import KVReceiver, TransferError, TransferParams, TransferResult
 
 logger = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ class Handoffs:
         if pending is None:
             if part.part_index != 0 or self._known(request_id):
                 return  # an earlier part was not taken: the handoff will say what to do
-            num_pages = ceil_div(part.num_prompt_tokens, self.scheduler.page_size)
+            num_pages = pages_for(part.num_prompt_tokens, self.scheduler.page_size)
             pending = PendingHandoff(request_id, [], num_pages, self._clock())
         elif pending.handoff is not None:
             return  # a part after the handoff: nothing to gain
@@ -194,7 +194,7 @@ class Handoffs:
         seq = Sequence.from_prompt(request_id, handoff.prompt_token_ids, params)
         seq.token_ids.append(handoff.first_token.token_id)
         seq.num_cached_tokens = handoff.num_cached_tokens
-        num_pages = ceil_div(seq.num_prompt_tokens, self.scheduler.page_size)
+        num_pages = pages_for(seq.num_prompt_tokens, self.scheduler.page_size)
         if handoff.first_page == 0 and pending is not None:
             self._discard(pending)  # every page is offered again: the parts are not needed
             pending = None

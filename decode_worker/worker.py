@@ -84,6 +84,7 @@ class DecodeWorker(WorkerService):
             args.kv_transfer,
             self.engine.pool,
             self.worker_id,
+            args.host,
             self.engine.followers,
             cluster_auth.load_secret(args.cluster_secret_file),
         )

@@ -61,7 +61,7 @@ from kvtransfer.head_map import plan_heads
 from kvtransfer.receiver import SideChannelReceiver
 from kvtransfer.registry import create_receiver, create_sender
 from kvtransfer.sender import SideChannelSender
-from kvtransfer.ucx_interface import UCX_NET_DEVICES
+from kvtransfer.ucx_interface import UCX_NET_DEVICES, pin_ucx_to_host
 
 logger = logging.getLogger(__name__)
 
@@ -612,6 +612,14 @@ class GroupReceiver(KVReceiver):
         )
 
 
+def keep_ucx_on_host(backend: str, host: str) -> None:
+    """Before the first NIXL agent of the process starts UCX: its listeners stay on the
+    interface of ``host``, the address the worker serves on (``kvtransfer/ucx_interface.py``);
+    the followers of a tensor-parallel group are handed the same setting when they open."""
+    if backend == "nixl":
+        logger.info("UCX network devices: %s", pin_ucx_to_host(host) or "all")
+
+
 def group_sender(
     backend: str,
     pool: KVPool,
@@ -621,7 +629,9 @@ def group_sender(
     secret: str | None,
 ) -> KVSender:
     """The sender of a prefill worker: a plain one, or a group's at tensor-parallel size > 1
-    (``secret``: the cluster secret the followers' side channels prove, if any)."""
+    (``secret``: the cluster secret the followers' side channels prove, if any). The first of a
+    process's KV endpoints: NIXL's network is set here (``keep_ucx_on_host``)."""
+    keep_ucx_on_host(backend, host)
     own = create_sender(backend, pool, engine_id, host)
     if followers is None:
         return own
@@ -632,11 +642,13 @@ def group_receiver(
     backend: str,
     pool: KVPool,
     engine_id: str,
+    host: str,
     followers: FollowerRanks | None,
     secret: str | None,
 ) -> GroupReceiver:
     """The receiver of a decode worker, which takes pages from prefill workers of any
-    tensor-parallel size."""
+    tensor-parallel size; like ``group_sender``, the first of its process's KV endpoints."""
+    keep_ucx_on_host(backend, host)
     own = create_receiver(backend, pool, engine_id)
     assert isinstance(own, SideChannelReceiver)
     return GroupReceiver(own, followers, secret)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from common.hashing import page_hashes
+from common.kv_layout import pages_for
 from common.messages import Message
 from common.protocol import (
     REREGISTER,
@@ -34,7 +35,6 @@ from common.protocol import (
     WorkerDraining,
 )
 from common.sampling_params import SamplingParams
-from kernels.sizes import ceil_div
 from router.metrics import RouterMetrics
 from router.policy import (
     Decision,
@@ -293,7 +293,7 @@ class Dispatcher:
         decode_state = self.registry.workers[decision.decode_worker_id]
         output_ids = [s.token_id for s in gen.samples] if migrate else []
         total = len(gen.prompt_token_ids) + gen.params.max_tokens
-        pages = ceil_div(total, decode_state.page_size)
+        pages = pages_for(total, decode_state.page_size)
         if decision.prefill_worker_id is None:
             msg: Message = DecodeRequest(gen.wire_id, gen.prompt_token_ids, params, output_ids)
             # Counted as queued prefill there until it reports it (the overflow rule reads it).

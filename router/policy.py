@@ -44,7 +44,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kernels.sizes import ceil_div
+from common.kv_layout import pages_for
 
 # Decision reasons; each is a label value of pdserve_router_decisions_total.
 REASON_PREFIX = "prefix_hit"
@@ -228,7 +228,7 @@ def choose_decode(
 ) -> str:
     if not candidates:
         raise NoWorkerError("no decode worker is registered")
-    needed = ceil_div(request.num_prompt_tokens + request.num_new_tokens_max, request.page_size)
+    needed = pages_for(request.num_prompt_tokens + request.num_new_tokens_max, request.page_size)
     fitting = [w for w in candidates if w.free_pages >= needed] or list(candidates)
 
     def key(w: DecodeView) -> tuple[float, int, str]:

@@ -9,18 +9,29 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # DESIGN.md: router, prefill_worker, decode_worker -> kvtransfer -> common -> kernels; the
-# pdserve command sits above everything and nothing imports it. common/service is what both
-# worker roles share (their main loop, the router link), so it stands with them.
+# pdserve command sits above everything and nothing imports it, and the benchmarks above that.
+# Inside kernels, a floor each: what every backend shares at the root (the interface, the KV
+# formats, the portable torch backend, sizes and timing); the CPU and Triton backends; and what
+# chooses among them (the registries, the device-neutral argmax).
 LEVELS = {
-    "pdserve": 4,
-    "router": 3,
-    "prefill_worker": 3,
-    "decode_worker": 3,
-    "common.service": 3,
-    "kvtransfer": 2,
-    "common": 1,
+    "benchmarks": 7,
+    "pdserve": 6,
+    "router": 5,
+    "prefill_worker": 5,
+    "decode_worker": 5,
+    "kvtransfer": 4,
+    "common": 3,
+    "kernels.registry": 2,
+    "kernels.layer_kernels": 2,
+    "kernels.argmax": 2,
+    "kernels.cpu": 1,
+    "kernels.triton": 1,
     "kernels": 0,
 }
+# Packages on one floor that must not reach each other: each backend stands on its own.
+SIBLINGS = [("kernels.cpu", "kernels.triton")]
+# The router never loads torch: it reaches no module that does.
+TORCH_FREE = ["router"]
 
 
 def level(module: str) -> int:
@@ -107,6 +118,35 @@ def test_imports_point_down_the_package_order():
         if level(dep) > level(name)
     ]
     assert not upward, "\n".join(upward)
+
+
+def package_of(module: str, packages: tuple[str, ...]) -> str | None:
+    return next((p for p in packages if module == p or module.startswith(p + ".")), None)
+
+
+def test_backends_do_not_import_each_other():
+    crossings = [
+        f"{name} imports {dep}"
+        for pair in SIBLINGS
+        for name, deps in import_graph().items()
+        for dep in deps
+        if (own := package_of(name, pair)) is not None and package_of(dep, pair) not in (None, own)
+    ]
+    assert not crossings, "\n".join(crossings)
+
+
+def test_the_router_reaches_no_kernel():
+    graph = import_graph()
+    for package in TORCH_FREE:
+        reached = {name for name in graph if package_of(name, (package,))}
+        frontier = list(reached)
+        while frontier:
+            for dep in graph[frontier.pop()]:
+                if dep not in reached:
+                    reached.add(dep)
+                    frontier.append(dep)
+        kernels = sorted(name for name in reached if package_of(name, ("kernels",)))
+        assert not kernels, f"{package} reaches {kernels}"
 
 
 def test_the_cycle_finder_finds_a_cycle():

@@ -187,7 +187,7 @@ def test_a_whole_decode_pool_takes_each_head_from_its_prefill_rank(backend):
         fill_pool(pool, seed=seed + 3)
     target = whole_pool("fp8")
     senders = [create_sender(backend, pool, f"prefill.rank{i}") for i, pool in enumerate(ranks)]
-    receiver = group_receiver(backend, target, "decode", followers=None, secret=None)
+    receiver = group_receiver(backend, target, "decode", "127.0.0.1", followers=None, secret=None)
     try:
         src_pages, dst_pages = [1, 2, 3], [6, 4, 5]
         params, _ = (s.publish("req", src_pages, lease_seconds=30) for s in senders)
@@ -214,7 +214,7 @@ def test_a_whole_decode_pool_takes_each_head_from_its_prefill_rank(backend):
 
 def test_a_decode_group_no_prefill_rank_can_serve_is_refused():
     target = make_pool("f32", range(2, 4))  # a rank's pool: fetches go through the group path
-    receiver = group_receiver("zmq", target, "decode", followers=None, secret=None)
+    receiver = group_receiver("zmq", target, "decode", "127.0.0.1", followers=None, secret=None)
     try:
         params = TransferParams("zmq", "tcp://127.0.0.1:1", "prefill", [1], time.time() + 30)
         params.ranks = [RankSender("tcp://127.0.0.1:1", "prefill", 0, 2)]

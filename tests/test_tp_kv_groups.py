@@ -68,7 +68,7 @@ def test_every_decode_rank_gets_exactly_its_heads(backend, prefill_tp, decode_tp
     prefill_group, decode_group = spawn(prefill_tp, seed=10), spawn(decode_tp, seed=None)
     prefill_pool, decode_pool = rank_pool(prefill_tp, 0, 10), rank_pool(decode_tp, 0, None)
     sender = group_sender(backend, prefill_pool, "prefill", "127.0.0.1", prefill_group, None)
-    receiver = group_receiver(backend, decode_pool, "decode", decode_group, None)
+    receiver = group_receiver(backend, decode_pool, "decode", "127.0.0.1", decode_group, None)
     try:
         params = sender.publish("req", SRC_PAGES, lease_seconds=30)
         assert len(params.ranks) == (prefill_tp if prefill_tp > 1 else 0)

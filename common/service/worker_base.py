@@ -25,11 +25,11 @@ import zmq
 
 from common import cluster_auth
 from common.cluster_auth import ClusterAuth
+from common.engine.args import add_engine_args, engine_config_from_args
 from common.engine.batch import ScheduledSequence, SequenceOutput
 from common.engine.llm_engine import LLMEngine
 from common.engine.sampler import PromptLogprob
 from common.engine.sequence import Sequence, first_output_prompt_logprobs
-from common.engine_args import add_engine_args, engine_config_from_args
 from common.messages import PROTOCOL_VERSION, Message
 from common.metrics import (
     AUTH_FAILURES,
@@ -65,7 +65,6 @@ from common.service.health import Probes, serve_worker_http
 from common.service.router_link import RouterLink
 from common.service.step_io import StepIO
 from common.startup_objects import startup_objects_frozen
-from kvtransfer.ucx_interface import pin_ucx_to_host
 
 logger = logging.getLogger(__name__)
 
@@ -173,9 +172,6 @@ class WorkerService(ABC):
             lambda name: AUTH_FAILURES.labels(socket=name).inc(),
         )
         cluster_auth.install(self.auth)  # the KV side channel's sockets take it from there
-        if args.kv_transfer == "nixl":
-            # Before the first NIXL agent starts UCX: its listeners stay on --host's interface.
-            logger.info("UCX network devices: %s", pin_ucx_to_host(args.host) or "all")
         self.context = zmq.Context()
         self.link = RouterLink(self.context, args.router, self.worker_id, self.auth)
         self.drain = Drain(self.worker_id, args.drain_timeout)
