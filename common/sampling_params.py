@@ -1,9 +1,10 @@
 """How one request wants its tokens chosen: the OpenAI/vLLM sampling knobs, checked and wire-ready.
 
-The router builds a ``SamplingParams`` from the OpenAI request and calls ``validate``; it travels
-to the workers as a field of their request messages (``common/protocol.py``), whose codec checks
-every key and type, and the worker calls ``validate`` again for the ranges, because it comes off
-a socket.
+A ``SamplingParams`` checks its own values when it is made, so none out of range exists: the
+router's, made from the OpenAI request (a bad value is a 400 naming the field), and a worker's,
+made by the codec from a request message off its socket (``common/messages.py``: refused there,
+the message dropped). The token ids it names are checked against a vocabulary where one is known
+(``check_token_ids``): by the router before it sends, by the engine when it admits.
 """
 
 from __future__ import annotations
@@ -53,16 +54,9 @@ class SamplingParams:
     # the output ends with the rest of it (a one-token sequence's, always).
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0
-
-    def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ``ValueError`` naming the first field that is of the wrong type or out of range.
-
-        ``vocab_size``, when given, also bounds the token ids of ``stop_token_ids``,
-        ``logit_bias``, ``allowed_token_ids`` and ``bad_words_token_ids``.
-        """
+    def __post_init__(self) -> None:
+        """Raise ``ValueError`` naming the first field that is of the wrong type or out of range
+        (token ids are checked to be ids here, and against a vocabulary by ``check_token_ids``)."""
         _check_int("max_tokens", self.max_tokens, ">= 1", lambda v: v >= 1)
         _check_int(
             "min_tokens",
@@ -104,6 +98,18 @@ class SamplingParams:
             raise ValueError(
                 f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}"
             )
+        self._check_token_ids(None)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Raise ``ValueError`` naming the first field (``stop_token_ids``, ``logit_bias``,
+        ``allowed_token_ids``, ``bad_words_token_ids``) with a token id outside the vocabulary."""
+        self._check_token_ids(vocab_size)
+
+    def _check_token_ids(self, vocab_size: int | None) -> None:
         upper = "" if vocab_size is None else f" and < vocab_size = {vocab_size}"
         for token_id in self.stop_token_ids:
             if not _is_token_id(token_id, vocab_size):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
+from common.protocol import TokenSample
 from router.beam_search import Beam, BeamSearch, BeamSearchParams
 from router.dispatcher import Generation
 from router.errors import APIError
@@ -62,7 +63,7 @@ class BeamSearchRun(Run):
                     self.choices[p * self.request.n].gen.num_cached_tokens = max(
                         gen.num_cached_tokens for gen in group
                     )
-                self.searches[p].advance([gen.samples[0] for gen in group])
+                self.searches[p].advance([_scored(gen)[0] for gen in group])
             self.in_flight = []
             if all(search.done for search in self.searches):
                 break
@@ -110,7 +111,7 @@ class BeamSearchRun(Run):
             for gen in waiting:
                 if gen.error is not None:
                     raise APIError(gen.error_status, gen.error, code="worker_failed")
-                if gen.done and not gen.samples:
+                if gen.done and not gen.token_ids:
                     raise APIError(500, "a beam step ended without a token", code="internal_error")
             waiting = [gen for gen in waiting if not gen.done]
         return True
@@ -121,7 +122,13 @@ class BeamSearchRun(Run):
         choice.consumed = len(beam.tokens)
         choice.finish_reason = beam.finish_reason
         choice.stop_reason = beam.stop_reason
-        return Update(choice, text, beam.samples, True)
+        return Update(choice, text, beam.tokens, beam.samples, True)
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokens.text(token_ids, self.request.skip_special_tokens)
+
+
+def _scored(gen: Generation) -> list[TokenSample]:
+    """A beam step's samples: its parameters always ask for logprobs (``step_params``)."""
+    assert gen.scored is not None
+    return gen.scored

@@ -62,7 +62,10 @@ class Generation:
     arrived_at: float = 0.0
     prefill_worker: str | None = None
     decode_worker: str | None = None
-    samples: list[TokenSample] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # the output so far
+    # The output's samples with their logprobs, parallel to token_ids, where the request asked for
+    # logprobs; None otherwise: a plain token is kept as its id alone, as the workers send it.
+    scored: list[TokenSample] | None = None
     prompt_logprobs: list[PromptTokenLogprob] | None = None  # with the first token, if asked
     early: dict[int, TokenDelta] = field(default_factory=dict)  # deltas ahead of a gap
     finish_reason: str | None = None
@@ -78,6 +81,10 @@ class Generation:
     first_token_at: float | None = None
     last_token_at: float = 0.0
     prefill_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.logprobs is not None:
+            self.scored = []
 
     @property
     def wire_id(self) -> str:
@@ -152,8 +159,13 @@ class Dispatcher:
         if isinstance(msg, TokenDelta):
             self._on_delta(sender, msg, now)
         elif isinstance(msg, TokenDeltas):
-            for delta in msg.all_deltas():
+            for delta in msg.deltas:
                 self._on_delta(sender, delta, now)
+            columns = zip(
+                msg.token_request_ids, msg.token_ids, msg.token_start_indices, strict=True
+            )
+            for request_id, token_id, start_index in columns:
+                self._on_token(sender, request_id, token_id, start_index, now)
         elif isinstance(msg, Heartbeat):
             self._check_sender(sender, msg.worker_id)
             if msg.worker_id not in self.registry.workers:
@@ -258,7 +270,7 @@ class Dispatcher:
     def _route(self, gen: Generation, exclude: frozenset[str], migrate: bool = False) -> Decision:
         view = self.registry.view(exclude)
         page_size = self.registry.page_size or _FALLBACK_PAGE_SIZE
-        tokens = gen.prompt_token_ids + [s.token_id for s in gen.samples] if migrate else None
+        tokens = gen.prompt_token_ids + gen.token_ids if migrate else None
         request = RequestView(
             num_prompt_tokens=len(tokens if tokens is not None else gen.prompt_token_ids),
             page_hashes=[] if migrate else self._hashes(gen.prompt_token_ids, page_size),
@@ -291,7 +303,7 @@ class Dispatcher:
         gen.decode_worker = decision.decode_worker_id
         params = gen.params
         decode_state = self.registry.workers[decision.decode_worker_id]
-        output_ids = [s.token_id for s in gen.samples] if migrate else []
+        output_ids = list(gen.token_ids) if migrate else []
         total = len(gen.prompt_token_ids) + gen.params.max_tokens
         pages = pages_for(total, decode_state.page_size)
         if decision.prefill_worker_id is None:
@@ -319,14 +331,10 @@ class Dispatcher:
         )
 
     def _on_delta(self, sender: str, msg: TokenDelta, now: float) -> None:
-        gen = self.generations.get(msg.request_id)
-        if gen is None or gen.done:
-            return  # finished, aborted or unknown: a late message
-        if sender not in (gen.prefill_worker, gen.decode_worker):
-            return  # from a worker the request has moved away from
-        self.registry.touch(sender, now)
-        gen.progressed_at = now
-        if msg.first or (msg.start_index == 0 and not gen.samples):
+        gen = self._progressing(sender, msg.request_id, now)
+        if gen is None:
+            return
+        if msg.first or (msg.start_index == 0 and not gen.token_ids):
             # A decode worker prefilling locally may not mark its first token as ``first``.
             gen.num_cached_tokens = msg.num_cached_tokens
             if msg.prompt_logprobs is not None:
@@ -335,12 +343,10 @@ class Dispatcher:
             self.registry.on_prefilled(sender, gen.wire_id)
         elif msg.timings is not None:
             self.metrics.request.decode_stages(msg.timings)
-        if msg.start_index > len(gen.samples):
+        if msg.start_index > len(gen.token_ids):
             gen.early[msg.start_index] = msg
             return
         self._apply(gen, msg, now)
-        while len(gen.samples) in gen.early:
-            self._apply(gen, gen.early.pop(len(gen.samples)), now)
         if (
             sender == gen.prefill_worker
             and msg.first
@@ -349,6 +355,45 @@ class Dispatcher:
         ):
             # The prompt is handed off: the prefill worker no longer holds the request.
             self.registry.on_released(gen.prefill_worker, gen.wire_id)
+        self._settle(gen, now)
+
+    def _on_token(
+        self, sender: str, request_id: str, token_id: int, start_index: int, now: float
+    ) -> None:
+        """One token of a ``TokenDeltas`` column: a decode step's usual news, kept as its id."""
+        gen = self.generations.get(request_id)
+        if (
+            gen is None
+            or start_index == 0
+            or start_index != len(gen.token_ids)
+            or gen.scored is not None
+        ):
+            # Not the next token of a plain request under way (a first token, a gap, a resend,
+            # a token that ought to carry its logprob, an unknown request): the general path.
+            self._on_delta(
+                sender, TokenDelta(request_id, [TokenSample(token_id)], start_index), now
+            )
+            return
+        if self._progressing(sender, request_id, now) is None:
+            return
+        self._append(gen, [token_id], None, now)
+        self._settle(gen, now)
+
+    def _progressing(self, sender: str, request_id: str, now: float) -> Generation | None:
+        """The running sequence ``request_id`` if ``sender`` serves it: its progress is noted."""
+        gen = self.generations.get(request_id)
+        if gen is None or gen.done:
+            return None  # finished, aborted or unknown: a late message
+        if sender not in (gen.prefill_worker, gen.decode_worker):
+            return None  # from a worker the request has moved away from
+        self.registry.touch(sender, now)
+        gen.progressed_at = now
+        return gen
+
+    def _settle(self, gen: Generation, now: float) -> None:
+        """After news of ``gen``: deltas that waited for it, the end if it came, the run told."""
+        while len(gen.token_ids) in gen.early:
+            self._apply(gen, gen.early.pop(len(gen.token_ids)), now)
         if gen.finish_reason is not None:
             gen.finished_at = now
             self._record_end(gen, gen.finish_reason, now)
@@ -356,15 +401,22 @@ class Dispatcher:
         gen.sink.put_nowait(gen.index)
 
     def _apply(self, gen: Generation, msg: TokenDelta, now: float) -> None:
-        skip = len(gen.samples) - msg.start_index  # a migrated request may resend a few
+        skip = len(gen.token_ids) - msg.start_index  # a migrated request may resend a few
         new = msg.samples[skip:] if skip > 0 else msg.samples
         if new:
-            since_last = now - gen.last_token_at if gen.samples else None
-            gen.samples.extend(new)
-            gen.last_token_at = now
-            self.metrics.request.tokens(len(new), since_last)
+            self._append(gen, [s.token_id for s in new], new, now)
         if msg.finish_reason is not None:
             gen.finish_reason = msg.finish_reason
+
+    def _append(
+        self, gen: Generation, token_ids: list[int], samples: list[TokenSample] | None, now: float
+    ) -> None:
+        since_last = now - gen.last_token_at if gen.token_ids else None
+        gen.token_ids.extend(token_ids)
+        if gen.scored is not None:
+            gen.scored.extend(samples or [TokenSample(t) for t in token_ids])
+        gen.last_token_at = now
+        self.metrics.request.tokens(len(token_ids), since_last)
 
     def _record_first_token(self, gen: Generation, msg: TokenDelta, now: float) -> None:
         gen.first_token_at = now
@@ -386,7 +438,7 @@ class Dispatcher:
             e2e_s=now - gen.arrived_at,
             ttft_s=None if first is None else first - gen.arrived_at,
             decode_s=0.0 if first is None else gen.last_token_at - first,
-            num_generated=len(gen.samples),
+            num_generated=len(gen.token_ids),
             prefill_s=gen.prefill_s,
         )
 
@@ -417,7 +469,7 @@ class Dispatcher:
         gen.retries += 1
         self.generations[gen.wire_id] = gen
         gen.early.clear()
-        migrate = bool(gen.samples)
+        migrate = bool(gen.token_ids)
         try:
             exclude = frozenset() if failed_worker is None else frozenset({failed_worker})
             decision = self._route(gen, exclude=exclude, migrate=migrate)

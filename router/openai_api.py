@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Literal, TypeGuard, TypeVar
+from typing import Any, Literal, Protocol, TypeGuard, TypeVar
 
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field
@@ -170,15 +170,15 @@ class GenerationRequest:
         return replace(self.params, seed=_wrap_seed(self.params.seed + index))
 
 
-class TextCodec:
-    """What parsing needs of the tokenizer (a small seam the tests can fill)."""
+class TextCodec(Protocol):
+    """What parsing needs of the tokenizer: ``common.tokenizer.Tokenizer`` in the router, a
+    small stand-in in the tests."""
 
     vocab_size: int
     # The tokens that end a sequence (beam search ends beams on them itself).
     eos_token_ids: tuple[int, ...] = ()
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        raise NotImplementedError
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def encode_chat(
         self,
@@ -186,15 +186,13 @@ class TextCodec:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         template_kwargs: Mapping[str, Any] | None = None,
-    ) -> list[int]:
-        raise NotImplementedError
+    ) -> list[int]: ...
 
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        raise NotImplementedError
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
     def token_strings(self, token_ids: list[int]) -> list[str]:
         """Each token as the vocabulary spells it (byte-level marks included)."""
-        raise NotImplementedError
+        ...
 
 
 def _off(value: Any) -> bool:
@@ -385,30 +383,32 @@ def to_generation(
     if any(len(s) > MAX_STOP_CHARS for s in stop):
         raise BadRequest(f"a stop string may have at most {MAX_STOP_CHARS} characters", "stop")
     prompt_logprobs = _prompt_logprobs(body, logprobs)
-    params = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=_default(body.temperature, 1.0),
-        top_p=_default(body.top_p, 1.0),
-        top_k=None if body.top_k in (None, 0, -1) else body.top_k,
-        min_p=_default(body.min_p, 0.0),
-        seed=body.seed,
-        presence_penalty=_default(body.presence_penalty, 0.0),
-        frequency_penalty=_default(body.frequency_penalty, 0.0),
-        repetition_penalty=_default(body.repetition_penalty, 1.0),
-        logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs,
-        stop_token_ids=list(body.stop_token_ids or []),
-        min_tokens=body.min_tokens,
-        ignore_eos=body.ignore_eos,
-        logit_bias=_logit_bias(body.logit_bias, codec.vocab_size),
-        # Sorted and each once: the same whitelist, in fewer bytes on every hop.
-        allowed_token_ids=(
-            None if body.allowed_token_ids is None else sorted(set(body.allowed_token_ids))
-        ),
-        bad_words_token_ids=_bad_words_token_ids(body.bad_words, codec),
-    )
+    logit_bias = _logit_bias(body.logit_bias, codec.vocab_size)
+    bad_words = _bad_words_token_ids(body.bad_words, codec)
     try:
-        params.validate(codec.vocab_size)
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=_default(body.temperature, 1.0),
+            top_p=_default(body.top_p, 1.0),
+            top_k=None if body.top_k in (None, 0, -1) else body.top_k,
+            min_p=_default(body.min_p, 0.0),
+            seed=body.seed,
+            presence_penalty=_default(body.presence_penalty, 0.0),
+            frequency_penalty=_default(body.frequency_penalty, 0.0),
+            repetition_penalty=_default(body.repetition_penalty, 1.0),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            stop_token_ids=list(body.stop_token_ids or []),
+            min_tokens=body.min_tokens,
+            ignore_eos=body.ignore_eos,
+            logit_bias=logit_bias,
+            # Sorted and each once: the same whitelist, in fewer bytes on every hop.
+            allowed_token_ids=(
+                None if body.allowed_token_ids is None else sorted(set(body.allowed_token_ids))
+            ),
+            bad_words_token_ids=bad_words,
+        )
+        params.check_token_ids(codec.vocab_size)
     except ValueError as exc:
         raise BadRequest(str(exc), str(exc).split(" ", 1)[0]) from None
     return GenerationRequest(

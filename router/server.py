@@ -1,140 +1,26 @@
-"""`pdserve router`: the command line, the model's text side, and uvicorn."""
+"""`pdserve router`: the command line, the model's tokenizer, and uvicorn."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from common.cluster_auth import add_insecure_flag, secret_for_binding
 from common.startup_objects import startup_objects_frozen
 from router.app import create_app
 from router.config import RouterConfig
 from router.http_protocol import with_read_deadline
-from router.openai_api import TextCodec
 from router.policy import RoutingConfig
 from router.request_metrics import ServiceLevel
 
+if TYPE_CHECKING:
+    # Imported by main once torch is hidden: transformers would load it.
+    from common.tokenizer import Tokenizer
+
 DEFAULT_CONTROL = "tcp://127.0.0.1:8001"  # the HTTP port plus one, by convention
-
-
-# Texts longer than this are encoded by a call that releases the GIL.
-LONG_TEXT_CHARS = 16_384
-
-
-class ModelText(TextCodec):
-    """The served model's tokenizer and chat template (no weights: the router runs no model)."""
-
-    def __init__(self, model_path: str | Path):
-        from common.tokenizer import Tokenizer
-
-        self._tokenizer = Tokenizer(model_path)
-        config = _read_config(Path(model_path))
-        self.vocab_size = int(config.get("vocab_size") or len(self._tokenizer))
-        self.max_position_embeddings = int(config.get("max_position_embeddings") or 4096)
-        self.eos_token_ids = eos_token_ids(Path(model_path), config, self._tokenizer.eos_token_id)
-        # Every prompt is encoded and every token decoded here, on the event loop: call the
-        # Rust tokenizer directly where that gives transformers' own result.
-        self.backend = _plain_backend(self._tokenizer.hf_tokenizer)
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if self.backend is not None:
-            if len(text) > LONG_TEXT_CHARS:
-                # The batch call lets go of the GIL while it works: a long prompt encoded off
-                # the event loop (see router.edge) then leaves the loop serving meanwhile.
-                [encoding] = self.backend.encode_batch(
-                    [text], add_special_tokens=add_special_tokens
-                )
-                return encoding.ids
-            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-    def encode_chat(
-        self,
-        messages: list[dict],
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        template_kwargs: Mapping[str, Any] | None = None,
-    ) -> list[int]:
-        # The rendered template already holds the special tokens, as in Tokenizer.encode_chat.
-        text = self._tokenizer.apply_chat_template(
-            messages, add_generation_prompt, continue_final_message, template_kwargs
-        )
-        return self.encode(text, add_special_tokens=False)
-
-    def token_strings(self, token_ids: list[int]) -> list[str]:
-        return self._tokenizer.token_strings(token_ids)
-
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        if self.backend is not None:
-            return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
-        return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
-
-
-def _plain_backend(tokenizer: object) -> Any:
-    """The ``tokenizers.Tokenizer`` behind a transformers tokenizer, or None.
-
-    transformers' ``encode``/``decode`` on its Rust-backed class set truncation, padding and
-    special-token splitting on the backend (all off by default), call it, and clean up spaces
-    after decoding only where ``clean_up_tokenization_spaces`` is set. Where the class overrides
-    none of that and the settings are the defaults, calling the backend gives the same ids and
-    text without the Python layers; anywhere else the router goes through transformers.
-    """
-    try:
-        from transformers.tokenization_utils_tokenizers import TokenizersBackend
-    except ImportError:
-        return None
-    if not isinstance(tokenizer, TokenizersBackend):
-        return None
-    cls = type(tokenizer)
-    methods = ("encode", "_encode_plus", "set_truncation_and_padding", "decode", "_decode")
-    if any(getattr(cls, m) is not getattr(TokenizersBackend, m) for m in methods):
-        return None
-    backend = tokenizer.backend_tokenizer
-    if (
-        backend.truncation is not None
-        or backend.padding is not None
-        or backend.encode_special_tokens
-        or tokenizer.split_special_tokens
-        or tokenizer.clean_up_tokenization_spaces
-    ):
-        return None
-    return backend
-
-
-def eos_token_ids(path: Path, config: dict, tokenizer_eos: int | None) -> tuple[int, ...]:
-    """The tokens that end a sequence: config.json's ``eos_token_id`` (what the workers stop
-    on) and generation_config.json's; the tokenizer's EOS where neither names one."""
-    ids: list[int] = []
-    generation = _optional_json(path / "generation_config.json")
-    for source in (config, generation):
-        value = source.get("eos_token_id")
-        for token_id in value if isinstance(value, list) else [value]:
-            if isinstance(token_id, int) and token_id not in ids:
-                ids.append(token_id)
-    if not ids and tokenizer_eos is not None:
-        ids.append(tokenizer_eos)
-    return tuple(ids)
-
-
-def _optional_json(file: Path) -> dict:
-    """A JSON object from ``file``, or {} where it is missing or is no JSON object."""
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _read_config(path: Path) -> dict:
-    try:
-        return json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot read {path / 'config.json'}: {exc}") from exc
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -230,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(args: argparse.Namespace, text: ModelText, model_path: Path) -> RouterConfig:
+def config_from_args(args: argparse.Namespace, text: Tokenizer, model_path: Path) -> RouterConfig:
     if args.local_prefill_overflow_tokens is not None and args.local_prefill_overflow_tokens < 1:
         raise ValueError("--local-prefill-overflow-tokens must be >= 1")
     for name in ("remote_prefill_min_tokens", "max_retries"):
@@ -310,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         # Converting the default model on its first use needs torch: resolved before it is hidden.
         model_path = resolve_model_path(args.model)
         hide_torch()
-        text = ModelText(model_path)
+        from common.tokenizer import Tokenizer
+
+        text = Tokenizer(model_path)
         config = config_from_args(args, text, model_path)
     except (ValueError, OSError, ImportError) as exc:
         print(f"pdserve router: {exc}", file=sys.stderr)

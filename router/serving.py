@@ -50,7 +50,7 @@ class Choice:
     gen: Generation
     detok: IncrementalDetokenizer
     prompt_index: int
-    consumed: int = 0  # samples taken from gen.samples
+    consumed: int = 0  # tokens taken from gen.token_ids
     text: str = ""
     finish_reason: str | None = None
     # vLLM's stop_reason: the stop string or stop token id that ended the choice, else None.
@@ -58,7 +58,9 @@ class Choice:
     sent_prompt_ids: bool = False
     echoed: bool = False  # (streamed) the echoed prompt's chunk has gone out
     text_offset: int = 0
-    samples: list[TokenSample] = field(default_factory=list)  # kept for a whole body
+    # Kept for a whole body: the tokens taken, and their samples where logprobs were asked for.
+    token_ids: list[int] = field(default_factory=list)
+    scored: list[TokenSample] = field(default_factory=list)
 
     @property
     def done(self) -> bool:
@@ -69,7 +71,8 @@ class Choice:
 class Update:
     choice: Choice
     text: str
-    samples: list[TokenSample]
+    token_ids: list[int]
+    scored: list[TokenSample]  # the tokens' samples where logprobs were asked for, else empty
     finished: bool
 
 
@@ -143,10 +146,11 @@ class Run:
             gen = choice.gen
             if gen.error is not None:
                 raise APIError(gen.error_status, gen.error, code="worker_failed")
-            new = gen.samples[choice.consumed :]
-            text = choice.detok.add([s.token_id for s in new])
+            new = gen.token_ids[choice.consumed :]
+            text = choice.detok.add(new)
             # Tokens after the one that completed a stop string are not part of the answer.
             new = new[: choice.detok.tokens_taken]
+            scored = gen.scored[choice.consumed : choice.consumed + len(new)] if gen.scored else []
             choice.consumed += len(new)
             if choice.detok.stopped:
                 choice.finish_reason = "stop"
@@ -164,7 +168,7 @@ class Run:
                         time.monotonic() - gen.finished_at
                     )
             if text or new or choice.done:
-                yield Update(choice, text, new, choice.done)
+                yield Update(choice, text, new, scored, choice.done)
 
     # -- bodies --------------------------------------------------------------------------------
 
@@ -185,17 +189,18 @@ class Run:
 
     async def body(self) -> dict:
         async for update in self.updates():
-            update.choice.samples.extend(update.samples)
+            update.choice.token_ids.extend(update.token_ids)
+            update.choice.scored.extend(update.scored)
         request = self.request
         choices: list[dict[str, Any]] = []
         for i, c in enumerate(self.choices):
-            token_ids = [s.token_id for s in c.samples] if request.return_token_ids else None
+            token_ids = c.token_ids if request.return_token_ids else None
             if request.chat:
                 message = {"role": request.role, "content": request.echo_text + c.text}
                 choice: dict[str, Any] = {
                     "index": i,
                     "message": message,
-                    "logprobs": self._chat_logprobs(c.samples),
+                    "logprobs": self._chat_logprobs(c.scored),
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
                 }
@@ -205,11 +210,11 @@ class Run:
                 prefix = self._echo(c) if request.echo else ""
                 if request.echo and request.logprobs is not None:
                     echoed, offset = self._echo_logprobs(c)
-                    generated = self._completion_logprobs(c.samples, offset)
+                    generated = self._completion_logprobs(c.scored, offset)
                     assert generated is not None  # the request has logprobs
                     logprobs: dict | None = {key: echoed[key] + generated[key] for key in echoed}
                 else:
-                    logprobs = self._completion_logprobs(c.samples, len(prefix))
+                    logprobs = self._completion_logprobs(c.scored, len(prefix))
                 choice = {
                     "index": i,
                     "text": prefix + c.text,
@@ -255,13 +260,13 @@ class Run:
                 if request.logprobs is not None:
                     logprobs, c.text_offset = self._echo_logprobs(c)
                 yield self._chunk(c, echo, logprobs, None)
-            ids = [s.token_id for s in update.samples]
+            ids = update.token_ids
             if request.chat:
-                logprobs = self._chat_logprobs(update.samples)
+                logprobs = self._chat_logprobs(update.scored)
                 delta = {"content": update.text} if update.text or not update.finished else {}
                 yield self._chunk(c, delta, logprobs, c.finish_reason, ids)
             else:
-                logprobs = self._completion_logprobs(update.samples, c.text_offset)
+                logprobs = self._completion_logprobs(update.scored, c.text_offset)
                 c.text_offset += len(update.text)
                 yield self._chunk(c, update.text, logprobs, c.finish_reason, ids)
         if request.include_usage:
@@ -426,9 +431,9 @@ class Run:
 def _stop_token(gen: Generation) -> int | None:
     """The stop token id a finished sequence ended on, if it ended on one of its own
     ``stop_token_ids`` (not on EOS or its length)."""
-    if gen.finish_reason != "stop" or not gen.samples:
+    if gen.finish_reason != "stop" or not gen.token_ids:
         return None
-    last = gen.samples[-1].token_id
+    last = gen.token_ids[-1]
     return last if last in gen.params.stop_token_ids else None
 
 

@@ -40,10 +40,10 @@ from common.protocol import (
     TokenSample,
 )
 from common.sampling_params import SamplingParams
+from common.tokenizer import Tokenizer
 from router.app import create_app
 from router.config import RouterConfig
 from router.http_protocol import with_read_deadline
-from router.server import ModelText
 
 HEARTBEAT = 0.1
 
@@ -428,13 +428,13 @@ class RouterServer:
         return value or 0.0
 
 
-_TEXT: dict[str, ModelText] = {}
+_TEXT: dict[str, Tokenizer] = {}
 
 
-def model_text(path) -> ModelText:
+def model_text(path) -> Tokenizer:
     key = str(path)
     if key not in _TEXT:
-        _TEXT[key] = ModelText(path)
+        _TEXT[key] = Tokenizer(path)
     return _TEXT[key]
 
 

@@ -73,7 +73,7 @@ def test_a_chunked_prefill_a_cached_prefix_and_decodes_in_one_step():
         ScheduledSequence.of(c, 1),
         ScheduledSequence.of(d, 1),
     ]
-    assert [item.samples for item in batch] == [False, True, True, True]
+    assert [item.will_sample for item in batch] == [False, True, True, True]
 
     inputs = runner().prepare(batch, [[], [], [], []])
     check_metadata(inputs)

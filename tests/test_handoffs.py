@@ -210,11 +210,14 @@ def test_bad_sampling_params_fail_the_request_for_good_and_drop_its_parts(decode
     decode.handoffs.accept_handoff(handoff("r", first_page=2, num_parts=1, params=GREEDY))
     decode.handoffs.accept_part(part("s", 0, 0, 2))
     bad = handoff("s", first_page=2, num_parts=1)
-    bad.params = replace(bad.params, temperature=-1.0)
+    # Out of range values never make params (their constructor refuses them, the codec drops the
+    # message); a token id past this model's vocabulary is what only the worker can tell.
+    vocab_size = decode.engine.model_config.vocab_size
+    bad.params = replace(bad.params, stop_token_ids=[vocab_size])
     decode.handoffs.accept_handoff(bad)
     [failure] = decode.worker.failures
     assert failure.request_id == "s" and not failure.retryable
-    assert "bad sampling params" in failure.error
+    assert "bad sampling params" in failure.error and "stop_token_ids" in failure.error
     assert decode.receiver.aborted == ["s/part0"]
     decode.handoffs.poll()
     assert decode.num_free == NUM_PAGES - 5  # only r's pages are still reserved

@@ -7,8 +7,8 @@ import random
 import pytest
 
 from common.model.default_model import resolve_model_path
+from common.tokenizer import Tokenizer
 from router.detokenizer import IncrementalDetokenizer
-from router.server import ModelText
 from router.stop_matcher import StopMatcher
 
 TEXTS = [
@@ -18,11 +18,11 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def text() -> ModelText:
-    return ModelText(resolve_model_path(None))
+def text() -> Tokenizer:
+    return Tokenizer(resolve_model_path(None))
 
 
-def stream(text: ModelText, ids: list[int], stop=()) -> tuple[list[str], IncrementalDetokenizer]:
+def stream(text: Tokenizer, ids: list[int], stop=()) -> tuple[list[str], IncrementalDetokenizer]:
     detok = IncrementalDetokenizer(text.decode, stop)
     pieces = [detok.add([t]) for t in ids]
     pieces.append(detok.finish())
@@ -104,7 +104,7 @@ def test_final_text_equals_full_decode_with_special_tokens_skipped(text):
 
 def test_direct_tokenizer_calls_match_transformers(text):
     """The router calls the Rust tokenizer itself; it must give what transformers gives."""
-    assert text.backend is not None  # the default model takes the direct path
+    assert text.direct_backend is not None  # the default model takes the direct path
     hf = text._tokenizer
     samples = [
         *TEXTS,

@@ -43,7 +43,7 @@ def token_ids(results: list[SampledToken]) -> list[int]:
 
 def test_defaults_are_valid_and_not_greedy():
     params = SamplingParams()
-    params.validate(vocab_size=10)
+    params.check_token_ids(vocab_size=10)
     assert not params.is_greedy
     assert SamplingParams(temperature=0).is_greedy
     assert SamplingParams().stop_token_ids is not SamplingParams().stop_token_ids
@@ -113,9 +113,8 @@ def test_defaults_are_valid_and_not_greedy():
     ],
 )
 def test_bad_values_are_rejected_naming_the_field(field, value):
-    params = SamplingParams(**{field: value})
     with pytest.raises(ValueError, match=field):
-        params.validate()
+        SamplingParams(**{field: value})
     with pytest.raises(ValueError, match=field):
         off_the_wire({**to_wire(SamplingParams()), field: value})
 
@@ -134,28 +133,26 @@ def test_bad_values_are_rejected_naming_the_field(field, value):
     ],
 )
 def test_boundary_values_are_accepted(changes):
-    SamplingParams(**changes).validate(vocab_size=100)
+    SamplingParams(**changes).check_token_ids(vocab_size=100)
     assert off_the_wire(to_wire(SamplingParams(**changes))) == SamplingParams(**changes)
 
 
 def test_stop_token_ids_are_bounded_by_the_vocabulary():
-    SamplingParams(stop_token_ids=[99]).validate(vocab_size=100)
+    SamplingParams(stop_token_ids=[99]).check_token_ids(vocab_size=100)
     with pytest.raises(ValueError, match="stop_token_ids"):
-        SamplingParams(stop_token_ids=[100]).validate(vocab_size=100)
+        SamplingParams(stop_token_ids=[100]).check_token_ids(vocab_size=100)
     with pytest.raises(ValueError, match="logit_bias"):
-        SamplingParams(logit_bias={100: 1.0}).validate(vocab_size=100)
+        SamplingParams(logit_bias={100: 1.0}).check_token_ids(vocab_size=100)
     with pytest.raises(ValueError, match="allowed_token_ids"):
-        SamplingParams(allowed_token_ids=[5, 100]).validate(vocab_size=100)
+        SamplingParams(allowed_token_ids=[5, 100]).check_token_ids(vocab_size=100)
     with pytest.raises(ValueError, match="bad_words_token_ids"):
-        SamplingParams(bad_words_token_ids=[[5, 100]]).validate(vocab_size=100)
+        SamplingParams(bad_words_token_ids=[[5, 100]]).check_token_ids(vocab_size=100)
 
 
 def off_the_wire(raw) -> SamplingParams:
-    """What a worker does with the params of a request off its socket: the codec checks the
-    fields and their types, ``validate`` the ranges."""
-    params = from_wire(SamplingParams, raw)
-    params.validate()
-    return params
+    """What a worker's codec makes of the params of a request off its socket: the fields and
+    their types checked by the codec, the values by the params themselves, once."""
+    return from_wire(SamplingParams, raw)
 
 
 @pytest.mark.parametrize(

@@ -57,7 +57,7 @@ def add(scheduler: Scheduler, request_id: str, tokens: list[int], **params) -> S
 
 def shape(batch: list[ScheduledSequence]) -> list[tuple[str, int, bool]]:
     """A step as (request id, new tokens, samples) per sequence, in batch order."""
-    return [(item.seq.request_id, item.num_new_tokens, item.samples) for item in batch]
+    return [(item.seq.request_id, item.num_new_tokens, item.will_sample) for item in batch]
 
 
 def finish_step(
@@ -68,7 +68,7 @@ def finish_step(
     runs = [
         [SampledToken(tokens.get(item.seq.request_id, 100), None, None)]
         for item in batch
-        if item.samples
+        if item.will_sample
     ]
     return scheduler.postprocess(batch, runs)
 
@@ -207,7 +207,7 @@ def test_cached_pages_count_as_computed_and_only_the_rest_is_scheduled():
     # The same first 8 tokens, then 3 others: two pages hit, three tokens left to compute.
     second = add(scheduler, "second", [*first[:8], 90, 91, 92])
     [item] = scheduler.schedule()
-    assert (item.num_new_tokens, item.samples) == (3, True)
+    assert (item.num_new_tokens, item.will_sample) == (3, True)
     assert second.num_computed_tokens == 8 and second.num_cached_tokens == 8
     assert second.page_ids[:2] == [first_page, second_page] and len(second.page_ids) == 3
     assert pages.ref_count(first_page) == pages.ref_count(second_page) == 1
@@ -288,7 +288,7 @@ def test_a_preempted_sequence_resumes_from_its_own_pages_still_in_the_cache():
     assert b.status is SequenceStatus.WAITING and a.finish_reason is FinishReason.LENGTH
     assert b_second_hash not in scheduler.page_manager.cached_hashes()  # a wrote over it
     [item] = scheduler.schedule()
-    assert (item.seq, item.num_new_tokens, item.samples) == (b, 5, True)
+    assert (item.seq, item.num_new_tokens, item.will_sample) == (b, 5, True)
     assert b.num_computed_tokens == 4 and b.page_ids[0] == b_first_page
 
 

@@ -27,7 +27,7 @@ from kernels.interface import AttentionMetadata
 class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int
-    samples: bool  # this step reaches the end of the sequence's known tokens, so it samples
+    will_sample: bool  # this step reaches the end of the sequence's known tokens, so it samples
     num_draft_slots: int = 0  # proposed tokens this step may verify after its known ones
 
     @classmethod

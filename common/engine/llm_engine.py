@@ -71,12 +71,15 @@ class RequestOutput:
 
     request_id: str
     new_samples: list[SampledToken]
-    finished: bool
-    finish_reason: FinishReason | None
+    finish_reason: FinishReason | None  # None while it runs
     num_prompt_tokens: int
     num_cached_tokens: int
     # With the first token, when params.prompt_logprobs asked: prompt tokens 1.. scored.
     prompt_logprobs: list[PromptLogprob] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 class LLMEngine:
@@ -380,7 +383,7 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
     ) -> str:
-        params.validate(self.model_config.vocab_size)
+        params.check_token_ids(self.model_config.vocab_size)
         bad = [t for t in prompt_token_ids if not 0 <= t < self.model_config.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids out of the vocabulary: {bad[:5]}")
@@ -444,7 +447,6 @@ class LLMEngine:
             RequestOutput(
                 out.seq.request_id,
                 out.new_samples,
-                out.left_batch,
                 out.seq.finish_reason,
                 out.seq.num_prompt_tokens,
                 out.seq.num_cached_tokens,

@@ -146,7 +146,7 @@ class ModelRunner:
             bool(batch)
             and self.speculator is None
             and self.followers is None
-            and all(item.num_new_tokens == 1 and item.samples for item in batch)
+            and all(item.num_new_tokens == 1 and item.will_sample for item in batch)
             and (
                 self._all_plain_argmax(batch)
                 or all(
@@ -225,7 +225,7 @@ class ModelRunner:
             logits = self._score_prompts(batch, proposals, logits)
         rows: list[SamplingRow] = []
         for item, proposed in zip(batch, proposals, strict=True):
-            if not item.samples:
+            if not item.will_sample:
                 continue
             seq = item.seq
             # The row after j accepted proposals sees them as already generated: penalties,
@@ -280,7 +280,7 @@ class ModelRunner:
             seq, start = item.seq, item.seq.num_computed_tokens
             known = seq.token_ids[start : start + item.num_new_tokens]
             num_logits = _prompt_positions_to_score(item)[1]
-            num_logits += 1 + len(proposed) if item.samples else 0
+            num_logits += 1 + len(proposed) if item.will_sample else 0
             runs.append(TokenRun(known + list(proposed), start, seq.page_ids, num_logits))
         return runs
 
@@ -303,7 +303,7 @@ class ModelRunner:
                     rows, targets, seq.params.prompt_logprobs or 0
                 )
                 row += count
-            if item.samples:
+            if item.will_sample:
                 sampling_rows += range(row, row + 1 + len(proposed))
                 row += 1 + len(proposed)
         return logits[sampling_rows]
@@ -313,7 +313,9 @@ def _decodes_alone(batch: list[ScheduledSequence], proposals: Seq[Seq[int]]) -> 
     """Whether every sequence of the step feeds one token, its newest, and samples after it
     (no prompt chunk, no proposal). Such a step scores no prompt token: a sequence's prompt
     logprobs are all due before its last prompt position, whose logits sample."""
-    return not any(proposals) and all(item.num_new_tokens == 1 and item.samples for item in batch)
+    return not any(proposals) and all(
+        item.num_new_tokens == 1 and item.will_sample for item in batch
+    )
 
 
 def _prompt_positions_to_score(item: ScheduledSequence) -> tuple[int, int]:

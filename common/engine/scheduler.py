@@ -1,15 +1,15 @@
 """Chunked prefill plus continuous batching under one token budget per step.
 
-Every step the scheduler fills a budget of ``max_num_batched_tokens`` new tokens: first one token
-for each running sequence that is decoding, then the next chunk of each running sequence that
-is still prefilling, then new sequences from the waiting queue (first come, first served),
-each starting after whatever prefix the cache already holds. Shortest prompt first, though:
-the running prompts leave room for the waiting ones at the head of the queue that are shorter
-than all of their remainders, up to three quarters of the step's prompt tokens (a chat queued
-behind a long document would otherwise wait for every one of its chunks). When pages run out,
-the newest running sequence is preempted: its pages are freed and it goes back to the front of
-the queue to be recomputed later (full pages it had filed in the prefix cache usually make that
-cheap).
+Every step the scheduler fills a budget of new tokens (``token_budget``, vLLM's
+``max_num_batched_tokens``): first one token for each running sequence that is decoding, then the
+next chunk of each running sequence that is still prefilling, then new sequences from the waiting
+queue (first come, first served), each starting after whatever prefix the cache already holds.
+Shortest prompt first, though: the running prompts leave room for the waiting ones at the head of
+the queue that are shorter than all of their remainders, up to three quarters of the step's prompt
+tokens (a chat queued behind a long document would otherwise wait for every one of its chunks). When
+pages run out, the newest running sequence is preempted: its pages are freed and it goes back to the
+front of the queue to be recomputed later (full pages it had filed in the prefix cache usually make
+that cheap).
 
 With a ``Speculator``, a decoding sequence may also take slots for proposed tokens: its pages
 and budget cover the run ``last token + proposals``, the runner verifies the proposals in the
@@ -56,7 +56,7 @@ class Scheduler:
         eos_token_ids: Seq[int],
         speculator: Speculator | None = None,
     ) -> None:
-        self.max_num_batched_tokens = config.token_budget
+        self.token_budget = config.token_budget
         self.max_num_seqs = config.max_num_seqs
         self.max_prefill_tokens_while_decoding = config.max_prefill_tokens_while_decoding
         self.max_model_len = max_model_len
@@ -118,7 +118,7 @@ class Scheduler:
         if len(batch) == len(running) and all(
             item.seq is seq
             and item.num_new_tokens == 1
-            and item.samples
+            and item.will_sample
             and not item.num_draft_slots
             for item, seq in zip(batch, running, strict=True)
         ):
@@ -163,7 +163,7 @@ class Scheduler:
         if (
             not batch
             or len(batch) != len(running)
-            or len(running) > self.max_num_batched_tokens
+            or len(running) > self.token_budget
             or self.speculator is not None
             or (self.waiting and len(running) < self.max_num_seqs)
         ):
@@ -197,7 +197,7 @@ class Scheduler:
 
     def _schedule_anew(self) -> list[ScheduledSequence]:
         """The step decided from the whole state: see the module's docstring."""
-        budget = self.max_num_batched_tokens
+        budget = self.token_budget
         batch: list[ScheduledSequence] = []
         scheduled: set[int] = set()
         # Decodes before prefill chunks: a decoding sequence's latency is what users feel. Two
@@ -307,12 +307,12 @@ class Scheduler:
                 self.num_prompt_tokens_computed += min(num_new, prompt_left)
             # Each accepted proposal's KV was written by this step's forward; the last token of
             # the run has none yet.
-            run = next(sampled_runs) if item.samples else []
+            run = next(sampled_runs) if item.will_sample else []
             computed += num_new + max(0, len(run) - 1)
             seq.num_computed_tokens = computed
             if computed >= (len(seq.page_hashes) + 1) * page_size:
                 self._cache_full_pages(seq)  # a page was completed
-            if not item.samples:
+            if not item.will_sample:
                 continue
             reason = None
             for count, sample in enumerate(run, 1):

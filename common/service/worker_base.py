@@ -398,10 +398,10 @@ class WorkerService(ABC):
     # -- shared helpers -------------------------------------------------------------------------
 
     def checked_params(self, request_id: str, params: SamplingParams) -> SamplingParams | None:
-        """The request's sampling params (their types checked by the codec), or None after
-        telling the router their values are out of range."""
+        """The request's sampling params (their values checked when the codec made them), or
+        None after telling the router they name a token outside this model's vocabulary."""
         try:
-            params.validate(self.engine.model_config.vocab_size)
+            params.check_token_ids(self.engine.model_config.vocab_size)
         except ValueError as exc:
             self.fail(request_id, f"bad sampling params: {exc}", retryable=False)
             return None

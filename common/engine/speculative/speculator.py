@@ -198,7 +198,7 @@ class Speculator:
         runs = []
         at = 0
         for item, proposed in zip(batch, proposals, strict=True):
-            if not item.samples:
+            if not item.will_sample:
                 continue
             samples = sampled[at : at + len(proposed) + 1]
             at += len(proposed) + 1
