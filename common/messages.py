@@ -37,8 +37,9 @@ import msgpack
 # called a page in every field (``page_size``, ``page_ids``, ``num_pages``, ``num_free_pages``);
 # a registration carries its worker process's incarnation. 7: transfer params list a
 # tensor-parallel prefill worker's ranks; a fetch names the KV heads it asks for. 8: a step's
-# one-token deltas travel as columns of TokenDeltas.
-PROTOCOL_VERSION = 8
+# one-token deltas travel as columns of TokenDeltas. 9: heartbeats carry the worker's steps,
+# the progress of each request it holds, and its prefill and finishing rates.
+PROTOCOL_VERSION = 9
 
 # Control messages are small; a frame above this is refused before it is parsed. Sockets that
 # carry larger control frames (e.g. a NIXL agent's metadata) pass their own limit.

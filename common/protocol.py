@@ -135,6 +135,20 @@ class Heartbeat(Message):
     queued_prefill_tokens: int  # prompt tokens admitted but not yet computed
     num_free_pages: int
     kv_usage: float  # fraction of pages in use, 0..1
+    # How the router tells slow from stuck (router/dispatcher.py's ``expire``): the steps this
+    # worker has taken since it started, and every request it holds, each with a count that
+    # grows as that request moves here (tokens computed and generated, pages received).
+    num_steps: int = 0
+    held_request_ids: list[str] = field(default_factory=list)
+    held_progress: list[int] = field(default_factory=list)  # parallel to held_request_ids
+    # How fast this worker clears its queue, for the router's admission: prompt tokens computed
+    # per second of step (a moving average; 0 until measured), and requests finished per second.
+    prefill_tokens_per_s: float = 0.0
+    finished_per_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if len(self.held_request_ids) != len(self.held_progress):
+            raise ValueError("held_request_ids and held_progress differ in length")
 
 
 @message("worker.cache_events")

@@ -127,6 +127,17 @@ class Handoffs:
         """Prompts waiting for their pages (or their handoff)."""
         return len(self._pending)
 
+    def progress(self) -> dict[str, int]:
+        """Each prompt waiting here, with a count that grows as its pages come: pages reserved
+        for it, fetches ended, and its handoff once here."""
+        return {
+            request_id: len(pending.dst_page_ids)
+            + pending.num_parts
+            - len(pending.fetches)
+            + (pending.handoff is not None)
+            for request_id, pending in self._pending.items()
+        }
+
     def remember_abort(self, request_id: str) -> None:
         """The router aborted ``request_id``: a handoff for it that comes later is dropped."""
         self._aborted[request_id] = self._clock()

@@ -22,6 +22,7 @@ import logging
 import zmq
 
 from common import cluster_auth
+from common.dropped_frames import MAX_FRAMES_PER_TURN, DroppedFrames
 from common.engine.batch import ScheduledSequence, SequenceOutput
 from common.engine.scheduler import DecodeScheduler
 from common.engine.sequence import Sequence
@@ -88,6 +89,9 @@ class DecodeWorker(WorkerService):
             self.engine.followers,
             cluster_auth.load_secret(args.cluster_secret_file),
         )
+        self._dropped_handoffs = DroppedFrames(
+            "handoff socket", BAD_MESSAGES.labels(socket="handoff").inc, logger
+        )
         self.handoff_socket = self.context.socket(zmq.PULL)
         self.auth.server(self.handoff_socket, "handoff")
         self.handoff_socket.setsockopt(zmq.LINGER, 0)
@@ -137,7 +141,9 @@ class DecodeWorker(WorkerService):
         (``Handoffs``), or drop it with a logged reason."""
         vocab_size, max_model_len = self.engine.model_config.vocab_size, self.engine.max_model_len
         socket = self.handoff_socket
-        while socket.poll(0):  # no zmq.Again raised every turn
+        for _ in range(MAX_FRAMES_PER_TURN):
+            if not socket.poll(0):  # no zmq.Again raised every turn
+                break
             try:
                 frame = socket.recv(zmq.NOBLOCK)
             except zmq.Again:
@@ -213,6 +219,9 @@ class DecodeWorker(WorkerService):
     def num_pending(self) -> int:
         return self.handoffs.num_pending()
 
+    def pending_progress(self) -> dict[str, int]:
+        return self.handoffs.progress()
+
     def io_in_flight(self) -> bool:
         return self.receiver.progressing_silently()
 
@@ -220,10 +229,8 @@ class DecodeWorker(WorkerService):
         """Stop serving a request wherever it is here; whether there was one."""
         return self.handoffs.discard(request_id) or self.scheduler.abort(request_id) is not None
 
-    @staticmethod
-    def _drop(reason: str) -> None:
-        BAD_MESSAGES.labels(socket="handoff").inc()
-        logger.warning("dropped a bad handoff frame: %s", reason)
+    def _drop(self, reason: str) -> None:
+        self._dropped_handoffs.drop(reason)
 
     def close(self) -> None:
         self.handoff_socket.close(linger=0)

@@ -9,19 +9,18 @@ sees well-formed messages.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterator
 
 import zmq
 
 from common import cluster_auth
+from common.dropped_frames import MAX_FRAMES_PER_TURN, DroppedFrames
 from common.messages import MAX_FRAME_BYTES, Message, ProtocolError, decode, encode
 from kvtransfer.metrics import BAD_MESSAGES
 
 logger = logging.getLogger(__name__)
 
 # Caps the work one poll() does on a busy socket, so a flood cannot starve the worker's loop.
-MAX_MESSAGES_PER_POLL = 256
 # Frames larger than this make ZMQ drop the connection before they reach memory in full.
 MAX_INBOUND_FRAME_BYTES = 64 << 20
 CLOSE_LINGER_MS = 1000
@@ -81,8 +80,11 @@ class SideChannel:
         self._routed = routed
         self._max_message_bytes = max_message_bytes
         self._frames_allowed = frames_allowed
-        self._bad = BAD_MESSAGES.labels(backend=backend, side=side)
-        self._log = _RateLimitedLog(f"{backend} {side}")
+        self._dropped = DroppedFrames(
+            f"kv side channel ({backend} {side})",
+            BAD_MESSAGES.labels(backend=backend, side=side).inc,
+            logger,
+        )
 
     @classmethod
     def bind(cls, host: str, port: int, backend: str, side: str, **kwargs) -> SideChannel:
@@ -115,12 +117,12 @@ class SideChannel:
         return self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def receive(self) -> Iterator[Incoming]:
-        """Every valid message waiting now (at most MAX_MESSAGES_PER_POLL); never blocks.
+        """Every valid message waiting now (at most MAX_FRAMES_PER_TURN); never blocks.
 
         Handle each message before asking for the next: its frames are read (or dropped) in
         between. Stops when the socket is closed meanwhile.
         """
-        for _ in range(MAX_MESSAGES_PER_POLL):
+        for _ in range(MAX_FRAMES_PER_TURN):
             if self.socket.closed:
                 return
             try:
@@ -146,14 +148,14 @@ class SideChannel:
         try:
             self.socket.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY) or its queue is full
-            self._log.warning(f"could not send {type(msg).__name__}: {exc}")
+            logger.warning("could not send %s: %s", type(msg).__name__, exc)
             return False
         return True
 
     def reject(self, why: str) -> None:
-        """Count and log a well-formed message that makes no sense in the current state."""
-        self._bad.inc()
-        self._log.warning(why)
+        """Count and log (rate-limited) a message dropped: malformed, or well-formed but making no
+        sense in the current state."""
+        self._dropped.drop(why)
 
     def close(self) -> None:
         self.socket.close()
@@ -188,23 +190,3 @@ def _discard_frames(socket: zmq.Socket) -> int:
         more = bool(socket.getsockopt(zmq.RCVMORE))
         dropped += 1
     return dropped
-
-
-class _RateLimitedLog:
-    """At most one warning per interval, with a count of those suppressed meanwhile."""
-
-    def __init__(self, name: str, interval_s: float = 5.0) -> None:
-        self._name = name
-        self._interval_s = interval_s
-        self._last = -float("inf")
-        self._suppressed = 0
-
-    def warning(self, text: str) -> None:
-        now = time.monotonic()
-        if now - self._last < self._interval_s:
-            self._suppressed += 1
-            return
-        suffix = f" ({self._suppressed} similar suppressed)" if self._suppressed else ""
-        logger.warning("kv side channel (%s): %s%s", self._name, text, suffix)
-        self._last = now
-        self._suppressed = 0

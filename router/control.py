@@ -17,15 +17,11 @@ from typing import cast
 import zmq
 
 from common.cluster_auth import ClusterAuth
+from common.dropped_frames import MAX_FRAMES_PER_TURN, DroppedFrames
 from common.messages import Message, ProtocolError, decode, encode
 from router.dispatcher import Dispatcher
 
 logger = logging.getLogger(__name__)
-
-# Logged dropped frames are rate-limited: a peer spraying garbage must not flood the log.
-_LOG_EVERY = 100
-# Frames handled per wake-up of the receive loop before HTTP handlers get the loop back.
-_DRAIN_MAX = 256
 
 
 def _has_input(sock: zmq.Socket) -> bool:
@@ -44,11 +40,13 @@ class ControlServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_scheduled = False
         self._tasks: list[asyncio.Task] = []
-        self._dropped = 0
 
     def start(self, dispatcher: Dispatcher) -> None:
         """Bind and start receiving; call from the event loop that serves HTTP."""
         self.dispatcher = dispatcher
+        self._dropped = DroppedFrames(
+            "control socket", dispatcher.metrics.protocol_errors.inc, logger
+        )
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self.auth.server(self._sock, "control")
@@ -106,7 +104,7 @@ class ControlServer:
         self._drain_scheduled = False
         if self._sock is None:
             return
-        for _ in range(_DRAIN_MAX):
+        for _ in range(MAX_FRAMES_PER_TURN):
             try:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
@@ -143,11 +141,5 @@ class ControlServer:
                 logger.exception("error expiring workers")
 
     def _drop(self, frames: list[bytes], exc: Exception) -> None:
-        assert self.dispatcher is not None
-        self.dispatcher.metrics.protocol_errors.inc()
-        self._dropped += 1
-        if self._dropped % _LOG_EVERY == 1:
-            peer = frames[0][:64] if frames else b""
-            logger.warning(
-                "dropped a control frame from %r (%d dropped so far): %s", peer, self._dropped, exc
-            )
+        peer = frames[0][:64] if frames else b""
+        self._dropped.drop(f"from {peer!r}: {exc}")

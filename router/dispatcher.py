@@ -68,13 +68,16 @@ class Generation:
     scored: list[TokenSample] | None = None
     prompt_logprobs: list[PromptTokenLogprob] | None = None  # with the first token, if asked
     early: dict[int, TokenDelta] = field(default_factory=dict)  # deltas ahead of a gap
+    held_progress: int = -1  # how far its worker last said it had come (-1: not said yet)
     finish_reason: str | None = None
     error: str | None = None
     error_status: int = 503
     num_cached_tokens: int = 0
     retries: int = 0
     finished_at: float | None = None
-    progressed_at: float = 0.0  # when it was last dispatched or last got a token
+    # When it last moved: dispatched, a token, or a heartbeat of its worker that listed it and
+    # showed it or its worker further on (``Dispatcher.expire``).
+    progressed_at: float = 0.0
     # time.monotonic() of its latest dispatch, first token and latest token; the prefilling
     # worker's compute time (all for the latency metrics).
     dispatched_at: float = 0.0
@@ -174,6 +177,7 @@ class Dispatcher:
                 self.send(sender, RegisterAck(accepted=False, reason=REREGISTER))
                 return
             self.registry.on_heartbeat(msg, now)
+            self._on_progress(msg, now)
         elif isinstance(msg, CacheEvents):
             self._check_sender(sender, msg.worker_id)
             self.registry.on_cache_events(msg, now)
@@ -206,8 +210,14 @@ class Dispatcher:
 
     def expire(self, now: float) -> None:
         """Take out silent workers, and send again the requests that made no progress for
-        ``stall_timeout`` (a lost message, a worker that forgot a request): no stream is left
-        waiting for ever."""
+        ``stall_timeout``: no stream is left waiting for ever.
+
+        Progress is not only tokens: a request queued or being prefilled has none for as long
+        as that takes. It progresses while a heartbeat of its worker lists it and shows it, or
+        the worker, further on than the last one (``_on_progress``). So a request is sent again
+        only when no worker of it holds it (a lost message, a worker that forgot it) or its
+        worker took no step and moved none of it for the whole window (stuck); a worker that
+        went silent is taken out, and its requests moved, after ``heartbeat_timeout``."""
         for worker_id in self.registry.expired(now):
             self.remove_worker(worker_id, "heartbeat_timeout")
         stalled = [
@@ -217,7 +227,24 @@ class Dispatcher:
         ]
         for gen in stalled:
             self.metrics.stalls.inc()
-            self._recover(gen, None, f"no token for {self.stall_timeout:g} s")
+            self._recover(gen, None, f"no progress for {self.stall_timeout:g} s")
+
+    def _on_progress(self, msg: Heartbeat, now: float) -> None:
+        """Requests a heartbeat lists as held: each moved if it, or its worker, came further."""
+        state = self.registry.workers.get(msg.worker_id)
+        if state is None:
+            return
+        for request_id, progress in zip(msg.held_request_ids, msg.held_progress, strict=True):
+            gen = self.generations.get(request_id)
+            if (
+                gen is None
+                or gen.done
+                or msg.worker_id not in (gen.prefill_worker, gen.decode_worker)
+            ):
+                continue
+            if progress != gen.held_progress or state.stepped:
+                gen.held_progress = progress
+                gen.progressed_at = now
 
     def _on_draining(self, msg: WorkerDraining, now: float) -> None:
         """A worker shutting down: route nothing new to it; once it leaves, move what it still
@@ -298,6 +325,7 @@ class Dispatcher:
         if gen.retries == 0:
             self.metrics.request.dispatched(now - gen.arrived_at)
         gen.progressed_at = now
+        gen.held_progress = -1
         gen.dispatched_at = now
         gen.prefill_worker = decision.prefill_worker_id
         gen.decode_worker = decision.decode_worker_id

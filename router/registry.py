@@ -46,6 +46,12 @@ class WorkerState:
     num_free_pages: int = 0
     kv_usage: float = 0.0
     last_heartbeat_at: float | None = None
+    # Its steps so far, and whether the latest heartbeat showed more than the one before: a
+    # worker that heartbeats without stepping is stuck, not slow (the dispatcher's ``expire``).
+    num_steps: int = 0
+    stepped: bool = False
+    prefill_tokens_per_s: float = 0.0
+    finished_per_s: float = 0.0
     # Shutting down (WorkerDraining): it serves what it has, and nothing new is routed to it.
     draining: bool = False
     # request id -> what its dispatch added before a heartbeat could report it
@@ -192,6 +198,10 @@ class WorkerRegistry:
         state.queued_prefill_tokens = msg.queued_prefill_tokens
         state.num_free_pages = msg.num_free_pages
         state.kv_usage = msg.kv_usage
+        state.stepped = msg.num_steps != state.num_steps
+        state.num_steps = msg.num_steps
+        state.prefill_tokens_per_s = msg.prefill_tokens_per_s
+        state.finished_per_s = msg.finished_per_s
         if previous is not None:
             # Dispatched before the previous heartbeat arrived: this one has surely counted it.
             stale = [rid for rid, d in state.unreported.items() if d.at <= previous]

@@ -73,8 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--request-stall-timeout",
         type=float,
         default=120.0,
-        help="seconds a request may go without a token before it is sent again (a new attempt; "
-        "it fails once --max-retries are spent)",
+        help="seconds a request may go without moving before it is sent again (a new attempt; "
+        "it fails once --max-retries are spent). A request moves with every token, and with "
+        "every heartbeat of its worker that lists it while it or the worker comes further: one "
+        "queued or being prefilled is not sent again while its worker works",
     )
     p.add_argument(
         "--max-tokens-default",

@@ -152,6 +152,10 @@ class FakeWorker(threading.Thread):
         self.hold_prefills = threading.Event()
         self.held: list[PrefillRequest] = []
         self.handoffs_to_lose = 0  # a prefill fake loses this many handoffs (sends no job on)
+        # Set: the worker is stuck. Its heartbeats go on and list what it holds, but it takes no
+        # step and moves nothing (a wedged step loop whose heartbeat thread still runs).
+        self.wedged = threading.Event()
+        self.num_steps = 0  # ticks with work, as a worker counts its steps
         self.ack: RegisterAck | None = None
         self.ready = threading.Event()
         hub[worker_id] = self
@@ -179,10 +183,16 @@ class FakeWorker(threading.Thread):
                     self.jobs[job.request_id] = job
                 while (msg := sock.recv()) is not None:
                     self.received.append(msg)
-                    if isinstance(msg, PrefillRequest) and self.hold_prefills.is_set():
+                    stalled = self.hold_prefills.is_set() or self.wedged.is_set()
+                    if isinstance(msg, PrefillRequest) and stalled:
                         self.held.append(msg)
                     else:
                         self._handle(sock, msg)
+                if self.wedged.is_set():
+                    sock.sock.poll(int(self.tick * 1000) or 1)
+                    continue
+                if self.held or self.jobs:
+                    self.num_steps += 1
                 while self.held and not self.hold_prefills.is_set():
                     self._handle(sock, self.held.pop(0))
                 self._generate()
@@ -193,8 +203,18 @@ class FakeWorker(threading.Thread):
 
     def _heartbeat(self) -> Heartbeat:
         queued = sum(len(m.prompt_token_ids) for m in self.held)
+        held = {m.request_id: 0 for m in self.held}  # queued: they have not moved yet
+        held.update({job.request_id: job.next_index for job in self.jobs.values()})
         return Heartbeat(
-            self.worker_id, len(self.jobs), len(self.held), queued, self.pages.num_free_pages, 0.0
+            self.worker_id,
+            len(self.jobs),
+            len(self.held),
+            queued,
+            self.pages.num_free_pages,
+            0.0,
+            num_steps=self.num_steps,
+            held_request_ids=list(held),
+            held_progress=list(held.values()),
         )
 
     def _handle(self, sock: ControlSocket, msg: Message) -> None:

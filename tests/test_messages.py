@@ -22,7 +22,7 @@ from common.messages import (
     message,
     registered_types,
 )
-from common.protocol import PromptTokenLogprob, TokenDelta, TokenDeltas, TokenSample
+from common.protocol import Heartbeat, PromptTokenLogprob, TokenDelta, TokenDeltas, TokenSample
 from kvtransfer.messages import (
     FetchRequest,
     HandshakeReply,
@@ -90,7 +90,19 @@ def frame(**fields) -> bytes:
 
 
 def test_protocol_version():
-    assert PROTOCOL_VERSION == 8
+    assert PROTOCOL_VERSION == 9
+
+
+def test_a_heartbeat_lists_what_its_worker_holds_and_refuses_ragged_lists():
+    beat = Heartbeat(
+        "w", 1, 2, 30, 100, 0.5, num_steps=7, held_request_ids=["a", "b"], held_progress=[3, 0],
+        prefill_tokens_per_s=1234.5, finished_per_s=0.25,
+    )  # fmt: skip
+    assert decode(encode(beat)) == beat
+    raw = msgpack.unpackb(encode(beat))
+    raw["held_progress"] = [3]
+    with pytest.raises(ProtocolError, match="differ in length"):
+        decode(msgpack.packb(raw))
 
 
 def test_round_trip_of_a_step_of_token_deltas():

@@ -619,6 +619,79 @@ def test_a_request_that_stalls_is_sent_again_and_completes():
         assert len(again[0].output_token_ids) == 1
 
 
+@pytest.mark.slow
+def test_a_request_queued_past_the_stall_window_on_a_working_worker_is_not_sent_again():
+    """A prompt that waits on its prefill worker (queued behind others, or in chunk after chunk)
+    has no token for longer than --request-stall-timeout; the worker's heartbeats list it while
+    the worker steps, so it is not sent again: it completes once, from where it was sent."""
+    with router_server(MODEL, request_stall_timeout=1.5) as router:
+        hub: dict = {}
+        p0, p1, _ = start_fakes(
+            router, hub, [("p0", "prefill"), ("p1", "prefill"), ("d0", "decode")]
+        )
+        router.wait_for_workers(2, 1)
+        # Held prefills are work a worker steps through (the fakes count a step a tick).
+        p0.hold_prefills.set()
+        p1.hold_prefills.set()
+        done = threading.Event()
+        answers: list = []
+
+        def one() -> None:
+            answers.append(
+                client(router).completions.create(
+                    model=MODEL.name, prompt=long_prompt(11), max_tokens=3
+                )
+            )
+            done.set()
+
+        threading.Thread(target=one, daemon=True).start()
+        wait_until(lambda: p0.held or p1.held)
+        # Three windows with no token: the stall timer would have sent it again twice by now.
+        assert not done.wait(4.5)
+        for worker in (p0, p1):
+            worker.hold_prefills.clear()
+        assert done.wait(30) and answers[0].choices[0].finish_reason == "length"
+        assert router.metric("pdserve_router_stalled_requests_total") == 0
+        sent = prefill_requests(p0) + prefill_requests(p1)
+        assert len(sent) == 1 and "#" not in sent[0].request_id
+        assert not [m for w in (p0, p1) for m in w.received if isinstance(m, AbortRequest)]
+
+
+@pytest.mark.slow
+def test_a_worker_that_heartbeats_but_takes_no_step_has_its_requests_sent_again():
+    """A stuck worker whose heartbeats go on (its step loop wedged, its heartbeat thread alive)
+    is never taken out for silence: after --request-stall-timeout without a step of it, its
+    request is aborted there and sent again elsewhere, and completes."""
+    with router_server(MODEL, request_stall_timeout=1.5) as router:
+        hub: dict = {}
+        p0, p1, _ = start_fakes(
+            router, hub, [("p0", "prefill"), ("p1", "prefill"), ("d0", "decode")]
+        )
+        router.wait_for_workers(2, 1)
+        p0.wedged.set()
+        p1.wedged.set()
+        answers: list = []
+        thread = threading.Thread(
+            target=lambda: answers.append(
+                client(router).completions.create(
+                    model=MODEL.name, prompt=long_prompt(12), max_tokens=3
+                )
+            ),
+            daemon=True,
+        )
+        thread.start()
+        wait_until(lambda: p0.held or p1.held)
+        stuck, other = (p0, p1) if p0.held else (p1, p0)
+        other.wedged.clear()
+        thread.join(30)
+        assert answers and answers[0].choices[0].finish_reason == "length"
+        assert router.metric("pdserve_router_stalled_requests_total") == 1
+        [first] = [m.request_id for m in stuck.held]
+        assert [m.request_id for m in prefill_requests(other)] == [first + "#1"]
+        assert [m.request_id for m in stuck.received if isinstance(m, AbortRequest)] == [first]
+        assert router.metric("pdserve_router_workers_removed_total", cause="heartbeat_timeout") == 0
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_client_disconnect_aborts_on_every_worker_holding_the_request(stream):
     with router_server(MODEL) as router:

@@ -8,6 +8,7 @@ import time
 import zmq
 
 from common.cluster_auth import ClusterAuth
+from common.dropped_frames import MAX_FRAMES_PER_TURN, DroppedFrames
 from common.messages import Message, ProtocolError, decode, encode
 from common.metrics import BAD_MESSAGES
 from common.protocol import RegisterAck, RegisterWorker
@@ -41,6 +42,9 @@ class RouterLink:
         # its helper inside one) sends them, before anything else, so the router reads every
         # message in the order the worker produced it.
         self._deferred: list[Message] = []
+        self._dropped = DroppedFrames(
+            "router link", BAD_MESSAGES.labels(socket="router").inc, logger
+        )
 
     def register(self, registration: RegisterWorker, timeout: float) -> None:
         """Register and wait for the router's acknowledgement, re-sending every second (the
@@ -89,10 +93,13 @@ class RouterLink:
             logger.warning("router queue full; dropped %s", type(msg).__name__)
 
     def receive(self) -> list[Message]:
-        """Every message waiting on the socket; malformed frames are logged, counted, dropped."""
+        """The messages waiting on the socket, at most ``MAX_FRAMES_PER_TURN`` (the rest wait for
+        the next turn); malformed frames are counted and dropped."""
         messages: list[Message] = []
         # Asked before each read: an empty socket's zmq.Again costs an exception every turn.
-        while self.socket.poll(0):
+        for _ in range(MAX_FRAMES_PER_TURN):
+            if not self.socket.poll(0):
+                break
             try:
                 frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
@@ -110,7 +117,5 @@ class RouterLink:
         self.flush()
         self.socket.close(linger=0)
 
-    @staticmethod
-    def _drop(reason: str) -> None:
-        BAD_MESSAGES.labels(socket="router").inc()
-        logger.warning("dropped a bad frame from the router: %s", reason)
+    def _drop(self, reason: str) -> None:
+        self._dropped.drop(reason)

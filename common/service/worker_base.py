@@ -64,6 +64,7 @@ from common.service.drain import Drain, add_drain_args
 from common.service.health import Probes, serve_worker_http
 from common.service.router_link import RouterLink
 from common.service.step_io import StepIO
+from common.service.throughput import Throughput
 from common.startup_objects import startup_objects_frozen
 
 logger = logging.getLogger(__name__)
@@ -184,6 +185,10 @@ class WorkerService(ABC):
         self._last_heartbeat = 0.0
         self._prompt_tokens_seen = 0
         self._preemptions_seen = 0
+        # What the heartbeats report of this worker's progress and pace (see ``heartbeat``).
+        self.num_steps = 0
+        self.prefill_rate = Throughput()
+        self.finish_rate = Throughput()
 
     # -- what each role supplies ----------------------------------------------------------------
 
@@ -211,6 +216,11 @@ class WorkerService(ABC):
     def num_pending(self) -> int:
         """Requests held outside the scheduler (e.g. waiting for their pages)."""
         return 0
+
+    def pending_progress(self) -> dict[str, int]:
+        """Each request held outside the scheduler, with a count that grows as it moves (pages
+        announced and received): what the heartbeat reports of them beside the scheduler's."""
+        return {}
 
     def num_held(self) -> int:
         """Requests this worker holds: running, waiting, or outside the scheduler. A drain
@@ -306,8 +316,16 @@ class WorkerService(ABC):
 
     def step(self) -> None:
         started = time.perf_counter()
+        computed = self.scheduler.num_prompt_tokens_computed
         batch, outputs = self.engine.run_step(around_forward=self._step_io)
         self.last_step_seconds = time.perf_counter() - started
+        self.num_steps += 1
+        prompt_tokens = self.scheduler.num_prompt_tokens_computed - computed
+        if prompt_tokens:
+            self.prefill_rate.record(prompt_tokens, self.last_step_seconds)
+        left = sum(1 for out in outputs if out.left_batch)
+        if left:
+            self.finish_rate.record(left)
         STEP_SECONDS.observe(self.last_step_seconds)
         STEP_BATCH_SIZE.observe(len(batch))
         ITERATION_TOKENS.observe(sum(item.num_new_tokens + item.num_draft_slots for item in batch))
@@ -386,6 +404,11 @@ class WorkerService(ABC):
         WAITING.set(len(scheduler.waiting) + self.num_pending())
         KV_USAGE.set(pages.usage)
         PROMPT_TOKENS_QUEUED.set(queued)
+        held = {
+            seq.request_id: seq.num_computed_tokens + seq.num_output_tokens
+            for seq in (*scheduler.waiting, *scheduler.running)
+        }
+        held.update(self.pending_progress())
         return Heartbeat(
             self.worker_id,
             num_running=len(scheduler.running),
@@ -393,6 +416,11 @@ class WorkerService(ABC):
             queued_prefill_tokens=queued,
             num_free_pages=pages.num_free_pages,
             kv_usage=pages.usage,
+            num_steps=self.num_steps,
+            held_request_ids=list(held),
+            held_progress=list(held.values()),
+            prefill_tokens_per_s=self.prefill_rate.per_busy_second(),
+            finished_per_s=self.finish_rate.per_second(),
         )
 
     # -- shared helpers -------------------------------------------------------------------------
