@@ -48,6 +48,7 @@ def create_app(config: RouterConfig, codec: TextCodec) -> FastAPI:
         config.max_retries,
         heartbeat_interval=min(1.0, config.heartbeat_timeout / 3),
         stall_timeout=config.request_stall_timeout,
+        admission=config.admission,
     )
     state = RouterState(
         config=config,

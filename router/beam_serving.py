@@ -99,7 +99,11 @@ class BeamSearchRun(Run):
                 )
                 index += 1
             self.in_flight.append((p, group))
-            self.dispatcher.submit(group)
+            # The first step's first prompt is the request's admission; the rest is its work.
+            first = self.steps == 0 and not self.in_flight[:-1]
+            self.dispatcher.submit(
+                group, self.request.priority, refusable=first, queueable=self.steps == 0
+            )
         self.steps += 1
 
     async def _step_answered(self) -> bool:

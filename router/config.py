@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from router.admission import AdmissionConfig
 from router.policy import RoutingConfig
 from router.request_metrics import ServiceLevel
 
@@ -21,7 +22,7 @@ class RouterConfig:
     control: str = "tcp://127.0.0.1:8001"
     api_key: str | None = None
     heartbeat_timeout: float = 3.0
-    # Seconds a request may go without a token before it is sent again (a new attempt).
+    # Seconds a request may go without moving before it is sent again (a new attempt).
     request_stall_timeout: float = 120.0
     # The most tokens a chat request without max_tokens gets; None: the rest of the context.
     default_max_tokens: int | None = None
@@ -31,4 +32,5 @@ class RouterConfig:
     # Workers must prove it on the control socket (common/cluster_auth); None: in the clear.
     cluster_secret: str | None = None
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     slo: ServiceLevel = field(default_factory=ServiceLevel)  # what counts as goodput

@@ -19,6 +19,7 @@ from common.kv_layout import pages_for
 from common.messages import Message
 from common.protocol import (
     REREGISTER,
+    ROLE_DECODE,
     AbortRequest,
     CacheEvents,
     DecodeRequest,
@@ -35,8 +36,10 @@ from common.protocol import (
     WorkerDraining,
 )
 from common.sampling_params import SamplingParams
+from router.admission import AdmissionConfig, Overloaded, WaitingQueue, is_full, predicted_wait_s
 from router.metrics import RouterMetrics
 from router.policy import (
+    REASON_NO_PREFILL,
     Decision,
     NoWorkerError,
     RequestView,
@@ -69,6 +72,7 @@ class Generation:
     prompt_logprobs: list[PromptTokenLogprob] | None = None  # with the first token, if asked
     early: dict[int, TokenDelta] = field(default_factory=dict)  # deltas ahead of a gap
     held_progress: int = -1  # how far its worker last said it had come (-1: not said yet)
+    queued: bool = False  # waiting in the router's queue for a worker with room
     finish_reason: str | None = None
     error: str | None = None
     error_status: int = 503
@@ -114,9 +118,12 @@ class Dispatcher:
         max_retries: int,
         heartbeat_interval: float,
         stall_timeout: float = 120.0,
+        admission: AdmissionConfig | None = None,
     ):
         self.registry = registry
         self.routing = routing
+        self.admission = admission or AdmissionConfig()
+        self.waiting = WaitingQueue()  # requests waiting for a worker with room (admission)
         self.metrics = metrics
         self.send = send
         self.max_retries = max_retries
@@ -131,19 +138,45 @@ class Dispatcher:
 
     # -- from the HTTP side --------------------------------------------------------------------
 
-    def submit(self, group: list[Generation]) -> Decision:
+    def submit(
+        self,
+        group: list[Generation],
+        priority: int = 0,
+        *,
+        refusable: bool = True,
+        queueable: bool = True,
+    ) -> Decision | None:
         """Route and dispatch the choices of one prompt (all to the same pair, so the prefill
-        worker's prefix cache shares the prompt). Raises ``NoWorkerError``."""
+        worker's prefix cache shares the prompt), or queue them here while every worker of a
+        pool they need is full (None then; ``router/admission.py``). Raises ``NoWorkerError``
+        when no worker could take them, ``Overloaded`` (nothing dispatched, nothing queued) when
+        they are predicted to wait past --max-queue-delay. A request's first prompt is
+        ``refusable``; its later ones are not (it was accepted), and a beam search's later
+        steps are not ``queueable`` either: they hold their request's place."""
         first = group[0]
-        decision = self._route(first, exclude=frozenset())
-        for gen in group:
-            self.generations[gen.wire_id] = gen
-            self._dispatch(gen, decision)
-        self.metrics.inflight.set(len(self.generations))
+        if not queueable:
+            decision: Decision | None = self._route(first, exclude=frozenset())
+        else:
+            decision = self._admit(first, priority, refusable)
+        if decision is None:
+            for gen in group:
+                gen.queued = True
+            self.waiting.push(group, priority)
+            self.metrics.queued.set(len(self.waiting))
+            return None
+        self._dispatch_group(group, decision)
         return decision
 
     def finish_early(self, gen: Generation, cause: str) -> None:
         """The router ended the sequence (stop string, client gone): free it on its workers."""
+        if gen.queued:
+            # Never dispatched: it leaves the queue, with the other choices of its prompt.
+            for member in self.waiting.remove(gen) or [gen]:
+                member.queued = False
+                member.finish_reason = "abort"
+            self.metrics.abort_count(cause).inc()
+            self.metrics.queued.set(len(self.waiting))
+            return
         if self.generations.pop(gen.wire_id, None) is None:
             return
         # Counted before the workers hear of it: whoever sees the abort also sees the count.
@@ -289,12 +322,83 @@ class Dispatcher:
             logger.warning("worker %s refused: %s", sender, reason)
         self.send(sender, RegisterAck(reason is None, reason, self.heartbeat_interval))
         self._count_workers()
+        self._dispatch_waiting()  # room for what waits
 
     def _check_sender(self, sender: str, worker_id: str) -> None:
         if sender != worker_id:
             raise ValueError(f"{sender!r} sent a report for {worker_id!r}")
 
-    def _route(self, gen: Generation, exclude: frozenset[str], migrate: bool = False) -> Decision:
+    # -- admission ------------------------------------------------------------------------------
+
+    def _admit(self, gen: Generation, priority: int, refusable: bool) -> Decision | None:
+        """Where a new request goes now, or None to wait in the queue; raises ``Overloaded``."""
+        ahead = self.waiting.ahead_of(priority)
+        decision = None if ahead else self._route_with_room(gen)
+        limit = self.admission.max_queue_delay_s
+        if limit is not None and refusable:
+            # Whoever takes it in the end: the pair routing would choose with every worker.
+            target = decision or self._route(gen, exclude=frozenset(), count=False)
+            workers = self.registry.workers
+            queued = 0 if decision is not None else ahead + 1
+            wait = predicted_wait_s(
+                None if target.prefill_worker_id is None else workers[target.prefill_worker_id],
+                workers[target.decode_worker_id],
+                queued,
+                self.registry.pool(ROLE_DECODE),
+            )
+            if wait > limit:
+                self.metrics.refusals.labels("queue_delay").inc()
+                raise Overloaded(wait, limit)
+        elif decision is None:
+            self._route(gen, exclude=frozenset(), count=False)  # NoWorkerError: nobody at all
+        return decision
+
+    def _route_with_room(self, gen: Generation) -> Decision | None:
+        """The pair for ``gen`` among workers below --max-inflight-per-worker; None when every
+        worker of a pool it needs is full (a full prefill pool does not send a prompt to be
+        prefilled on a decode worker instead: it waits for its turn)."""
+        full = frozenset(
+            w.worker_id for w in self.registry.workers.values() if is_full(w, self.admission)
+        )
+        if not full:
+            return self._route(gen, exclude=frozenset())
+        try:
+            decision = self._route(gen, exclude=full, count=False)
+        except NoWorkerError:
+            return None
+        if decision.reason == REASON_NO_PREFILL and self.registry.view().prefill:
+            return None
+        self.metrics.decision_count(decision.reason).inc()
+        return decision
+
+    def _dispatch_waiting(self) -> None:
+        """Dispatch the queue's head for as long as workers have room for it."""
+        while self.waiting:
+            try:
+                decision = self._route_with_room(self.waiting.peek()[0])
+            except NoWorkerError:
+                return  # nobody to take it now; workers that register later will
+            if decision is None:
+                return
+            group = self.waiting.pop()
+            self.metrics.queued.set(len(self.waiting))
+            for gen in group:
+                gen.queued = False
+            self._dispatch_group(group, decision)
+
+    def _dispatch_group(self, group: list[Generation], decision: Decision) -> None:
+        for gen in group:
+            self.generations[gen.wire_id] = gen
+            self._dispatch(gen, decision)
+        self.metrics.inflight.set(len(self.generations))
+
+    def _route(
+        self,
+        gen: Generation,
+        exclude: frozenset[str],
+        migrate: bool = False,
+        count: bool = True,
+    ) -> Decision:
         view = self.registry.view(exclude)
         page_size = self.registry.page_size or _FALLBACK_PAGE_SIZE
         tokens = gen.prompt_token_ids + gen.token_ids if migrate else None
@@ -307,7 +411,8 @@ class Dispatcher:
             decode_only=migrate,
         )
         decision = route(request, view, self.routing)
-        self.metrics.decision_count(decision.reason).inc()
+        if count:
+            self.metrics.decision_count(decision.reason).inc()
         return decision
 
     def _hashes(self, token_ids: list[int], page_size: int) -> list[int]:
@@ -383,6 +488,7 @@ class Dispatcher:
         ):
             # The prompt is handed off: the prefill worker no longer holds the request.
             self.registry.on_released(gen.prefill_worker, gen.wire_id)
+            self._dispatch_waiting()
         self._settle(gen, now)
 
     def _on_token(
@@ -523,6 +629,7 @@ class Dispatcher:
             if worker_id is not None:
                 self.registry.on_released(worker_id, gen.wire_id)
         self.metrics.inflight.set(len(self.generations))
+        self._dispatch_waiting()
 
     def _count_workers(self) -> None:
         for role in ("prefill", "decode"):

@@ -19,13 +19,19 @@ class APIError(Exception):
     """An error the HTTP edge turns into an OpenAI-shaped JSON body with ``status``."""
 
     def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers or {}  # e.g. a 429's Retry-After
 
     def body(self) -> dict:
         return {
@@ -38,7 +44,9 @@ class APIError(Exception):
         }
 
     def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        return JSONResponse(
+            self.body(), status_code=self.status, headers={**self.headers, **(headers or {})}
+        )
 
 
 class BadRequest(APIError):

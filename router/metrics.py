@@ -73,6 +73,18 @@ class RouterMetrics:
         self.inflight = Gauge(
             "pdserve_router_inflight_requests", "Sequences being generated", registry=r
         )
+        self.queued = Gauge(
+            "pdserve_router_queued_requests",
+            "Requests waiting in the router's queue for a worker below --max-inflight-per-worker",
+            registry=r,
+        )
+        self.refusals = Counter(
+            "pdserve_router_refused_requests",
+            "Requests refused at once with a 429, by reason (queue_delay: predicted to wait "
+            "past --max-queue-delay; inflight: past --max-inflight)",
+            ["reason"],
+            registry=r,
+        )
         self.overhead = Histogram(
             "pdserve_router_overhead_seconds",
             "The router's own time per request: arrival to dispatch, final token to response",

@@ -68,6 +68,9 @@ class _SamplingBody(BaseModel):
     bad_words: list[str] | None = None
     # Each prompt token's logprob given the ones before it, with this many alternatives.
     prompt_logprobs: int | None = None
+    # vLLM's: the order in which requests waiting for room are served, lower first (the
+    # router's queue, router/admission.py).
+    priority: int = Field(default=0, ge=-(1 << 31), le=(1 << 31) - 1)
     # vLLM's extensions: the prompt's and each choice's token ids in the response, and tokens
     # in logprobs written as "token_id:N" (a token's text may not name it uniquely).
     return_token_ids: bool | None = None
@@ -162,6 +165,7 @@ class GenerationRequest:
     echo_text: str = ""  # what a chat answer starts with (echo)
     use_beam_search: bool = False  # n is the beam width (router/beam_search.py)
     length_penalty: float = 1.0
+    priority: int = 0  # lower first, where requests wait for room
 
     def params_for_choice(self, index: int) -> SamplingParams:
         """Choice ``index`` of a prompt: a seeded request uses seed + index per choice."""
@@ -435,6 +439,7 @@ def to_generation(
         tokens_as_ids=bool(body.return_tokens_as_token_ids),
         use_beam_search=body.use_beam_search,
         length_penalty=body.length_penalty,
+        priority=body.priority,
         **(_chat_answer(body, messages) if isinstance(body, ChatBody) else {}),
     )
 

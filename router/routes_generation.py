@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
+from router.admission import Overloaded
 from router.beam_serving import BeamSearchRun
 from router.edge import DirectRoute, body_schema, id_header, off_the_loop_if_large
 from router.errors import APIError
@@ -78,11 +79,13 @@ async def _generate_counted(
     )  # fmt: skip
     sequences = len(gen_request.prompts) * gen_request.n
     if len(dispatcher.generations) + sequences > config.max_inflight:
+        state.metrics.refusals.labels("inflight").inc()
         raise APIError(
             429,
             f"the router has {len(dispatcher.generations)} sequences in flight "
             f"(limit {config.max_inflight}); retry later",
             code="rate_limit_exceeded",
+            headers={"Retry-After": "1"},
         )
     args = (gen_request, rid, config.served_model_name, dispatcher, state.token_text,
             state.metrics, arrived)  # fmt: skip
@@ -95,6 +98,14 @@ async def _generate_counted(
     except NoWorkerError as exc:
         run.close("no_worker")
         raise APIError(503, f"no worker can serve the request: {exc}", code="no_worker") from None
+    except Overloaded as exc:
+        run.close("overloaded")
+        raise APIError(
+            429,
+            str(exc),
+            code="overloaded",
+            headers={"Retry-After": str(exc.retry_after_s)},
+        ) from None
     except Exception:
         # Whatever went wrong, nothing of this request may stay in flight; and the answer
         # is an error response, not a dropped connection.

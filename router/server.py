@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from common.cluster_auth import add_insecure_flag, secret_for_binding
 from common.startup_objects import startup_objects_frozen
+from router.admission import AdmissionConfig
 from router.app import create_app
 from router.config import RouterConfig
 from router.http_protocol import with_read_deadline
@@ -90,6 +91,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
     p.add_argument("--max-inflight", type=int, default=4096, help="sequences; above it 429")
     p.add_argument(
+        "--max-queue-delay",
+        type=float,
+        default=None,
+        help="seconds a request may be predicted to wait before its work starts (from the "
+        "workers' queues and measured pace); past it the request is refused at once with a 429 "
+        "and Retry-After. Default: off (requests queue without bound, as in vLLM)",
+    )
+    p.add_argument(
+        "--max-inflight-per-worker",
+        type=int,
+        default=None,
+        help="requests one worker may hold; beyond it requests wait in the router's queue, "
+        "lowest `priority` first, until a worker has room. Default: off",
+    )
+    p.add_argument(
         "--request-read-timeout",
         type=float,
         default=30.0,
@@ -162,6 +178,10 @@ def config_from_args(args: argparse.Namespace, text: Tokenizer, model_path: Path
         slo=ServiceLevel(
             ttft_s=None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1000,
             tpot_s=None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1000,
+        ),
+        admission=AdmissionConfig(
+            max_queue_delay_s=args.max_queue_delay,
+            max_inflight_per_worker=args.max_inflight_per_worker,
         ),
         routing=RoutingConfig(
             remote_prefill_min_tokens=args.remote_prefill_min_tokens,

@@ -119,10 +119,13 @@ class Run:
                 self.choices.append(Choice(gen, detok, p))
 
     def submit(self) -> None:
-        """Dispatch every choice; raises ``NoWorkerError`` (nothing dispatched then)."""
-        n = self.request.n
+        """Dispatch every choice (or queue it for a worker with room); raises ``NoWorkerError``
+        or ``Overloaded`` (nothing dispatched then)."""
+        n, priority = self.request.n, self.request.priority
         for p in range(len(self.request.prompts)):
-            self.dispatcher.submit([c.gen for c in self.choices[p * n : (p + 1) * n]])
+            # The first prompt's admission is the request's: once it is in, so are the others.
+            group = [c.gen for c in self.choices[p * n : (p + 1) * n]]
+            self.dispatcher.submit(group, priority, refusable=p == 0)
         self.metrics.overhead_stage("dispatch").observe(time.monotonic() - self.arrived_at)
 
     def close(self, cause: str) -> None:

@@ -156,6 +156,10 @@ class FakeWorker(threading.Thread):
         # step and moves nothing (a wedged step loop whose heartbeat thread still runs).
         self.wedged = threading.Event()
         self.num_steps = 0  # ticks with work, as a worker counts its steps
+        # What its heartbeats say of its pace: prompt tokens per second of step, and requests
+        # finished per second (0: not measured).
+        self.prefill_tokens_per_s = 0.0
+        self.finished_per_s = 0.0
         self.ack: RegisterAck | None = None
         self.ready = threading.Event()
         hub[worker_id] = self
@@ -215,6 +219,8 @@ class FakeWorker(threading.Thread):
             num_steps=self.num_steps,
             held_request_ids=list(held),
             held_progress=list(held.values()),
+            prefill_tokens_per_s=self.prefill_tokens_per_s,
+            finished_per_s=self.finished_per_s,
         )
 
     def _handle(self, sock: ControlSocket, msg: Message) -> None:
