@@ -27,6 +27,10 @@ SEED_MAX = (1 << 63) - 1
 MAX_STOP_STRINGS = 16
 # Characters per stop string: every one is followed character by character as text arrives.
 MAX_STOP_CHARS = 4096
+# vLLM raises a temperature between 0 and this to it (smaller ones risk inf and NaN there), and
+# a request samples here as it would there.
+MIN_TEMPERATURE = 0.01
+MAX_TEMPERATURE = 2.0
 
 
 class StreamOptions(BaseModel):
@@ -263,6 +267,12 @@ def refuse_unsupported(body: CompletionBody | ChatBody) -> None:
         accepts = UNSUPPORTED_FIELDS.get(name)
         if accepts is not None and not accepts(value):
             raise BadRequest(f"{name} is not supported by pdserve (got {value!r:.80})", name)
+    best_of = (body.model_extra or {}).get("best_of")
+    if best_of is not None and best_of < body.n:  # vLLM's words
+        raise BadRequest(
+            f"best_of must be greater than or equal to n, got n={body.n} and best_of={best_of}.",
+            "best_of",
+        )
     if body.stream_options is not None and not body.stream:
         raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
 
@@ -319,6 +329,7 @@ def to_generation(
     refuse_unsupported(body)
     if not 1 <= body.n <= MAX_N:
         raise BadRequest(f"n must be in [1, {MAX_N}], got {body.n}", "n")
+    temperature = _temperature(body.temperature)
     if body.use_beam_search:
         refuse_with_beam_search(body)
     elif body.length_penalty != 1:
@@ -327,6 +338,9 @@ def to_generation(
             f"{body.length_penalty}",
             "length_penalty",
         )
+    elif temperature == 0 and body.n > 1:
+        # vLLM's words: greedy choices are one answer n times over, each generated anew.
+        raise BadRequest(f"n must be 1 when using greedy sampling, got {body.n}.", "n")
     messages: list[dict] = []
     if isinstance(body, ChatBody):
         messages = chat_messages(body)
@@ -380,15 +394,19 @@ def to_generation(
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > MAX_STOP_STRINGS:
         raise BadRequest(f"at most {MAX_STOP_STRINGS} stop strings are allowed", "stop")
+    if not all(stop):  # vLLM's words: an empty string would end every text where it begins
+        raise BadRequest("stop cannot contain an empty string.", "stop")
     if any(len(s) > MAX_STOP_CHARS for s in stop):
         raise BadRequest(f"a stop string may have at most {MAX_STOP_CHARS} characters", "stop")
+    # Each once, as vLLM keeps them: one id sent a million times is one stop token.
+    stop_token_ids = list(dict.fromkeys(body.stop_token_ids or []))
     prompt_logprobs = _prompt_logprobs(body, logprobs)
     logit_bias = _logit_bias(body.logit_bias, codec.vocab_size)
     bad_words = _bad_words_token_ids(body.bad_words, codec)
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=_default(body.temperature, 1.0),
+            temperature=temperature,
             top_p=_default(body.top_p, 1.0),
             top_k=None if body.top_k in (None, 0, -1) else body.top_k,
             min_p=_default(body.min_p, 0.0),
@@ -398,7 +416,7 @@ def to_generation(
             repetition_penalty=_default(body.repetition_penalty, 1.0),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            stop_token_ids=list(body.stop_token_ids or []),
+            stop_token_ids=stop_token_ids,
             min_tokens=body.min_tokens,
             ignore_eos=body.ignore_eos,
             logit_bias=logit_bias,
@@ -624,6 +642,17 @@ _T = TypeVar("_T")
 
 def _all_of(values: list[Any], kind: type[_T]) -> TypeGuard[list[_T]]:
     return all(isinstance(v, kind) for v in values)
+
+
+def _temperature(value: float | None) -> float:
+    """The sampling temperature: 1 when absent, at most 2 as in OpenAI's API and vLLM, and one
+    between 0 and ``MIN_TEMPERATURE`` raised to it, as vLLM does (0 is greedy). A negative or
+    non-finite one is left for ``SamplingParams`` to refuse."""
+    if value is None:
+        return 1.0
+    if value > MAX_TEMPERATURE:  # vLLM's words
+        raise BadRequest(f"temperature must be in [0, 2], got {value}.", "temperature")
+    return MIN_TEMPERATURE if 0 < value < MIN_TEMPERATURE else value
 
 
 def _default(value: float | None, default: float) -> float:

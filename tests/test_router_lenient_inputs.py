@@ -1,0 +1,90 @@
+"""Hostile but valid requests that the router once answered 200 and vLLM does not: each now gets
+vLLM's answer (a 400 in its words, or the same clamp), or a 400 naming the field."""
+
+from __future__ import annotations
+
+import pytest
+from router_fakes import router_with_a_pair
+
+from common.model.default_model import resolve_model_path
+from common.protocol import DecodeRequest, PrefillRequest
+from common.sampling_params import SamplingParams
+
+MODEL = resolve_model_path(None)
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def router():
+    with router_with_a_pair(MODEL) as router:
+        yield router
+
+
+def sent_params(router, request_id: str) -> SamplingParams:
+    """The sampling params the router sent a worker for the request it answered as
+    ``request_id`` (its X-Request-Id)."""
+    for worker in router.workers:
+        for msg in worker.received:
+            if isinstance(msg, PrefillRequest | DecodeRequest) and request_id in msg.request_id:
+                return msg.params
+    raise AssertionError(f"no worker received {request_id}")
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "phrase"),
+    [
+        (COMPLETIONS, {"stop": [""]}, "stop", "stop cannot contain an empty string"),
+        (COMPLETIONS, {"stop": ""}, "stop", "stop cannot contain an empty string"),
+        (COMPLETIONS, {"temperature": 1e6}, "temperature", "temperature must be in [0, 2]"),
+        (CHAT, {"temperature": 2.01}, "temperature", "temperature must be in [0, 2]"),
+        (COMPLETIONS, {"n": 2, "temperature": 0}, "n", "n must be 1 when using greedy sampling"),
+        (CHAT, {"n": 4, "temperature": 0}, "n", "n must be 1 when using greedy sampling"),
+        (COMPLETIONS, {"n": 3, "best_of": 1}, "best_of", "best_of must be greater than or equal"),
+    ],
+    ids=[
+        "stop-empty-in-list",
+        "stop-empty",
+        "temperature-1e6",
+        "temperature-chat",
+        "n-greedy",
+        "n-greedy-chat",
+        "best_of-below-n",
+    ],
+)
+def test_a_once_lenient_input_gets_a_400_naming_its_field(router, path, body, param, phrase):
+    base = {"model": MODEL.name, "max_tokens": 2}
+    base |= {"messages": HI} if path == CHAT else {"prompt": "hi"}
+    with router.client() as h:
+        r = h.post(path, json=base | body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and phrase in error["message"], error
+
+
+def test_a_tiny_temperature_is_raised_to_vllms_floor(router):
+    body = {"model": MODEL.name, "prompt": "hi", "max_tokens": 2, "temperature": 1e-9}
+    with router.client() as h:
+        r = h.post(COMPLETIONS, json=body, headers={"X-Request-Id": "tiny-temperature"})
+    assert r.status_code == 200, r.text
+    assert sent_params(router, "tiny-temperature").temperature == 0.01
+
+
+def test_repeated_stop_token_ids_travel_once(router):
+    """vLLM keeps each stop token id once: a list of one id repeated is accepted, and the worker
+    receives one id, not a frame too large to take."""
+    body = {"model": MODEL.name, "prompt": "hi", "max_tokens": 2, "stop_token_ids": [7] * 200_000}
+    with router.client() as h:
+        r = h.post(COMPLETIONS, json=body, headers={"X-Request-Id": "repeated-stops"})
+    assert r.status_code == 200, r.text
+    assert sent_params(router, "repeated-stops").stop_token_ids == [7]
+
+
+def test_greedy_beams_and_sampled_choices_still_take_n(router):
+    with router.client() as h:
+        sampled = {"model": MODEL.name, "prompt": "hi", "max_tokens": 2, "n": 3, "seed": 1}
+        assert len(h.post(COMPLETIONS, json=sampled).json()["choices"]) == 3
+        beams = sampled | {"temperature": 0, "use_beam_search": True, "n": 2}
+        r = h.post(COMPLETIONS, json=beams)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
