@@ -7,6 +7,7 @@ The pydantic models describe what a client may send; ``to_generation`` turns one
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -27,10 +28,20 @@ SEED_MAX = (1 << 63) - 1
 MAX_STOP_STRINGS = 16
 # Characters per stop string: every one is followed character by character as text arrives.
 MAX_STOP_CHARS = 4096
+# A worker walks these lists for every sequence at every step, and each travels in the request's
+# control frame (1 MiB at most): a handful is what clients use, vLLM sets no bound.
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024
+# Prompts of one completion request: each is tokenized, routed and answered as n sequences of
+# its own, so a list of thousands of one-token prompts costs the router far more than its bytes.
+MAX_PROMPTS = 1024
 # vLLM raises a temperature between 0 and this to it (smaller ones risk inf and NaN there), and
 # a request samples here as it would there.
 MIN_TEMPERATURE = 0.01
 MAX_TEMPERATURE = 2.0
+# A session id only picks a worker; a longer one is hashed once here instead of at every
+# routing of every choice (a 4 MB `user` field would be hashed n times).
+MAX_SESSION_ID_CHARS = 256
 
 
 class StreamOptions(BaseModel):
@@ -99,6 +110,8 @@ class ChatMessage(BaseModel):
     role: str = Field(min_length=1, max_length=64)
     content: str | list[dict] | None = None
     name: str | None = None
+    # Read only to refuse: an assistant turn's tool calls would otherwise vanish from the prompt.
+    tool_calls: list[dict] | None = None
 
 
 class _ChatTemplateFields(BaseModel):
@@ -400,6 +413,12 @@ def to_generation(
         raise BadRequest(f"a stop string may have at most {MAX_STOP_CHARS} characters", "stop")
     # Each once, as vLLM keeps them: one id sent a million times is one stop token.
     stop_token_ids = list(dict.fromkeys(body.stop_token_ids or []))
+    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise BadRequest(
+            f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} distinct token ids, got "
+            f"{len(stop_token_ids)}",
+            "stop_token_ids",
+        )
     prompt_logprobs = _prompt_logprobs(body, logprobs)
     logit_bias = _logit_bias(body.logit_bias, codec.vocab_size)
     bad_words = _bad_words_token_ids(body.bad_words, codec)
@@ -441,7 +460,7 @@ def to_generation(
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         logprobs=logprobs,
         echo=(not chat) and body.echo,
-        session_id=session_id or body.user,
+        session_id=_session_key(session_id or body.user),
         skip_special_tokens=body.skip_special_tokens,
         # As in vLLM, usage on every chunk needs include_usage too.
         continuous_usage=bool(
@@ -499,6 +518,12 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, flo
     """Token id -> bias added to its logit, clamped to [-100, 100] as in OpenAI's API."""
     if not bias:
         return {}
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise BadRequest(
+            f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got {len(bias)}; to let only "
+            "a few tokens be chosen, name them in allowed_token_ids",
+            "logit_bias",
+        )
     not_ids = [key for key in bias if not _is_int(key)]
     if not_ids:  # every one named, as vLLM does
         shown = ", ".join(f"{key!r:.40}" for key in not_ids[:16])
@@ -570,6 +595,12 @@ def _truncated(prompt: Prompt, keep: int, side: str, max_model_len: int) -> Prom
 def chat_messages(body: ChatBody | TokenizeBody) -> list[dict]:
     messages = []
     for m in body.messages or []:
+        if m.tool_calls:
+            raise BadRequest(
+                "tool_calls in messages are not supported by pdserve, which serves no tools: the "
+                "chat template would render the turn without them",
+                "messages",
+            )
         content = m.content
         if isinstance(content, list):
             # Only text parts are served; images and audio are not part of a text model's input.
@@ -630,6 +661,12 @@ def _completion_prompts(
         raise BadRequest("the prompt is empty", "prompt")
     if _all_of(prompt, int):
         return [Prompt(list(prompt), None)]
+    if len(prompt) > MAX_PROMPTS:
+        raise BadRequest(
+            f"a request may hold at most {MAX_PROMPTS} prompts, got {len(prompt)}; send the others "
+            "in further requests",
+            "prompt",
+        )
     if _all_of(prompt, str):
         return [Prompt(codec.encode(p), p) for p in prompt]
     if _all_of(prompt, list):
@@ -653,6 +690,17 @@ def _temperature(value: float | None) -> float:
     if value > MAX_TEMPERATURE:  # vLLM's words
         raise BadRequest(f"temperature must be in [0, 2], got {value}.", "temperature")
     return MIN_TEMPERATURE if 0 < value < MIN_TEMPERATURE else value
+
+
+def _session_key(session_id: str | None) -> str | None:
+    """What routing keeps a conversation together by: the session id, a digest of a long one
+    (the same id gives the same digest), or None for an empty one, which names no session."""
+    if not session_id:
+        return None
+    if len(session_id) <= MAX_SESSION_ID_CHARS:
+        return session_id
+    digest = hashlib.blake2b(session_id.encode(), digest_size=16)
+    return f"blake2b:{digest.hexdigest()}"
 
 
 def _default(value: float | None, default: float) -> float:

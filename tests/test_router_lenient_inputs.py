@@ -4,16 +4,22 @@ vLLM's answer (a 400 in its words, or the same clamp), or a 400 naming the field
 from __future__ import annotations
 
 import pytest
-from router_fakes import router_with_a_pair
+from router_fakes import model_text, router_with_a_pair
 
 from common.model.default_model import resolve_model_path
 from common.protocol import DecodeRequest, PrefillRequest
 from common.sampling_params import SamplingParams
+from router.openai_api import CompletionBody, to_generation
 
 MODEL = resolve_model_path(None)
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 HI = [{"role": "user", "content": "hi"}]
+TOOL_TURN = {
+    "role": "assistant",
+    "content": None,
+    "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+}
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +48,25 @@ def sent_params(router, request_id: str) -> SamplingParams:
         (COMPLETIONS, {"n": 2, "temperature": 0}, "n", "n must be 1 when using greedy sampling"),
         (CHAT, {"n": 4, "temperature": 0}, "n", "n must be 1 when using greedy sampling"),
         (COMPLETIONS, {"n": 3, "best_of": 1}, "best_of", "best_of must be greater than or equal"),
+        (
+            COMPLETIONS,
+            {"stop_token_ids": list(range(1025))},
+            "stop_token_ids",
+            "at most 1024 distinct token ids, got 1025",
+        ),
+        (
+            COMPLETIONS,
+            {"logit_bias": {str(i): 1.0 for i in range(1025)}},
+            "logit_bias",
+            "at most 1024 entries, got 1025",
+        ),
+        (COMPLETIONS, {"prompt": ["a"] * 1025}, "prompt", "at most 1024 prompts, got 1025"),
+        (
+            CHAT,
+            {"messages": [*HI, TOOL_TURN, {"role": "user", "content": "and?"}]},
+            "messages",
+            "tool_calls in messages are not supported",
+        ),
     ],
     ids=[
         "stop-empty-in-list",
@@ -51,6 +76,10 @@ def sent_params(router, request_id: str) -> SamplingParams:
         "n-greedy",
         "n-greedy-chat",
         "best_of-below-n",
+        "stop_token_ids-many",
+        "logit_bias-many",
+        "prompts-many",
+        "tool_calls",
     ],
 )
 def test_a_once_lenient_input_gets_a_400_naming_its_field(router, path, body, param, phrase):
@@ -88,3 +117,19 @@ def test_greedy_beams_and_sampled_choices_still_take_n(router):
         beams = sampled | {"temperature": 0, "use_beam_search": True, "n": 2}
         r = h.post(COMPLETIONS, json=beams)
         assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+
+
+def test_a_long_session_id_is_routed_by_a_digest_and_an_empty_one_by_none():
+    """vLLM takes a `user` of any length; routing needs only a stable key, so a long one is
+    hashed once, not at every routing of every choice."""
+    text = model_text(MODEL)
+
+    def session(user, header=None):
+        body = CompletionBody.model_validate({"prompt": "hi", "user": user})
+        return to_generation(body, text, 2048, header).session_id
+
+    long = "u" * (1 << 20)
+    key = session(long)
+    assert key is not None and len(key) < 64 and key == session(long) != session(long + "v")
+    assert session("alice") == "alice" and session("", "") is None and session("", "s1") == "s1"
+    assert session(None, long) == key
