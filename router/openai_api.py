@@ -335,9 +335,12 @@ def to_generation(
     max_model_len: int,
     session_id: str | None,
     default_max_tokens: int | None = None,
+    *,
+    max_request_tokens: int | None = None,
 ) -> GenerationRequest:
     """The checked request. A chat request without ``max_tokens`` may use the rest of the
-    context, as in vLLM, or at most ``default_max_tokens`` when the server sets it."""
+    context, as in vLLM, or at most ``default_max_tokens`` when the server sets it. The tokens
+    it may generate, n x prompts x max_tokens, are at most ``max_request_tokens`` (None: any)."""
     chat = isinstance(body, ChatBody)
     refuse_unsupported(body)
     if not 1 <= body.n <= MAX_N:
@@ -361,6 +364,7 @@ def to_generation(
         logprobs = _chat_logprobs(body)
         max_tokens = body.max_completion_tokens or body.max_tokens
         max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        defaulted = max_tokens is None
     else:
         prompts = _completion_prompts(body.prompt, codec)
         logprobs = body.logprobs
@@ -368,6 +372,7 @@ def to_generation(
             raise BadRequest(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         max_tokens_param = "max_tokens"
+        defaulted = body.max_tokens is None
     if body.truncate_prompt_tokens is not None:
         prompts = [
             _truncated(p, body.truncate_prompt_tokens, body.truncation_side, max_model_len)
@@ -403,6 +408,10 @@ def to_generation(
             f"requested {longest + max_tokens} tokens ({longest} in the input, {max_tokens} for "
             f"the completion). Please reduce the input or {max_tokens_param}.",
             max_tokens_param,
+        )
+    if max_request_tokens is not None:
+        _check_request_tokens(
+            body.n, len(prompts), max_tokens, max_tokens_param, defaulted, max_request_tokens
         )
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > MAX_STOP_STRINGS:
@@ -690,6 +699,22 @@ def _temperature(value: float | None) -> float:
     if value > MAX_TEMPERATURE:  # vLLM's words
         raise BadRequest(f"temperature must be in [0, 2], got {value}.", "temperature")
     return MIN_TEMPERATURE if 0 < value < MIN_TEMPERATURE else value
+
+
+def _check_request_tokens(
+    n: int, prompts: int, max_tokens: int, param: str, defaulted: bool, limit: int
+) -> None:
+    """A 400 when the request may generate more than ``limit`` tokens in all: each of its
+    prompts is answered by n choices (n beams with beam search) of up to max_tokens each."""
+    total = n * prompts * max_tokens
+    if total > limit:
+        each = f"{param}={max_tokens}{' by default' if defaulted else ''}"
+        raise BadRequest(
+            f"this request may generate up to {total} tokens (n={n} x {prompts} prompt(s) x "
+            f"{each}), over the router's limit of {limit} per request (--max-request-tokens); "
+            f"lower n, the number of prompts or {param}",
+            param,
+        )
 
 
 def _session_key(session_id: str | None) -> str | None:

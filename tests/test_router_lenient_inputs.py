@@ -1,5 +1,7 @@
 """Hostile but valid requests that the router once answered 200 and vLLM does not: each now gets
-vLLM's answer (a 400 in its words, or the same clamp), or a 400 naming the field."""
+vLLM's answer (a 400 in its words, or the same clamp), or a 400 naming the field; and what one
+request may ask to generate in all, n x prompts x max_tokens, is bounded (--max-request-tokens).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from common.model.default_model import resolve_model_path
 from common.protocol import DecodeRequest, PrefillRequest
 from common.sampling_params import SamplingParams
 from router.openai_api import CompletionBody, to_generation
+from router.server import build_parser, config_from_args
 
 MODEL = resolve_model_path(None)
 COMPLETIONS = "/v1/completions"
@@ -67,6 +70,12 @@ def sent_params(router, request_id: str) -> SamplingParams:
             "messages",
             "tool_calls in messages are not supported",
         ),
+        (
+            COMPLETIONS,
+            {"prompt": ["a"] * 8, "n": 128, "max_tokens": 1025},
+            "max_tokens",
+            "over the router's limit of 1048576 per request (--max-request-tokens)",
+        ),
     ],
     ids=[
         "stop-empty-in-list",
@@ -80,6 +89,7 @@ def sent_params(router, request_id: str) -> SamplingParams:
         "logit_bias-many",
         "prompts-many",
         "tool_calls",
+        "n128-over-8-prompts",
     ],
 )
 def test_a_once_lenient_input_gets_a_400_naming_its_field(router, path, body, param, phrase):
@@ -133,3 +143,63 @@ def test_a_long_session_id_is_routed_by_a_digest_and_an_empty_one_by_none():
     assert key is not None and len(key) < 64 and key == session(long) != session(long + "v")
     assert session("alice") == "alice" and session("", "") is None and session("", "s1") == "s1"
     assert session(None, long) == key
+
+
+@pytest.fixture(scope="module")
+def small_budget():
+    with router_with_a_pair(MODEL, max_request_tokens=64) as router:
+        yield router
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "total"),
+    [
+        (COMPLETIONS, {"prompt": ["a", "b"], "n": 4, "max_tokens": 9}, "max_tokens", 72),
+        (CHAT, {"messages": HI, "max_completion_tokens": 65}, "max_completion_tokens", 65),
+        (
+            COMPLETIONS,
+            {"prompt": "hi", "use_beam_search": True, "n": 8, "max_tokens": 9},
+            "max_tokens",
+            72,
+        ),
+    ],
+    ids=["n-x-prompts-x-max_tokens", "max_completion_tokens", "beams"],
+)
+def test_a_request_over_the_token_limit_is_a_400_naming_it(small_budget, path, body, param, total):
+    with small_budget.client() as h:
+        r = h.post(path, json={"model": MODEL.name} | body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param, error
+    assert f"up to {total} tokens" in error["message"], error
+    assert "over the router's limit of 64 per request" in error["message"], error
+
+
+def test_a_request_at_the_token_limit_is_served(small_budget):
+    with small_budget.client() as h:
+        body = {"model": MODEL.name, "prompt": ["a", "b"], "n": 4, "max_tokens": 8, "seed": 1}
+        r = h.post(COMPLETIONS, json=body)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"]) == 8
+        chat = {"model": MODEL.name, "messages": HI, "max_completion_tokens": 64}
+        assert h.post(CHAT, json=chat).status_code == 200
+
+
+def test_the_token_limit_counts_the_default_max_tokens(small_budget):
+    """A chat request without max_tokens may run to the end of the context: that is what counts."""
+    with small_budget.client() as h:
+        r = h.post(CHAT, json={"model": MODEL.name, "messages": HI})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "max_tokens" and "by default" in error["message"], error
+
+
+def test_the_token_limit_is_a_router_flag():
+    parser = build_parser()
+    assert parser.parse_args([]).max_request_tokens == 1 << 20
+    assert "--max-request-tokens" in parser.format_help()
+    text = model_text(MODEL)
+    args = parser.parse_args(["--max-request-tokens", "5000"])
+    assert config_from_args(args, text, MODEL).max_request_tokens == 5000
+    with pytest.raises(ValueError, match="--max-request-tokens must be >= 1"):
+        config_from_args(parser.parse_args(["--max-request-tokens", "0"]), text, MODEL)
