@@ -26,6 +26,8 @@ class RouterConfig:
     request_stall_timeout: float = 120.0
     # The most tokens a chat request without max_tokens gets; None: the rest of the context.
     default_max_tokens: int | None = None
+    # The most tokens one request may generate, n x prompts x max_tokens; more -> 400.
+    max_request_tokens: int = 1 << 20
     max_retries: int = 3
     max_body_bytes: int = 4 << 20
     max_inflight: int = 4096  # sequences in flight; more -> 429

@@ -7,6 +7,7 @@ The pydantic models describe what a client may send; ``to_generation`` turns one
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -27,6 +28,20 @@ SEED_MAX = (1 << 63) - 1
 MAX_STOP_STRINGS = 16
 # Characters per stop string: every one is followed character by character as text arrives.
 MAX_STOP_CHARS = 4096
+# A worker walks these lists for every sequence at every step, and each travels in the request's
+# control frame (1 MiB at most): a handful is what clients use, vLLM sets no bound.
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024
+# Prompts of one completion request: each is tokenized, routed and answered as n sequences of
+# its own, so a list of thousands of one-token prompts costs the router far more than its bytes.
+MAX_PROMPTS = 1024
+# vLLM raises a temperature between 0 and this to it (smaller ones risk inf and NaN there), and
+# a request samples here as it would there.
+MIN_TEMPERATURE = 0.01
+MAX_TEMPERATURE = 2.0
+# A session id only picks a worker; a longer one is hashed once here instead of at every
+# routing of every choice (a 4 MB `user` field would be hashed n times).
+MAX_SESSION_ID_CHARS = 256
 
 
 class StreamOptions(BaseModel):
@@ -98,6 +113,8 @@ class ChatMessage(BaseModel):
     role: str = Field(min_length=1, max_length=64)
     content: str | list[dict] | None = None
     name: str | None = None
+    # Read only to refuse: an assistant turn's tool calls would otherwise vanish from the prompt.
+    tool_calls: list[dict] | None = None
 
 
 class _ChatTemplateFields(BaseModel):
@@ -267,6 +284,12 @@ def refuse_unsupported(body: CompletionBody | ChatBody) -> None:
         accepts = UNSUPPORTED_FIELDS.get(name)
         if accepts is not None and not accepts(value):
             raise BadRequest(f"{name} is not supported by pdserve (got {value!r:.80})", name)
+    best_of = (body.model_extra or {}).get("best_of")
+    if best_of is not None and best_of < body.n:  # vLLM's words
+        raise BadRequest(
+            f"best_of must be greater than or equal to n, got n={body.n} and best_of={best_of}.",
+            "best_of",
+        )
     if body.stream_options is not None and not body.stream:
         raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
 
@@ -316,13 +339,17 @@ def to_generation(
     max_model_len: int,
     session_id: str | None,
     default_max_tokens: int | None = None,
+    *,
+    max_request_tokens: int | None = None,
 ) -> GenerationRequest:
     """The checked request. A chat request without ``max_tokens`` may use the rest of the
-    context, as in vLLM, or at most ``default_max_tokens`` when the server sets it."""
+    context, as in vLLM, or at most ``default_max_tokens`` when the server sets it. The tokens
+    it may generate, n x prompts x max_tokens, are at most ``max_request_tokens`` (None: any)."""
     chat = isinstance(body, ChatBody)
     refuse_unsupported(body)
     if not 1 <= body.n <= MAX_N:
         raise BadRequest(f"n must be in [1, {MAX_N}], got {body.n}", "n")
+    temperature = _temperature(body.temperature)
     if body.use_beam_search:
         refuse_with_beam_search(body)
     elif body.length_penalty != 1:
@@ -331,6 +358,9 @@ def to_generation(
             f"{body.length_penalty}",
             "length_penalty",
         )
+    elif temperature == 0 and body.n > 1:
+        # vLLM's words: greedy choices are one answer n times over, each generated anew.
+        raise BadRequest(f"n must be 1 when using greedy sampling, got {body.n}.", "n")
     messages: list[dict] = []
     if isinstance(body, ChatBody):
         messages = chat_messages(body)
@@ -338,6 +368,7 @@ def to_generation(
         logprobs = _chat_logprobs(body)
         max_tokens = body.max_completion_tokens or body.max_tokens
         max_tokens_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        defaulted = max_tokens is None
     else:
         prompts = _completion_prompts(body.prompt, codec)
         logprobs = body.logprobs
@@ -345,6 +376,7 @@ def to_generation(
             raise BadRequest(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         max_tokens_param = "max_tokens"
+        defaulted = body.max_tokens is None
     if body.truncate_prompt_tokens is not None:
         prompts = [
             _truncated(p, body.truncate_prompt_tokens, body.truncation_side, max_model_len)
@@ -381,18 +413,32 @@ def to_generation(
             f"the completion). Please reduce the input or {max_tokens_param}.",
             max_tokens_param,
         )
+    if max_request_tokens is not None:
+        _check_request_tokens(
+            body.n, len(prompts), max_tokens, max_tokens_param, defaulted, max_request_tokens
+        )
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > MAX_STOP_STRINGS:
         raise BadRequest(f"at most {MAX_STOP_STRINGS} stop strings are allowed", "stop")
+    if not all(stop):  # vLLM's words: an empty string would end every text where it begins
+        raise BadRequest("stop cannot contain an empty string.", "stop")
     if any(len(s) > MAX_STOP_CHARS for s in stop):
         raise BadRequest(f"a stop string may have at most {MAX_STOP_CHARS} characters", "stop")
+    # Each once, as vLLM keeps them: one id sent a million times is one stop token.
+    stop_token_ids = list(dict.fromkeys(body.stop_token_ids or []))
+    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise BadRequest(
+            f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} distinct token ids, got "
+            f"{len(stop_token_ids)}",
+            "stop_token_ids",
+        )
     prompt_logprobs = _prompt_logprobs(body, logprobs)
     logit_bias = _logit_bias(body.logit_bias, codec.vocab_size)
     bad_words = _bad_words_token_ids(body.bad_words, codec)
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=_default(body.temperature, 1.0),
+            temperature=temperature,
             top_p=_default(body.top_p, 1.0),
             top_k=None if body.top_k in (None, 0, -1) else body.top_k,
             min_p=_default(body.min_p, 0.0),
@@ -402,7 +448,7 @@ def to_generation(
             repetition_penalty=_default(body.repetition_penalty, 1.0),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            stop_token_ids=list(body.stop_token_ids or []),
+            stop_token_ids=stop_token_ids,
             min_tokens=body.min_tokens,
             ignore_eos=body.ignore_eos,
             logit_bias=logit_bias,
@@ -427,7 +473,7 @@ def to_generation(
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         logprobs=logprobs,
         echo=(not chat) and body.echo,
-        session_id=session_id or body.user,
+        session_id=_session_key(session_id or body.user),
         skip_special_tokens=body.skip_special_tokens,
         # As in vLLM, usage on every chunk needs include_usage too.
         continuous_usage=bool(
@@ -486,6 +532,12 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, flo
     """Token id -> bias added to its logit, clamped to [-100, 100] as in OpenAI's API."""
     if not bias:
         return {}
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise BadRequest(
+            f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got {len(bias)}; to let only "
+            "a few tokens be chosen, name them in allowed_token_ids",
+            "logit_bias",
+        )
     not_ids = [key for key in bias if not _is_int(key)]
     if not_ids:  # every one named, as vLLM does
         shown = ", ".join(f"{key!r:.40}" for key in not_ids[:16])
@@ -557,6 +609,12 @@ def _truncated(prompt: Prompt, keep: int, side: str, max_model_len: int) -> Prom
 def chat_messages(body: ChatBody | TokenizeBody) -> list[dict]:
     messages = []
     for m in body.messages or []:
+        if m.tool_calls:
+            raise BadRequest(
+                "tool_calls in messages are not supported by pdserve, which serves no tools: the "
+                "chat template would render the turn without them",
+                "messages",
+            )
         content = m.content
         if isinstance(content, list):
             # Only text parts are served; images and audio are not part of a text model's input.
@@ -617,6 +675,12 @@ def _completion_prompts(
         raise BadRequest("the prompt is empty", "prompt")
     if _all_of(prompt, int):
         return [Prompt(list(prompt), None)]
+    if len(prompt) > MAX_PROMPTS:
+        raise BadRequest(
+            f"a request may hold at most {MAX_PROMPTS} prompts, got {len(prompt)}; send the others "
+            "in further requests",
+            "prompt",
+        )
     if _all_of(prompt, str):
         return [Prompt(codec.encode(p), p) for p in prompt]
     if _all_of(prompt, list):
@@ -629,6 +693,44 @@ _T = TypeVar("_T")
 
 def _all_of(values: list[Any], kind: type[_T]) -> TypeGuard[list[_T]]:
     return all(isinstance(v, kind) for v in values)
+
+
+def _temperature(value: float | None) -> float:
+    """The sampling temperature: 1 when absent, at most 2 as in OpenAI's API and vLLM, and one
+    between 0 and ``MIN_TEMPERATURE`` raised to it, as vLLM does (0 is greedy). A negative or
+    non-finite one is left for ``SamplingParams`` to refuse."""
+    if value is None:
+        return 1.0
+    if value > MAX_TEMPERATURE:  # vLLM's words
+        raise BadRequest(f"temperature must be in [0, 2], got {value}.", "temperature")
+    return MIN_TEMPERATURE if 0 < value < MIN_TEMPERATURE else value
+
+
+def _check_request_tokens(
+    n: int, prompts: int, max_tokens: int, param: str, defaulted: bool, limit: int
+) -> None:
+    """A 400 when the request may generate more than ``limit`` tokens in all: each of its
+    prompts is answered by n choices (n beams with beam search) of up to max_tokens each."""
+    total = n * prompts * max_tokens
+    if total > limit:
+        each = f"{param}={max_tokens}{' by default' if defaulted else ''}"
+        raise BadRequest(
+            f"this request may generate up to {total} tokens (n={n} x {prompts} prompt(s) x "
+            f"{each}), over the router's limit of {limit} per request (--max-request-tokens); "
+            f"lower n, the number of prompts or {param}",
+            param,
+        )
+
+
+def _session_key(session_id: str | None) -> str | None:
+    """What routing keeps a conversation together by: the session id, a digest of a long one
+    (the same id gives the same digest), or None for an empty one, which names no session."""
+    if not session_id:
+        return None
+    if len(session_id) <= MAX_SESSION_ID_CHARS:
+        return session_id
+    digest = hashlib.blake2b(session_id.encode(), digest_size=16)
+    return f"blake2b:{digest.hexdigest()}"
 
 
 def _default(value: float | None, default: float) -> float:

@@ -86,6 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the most tokens a chat request without max_tokens gets (default: the rest of the "
         "context, as vLLM)",
     )
+    p.add_argument(
+        "--max-request-tokens",
+        type=int,
+        default=1 << 20,
+        help="the most tokens one request may generate, n x prompts x max_tokens (a request "
+        "without max_tokens counts what it defaults to); above it a 400. Default 1048576: n=128, "
+        "the most, each to the end of an 8,192-token context",
+    )
     p.add_argument("--max-retries", type=int, default=3, help="re-dispatches per request")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
@@ -148,6 +156,8 @@ def config_from_args(args: argparse.Namespace, text: Tokenizer, model_path: Path
         raise ValueError("--request-read-timeout must be > 0")
     if args.max_tokens_default is not None and args.max_tokens_default < 1:
         raise ValueError("--max-tokens-default must be >= 1")
+    if args.max_request_tokens < 1:
+        raise ValueError("--max-request-tokens must be >= 1")
     for name in ("slo_ttft_ms", "slo_tpot_ms"):
         value = getattr(args, name)
         if value is not None and not 0 < value < float("inf"):
@@ -168,6 +178,7 @@ def config_from_args(args: argparse.Namespace, text: Tokenizer, model_path: Path
         heartbeat_timeout=args.heartbeat_timeout,
         request_stall_timeout=args.request_stall_timeout,
         default_max_tokens=args.max_tokens_default,
+        max_request_tokens=args.max_request_tokens,
         max_retries=args.max_retries,
         max_body_bytes=args.max_body_bytes,
         max_inflight=args.max_inflight,

@@ -45,7 +45,7 @@ def test_sampling_fields_map_to_params():
             "model": "m",
             "prompt": "x",
             "max_tokens": 5,
-            "temperature": 0,
+            "temperature": 0.5,
             "top_p": 0.5,
             "top_k": 4,
             "min_p": 0.1,
@@ -63,7 +63,7 @@ def test_sampling_fields_map_to_params():
         }
     )
     p = g.params
-    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p) == (5, 0, 0.5, 4, 0.1)
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p) == (5, 0.5, 0.5, 4, 0.1)
     assert (p.logprobs, p.stop_token_ids, p.ignore_eos, p.min_tokens) == (3, [3], True, 2)
     assert g.stop == ["zz"] and g.session_id == "u1"
     assert [g.params_for_choice(i).seed for i in range(3)] == [7, 8, 9]
