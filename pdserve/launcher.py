@@ -134,7 +134,29 @@ def build_parser() -> argparse.ArgumentParser:
         "--request-stall-timeout",
         type=float,
         default=None,
-        help="the router's: seconds without a token before a request is sent again (default 120)",
+        help="the router's: seconds a request may go without moving before it is sent again "
+        "(default 120)",
+    )
+    parser.add_argument(
+        "--max-queue-delay",
+        type=float,
+        default=None,
+        help="the router's: refuse at once (429, Retry-After) a request predicted to wait longer "
+        "than this many seconds before its work starts (default: off)",
+    )
+    parser.add_argument(
+        "--max-inflight-per-worker",
+        type=int,
+        default=None,
+        help="the router's: requests one worker may hold; the rest wait in the router's queue, "
+        "lowest priority first (default: off)",
+    )
+    parser.add_argument(
+        "--max-request-tokens",
+        type=int,
+        default=None,
+        help="the router's: most tokens one request may generate in all, n x prompts x "
+        "max_tokens (default 1048576)",
     )
     parser.add_argument(
         "--slo-ttft-ms", type=float, default=None, help="the router's goodput TTFT objective"
@@ -527,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
         router_args += ["--served-model-name", *args.served_model_name]
     router_flags = (
         "heartbeat_timeout", "request_stall_timeout", "max_tokens_default", "slo_ttft_ms",
-        "slo_tpot_ms",
+        "slo_tpot_ms", "max_queue_delay", "max_inflight_per_worker", "max_request_tokens",
     )  # fmt: skip
     for flag in router_flags:
         if getattr(args, flag) is not None:

@@ -79,6 +79,15 @@ async def _generate_counted(
         max_request_tokens=config.max_request_tokens,
     )  # fmt: skip
     sequences = len(gen_request.prompts) * gen_request.n
+    if sequences > config.max_inflight:
+        raise APIError(
+            400,
+            f"this request asks for {sequences} sequences (n x prompts), more than the router "
+            f"ever holds in flight ({config.max_inflight}, --max-inflight); lower n or send "
+            "fewer prompts",
+            param="n",
+            code="invalid_request",
+        )
     if len(dispatcher.generations) + sequences > config.max_inflight:
         state.metrics.refusals.labels("inflight").inc()
         raise APIError(

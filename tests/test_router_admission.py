@@ -172,3 +172,17 @@ def test_a_request_whose_client_goes_while_it_waits_leaves_the_queue():
             p0.hold_prefills.clear()
             first.join(60)
         assert len([m for m in p0.received if isinstance(m, PrefillRequest)]) == 1
+
+
+def test_a_request_larger_than_the_router_ever_holds_is_a_400_not_a_429():
+    """Retrying could never help: more sequences than --max-inflight in one request."""
+    with router_server(MODEL, max_inflight=4) as router:
+        start_fakes(router, {}, [("p0", "prefill"), ("d0", "decode")])
+        router.wait_for_workers(1, 1)
+        with router.client() as h:
+            body = {"model": MODEL.name, "prompt": ["a", "b", "c"], "n": 2, "temperature": 1.0}
+            r = h.post("/v1/completions", json=body)
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "n" and "--max-inflight" in r.text
+            r = h.post("/v1/completions", json={**body, "prompt": ["a", "b"]})
+            assert r.status_code == 200, r.text
