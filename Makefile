@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 MODEL ?=
 ARGS ?=
 
-.PHONY: install serve test test-fast lint format bench compare clean gpu-carry gpu-check
+.PHONY: install serve tools test test-fast lint format bench compare clean gpu-carry gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,11 +28,15 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/pdserve up $(if $(MODEL),--model $(MODEL)) $(ARGS)
 
-test: $(STAMP)
+# promtool for the alert rules' unit tests, installed (apt) where it is missing.
+tools:
+	bash scripts/test_tools.sh
+
+test: $(STAMP) tools
 	$(PY) -m pytest -q $(ARGS)
 
 # The inner loop: everything but the tests marked slow (processes, clusters, seconds each).
-test-fast: $(STAMP)
+test-fast: $(STAMP) tools
 	$(PY) -m pytest -q -m "not slow" $(ARGS)
 
 lint: $(STAMP)

@@ -46,6 +46,9 @@ from router.config import RouterConfig
 from router.http_protocol import with_read_deadline
 
 HEARTBEAT = 0.1
+# How long a wait for something that happens in a moment may take on a loaded 2-core machine,
+# where the router and the fake workers share one process (and its GIL) with the test.
+DEADLINE_S = 30.0
 
 
 class ControlSocket:
@@ -92,7 +95,7 @@ def register_worker(
             handoff_endpoint=f"inproc://{worker_id}" if role == ROLE_DECODE else None,
         )
     )
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + DEADLINE_S
     while time.monotonic() < deadline:
         if sock.sock.poll(100):
             msg = decode(sock.sock.recv())
@@ -110,7 +113,7 @@ class _Job:
     out: ControlSocket | None = None
 
 
-def wait_until(condition, timeout: float = 30.0) -> None:
+def wait_until(condition, timeout: float = DEADLINE_S) -> None:
     """Poll ``condition`` until it holds; fail after a deadline generous for a loaded machine."""
     deadline = time.monotonic() + timeout
     while not condition():
@@ -433,9 +436,9 @@ class RouterServer:
     workers: list = field(default_factory=list)
 
     def client(self, **kwargs) -> httpx.Client:
-        return httpx.Client(base_url=self.base_url, timeout=30, **kwargs)
+        return httpx.Client(base_url=self.base_url, timeout=DEADLINE_S, **kwargs)
 
-    def wait_for_workers(self, prefill: int, decode: int, timeout: float = 10) -> None:
+    def wait_for_workers(self, prefill: int, decode: int, timeout: float = DEADLINE_S) -> None:
         deadline = time.monotonic() + timeout
         headers = {}
         key = self.app.state.config.api_key
@@ -488,7 +491,7 @@ def router_server(model_path, read_timeout: float = 30.0, **overrides) -> Iterat
     )
     thread = threading.Thread(target=server.run, daemon=True, name="router")
     thread.start()
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 2 * DEADLINE_S
     while not server.started:
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("the router did not start")
@@ -515,7 +518,7 @@ def start_fakes(router: RouterServer, hub: dict, specs: list[tuple[str, str]], *
         w.start()
         router.workers.append(w)
     for w in workers:
-        assert w.ready.wait(10), f"{w.worker_id} did not register"
+        assert w.ready.wait(DEADLINE_S), f"{w.worker_id} did not register"
     return workers
 
 

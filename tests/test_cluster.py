@@ -420,12 +420,24 @@ def test_a_step_longer_than_the_heartbeat_timeout_keeps_its_worker(tmp_path):
 
         with ThreadPoolExecutor(max_workers=9) as pool:
             long_one = pool.submit(complete, long_prompt, 4)
-            time.sleep(0.5)  # the long prompt's step is under way
+            # The short requests go in while the long prompt's step runs: its worker's
+            # heartbeats, sent during the step, count it running.
+            deadline = time.monotonic() + 120
+            while not (long_one.done() or prefill_running(base) >= 1):
+                assert time.monotonic() < deadline, "the long prompt's step never started"
+                time.sleep(0.05)
             short = [pool.submit(complete, f"Say {i}.", 8) for i in range(8)]
             results = [long_one.result(timeout=300)] + [f.result(timeout=300) for f in short]
         assert [r.choices[0].finish_reason for r in results] == ["length"] * 9
         metrics = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
         assert "pdserve_router_workers_removed_total{" not in metrics
+
+
+def prefill_running(base: str) -> int:
+    """The sequences the prefill worker last reported running (in a heartbeat)."""
+    with urllib.request.urlopen(f"{base}/v1/workers", timeout=10) as response:
+        workers = json.loads(response.read())["prefill"]
+    return sum(w["load"]["num_running"] for w in workers)
 
 
 def test_memory_levels_off_over_bursts_of_streams(tmp_path):

@@ -146,7 +146,15 @@ def test_attention_matches_reference(
     backend, pair_scores, dtype, kv_dtype, num_kv_heads, group, head_dim, query_lens, seq_lens
 ) -> None:
     kv_dtype = dtype if kv_dtype == "model" else kv_dtype
-    batch = make_batch(query_lens, seq_lens, num_kv_heads, group, head_dim, dtype, kv_dtype)
+    batch = make_batch(
+        query_lens,
+        seq_lens,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+    )
     scale = head_dim**-0.5
     plan = backend.plan(batch.meta)
     out = backend.attention(batch.query, batch.cache, plan, scale)
@@ -169,7 +177,15 @@ def test_a_chunk_after_a_prefix_attends_prefix_and_chunk_apart(
     where it takes the shapes, the float32 reference's result within tolerance.)"""
     kv_dtype = dtype if kv_dtype == "model" else kv_dtype
     query_lens, seq_lens = [40, 33, 70, 50], [41, 65, 300, 50]
-    batch = make_batch(query_lens, seq_lens, num_kv_heads, group, head_dim, dtype, kv_dtype)
+    batch = make_batch(
+        query_lens,
+        seq_lens,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+    )
     scale = head_dim**-0.5
     plan = backend.plan(batch.meta)
     assert len(plan.long_chunks) == 4
@@ -197,7 +213,9 @@ def test_whole_prompts_of_one_length_attend_as_one_batch(
     kv_dtype = dtype if kv_dtype == "model" else kv_dtype
     query_lens = [40, 40, 40, 3, 40, 40, 33, 30, 40]
     seq_lens = [40, 40, 40, 20, 40, 40, 33, 70, 40]
-    batch = make_batch(query_lens, seq_lens, 3, 3, 64, dtype, kv_dtype)
+    batch = make_batch(
+        query_lens, seq_lens, num_kv_heads=3, group=3, head_dim=64, dtype=dtype, kv_dtype=kv_dtype
+    )
     scale = 0.125
     plan = backend.plan(batch.meta)
     runs = [(b.first_row, b.num_prompts, b.length, b.seqs) for b in plan.prompt_batches]
@@ -250,7 +268,13 @@ def test_amx_prefill_attention_is_its_twin(
     by 1 are peaked: rows' maxima grow block after block and rescale what came before."""
     query_lens, seq_lens = [40, 33, 70, 50, 17, 300], [41, 65, 300, 50, 17, 300]
     batch = make_batch(
-        query_lens, seq_lens, num_kv_heads, group, head_dim, torch.bfloat16, torch.bfloat16
+        query_lens,
+        seq_lens,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        dtype=torch.bfloat16,
+        kv_dtype=torch.bfloat16,
     )
     scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
     assert amx_prefill._amx_takes(batch.query, batch.cache)
@@ -267,7 +291,14 @@ def test_amx_prefill_reads_pages_of_any_size_over_long_contexts(amx_prefill, pag
     a 1000-token prefix and a 17-row one after 3000, on two threads: the twin's result."""
     query_lens, seq_lens = [2048, 17], [3048, 3017]
     batch = make_batch(
-        query_lens, seq_lens, 2, 4, 64, torch.bfloat16, torch.bfloat16, page_size=page_size
+        query_lens,
+        seq_lens,
+        num_kv_heads=2,
+        group=4,
+        head_dim=64,
+        dtype=torch.bfloat16,
+        kv_dtype=torch.bfloat16,
+        page_size=page_size,
     )
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -283,7 +314,15 @@ def test_amx_prefill_gives_a_row_the_same_bits_however_the_prompt_is_chunked(amx
     """A row's output depends on its position alone: a 150-token prompt attended whole, in
     chunks of 17, 64 and 69 rows after the cached rows before them, and beside another prompt,
     on one thread or two, gives every row the same bits."""
-    whole = make_batch([150, 40], [150, 40], 3, 3, 64, torch.bfloat16, torch.bfloat16)
+    whole = make_batch(
+        [150, 40],
+        [150, 40],
+        num_kv_heads=3,
+        group=3,
+        head_dim=64,
+        dtype=torch.bfloat16,
+        kv_dtype=torch.bfloat16,
+    )
     scale = 0.125
     expected = amx_prefill.attention(whole.query, whole.cache, amx_prefill.plan(whole.meta), scale)[
         :150
@@ -320,7 +359,9 @@ def test_amx_prefill_gives_a_row_the_same_bits_however_the_prompt_is_chunked(amx
 def test_the_amx_prefill_takes_only_bf16_pages_in_its_shapes(
     amx_prefill, dtype, kv_dtype, head_dim
 ) -> None:
-    batch = make_batch([40], [60], 2, 2, head_dim, dtype, kv_dtype)
+    batch = make_batch(
+        [40], [60], num_kv_heads=2, group=2, head_dim=head_dim, dtype=dtype, kv_dtype=kv_dtype
+    )
     takes = dtype == kv_dtype == torch.bfloat16 and head_dim % 32 == 0
     assert amx_prefill._amx_takes(batch.query, batch.cache) == takes
     scale = head_dim**-0.5
@@ -333,7 +374,9 @@ def test_int8_scale_codes_decode_as_in_the_twin(backend) -> None:
     exactly 1, so a float32 output row is its value row dequantised, with no rounding in
     between. head_dim 20 runs the kernel's vector loads and its scalar tail."""
     num_codes, page_size, head_dim = 256, 4, 20
-    pool = Pool.create(num_codes + 1, page_size, 1, head_dim, INT8_DTYPE)
+    pool = Pool.create(
+        num_codes + 1, page_size=page_size, num_kv_heads=1, head_dim=head_dim, dtype=INT8_DTYPE
+    )
     cache = pool.layer(1)
     assert cache.key_scale is not None and cache.value_scale is not None
     codes = torch.arange(num_codes).to(INT8_SCALE_DTYPE)
@@ -360,11 +403,11 @@ def test_plan_splits_short_runs_from_long_chunks(backend) -> None:
     batch = make_batch(
         [1, SHORT_QUERY_MAX, SHORT_QUERY_MAX + 1],
         [5, 40, 60],
-        2,
-        2,
-        32,
-        torch.float32,
-        torch.float32,
+        num_kv_heads=2,
+        group=2,
+        head_dim=32,
+        dtype=torch.float32,
+        kv_dtype=torch.float32,
     )
     plan = backend.plan(batch.meta)
     assert plan.short_seq_ids.tolist() == [0, 1]
@@ -386,8 +429,15 @@ def test_deterministic_attention_gives_a_position_the_same_bits_however_it_is_ba
     buffer: both are checked against each other here, as are bf16 pair scores, which every
     run length takes."""
     deterministic = CpuAttentionBackend(deterministic=True)
-    batch = make_batch([75], [75], num_kv_heads, group, head_dim, dtype,
-                       dtype if kv_dtype == "model" else kv_dtype)  # fmt: skip
+    batch = make_batch(
+        [75],
+        [75],
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        dtype=dtype,
+        kv_dtype=dtype if kv_dtype == "model" else kv_dtype,
+    )
     scale = head_dim**-0.5
     whole = deterministic.attention(batch.query, batch.cache, batch.meta, scale)
     cut_lists = ([0, 1, 2, 3, 75], list(range(76)), [0, 20, 21, 60, 75], [0, 16, 33, 70, 75],
@@ -423,8 +473,11 @@ def test_bf16_pair_scores_are_their_twins_bit_for_bit(backend, head_dim) -> None
     keys = rows[:, head_dim : 2 * head_dim]
     scores = torch.full((27,), float("nan"))
     status = cpu_library.load().pdserve_bf16_pair_scores_of(
-        query.data_ptr(), keys.data_ptr(), rows.stride(0), 27, head_dim, 0.3, scores.data_ptr()
-    )
+        query.data_ptr(),  # [head_dim] bf16
+        keys.data_ptr(), rows.stride(0),  # [27, head_dim] bf16 rows, and their row stride
+        27, head_dim, 0.3,  # rows, head_dim, softmax scale
+        scores.data_ptr(),  # [27] float32 out
+    )  # fmt: skip
     assert status == 0
     assert torch.equal(scores, bf16_pair_scores(query, keys, 0.3))
     # The order is the products' own: the plain float32 dot product differs in its last bits.
@@ -441,7 +494,15 @@ def test_bf16_pair_scores_are_taken_only_where_asked_for_and_available(monkeypat
 
 def test_attention_reads_query_views_of_a_fused_projection(backend) -> None:
     """q as a strided view of a qkv buffer (what the model hands over) attends as a copy does."""
-    batch = make_batch([1, 1, 3], [20, 33, 8], 2, 3, 64, torch.bfloat16, torch.bfloat16)
+    batch = make_batch(
+        [1, 1, 3],
+        [20, 33, 8],
+        num_kv_heads=2,
+        group=3,
+        head_dim=64,
+        dtype=torch.bfloat16,
+        kv_dtype=torch.bfloat16,
+    )
     num_tokens, heads, dim = batch.query.shape
     fused = torch.randn(num_tokens, heads * dim + 2 * 2 * dim).to(torch.bfloat16)
     fused[:, : heads * dim] = batch.query.reshape(num_tokens, -1)
@@ -1070,7 +1131,9 @@ def test_rope_equals_the_torch_module_on_views_of_a_fused_projection(backend) ->
 def test_store_kv_writes_exactly_the_reference_slots(backend, dtype) -> None:
     """Views of a fused projection (strided rows) land in the same slots, byte for byte, and
     nothing else in the pool changes."""
-    batch = make_batch([3, 1], [40, 17], 2, 2, 64, dtype, dtype)
+    batch = make_batch(
+        [3, 1], [40, 17], num_kv_heads=2, group=2, head_dim=64, dtype=dtype, kv_dtype=dtype
+    )
     num_tokens = batch.meta.slot_mapping.shape[0]
     fused = torch.randn(num_tokens, 3, 2, 64).to(dtype)
     key, value = fused[:, 1], fused[:, 2]
@@ -1084,7 +1147,9 @@ def test_store_kv_writes_exactly_the_reference_slots(backend, dtype) -> None:
 def test_int8_store_quantises_exactly_as_the_twin(backend, dtype) -> None:
     """Byte for byte, codes included: views of a fused projection, outlier channels, an
     all-zero vector, values beyond the largest scale (clipped), and exact half steps."""
-    batch = make_batch([5, 1], [40, 17], 3, 2, 64, dtype, INT8_DTYPE)
+    batch = make_batch(
+        [5, 1], [40, 17], num_kv_heads=3, group=2, head_dim=64, dtype=dtype, kv_dtype=INT8_DTYPE
+    )
     num_tokens = batch.meta.slot_mapping.shape[0]
     fused = torch.randn(num_tokens, 3, 3, 64)
     fused[:, :, :, [5, 33]] *= 40
@@ -1110,7 +1175,15 @@ def test_int8_store_quantises_exactly_as_the_twin(backend, dtype) -> None:
 def test_fp8_pages_are_read_exactly(backend, scale) -> None:
     """Every e4m3 byte, NaNs and subnormals included, reaches attention as the byte's value times
     its scale rounded once: with one key per sequence the output is that value row itself."""
-    batch = make_batch([1] * 4, [1] * 4, 1, 1, 64, torch.float32, FP8_DTYPE)
+    batch = make_batch(
+        [1] * 4,
+        [1] * 4,
+        num_kv_heads=1,
+        group=1,
+        head_dim=64,
+        dtype=torch.float32,
+        kv_dtype=FP8_DTYPE,
+    )
     cache, slots = batch.cache, batch.meta.slot_mapping
     every_byte = torch.arange(256, dtype=torch.uint8).view(4, 64)
     pages, offsets = slots // cache.page_size, slots % cache.page_size
@@ -1140,8 +1213,15 @@ def test_fp8_store_quantises_exactly_as_the_twin(backend, dtype) -> None:
     so their scale is exactly 1 and the sweep reaches the encoder unscaled)."""
     sweep = e4m3_sweep()
     rows_of_sweep = -(-sweep.shape[0] // 63)
-    batch = make_batch([rows_of_sweep + 3, 1], [rows_of_sweep + 40, 17], 2, 2, 64, dtype,
-                       FP8_DTYPE)  # fmt: skip
+    batch = make_batch(
+        [rows_of_sweep + 3, 1],
+        [rows_of_sweep + 40, 17],
+        num_kv_heads=2,
+        group=2,
+        head_dim=64,
+        dtype=dtype,
+        kv_dtype=FP8_DTYPE,
+    )
     num_tokens = batch.meta.slot_mapping.shape[0]
     fused = torch.randn(num_tokens, 3, 2, 64)
     fused[:, :, :, [5, 33]] *= 40

@@ -119,7 +119,9 @@ def test_deterministic_attention_gives_a_position_the_same_bits_however_it_is_ba
     gives a decode row other bits."""
     torch_dtype = getattr(torch, dtype)
     kv_dtype = torch_dtype if kv == "model" else FP8_DTYPE
-    batch = make_batch([75], [75], 2, 3, 64, torch_dtype, kv_dtype)
+    batch = make_batch(
+        [75], [75], num_kv_heads=2, group=3, head_dim=64, dtype=torch_dtype, kv_dtype=kv_dtype
+    )
     backend = TritonAttentionBackend(deterministic=True)
     scale = 64**-0.5
     whole = backend.attention(batch.query, batch.cache, batch.meta, scale)

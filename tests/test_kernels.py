@@ -17,6 +17,7 @@ int8 pages are dequantised exactly, so quantised pages add no tolerance of their
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import weakref
@@ -108,6 +109,7 @@ class Pool:
     def create(
         cls,
         num_pages: int,
+        *,
         page_size: int,
         num_kv_heads: int,
         head_dim: int,
@@ -220,6 +222,7 @@ class Batch:
 def make_batch(
     query_lens: list[int],
     seq_lens: list[int],
+    *,
     num_kv_heads: int,
     group: int,
     head_dim: int,
@@ -229,7 +232,13 @@ def make_batch(
 ) -> Batch:
     """Scatter each sequence over random pages and store its whole context (reference store)."""
     total_pages = sum(ceil_div(n, page_size) for n in seq_lens)
-    pool = Pool.create(total_pages + 2, page_size, num_kv_heads, head_dim, kv_dtype)
+    pool = Pool.create(
+        total_pages + 2,
+        page_size=page_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=kv_dtype,
+    )
     # Page 0 is never written: it pads the page tables.
     tables = page_tables_for(seq_lens, page_size, torch.randperm(total_pages) + 1, 0)
     cache = pool.layer(1)
@@ -292,7 +301,9 @@ def test_store_kv_matches_reference(
     compared byte for byte: a one-ulp tolerance would let a kernel that truncates pass.
     """
     page_size, num_tokens = 16, 37
-    pool = Pool.create(12, page_size, num_kv_heads, head_dim, kv_dtype)
+    pool = Pool.create(
+        12, page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=kv_dtype
+    )
     expected = pool.clone()
     slots = torch.randperm(12 * page_size)[:num_tokens].to(DEVICE)
     # K and V as strided views of one fused projection, the way a model produces them.
@@ -310,7 +321,7 @@ def test_store_kv_matches_reference(
 @pytest.mark.parametrize("kv_dtype", [torch.float32, *QUANTIZED_KV_DTYPES], ids=dtype_id)
 def test_store_kv_skips_negative_slots(kv_dtype: torch.dtype) -> None:
     """A slot of -1 (a CUDA graph's padding row) writes nothing; the other rows are stored."""
-    pool = Pool.create(4, 16, 2, 64, kv_dtype)
+    pool = Pool.create(4, page_size=16, num_kv_heads=2, head_dim=64, dtype=kv_dtype)
     expected = pool.clone()
     slots = torch.tensor([5, -1, 17, -1], device=DEVICE)
     key, value = (torch.randn(4, 2, 64, device=DEVICE) for _ in range(2))
@@ -348,7 +359,13 @@ def test_store_kv_int8_scale_boundaries() -> None:
     expected_codes = torch.cat([expected_codes, torch.tensor([0, 0, 255], dtype=torch.int32)])
 
     num_tokens, page_size = vectors.shape[0], 16
-    pool = Pool.create(ceil_div(num_tokens, page_size) + 1, page_size, 1, head_dim, INT8_DTYPE)
+    pool = Pool.create(
+        ceil_div(num_tokens, page_size) + 1,
+        page_size=page_size,
+        num_kv_heads=1,
+        head_dim=head_dim,
+        dtype=INT8_DTYPE,
+    )
     expected = pool.clone()
     slots = torch.randperm(pool.pages.shape[0] * page_size)[:num_tokens].to(DEVICE)
     key = vectors.to(DEVICE)[:, None]
@@ -373,7 +390,7 @@ def test_store_kv_int8_scale_boundaries() -> None:
 
 @pytest.mark.parametrize("kv_dtype", QUANTIZED_KV_DTYPES, ids=dtype_id)
 def test_store_kv_rejects_bad_input(kv_dtype: torch.dtype) -> None:
-    pool = Pool.create(4, 16, 2, 64, kv_dtype)
+    pool = Pool.create(4, page_size=16, num_kv_heads=2, head_dim=64, dtype=kv_dtype)
     key = torch.randn(3, 2, 64, device=DEVICE)
     slots = torch.arange(3, device=DEVICE)
     with pytest.raises(ValueError, match="slot_mapping"):
@@ -382,11 +399,17 @@ def test_store_kv_rejects_bad_input(kv_dtype: torch.dtype) -> None:
         store_kv(key, key, KVCacheView(pool.pages[:, 0, 0], pool.pages[:, 0, 1]), slots)
     with pytest.raises(ValueError, match="key must be"):
         store_kv(key[:, :1], key, pool.layer(0), slots)
-    fp16 = Pool.create(4, 16, 2, 64, torch.float16)
+    fp16 = Pool.create(4, page_size=16, num_kv_heads=2, head_dim=64, dtype=torch.float16)
     with pytest.raises(ValueError, match="cache is"):
         store_kv(key, key, fp16.layer(0), slots)
     # The other quantised dtype's scales: float32 beside int8 pages, codes beside FP8 pages.
-    other = Pool.create(4, 16, 2, 64, FP8_DTYPE if kv_dtype == INT8_DTYPE else INT8_DTYPE)
+    other = Pool.create(
+        4,
+        page_size=16,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype=FP8_DTYPE if kv_dtype == INT8_DTYPE else INT8_DTYPE,
+    )
     assert pool.scales is not None and other.scales is not None
     swapped = KVCacheView(
         pool.pages[:, 0, 0], pool.pages[:, 0, 1], other.scales[:, 0, 0], other.scales[:, 0, 1]
@@ -399,7 +422,7 @@ def test_a_view_is_checked_once_and_not_kept_alive_by_it() -> None:
     """The kernels check a layer's view at each launch, and the check is kept beside the view:
     a view on another device than the inputs is still refused after it passed, a malformed one
     every time, and the kept check does not keep the view alive."""
-    pool = Pool.create(4, 16, 2, 64, FP8_DTYPE)
+    pool = Pool.create(4, page_size=16, num_kv_heads=2, head_dim=64, dtype=FP8_DTYPE)
     view = pool.layer(0)
     device = view.key.device  # as the kernels pass it, an input tensor's (cuda:0, not cuda)
     assert check_cache(view, device) is check_cache(view, device)
@@ -433,7 +456,13 @@ def test_rotate_and_store_kv_gives_rope_then_the_store(
     and value it was given are left as they were, and a padding row's queries are rotated too."""
     torch.manual_seed(3)
     num_tokens, page_size = 21, 16
-    pool = Pool.create(4, page_size, num_kv_heads, head_dim, kv_dtype or dtype)
+    pool = Pool.create(
+        4,
+        page_size=page_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=kv_dtype or dtype,
+    )
     expected_pool = pool.clone()
     slots = torch.randperm(4 * page_size)[:num_tokens].to(DEVICE)
     slots[[2, 11]] = -1
@@ -449,30 +478,71 @@ def test_rotate_and_store_kv_gives_rope_then_the_store(
     store_kv(expected_k, v, expected_pool.layer(0), slots)
     k_before, v_before = k.clone(), v.clone()
 
-    rotate_and_store_kv(q, k, v, cos, sin, pool.layer(0), slots)
+    rotate_and_store_kv(
+        query=q, key=k, value=v, cos=cos, sin=sin, cache=pool.layer(0), slot_mapping=slots
+    )
     assert torch.equal(q, expected_q)
     pool.assert_matches(expected_pool)
     assert torch.equal(k, k_before) and torch.equal(v, v_before)
 
 
 def test_rotate_and_store_kv_rejects_what_it_cannot_rotate() -> None:
-    pool = Pool.create(4, 16, 2, 64, torch.float16)
+    pool = Pool.create(4, page_size=16, num_kv_heads=2, head_dim=64, dtype=torch.float16)
     query, key = (torch.randn(3, n, 64, device=DEVICE).half() for n in (4, 2))
     angles = torch.randn(3, 64, device=DEVICE).half()
     slots = torch.arange(3, device=DEVICE)
+    float32_pool = Pool.create(4, page_size=16, num_kv_heads=2, head_dim=64, dtype=torch.float32)
     with pytest.raises(ValueError, match="query must be"):
-        rotate_and_store_kv(query.float(), key.float(), key.float(), angles, angles,
-                            Pool.create(4, 16, 2, 64, torch.float32).layer(0), slots)  # fmt: skip
+        rotate_and_store_kv(
+            query=query.float(),
+            key=key.float(),
+            value=key.float(),
+            cos=angles,
+            sin=angles,
+            cache=float32_pool.layer(0),
+            slot_mapping=slots,
+        )
     with pytest.raises(ValueError, match="query must be"):
-        rotate_and_store_kv(query[:2], key, key, angles, angles, pool.layer(0), slots)
+        rotate_and_store_kv(
+            query=query[:2],
+            key=key,
+            value=key,
+            cos=angles,
+            sin=angles,
+            cache=pool.layer(0),
+            slot_mapping=slots,
+        )
     with pytest.raises(ValueError, match="cos must be"):
-        rotate_and_store_kv(query, key, key, angles[:, :32], angles, pool.layer(0), slots)
+        rotate_and_store_kv(
+            query=query,
+            key=key,
+            value=key,
+            cos=angles[:, :32],
+            sin=angles,
+            cache=pool.layer(0),
+            slot_mapping=slots,
+        )
     with pytest.raises(ValueError, match="RoPE rounds to one"):
-        rotate_and_store_kv(query.bfloat16(), key, key, angles, angles, pool.layer(0), slots)
-    odd = Pool.create(4, 16, 2, 63, torch.float16)
+        rotate_and_store_kv(
+            query=query.bfloat16(),
+            key=key,
+            value=key,
+            cos=angles,
+            sin=angles,
+            cache=pool.layer(0),
+            slot_mapping=slots,
+        )
+    odd = Pool.create(4, page_size=16, num_kv_heads=2, head_dim=63, dtype=torch.float16)
     with pytest.raises(ValueError, match="odd"):
-        rotate_and_store_kv(query[..., :63], key[..., :63], key[..., :63], angles[:, :63],
-                            angles[:, :63], odd.layer(0), slots)  # fmt: skip
+        rotate_and_store_kv(
+            query=query[..., :63],
+            key=key[..., :63],
+            value=key[..., :63],
+            cos=angles[:, :63],
+            sin=angles[:, :63],
+            cache=odd.layer(0),
+            slot_mapping=slots,
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -499,7 +569,15 @@ def test_prefill_attention_matches_reference(
     batch_name: str, num_kv_heads: int, group: int, head_dim: int, dtype: torch.dtype
 ) -> None:
     query_lens, seq_lens = PREFILL_BATCHES[batch_name]
-    batch = make_batch(query_lens, seq_lens, num_kv_heads, group, head_dim, dtype, dtype)
+    batch = make_batch(
+        query_lens,
+        seq_lens,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        dtype=dtype,
+        kv_dtype=dtype,
+    )
     out = prefill_attention(batch.query, batch.cache, batch.meta, head_dim**-0.5)
     assert_matches_reference(out, batch, dtype)
 
@@ -521,7 +599,15 @@ def test_prefill_attention_quantized(
     kv_dtype: torch.dtype,
 ) -> None:
     query_lens, seq_lens = PREFILL_BATCHES[batch_name]
-    batch = make_batch(query_lens, seq_lens, num_kv_heads, group, head_dim, dtype, kv_dtype)
+    batch = make_batch(
+        query_lens,
+        seq_lens,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+    )
     out = prefill_attention(batch.query, batch.cache, batch.meta, head_dim**-0.5)
     assert_matches_reference(out, batch, dtype)
 
@@ -530,7 +616,14 @@ def test_prefill_attention_quantized(
 def test_prefill_attention_other_layouts(page_size: int, head_dim: int) -> None:
     """A page size that is not a power of two and a head_dim that needs padding."""
     batch = make_batch(
-        [9, 1, 30], [40, 3, 30], 2, 3, head_dim, torch.float32, torch.float32, page_size
+        [9, 1, 30],
+        [40, 3, 30],
+        num_kv_heads=2,
+        group=3,
+        head_dim=head_dim,
+        dtype=torch.float32,
+        kv_dtype=torch.float32,
+        page_size=page_size,
     )
     out = prefill_attention(batch.query, batch.cache, batch.meta, head_dim**-0.5)
     assert_matches_reference(out, batch, torch.float32)
@@ -564,7 +657,13 @@ def test_decode_attention_matches_reference(
     """``kv_dtype`` None: pages in the query's dtype."""
     seq_lens = DECODE_SEQ_LENS[seqs_name]
     batch = make_batch(
-        [1] * len(seq_lens), seq_lens, num_kv_heads, group, head_dim, dtype, kv_dtype or dtype
+        [1] * len(seq_lens),
+        seq_lens,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        dtype=dtype,
+        kv_dtype=kv_dtype or dtype,
     )
     out = decode_attention(batch.query, batch.cache, batch.meta, head_dim**-0.5)
     assert_matches_reference(out, batch, dtype)
@@ -586,7 +685,9 @@ def test_prefill_attention_every_tile_candidate(
     """Chunks over cached prefixes cross the unmasked tiles' end at every candidate's key tile;
     a GQA group of 3 leaves query tiles with padding rows."""
     query_lens, seq_lens = PREFILL_BATCHES["chunks"]
-    batch = make_batch(query_lens, seq_lens, 2, 3, 64, dtype, kv_dtype)
+    batch = make_batch(
+        query_lens, seq_lens, num_kv_heads=2, group=3, head_dim=64, dtype=dtype, kv_dtype=kv_dtype
+    )
     out = prefill_attention(batch.query, batch.cache, batch.meta, 64**-0.5, tiles=tiles)
     assert_matches_reference(out, batch, dtype)
 
@@ -594,7 +695,15 @@ def test_prefill_attention_every_tile_candidate(
 @pytest.mark.parametrize("tiles", DECODE_CANDIDATES, ids=str)
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_decode_attention_every_tile_candidate(tiles: DecodeTiles, num_splits: int) -> None:
-    batch = make_batch([1] * 4, DECODE_SEQ_LENS["mixed"], 2, 4, 64, torch.float32, FP8_DTYPE)
+    batch = make_batch(
+        [1] * 4,
+        DECODE_SEQ_LENS["mixed"],
+        num_kv_heads=2,
+        group=4,
+        head_dim=64,
+        dtype=torch.float32,
+        kv_dtype=FP8_DTYPE,
+    )
     out = decode_attention(
         batch.query, batch.cache, batch.meta, 64**-0.5, num_splits=num_splits, tiles=tiles
     )
@@ -627,7 +736,15 @@ def test_tiles_fit_the_head_size() -> None:
     assert decode_tiles(cpu, 128, "fp8", 1).block_n == 2 * DEFAULT_DECODE.block_n
     assert decode_tiles(cpu, 128, "none", 4).block_n == DEFAULT_DECODE.block_n // 2
     # MQA of 128 query heads over one KV head: a 64-row candidate still holds a whole group.
-    batch = make_batch([2, 1], [5, 9], 1, 128, 16, torch.float32, torch.float32)
+    batch = make_batch(
+        [2, 1],
+        [5, 9],
+        num_kv_heads=1,
+        group=128,
+        head_dim=16,
+        dtype=torch.float32,
+        kv_dtype=torch.float32,
+    )
     out = prefill_attention(
         batch.query, batch.cache, batch.meta, 16**-0.5, tiles=PrefillTiles(64, 32, 4, 2)
     )
@@ -644,19 +761,27 @@ def test_tuner_choice(capsys: pytest.CaptureFixture[str]) -> None:
         "a": [100.0, 400.0, 150.0, 900.0],
         "b": [100.0, 50.0, 150.0, None],  # fast_once: 2x a, 0.5x b (1.0 mean); steady: 1.5x
     }
-    assert report("decode", "GB/s", [default, fast_once, steady, fails], default, rows) == steady
+    candidates = [default, fast_once, steady, fails]
+    assert report("decode", "GB/s", candidates=candidates, default=default, rows=rows) == steady
     assert "1.50x the default" in capsys.readouterr().out
     only_default = {"a": [100.0, None, None, None]}
-    assert report("decode", "GB/s", [default, fast_once, steady, fails], default, only_default) == (
-        default
-    )
+    chosen = report("decode", "GB/s", candidates=candidates, default=default, rows=only_default)
+    assert chosen == default
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7])
 @pytest.mark.parametrize("kv_dtype", QUANTIZED_KV_DTYPES, ids=dtype_id)
 def test_decode_attention_split_k(num_splits: int, kv_dtype: torch.dtype) -> None:
     """Any number of splits, including more splits than a short sequence has key tiles."""
-    batch = make_batch([1] * 4, [1, 16, 17, 300], 2, 4, 64, torch.float32, kv_dtype)
+    batch = make_batch(
+        [1] * 4,
+        [1, 16, 17, 300],
+        num_kv_heads=2,
+        group=4,
+        head_dim=64,
+        dtype=torch.float32,
+        kv_dtype=kv_dtype,
+    )
     out = decode_attention(batch.query, batch.cache, batch.meta, 64**-0.5, num_splits=num_splits)
     assert_matches_reference(out, batch, torch.float32)
 
@@ -672,18 +797,18 @@ def test_decode_splits_fill_the_gpu() -> None:
 
 
 def test_decode_attention_rejects_prefill_metadata() -> None:
-    batch = make_batch([2, 1], [5, 9], 1, 2, 64, torch.float32, torch.float32)
+    batch = make_batch(
+        [2, 1],
+        [5, 9],
+        num_kv_heads=1,
+        group=2,
+        head_dim=64,
+        dtype=torch.float32,
+        kv_dtype=torch.float32,
+    )
     with pytest.raises(ValueError, match="one query per sequence"):
         decode_attention(batch.query, batch.cache, batch.meta, 0.125)
-    meta = batch.meta
-    bad = AttentionMetadata(
-        meta.query_start_loc.long(),
-        meta.seq_lens,
-        meta.page_tables,
-        meta.slot_mapping,
-        meta.max_query_len,
-        meta.max_seq_len,
-    )
+    bad = dataclasses.replace(batch.meta, query_start_loc=batch.meta.query_start_loc.long())
     with pytest.raises(ValueError, match="query_start_loc"):
         prefill_attention(batch.query, batch.cache, bad, 0.125)
     # The kernels scale a row's max score, not each score: exact only for a positive scale.
@@ -725,7 +850,13 @@ def test_backend_mixed_batch(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim
     ]
     final_lens = steps[-1][2]
     total_pages = sum(ceil_div(n, page_size) for n in final_lens)
-    pool = Pool.create(total_pages + 1, page_size, num_kv_heads, head_dim, kv_dtype)
+    pool = Pool.create(
+        total_pages + 1,
+        page_size=page_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=kv_dtype,
+    )
     tables = page_tables_for(final_lens, page_size, torch.randperm(total_pages) + 1, 0)
     pools = {"triton": pool, "torch": pool.clone()}
     for _, starts, ends in steps:
@@ -843,11 +974,27 @@ def test_a_batch_of_another_size_compiles_no_new_kernel() -> None:
     head_dim, group, half = 48, 3, torch.float16
     first: dict[str, int] = {}
     for count in (3, 1, 2, 16):
-        batch = make_batch([2] * count, [9] * count, 1, group, head_dim, half, half)
+        batch = make_batch(
+            [2] * count,
+            [9] * count,
+            num_kv_heads=1,
+            group=group,
+            head_dim=head_dim,
+            dtype=half,
+            kv_dtype=half,
+        )
         prefill_attention(batch.query, batch.cache, batch.meta, head_dim**-0.5)
         rms_norm(batch.query.view(-1, head_dim), torch.ones(head_dim, device=DEVICE), 1e-6)
         if count > 1:
-            one = make_batch([1], [300], 1, group, head_dim, half, half)
+            one = make_batch(
+                [1],
+                [300],
+                num_kv_heads=1,
+                group=group,
+                head_dim=head_dim,
+                dtype=half,
+                kv_dtype=half,
+            )
             decode_attention(one.query, one.cache, one.meta, head_dim**-0.5, num_splits=count)
         counts = {
             "prefill": compiled_on_gpu(_prefill_kernel),
@@ -865,7 +1012,15 @@ def test_launching_every_variant_covers_every_split_count_a_decode_can_choose() 
     own. The start-up's decode, launched under ``launching_every_variant``, must have launched
     every variant that any split count the heuristic can choose on this device would need."""
     num_kv_heads, group, head_dim = 2, 3, 32
-    batch = make_batch([1], [40], num_kv_heads, group, head_dim, torch.float32, torch.float32)
+    batch = make_batch(
+        [1],
+        [40],
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        dtype=torch.float32,
+        kv_dtype=torch.float32,
+    )
     backend = TritonAttentionBackend()
     scale = head_dim**-0.5
     with record_variants() as at_start_up, backend.launching_every_variant():

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import tiny_llama_config
 
 from common.config import EngineConfig
 from common.engine.args import engine_config_from_args
@@ -17,25 +18,18 @@ from common.sampling_params import SamplingParams
 from decode_worker.worker import build_parser
 
 REPO = Path(__file__).resolve().parent.parent
-CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "num_hidden_layers": 2,
-    "vocab_size": 300,
-    "max_position_embeddings": 256,
-    "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False,
-    "torch_dtype": "float32",
-}
 
 
 @pytest.fixture
 def config_only(tmp_path: Path) -> Path:
-    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    config = tiny_llama_config(
+        architectures=["LlamaForCausalLM"],  # what a saved model's config names
+        vocab_size=300,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
+    config.save_pretrained(tmp_path)  # config.json alone
     return tmp_path
 
 

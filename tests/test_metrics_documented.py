@@ -104,7 +104,9 @@ def test_alert_rules_are_complete():
             assert re.fullmatch(r"\d+[smh]", rule["for"]), rule["alert"]
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed")
+@pytest.mark.skipif(
+    shutil.which("promtool") is None, reason="promtool is not installed (`make tools` installs it)"
+)
 @pytest.mark.parametrize(
     "command", [["check", "rules", "alerts.yml"], ["test", "rules", "alerts_test.yml"]]
 )

@@ -15,6 +15,7 @@ import pytest
 import tomllib
 import zmq
 from router_fakes import (
+    DEADLINE_S,
     ControlSocket,
     FakeWorker,
     model_text,
@@ -364,7 +365,7 @@ def test_control_socket_admits_only_holders_of_the_cluster_secret():
             stranger.setsockopt(zmq.LINGER, 0)
             stranger.connect(router.control)
             send_unless_refused(stranger, b"a registration would go here")
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + DEADLINE_S
             while router.metric("pdserve_auth_failures_total", socket="control") < 1:
                 assert time.monotonic() < deadline, "the stranger's handshake was not refused"
                 time.sleep(0.05)
@@ -400,7 +401,7 @@ def test_refused_registration():
         w = FakeWorker(router.control, "x", "prefill", "other-model", {})
         w.start()
         router.workers.append(w)
-        assert w.ready.wait(10)
+        assert w.ready.wait(DEADLINE_S)
         assert w.ack is not None and not w.ack.accepted and "model" in w.ack.reason
 
 
@@ -412,7 +413,7 @@ def test_garbage_on_the_control_socket_is_dropped_and_counted(cluster):
     for frame in [b"\x00garbage", b"\x81\xa4type\xa3bad", b"", b"\xc1" * 10, b"\x92\x01\x02"]:
         sock.send(frame)
     sock.send_multipart([b"a", b"b"])
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + DEADLINE_S
     while (
         cluster.metric("pdserve_router_protocol_errors_total") < 6 and time.monotonic() < deadline
     ):
@@ -477,7 +478,7 @@ def test_a_hot_session_worker_overflows_elsewhere(cluster):
     threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + DEADLINE_S
     while cluster.metric("pdserve_router_decisions_total", reason="session_overflow") < 1:
         assert time.monotonic() < deadline, "no request overflowed"
         time.sleep(0.02)
@@ -576,7 +577,8 @@ def test_silent_prefill_worker_requests_go_elsewhere():
         threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
         for t in threads:
             t.start()
-        time.sleep(0.1)
+        # All four are dispatched while both workers are silent, so p0 holds some of them.
+        wait_until(lambda: router.metric("pdserve_router_inflight_requests") == 4)
         p1.silent.clear()  # p1 comes back well before its timeout; p0 stays silent and is removed
         for t in threads:
             t.join(30)
@@ -584,7 +586,7 @@ def test_silent_prefill_worker_requests_go_elsewhere():
         assert router.metric("pdserve_router_workers_removed_total", cause="heartbeat_timeout") >= 1
         # The removed worker is told to drop what it held (it may only have been slow).
         p0.silent.clear()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + DEADLINE_S
         while True:
             held = {m.request_id for m in prefill_requests(p0)}
             aborted = {m.request_id for m in p0.received if isinstance(m, AbortRequest)}
@@ -705,7 +707,7 @@ def test_client_disconnect_aborts_on_every_worker_holding_the_request(stream):
             else:
                 with pytest.raises(httpx.ReadTimeout):
                     h.post("/v1/completions", json=body)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + DEADLINE_S
         while not any(isinstance(m, AbortRequest) for m in d0.received):
             assert time.monotonic() < deadline, "no AbortRequest reached the decode worker"
             time.sleep(0.02)

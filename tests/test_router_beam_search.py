@@ -179,7 +179,7 @@ def router():
                            FakeWorker(router.control, "d0", "decode", MODEL.name, hub)]  # fmt: skip
         for worker in router.workers:
             worker.start()
-            assert worker.ready.wait(10)
+            assert worker.ready.wait(30)
         router.wait_for_workers(1, 1)
         yield router
 

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 from engines import build_engine
-from tiny_models import FAMILIES, build_tiny_model, random_prompts
+from tiny_models import build_tiny_model, random_prompts
 from transformers import AutoModelForCausalLM
 
 from common import metrics
@@ -310,15 +310,15 @@ NUM_DRAWS = 3000
 
 
 def tiny_vocab_model(folder, seed: int):
-    config = FAMILIES["llama3-rope"]()
-    config.vocab_size = TINY_VOCAB
-    config.max_position_embeddings = 128
-    config.initializer_range = 0.08  # spread-out distributions: every outcome is seen
-    config.eos_token_id = config.bos_token_id = None
-    config.pad_token_id = 0
-    torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
-    return folder
+    # Spread-out distributions over a tiny vocabulary: every outcome is seen.
+    return build_tiny_model(
+        "llama3-rope",
+        folder,
+        seed,
+        vocab_size=TINY_VOCAB,
+        max_position_embeddings=128,
+        initializer_range=0.08,
+    )
 
 
 def exact_joint(folder, prompt: list[int]) -> torch.Tensor:

@@ -15,7 +15,7 @@ from common.service.router_link import RouterLink
 from common.service.step_io import StepIO
 
 # Generous: a loaded 2-core machine may take a while to schedule the helper thread.
-DEADLINE_S = 10.0
+DEADLINE_S = 30.0
 
 
 def socket_pair(context: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:

@@ -24,8 +24,9 @@ from tiny_models import (
     assert_greedy_equal_up_to_near_ties,
     build_tiny_model,
     random_prompts,
+    save_tiny_model,
+    tiny_llama_config,
 )
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from common import metrics
 from common.config import (
@@ -78,22 +79,13 @@ def two_kv_heads(tmp_path_factory) -> Path:
 def four_heads(tmp_path_factory) -> Path:
     """4 query heads over 2 KV heads and a vocabulary no TP size divides (the last rank's
     rows are padding): at TP 4 each KV head is held by two ranks."""
-    folder = tmp_path_factory.mktemp("four-heads")
-    config = LlamaConfig(
+    config = tiny_llama_config(
         vocab_size=VOCAB_SIZE - 1,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        max_position_embeddings=512,
-        initializer_range=0.1,
-        tie_word_embeddings=True,
-        pad_token_id=0,
+        # LlamaConfig's defaults, which this model was always built with.
+        bos_token_id=1,
+        eos_token_id=2,
     )
-    torch.manual_seed(1)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
-    return folder
+    return save_tiny_model(config, tmp_path_factory.mktemp("four-heads"), seed=1)
 
 
 # -- what each rank holds (no processes) ---------------------------------------------------------

@@ -1,31 +1,74 @@
-"""Tiny random models of every supported family, saved as Hugging Face folders for the tests."""
+"""Tiny random models of every supported family, saved as Hugging Face folders for the tests.
+
+``tiny_llama_config`` is the one tiny Llama the tests start from; a test that needs another
+shape overrides its fields by keyword, and ``save_tiny_model`` writes it with seeded weights.
+"""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     MistralConfig,
+    PretrainedConfig,
     Qwen2Config,
     Qwen3Config,
 )
 
 VOCAB_SIZE = 384
 
-# name -> config. Between them: head_dim 32/64/80, GQA ratios 1/3/4, tied and untied embeddings,
-# llama3 RoPE scaling, Qwen2's qkv bias, Qwen3's q/k norm. A wider initialisation than the
-# default gives peaked logits, so greedy tokens do not hinge on last-bit rounding.
+# The fields every tiny model shares. A wider initialisation than the default gives peaked
+# logits, so greedy tokens do not hinge on last-bit rounding; without BOS and EOS a generation
+# runs to its max_tokens.
+SHARED_FIELDS: dict[str, Any] = {
+    "vocab_size": VOCAB_SIZE,
+    "num_hidden_layers": 2,
+    "max_position_embeddings": 512,
+    "initializer_range": 0.1,
+    "bos_token_id": None,
+    "eos_token_id": None,
+    "pad_token_id": 0,
+}
+# The tiny Llama's shape: 4 query heads of 16 over 2 KV heads, tied embeddings.
+LLAMA_FIELDS: dict[str, Any] = {
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "tie_word_embeddings": True,
+}
+
+
+def tiny_config(config_class: type[PretrainedConfig], **fields: Any) -> PretrainedConfig:
+    """A ``config_class`` of the shared fields, ``fields`` over them."""
+    return config_class(**(SHARED_FIELDS | fields))
+
+
+def tiny_llama_config(**overrides: Any) -> LlamaConfig:
+    """The tests' tiny Llama (``SHARED_FIELDS`` and ``LLAMA_FIELDS``), ``overrides`` over it."""
+    return tiny_config(LlamaConfig, **(LLAMA_FIELDS | overrides))
+
+
+def save_tiny_model(config: PretrainedConfig, folder: Path, seed: int = 0) -> Path:
+    """``config`` with float32 weights drawn after ``torch.manual_seed(seed)``, saved in
+    ``folder``: the same config and seed give the same weights."""
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    return folder
+
+
+# name -> config factory (keyword overrides welcome). Between them: head_dim 32/64/80, GQA ratios
+# 1/3/4, tied and untied embeddings, llama3 RoPE scaling, Qwen2's qkv bias, Qwen3's q/k norm.
 FAMILIES = {
-    "llama3-rope": lambda: LlamaConfig(
-        hidden_size=64,
+    "llama3-rope": partial(
+        tiny_llama_config,
         num_attention_heads=2,
-        num_key_value_heads=2,
         head_dim=32,
-        intermediate_size=128,
-        num_hidden_layers=2,
         rope_parameters={
             "rope_type": "llama3",
             "rope_theta": 50000.0,
@@ -36,48 +79,42 @@ FAMILIES = {
         },
         tie_word_embeddings=False,
     ),
-    "qwen2-bias": lambda: Qwen2Config(
+    "qwen2-bias": partial(
+        tiny_config,
+        Qwen2Config,
         hidden_size=192,
         num_attention_heads=6,
         num_key_value_heads=2,
         intermediate_size=256,
-        num_hidden_layers=2,
         tie_word_embeddings=True,
     ),
-    "qwen3-qknorm": lambda: Qwen3Config(
+    "qwen3-qknorm": partial(
+        tiny_config,
+        Qwen3Config,
         hidden_size=96,
         num_attention_heads=4,
         num_key_value_heads=1,
         head_dim=64,
         intermediate_size=192,
-        num_hidden_layers=2,
         tie_word_embeddings=False,
     ),
-    "mistral": lambda: MistralConfig(
+    "mistral": partial(
+        tiny_config,
+        MistralConfig,
         hidden_size=160,
         num_attention_heads=4,
         num_key_value_heads=1,
         head_dim=80,
         intermediate_size=256,
-        num_hidden_layers=2,
         sliding_window=None,
         tie_word_embeddings=True,
     ),
 }
 
 
-def build_tiny_model(family: str, folder: Path, seed: int = 0) -> Path:
-    config = FAMILIES[family]()
-    config.vocab_size = VOCAB_SIZE
-    config.max_position_embeddings = 512
-    config.initializer_range = 0.1
-    config.eos_token_id = None
-    config.bos_token_id = None
-    config.pad_token_id = 0
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(folder)
-    return folder
+def build_tiny_model(family: str, folder: Path, seed: int = 0, **overrides: Any) -> Path:
+    """``FAMILIES[family]`` (``overrides`` over it) saved in ``folder`` with seeded weights."""
+    return save_tiny_model(FAMILIES[family](**overrides), folder, seed)
 
 
 def random_prompts(count: int, seed: int, min_len: int = 5, max_len: int = 40) -> list[list[int]]:
@@ -114,22 +151,14 @@ def build_tiny_chat_model(folder: Path, seed: int = 0) -> Path:
     from common.model.default_model import ensure_default_model
 
     source = ensure_default_model(progress=False)
-    config = LlamaConfig(
+    config = tiny_llama_config(
         vocab_size=49152,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        num_hidden_layers=2,
         max_position_embeddings=1024,
-        initializer_range=0.1,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=2,
-        tie_word_embeddings=True,
     )
-    torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    save_tiny_model(config, folder, seed)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(source / name, folder / name)
     return folder
