@@ -68,6 +68,8 @@ LABELS = {"pdserve": "pdserve 1P+1D", "vllm": "vLLM colocated"}
 TTFT_SLO_MS = 3000
 TPOT_SLO_MS = 150
 SWEEP_RATES = (0.25, 0.5, 1.0, 2.0)
+# RESULTS.md from this heading on is not this script's: a rewrite carries it over as it is.
+KEPT_HEADING = "## Finished studies"
 
 
 def workloads(quick: bool) -> dict[str, list[Client]]:
@@ -298,8 +300,16 @@ def write_results(summaries: list[dict]) -> None:
         "python -m benchmarks.compare --from benchmarks/plots  # rewrite only",
         "```",
         "",
+        *kept_sections(),
     ]
     RESULTS_MD.write_text("\n".join(text))
+
+
+def kept_sections() -> list[str]:
+    """RESULTS.md's lines from KEPT_HEADING on, which no measurement here writes."""
+    text = RESULTS_MD.read_text() if RESULTS_MD.exists() else ""
+    start = text.find(f"\n{KEPT_HEADING}\n")
+    return [] if start < 0 else [*text[start + 1 :].rstrip("\n").split("\n"), ""]
 
 
 def box_section(summary: dict, slug: str) -> list[str]:
