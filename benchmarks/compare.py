@@ -44,16 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.serving import wait_for_cluster
-from benchmarks.versus_vllm import (
-    PDSERVE_PORT,
-    VLLM_PORT,
-    Client,
-    measure,
-    start_pdserve,
-    start_vllm,
-    stop,
-)
+from benchmarks.versus_vllm import Client, measure, server
 from common.model.default_model import resolve_model_path
 from kernels.cpu.features import cpu_flags
 
@@ -131,14 +122,8 @@ def cross_check_with_aiperf(args, model: Path, workdir: Path) -> dict:
     w1 = workloads(args.quick)["W1"][0]
     figures = {}
     for system in SYSTEMS:
-        log = open(workdir / f"aiperf-{system}-server.log", "w")  # noqa: SIM115 - closed below
-        if system == "vllm":
-            process, port, name = start_vllm(args, model, log), VLLM_PORT, str(model)
-        else:
-            process = start_pdserve(args, model, log, args.pdserve_args)
-            port, name = PDSERVE_PORT, model.name
-        try:
-            wait_for_cluster(f"http://127.0.0.1:{port}", process, args.startup_timeout, system)
+        log = workdir / f"aiperf-{system}-server.log"
+        with server(args, system, model, log) as (port, name):
             out = workdir / f"aiperf-{system}"
             command = [
                 str(Path(args.aiperf) / "bin" / "aiperf"), "profile", "--model", name,
@@ -154,9 +139,6 @@ def cross_check_with_aiperf(args, model: Path, workdir: Path) -> dict:
             with open(workdir / f"aiperf-{system}.log", "w") as client_log:
                 subprocess.run(command, stdout=client_log, stderr=subprocess.STDOUT, check=True)
             figures[system] = read_aiperf(out)
-        finally:
-            stop(process)
-            log.close()
     return figures
 
 

@@ -17,13 +17,12 @@ Shapes are SmolLM2-135M's (30 layers, 9 query heads over 3 KV heads of 64) unles
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
 import torch
 
-from benchmarks.step import weight_read_floor
+from benchmarks.harness import add_core_argument, memory_read_seconds, pin_to_cores
 from kernels.cpu import library as cpu_library
 from kernels.cpu.backend import CpuAttentionBackend
 from kernels.cpu.huge_pages import zeros_on_huge_pages
@@ -82,7 +81,7 @@ def step_metadata(batch: int, context: int, num_pages: int) -> AttentionMetadata
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--core", type=int, default=0, help="the one core to pin to")
+    add_core_argument(parser)
     parser.add_argument("--kv-cache-dtype", default="bf16", choices=sorted(KV_DTYPES))
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--heads", type=int, default=9)
@@ -100,8 +99,7 @@ def main() -> None:
 
 
 def run(args) -> None:
-    os.sched_setaffinity(0, {args.core})
-    torch.set_num_threads(1)
+    pin_to_cores({args.core})
     torch.manual_seed(0)
 
     backend = CpuAttentionBackend()
@@ -110,7 +108,7 @@ def run(args) -> None:
     views = [layer_view(pages, scales, layer) for layer in range(args.layers)]
     # Between layers, a layer's share of the weights is read, as in a decode step.
     weights = torch.ones((args.weight_mb << 20) // args.layers // 4)
-    memory_rate = (args.weight_mb << 20) / weight_read_floor(args.weight_mb << 20, args.repeats)
+    memory_rate = (args.weight_mb << 20) / memory_read_seconds(args.weight_mb << 20, args.repeats)
     scale = args.head_dim**-0.5
     scale_bytes = 0 if scales is None else scales.element_size()
     token_bytes = 2 * args.kv_heads * (args.head_dim * pages.element_size() + scale_bytes)

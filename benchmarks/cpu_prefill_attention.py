@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 
 import torch
 
+from benchmarks.harness import add_core_argument, pin_to_cores
 from kernels.cpu import library as cpu_library
 from kernels.cpu.backend import CpuAttentionBackend
 from kernels.interface import AttentionMetadata, KVCacheView
@@ -68,14 +68,13 @@ def causal_gflop(query_len: int, seq_len: int, heads: int, head_dim: int) -> flo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--core", type=int, default=0, help="the one core to pin to")
+    add_core_argument(parser)
     parser.add_argument("--heads", type=int, default=9)
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    os.sched_setaffinity(0, {args.core})
-    torch.set_num_threads(1)
+    pin_to_cores({args.core})
     torch.manual_seed(0)
 
     backend = CpuAttentionBackend()

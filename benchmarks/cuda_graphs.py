@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from benchmarks.engine import random_prompts
+from benchmarks.harness import random_prompts
 from common.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.engine.llm_engine import LLMEngine
 from common.sampling_params import SamplingParams

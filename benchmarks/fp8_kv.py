@@ -27,13 +27,13 @@ here, so its answers are not text, but they are as exact a function of the KV as
 from __future__ import annotations
 
 import argparse
-import itertools
 import statistics
 import tempfile
 from pathlib import Path
 
 import torch
 
+from benchmarks.harness import chat_prompts, qwen2_with_key_outliers
 from common.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.engine.llm_engine import LLMEngine
 from common.engine.memory import parse_memory_size
@@ -42,46 +42,10 @@ from common.tokenizer import Tokenizer
 from kernels.interface import AttentionBackend
 from kernels.torch_backend import TorchAttentionBackend
 
-TASKS = ["Explain", "Write a short poem about", "Give three facts about", "Describe"]
-TOPICS = ["the moon", "photosynthesis", "the Roman empire", "volcanoes", "jazz music",
-          "the water cycle", "honeybees", "the printing press"]  # fmt: skip
 SCHEMES = ("fp8", "int8")
 NUDGE = 0.002  # relative size of the nudged floor's change to each stored element
 CHUNKS = (2048, 256, 96, 40)  # prefill chunk sizes each 8-bit scheme is measured under
 FLOOR_CHUNKS = (512, 256, 96, 40)  # and the bf16 noise floor (2048 is the reference itself)
-
-
-def chat_prompts(tokenizer: Tokenizer) -> list[list[int]]:
-    return [
-        tokenizer.encode_chat([{"role": "user", "content": f"{task} {topic}."}])
-        for task, topic in itertools.product(TASKS, TOPICS)
-    ]
-
-
-def build_qwen2_with_outliers(folder: Path, tokenizer_folder: Path, seed: int = 0) -> Path:
-    """A random Qwen2 of 2 KV heads of 128 whose key bias puts a few channels far above the rest,
-    with the default model's tokenizer (so the same chat prompts apply)."""
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1024,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=2048, initializer_range=0.05, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
-    head_dim = config.hidden_size // config.num_attention_heads
-    with torch.no_grad():
-        for layer in model.model.layers:
-            bias = layer.self_attn.k_proj.bias.view(config.num_key_value_heads, head_dim)
-            bias.normal_(0.0, 0.1)
-            # Two channels of each head, and their RoPE partners, ten times the rest.
-            bias[:, [3, 17, 3 + head_dim // 2, 17 + head_dim // 2]] = 8.0
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 class NudgingBackend(AttentionBackend):
@@ -163,7 +127,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         model = str(folder)
         if args.qwen2:
-            model = str(build_qwen2_with_outliers(Path(scratch), folder))
+            model = str(qwen2_with_key_outliers(Path(scratch), folder))
         reference, bf16_tokens = run(model, args.memory, args.tokens, "auto", prompts)
         # Each row is measured over several prefill chunkings: a chunking rounds differently, so
         # each one is another draw of which near-ties flip (one draw of 32 prompts moves by

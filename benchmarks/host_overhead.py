@@ -52,8 +52,9 @@ from pathlib import Path
 
 import torch
 import zmq
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import LlamaConfig
 
+from benchmarks.harness import save_random_model
 from common.engine import sampler as sampler_module
 from common.messages import decode, encode
 from common.protocol import (
@@ -84,8 +85,7 @@ def build_model(folder: Path, vocab_size: int) -> Path:
         bos_token_id=None,
         pad_token_id=0,
     )
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
-    return folder
+    return save_random_model(config, folder, torch.float32)
 
 
 class NoOpForward:

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.fp8_kv import build_qwen2_with_outliers
+from benchmarks.harness import qwen2_with_key_outliers
 from common.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.engine.batch import TokenRun, flatten_runs
 from common.engine.llm_engine import LLMEngine
@@ -313,7 +313,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         model = str(folder)
         if args.qwen2:
-            model = str(build_qwen2_with_outliers(Path(scratch), folder))
+            model = str(qwen2_with_key_outliers(Path(scratch), folder))
         engines = {name: build_engine(model, kv, segments) for name, kv in FORMATS.items()}
         qualities = measure(engines, segments, progress_to_stderr(len(segments.decode_positions)))
     shape = "Qwen2 shape, 2 KV heads of 128, key outliers" if args.qwen2 else folder.name

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 
-from benchmarks.step import make_engine, prompts
+from benchmarks.harness import add_core_argument, pin_to_cores, random_prompts
+from benchmarks.step import make_engine
 from common.model import llama
 from common.sampling_params import SamplingParams
 from kernels.cpu import backend as cpu_backend
@@ -71,7 +71,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--core", type=int, default=0, help="the one core to pin to")
+    add_core_argument(parser)
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--kv-cache-memory", type=int, default=1 << 30)
     parser.add_argument("--prompt-tokens", type=int, default=256, help="tokens of each prompt")
@@ -82,8 +82,7 @@ def main() -> None:
     step_tokens = [int(n) for n in args.step_tokens.split(",")]
     if any(n % args.prompt_tokens or n > 2048 for n in step_tokens):
         parser.error("each --step-tokens is a multiple of --prompt-tokens, at most 2048")
-    os.sched_setaffinity(0, {args.core})
-    torch.set_num_threads(1)
+    pin_to_cores({args.core})
     engine = make_engine(args, max_batched=2048, max_model_len=2048)
     params = SamplingParams(max_tokens=1, temperature=0.0)
     vocab = engine.model_config.vocab_size
@@ -94,7 +93,7 @@ def main() -> None:
             for repeat in range(args.repeats + 1):
                 # New prompts every step: a prompt seen before comes from the prefix cache.
                 count, length = num_tokens // args.prompt_tokens, args.prompt_tokens
-                for prompt in prompts(count, length, vocab, seed=7 * num_tokens + repeat):
+                for prompt in random_prompts(count, length, vocab, seed=7 * num_tokens + repeat):
                     engine.add_request(prompt, params)
                 seconds.clear()
                 start = time.perf_counter()

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.harness import random_prompts
 from common.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.engine.llm_engine import LLMEngine
 from common.sampling_params import SamplingParams
@@ -105,21 +106,14 @@ def build_engine(args: argparse.Namespace, device: torch.device) -> LLMEngine:
     )
 
 
-def random_prompt(vocab: int, length: int, generator: torch.Generator) -> list[int]:
-    return torch.randint(vocab, (length,), generator=generator).tolist()
-
-
 @contextlib.contextmanager
 def decoding(engine: LLMEngine, batch: int, args: argparse.Namespace) -> Iterator[None]:
     """``batch`` sequences of ``--context`` tokens prefilled and a few decode steps warmed up;
     inside, each ``engine.step()`` is one decode step of the batch. Aborted on the way out."""
-    generator = torch.Generator().manual_seed(batch)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=args.steps + 8, temperature=0.0, ignore_eos=True)
-    ids = {
-        engine.add_request(random_prompt(vocab, args.context, generator), params)
-        for _ in range(batch)
-    }
+    prompts = random_prompts(batch, args.context, vocab, seed=batch)
+    ids = {engine.add_request(prompt, params) for prompt in prompts}
     started: set[str] = set()
     while started != ids:  # prefill: every sequence has its first token
         started |= {out.request_id for out in engine.step() if out.new_samples}
@@ -157,12 +151,12 @@ def profile_decode(engine: LLMEngine, batch: int, args: argparse.Namespace, step
 def profile_prefill(engine: LLMEngine, tokens: int, steps: int = 3) -> None:
     """Where the time of a step that prefills a new ``tokens``-token prompt goes (``profiled``):
     prefill runs eagerly, so a busy share well under 1 is the host's launches and waits."""
-    generator = torch.Generator().manual_seed(tokens + 1)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    prompts = iter(random_prompts(steps + 1, tokens, vocab, seed=tokens + 1))
 
     def prefill() -> None:
-        engine.add_request(random_prompt(vocab, tokens, generator), params)
+        engine.add_request(next(prompts), params)
         while engine.has_unfinished:  # one step: the prompt's one token ends it
             engine.step()
 
@@ -212,12 +206,11 @@ def profiled(engine: LLMEngine, label: str, steps: int, top: int = 12) -> Iterat
 
 def prefill_seconds(engine: LLMEngine, tokens: int, repeats: int = 3) -> float:
     """Seconds for one step that prefills a new ``tokens``-token prompt (the best of a few)."""
-    generator = torch.Generator().manual_seed(tokens)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     best = float("inf")
-    for _ in range(repeats + 1):  # the first one warms up
-        engine.add_request(random_prompt(vocab, tokens, generator), params)
+    for prompt in random_prompts(repeats + 1, tokens, vocab, seed=tokens):  # one warms up
+        engine.add_request(prompt, params)
         synchronize(engine.device)
         began = time.perf_counter()
         engine.step()

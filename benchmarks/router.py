@@ -34,7 +34,6 @@ import multiprocessing
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,6 +46,7 @@ import httpx
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.harness import free_port_pair
 from common.kv_layout import KVLayout
 from common.messages import PROTOCOL_VERSION, decode, encode
 from common.model.default_model import resolve_model_path
@@ -78,12 +78,6 @@ done = function(summary, latency, requests)
     latency:percentile(50), latency:percentile(99)))
 end
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class InstantWorker(threading.Thread):
@@ -428,8 +422,8 @@ def main(argv: list[str] | None = None) -> int:
 
     model_path = resolve_model_path(None)
     body = json.dumps({"model": model_path.name, "prompt": PROMPT, "max_tokens": 1}).encode()
-    port, control_port = _free_port(), _free_port()
-    control = f"tcp://127.0.0.1:{control_port}"
+    port = free_port_pair()
+    control = f"tcp://127.0.0.1:{port + 1}"
     url = f"http://127.0.0.1:{port}"
     router = RouterProcess(port, control, args.profile)
     worker = InstantWorker(control, model_path.name)

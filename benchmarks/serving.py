@@ -17,15 +17,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 
 import httpx
 
+from benchmarks.harness import random_prompts, start_cluster
 from common.metrics import parse_exposition
 from common.model.default_model import resolve_model_path
 from common.tokenizer import Tokenizer
@@ -37,12 +35,6 @@ class Result:
     token_times: list[float] = field(default_factory=list)
     output_tokens: int = 0
     error: str | None = None
-
-
-def random_prompts(tokenizer: Tokenizer, count: int, length: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    # Ids past the control tokens of the vocabulary, like vLLM's random dataset.
-    return [[rng.randrange(100, 49000) for _ in range(length)] for _ in range(count)]
 
 
 async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Result:
@@ -159,24 +151,6 @@ def report(results: list[Result], elapsed: float, args, steps: DecodeSteps | Non
     return figures
 
 
-def wait_for_cluster(
-    base_url: str, process: subprocess.Popen, timeout: float, name: str = "pdserve up"
-) -> None:
-    """Until ``base_url/health`` answers 200; raises if ``process`` (the server ``name``)
-    exits first or the timeout passes."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{name} exited with {process.returncode}")
-        try:
-            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"{name} did not become healthy")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -190,16 +164,12 @@ def main() -> None:
     parser.add_argument("--launch", action="store_true", help="start `pdserve up` first")
     args, up_flags = parser.parse_known_args()
     folder = resolve_model_path(args.model)
-    tokenizer = Tokenizer(folder)
-    prompts = random_prompts(tokenizer, args.num_prompts, args.isl, args.seed)
-    process = None
+    prompts = random_prompts(args.num_prompts, args.isl, len(Tokenizer(folder)), args.seed)
+    cluster = None
     if args.launch:
-        port = args.base_url.rsplit(":", 1)[1]
-        process = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cli", "up", "--model", str(folder), "--port", port,
-             "--log-level", "WARNING", *up_flags]
-        )  # fmt: skip
-        wait_for_cluster(args.base_url, process, 600)
+        port = int(args.base_url.rsplit(":", 1)[1])
+        cluster = start_cluster(folder, *up_flags, port=port)
+        cluster.wait_until_up()
     try:
         model = args.served_model_name or folder.name
         # One request first, so start-up costs (first forward, connections) are not measured.
@@ -211,9 +181,8 @@ def main() -> None:
         steps = after - before if after is not None and before is not None else None
         report(results, elapsed, args, steps)
     finally:
-        if process is not None:
-            process.terminate()
-            process.wait(timeout=60)
+        if cluster is not None:
+            cluster.stop()
 
 
 if __name__ == "__main__":

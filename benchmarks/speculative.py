@@ -23,17 +23,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 import zmq
 from safetensors.torch import load_file, save_file
 
+from benchmarks.harness import add_core_argument, pin_to_cores
 from common.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from common.engine.llm_engine import LLMEngine
 from common.engine.sequence import Sequence
@@ -215,7 +214,7 @@ def draft_catch_up_vs_shipping(engine: LLMEngine, prompt_tokens: int, repeats: i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
-    parser.add_argument("--core", type=int, default=0, help="the one core to pin to")
+    add_core_argument(parser)
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--draft-layers", type=int, default=4)
     parser.add_argument("--draft-dir", default="/tmp/pdserve-draft")
@@ -227,8 +226,7 @@ def main() -> None:
     unknown = set(args.workloads.split(",")) - set(WORKLOADS)
     if unknown:
         parser.error(f"unknown workload {', '.join(sorted(unknown))}: choose from {set(WORKLOADS)}")
-    os.sched_setaffinity(0, {args.core})
-    torch.set_num_threads(1)
+    pin_to_cores({args.core})
     model = resolve_model_path(args.model)
     args.model = str(model)
     tokenizer = Tokenizer(model)

@@ -23,14 +23,14 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import subprocess
-import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.serving import wait_for_cluster
+from benchmarks.harness import pdserve_up, stop_process, wait_for_server
 from common.model.default_model import resolve_model_path
 
 PDSERVE_PORT = 8200
@@ -82,23 +82,27 @@ FIGURES = [
 ]
 
 
-def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-
-
-def start_pdserve(args, model: Path, log, flags: str) -> subprocess.Popen:
-    command = [
-        str(Path(sys.executable).with_name("pdserve")), "up", "--model", str(model),
-        "--port", str(PDSERVE_PORT), "--max-model-len", "2048",
-        *shlex.split(args.pdserve_args), *shlex.split(flags),
-    ]  # fmt: skip
-    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+@contextmanager
+def server(args, system: str, model: Path, log: Path, flags: str = "") -> Iterator[tuple[int, str]]:
+    """`vllm serve` (``system`` "vllm") or `pdserve up` with ``--pdserve-args`` and ``flags``,
+    its output into ``log``, up until the block ends: its port and the model name it serves."""
+    if system != "vllm":
+        up_flags = ["--max-model-len", "2048", *shlex.split(args.pdserve_args), *shlex.split(flags)]
+        with pdserve_up(
+            model, *up_flags, port=PDSERVE_PORT, log=log, log_level="INFO",
+            startup_timeout=args.startup_timeout,
+        ):  # fmt: skip
+            yield PDSERVE_PORT, model.name
+        return
+    with open(log, "w") as output:
+        process = start_vllm(args, model, output)
+    try:
+        url = f"http://127.0.0.1:{VLLM_PORT}"
+        wait_for_server(url, process, args.startup_timeout, "vllm serve")
+        yield VLLM_PORT, str(model)
+    finally:
+        # vLLM's engine runs in processes of its own, in its process group.
+        stop_process(process, 60, whole_group=True)
 
 
 def start_vllm(args, model: Path, log) -> subprocess.Popen:
@@ -168,15 +172,7 @@ def measure(
     ``workloads`` defaults to ``args.workloads`` of WORKLOADS; ``extra`` goes to every client."""
     if workloads is None:
         workloads = {name: WORKLOADS[name] for name in args.workloads}
-    log = open(workdir / f"{system}-server.log", "w")  # noqa: SIM115 - closed below
-    if system != "vllm":
-        process, port, name = start_pdserve(args, model, log, flags), PDSERVE_PORT, model.name
-        command = "pdserve up"
-    else:
-        process, port, name = start_vllm(args, model, log), VLLM_PORT, str(model)
-        command = "vllm serve"
-    try:
-        wait_for_cluster(f"http://127.0.0.1:{port}", process, args.startup_timeout, command)
+    with server(args, system, model, workdir / f"{system}-server.log", flags) as (port, name):
         results = {}
         for workload, clients in workloads.items():
             out = workdir / system / workload
@@ -184,9 +180,6 @@ def measure(
             print(f"  {system}: {workload} ...", flush=True)
             results[workload] = run_clients(args, clients, port, name, model, out, extra)
         return results
-    finally:
-        stop(process)
-        log.close()
 
 
 def print_table(results: dict[str, dict]) -> None:

@@ -128,7 +128,8 @@ step_tune() {
 random_model() {
     local model="$WORK/SmolLM2-135M-Instruct-random-weights"
     rm -rf "$model"
-    "$PY" -m benchmarks.random_model "$CARRY/SmolLM2-135M-Instruct" "$model" >&2 || return 1
+    "$PY" -m benchmarks.harness random-model "$CARRY/SmolLM2-135M-Instruct" "$model" >&2 ||
+        return 1
     echo "$model"
 }
 
@@ -278,7 +279,7 @@ print("\n".join(problems) or "every carried package's requirements are met")
 
 import torch, triton, transformers, zmq, fastapi, uvicorn, pydantic, httpx
 import router.server, prefill_worker.worker, decode_worker.worker
-import kvtransfer.zmq_backend, benchmarks.serving, benchmarks.random_model
+import kvtransfer.zmq_backend, benchmarks.serving, benchmarks.harness
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, triton "
       f"{triton.__version__}, transformers {transformers.__version__}, pyzmq {zmq.__version__}, "
