@@ -50,7 +50,7 @@ WHEELS = [
     "idna",
     "click",
     "h11",
-    "httpx",  # benchmarks/serving.py's client
+    "httpx",  # benchmarks/serving/load.py's client
     "httpcore",
     "certifi",
 ]

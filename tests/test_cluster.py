@@ -29,8 +29,8 @@ from cluster_harness import (
 from tiny_models import build_tiny_chat_model
 from zmq_strangers import send_unless_refused
 
-from benchmarks import serving
 from benchmarks.harness import free_port_pair, pdserve_up, start_cluster
+from benchmarks.serving import load as serving
 from common.config import EngineConfig, SchedulerConfig
 from common.engine.llm_engine import LLMEngine
 from common.kv_layout import KVLayout
@@ -263,13 +263,13 @@ def router_metric(base: str, name: str, **labels: str) -> float:
 
 
 def test_the_startup_benchmark_times_a_cluster_up_and_its_first_answer(tmp_path):
-    """benchmarks.startup starts `pdserve up` (with the flags it does not know itself), waits
-    for it to say it is up and for a first completion, and prints both times."""
+    """benchmarks.startup.startup starts `pdserve up` (with the flags it does not know itself),
+    waits for it to say it is up and for a first completion, and prints both times."""
     folder = build_tiny_chat_model(tmp_path / "m")
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.startup", "--model", str(folder), "--rounds", "1",
-         "--port", str(free_port_pair()), "--max-model-len", "256", "--kv-cache-memory", "16MiB",
-         "--dtype", "float32"],
+        [sys.executable, "-m", "benchmarks.startup.startup", "--model", str(folder),
+         "--rounds", "1", "--port", str(free_port_pair()), "--max-model-len", "256",
+         "--kv-cache-memory", "16MiB", "--dtype", "float32"],
         capture_output=True, text=True, timeout=600, check=True,
     )  # fmt: skip
     summary = re.fullmatch(
@@ -484,8 +484,8 @@ def kill_busy_worker(base: str, launcher_pid: int, role: str, at_least: int = 1)
 
 
 def test_the_serving_benchmark_reads_the_decode_workers_steps_over_its_run(cluster):
-    """benchmarks.serving puts TPOT beside the decode workers' own step time over the run: their
-    step histograms, read through the metrics pages the router lists, grow by the steps of the
+    """benchmarks.serving.load puts TPOT beside the decode workers' own step time over the run:
+    their step histograms, read through the metrics pages the router lists, grow by the steps of the
     requests between two readings."""
     client, _, base = cluster
     before = serving.decode_steps(base)

@@ -8,7 +8,7 @@ Starts `pdserve up` (1 prefill + 1 decode worker unless told otherwise), runs th
 - W3: short chats (ISL 64 / OSL 128, 48 prompts, concurrency 6) while long prompts arrive
   (ISL 1800 / OSL 8, 6 prompts, concurrency 1): two clients at once.
 
-    python -m benchmarks.versus_vllm [--vllm-venv ~/vllm-venv] [--model FOLDER]
+    python -m benchmarks.serving.versus_vllm [--vllm-venv ~/vllm-venv] [--model FOLDER]
         [--workloads W1,W3] [--skip-vllm] [--pdserve-args "--kv-transfer nixl"]
         [--variant NAME="FLAGS" ...]
 

@@ -7,7 +7,7 @@ for bit), the share of tokens generated before the first divergence, and positio
 one at a time against concurrent; and the same for two passes one at a time (the noise floor of
 the comparison itself, which should be exact in both modes).
 
-    python -m benchmarks.deterministic [--model FOLDER] [--prompts 16] [--tokens 64]
+    python -m benchmarks.quality.deterministic [--model FOLDER] [--prompts 16] [--tokens 64]
         [--concurrency 8] [--pdserve-args "--kv-transfer nixl"]
 """
 

@@ -4,7 +4,7 @@ Workload: 64 requests of 256 random prompt tokens, 64 output tokens each (ignore
 submitted at once to the engine; transformers runs them as static batches of 8 (left-padded,
 greedy). Both in bf16 on the default model unless --model/--dtype say otherwise.
 
-    python -m benchmarks.engine [--requests 64] [--prompt-len 256] [--output-len 64]
+    python -m benchmarks.step.engine [--requests 64] [--prompt-len 256] [--output-len 64]
 """
 
 from __future__ import annotations

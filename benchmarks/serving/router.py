@@ -1,7 +1,7 @@
 """The router's own overhead and throughput, with a worker that answers at once.
 
-    python -m benchmarks.router [--duration 10] [--concurrency 32] [--client auto|wrk|python]
-                                [--repeats 1] [--profile FILE]
+    python -m benchmarks.serving.router [--duration 10] [--concurrency 32]
+        [--client auto|wrk|python] [--repeats 1] [--profile FILE]
 
 Starts ``python -m router`` as a subprocess and registers a fake decode worker (a thread of this
 process) on its control socket that answers every DecodeRequest/PrefillRequest at once with one
@@ -405,7 +405,7 @@ def _median_phase(phases: list[Phase]) -> Phase:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.router")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.serving.router")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per phase")
     parser.add_argument("--concurrency", type=int, default=32, help="throughput-phase clients")
     parser.add_argument("--client", choices=["auto", "wrk", "python"], default="auto")

@@ -7,7 +7,7 @@ case, the fastest read of the run counting). Prefill: tokens/s of a step of 512 
 tokens beside a bare GEMM of the model's shapes at the same rows, in bf16 (``F.linear``) and in
 fp32 (``torch.mm``; the faster of the two on this machine is the floor).
 
-    python -m benchmarks.step [--model PATH] [--dtype bfloat16] [--core 0] [--repeats 5]
+    python -m benchmarks.step.step [--model PATH] [--dtype bfloat16] [--core 0] [--repeats 5]
         [--baseline]   # also the plain torch path (--enforce-eager, torch attention), same run
         [--kv-cache-dtypes auto,int8,fp8]   # a column per KV page format, same run
         [--bf16-tiles fma,dpbf16]   # a column per other bf16 tile kernel, same run

@@ -16,7 +16,7 @@ It times, best of ``--rounds``, a decode forward of ``--batch`` rows over 64 tok
 each and a prefill forward of one ``--prompt``-token prompt, and prints ms a forward and us a
 layer. ``--profile`` adds the functions that take the most host time over 20 decode forwards.
 
-    python -m benchmarks.forward_host [--batch 8] [--prompt 256] [--rounds 50] [--profile]
+    python -m benchmarks.step.forward_host [--batch 8] [--prompt 256] [--rounds 50] [--profile]
 
 Triton's interpreter is what lets the kernels' Python run without a GPU, so the benchmark runs
 itself again with ``TRITON_INTERPRET=1`` where that is not set.
@@ -136,7 +136,8 @@ def main() -> int:
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") != "1":
         os.environ["TRITON_INTERPRET"] = "1"
-        os.execv(sys.executable, [sys.executable, "-m", "benchmarks.forward_host", *sys.argv[1:]])
+        command = [sys.executable, "-m", "benchmarks.step.forward_host", *sys.argv[1:]]
+        os.execv(sys.executable, command)
     measure(args)
     return 0
 

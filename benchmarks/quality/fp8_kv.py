@@ -21,7 +21,7 @@ Qwen2-shaped model of 2 KV heads of 128 with a key bias whose few large channels
 trained model's outlier channels (random weights: no checkpoint of that shape can be downloaded
 here, so its answers are not text, but they are as exact a function of the KV as any model's).
 
-    python -m benchmarks.fp8_kv [--model PATH | --qwen2] [--memory 256MiB]
+    python -m benchmarks.quality.fp8_kv [--model PATH | --qwen2] [--memory 256MiB]
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ evicts the caches between layers by reading a layer's worth of weights, and time
 calls alone. It prints milliseconds per step (all layers) and the rate at which the KV pages were
 read, beside the rate at which this core reads a plain buffer (measured in the same run).
 
-    python -m benchmarks.cpu_decode_attention [--core 0] [--kv-cache-dtype bf16|int8|fp8]
+    python -m benchmarks.step.cpu_decode_attention [--core 0] [--kv-cache-dtype bf16|int8|fp8]
         [--bf16-pair-scores]   # bf16 pages scored with vdpbf16ps (AVX512_BF16 processors)
         [--small-pages]   # the pool on 4 KB memory pages (the engine puts it on 2 MB ones)
 

@@ -5,7 +5,7 @@ control runs the same with prefix caching off (both passes compute everything, i
 chunks). Prints, per configuration, how many answers came out bit for bit equal (tokens and
 logprobs) and how many with the same tokens.
 
-    python -m benchmarks.cache_hit_bits [--model FOLDER] [--tokens 48] [--deterministic]
+    python -m benchmarks.quality.cache_hit_bits [--model FOLDER] [--tokens 48] [--deterministic]
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ Against pdserve it also reads the decode workers' own step time over the run (th
 ``pdserve_step_seconds``, from the metrics pages ``/v1/workers`` lists) and prints TPOT beside
 it: what the loop between two steps, and anything else a token waits for, adds to the step.
 
-    python -m benchmarks.serving --base-url http://127.0.0.1:8000 [--isl 256 --osl 64
+    python -m benchmarks.serving.load --base-url http://127.0.0.1:8000 [--isl 256 --osl 64
         --num-prompts 64 --concurrency 8]
-    python -m benchmarks.serving --launch [pdserve up flags]   # starts pdserve up itself
+    python -m benchmarks.serving.load --launch [pdserve up flags]   # starts pdserve up itself
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ It also measures where a draft's prompt KV should come from: the draft prefillin
 the decode worker, against shipping the same pages from a prefill worker (the bytes of the
 draft's KV for that prompt over a loopback ZeroMQ socket, the transfer alone).
 
-    python -m benchmarks.speculative [--model PATH] [--core 0] [--draft-layers 4] [-k 4]
+    python -m benchmarks.step.speculative [--model PATH] [--core 0] [--draft-layers 4] [-k 4]
         [--workloads code,text]
 """
 
@@ -41,7 +41,7 @@ from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
 from kernels.sizes import ceil_div
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SOURCES = [
     "common/engine/speculative/ngram.py",
     "common/engine/page_manager.py",

@@ -12,7 +12,7 @@ the memory clock and bus width, and what a device-to-device copy reaches.
 FP8 and int8 pages are also given as a multiple of bf16 pages' speed on the same shape (TFLOP/s
 for prefill, tokens/s for decode), where bf16 is measured too.
 
-    python -m benchmarks.kernels [--kv-dtypes bf16,fp8,int8]
+    python -m benchmarks.step.triton_kernels [--kv-dtypes bf16,fp8,int8]
 
 Without CUDA it says so and exits 0.
 """
@@ -308,7 +308,8 @@ def main() -> int:
     )
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("benchmarks/kernels.py measures the Triton kernels on a CUDA GPU; none is visible.")
+        print("benchmarks.step.triton_kernels measures the Triton kernels on a CUDA GPU; none is "
+              "visible.")  # fmt: skip
         return 0
     kv_dtypes = kv_dtype_names(parser, args.kv_dtypes)
     print(f"device: {torch.cuda.get_device_name()}")

@@ -12,7 +12,7 @@ Keys and values are synthetic but shaped like a trained model's: keys carry a fe
 channels per head (as post-RoPE keys do, and these set the FP8 scale), values are Gaussian, and
 queries are scaled so that the attention logits have a standard deviation near 2.
 
-    python -m benchmarks.fp8_attention_error [--device cuda] [--seed 0]
+    python -m benchmarks.quality.fp8_attention_error [--device cuda] [--seed 0]
 """
 
 from __future__ import annotations

@@ -3,14 +3,14 @@
 next-token distribution compared with the bf16 KV one.
 
 Teacher forcing feeds every position the text's true previous tokens, so one early flip does not
-decide the rest (greedy agreement saturates: see ``benchmarks/fp8_kv.py``). The text is held out:
-Python's own reference manual (``pydoc_data.topics``, shipped with every Python), not pdserve's.
-It is cut into segments decoded side by side: each segment's first ``--context`` tokens are
-prefilled in chunks through the paged cache, then every later position is decoded one token at a
-time over the pages (one decode row per segment, so a step is a batch of segments), and its
-logits are scored. Every format runs the engine as it serves: its own pool, its own stores and
-attention backend (the C kernels on a CPU), and ``--kv-cache-dtype int8`` with its Hadamard
-turns.
+decide the rest (greedy agreement saturates: see ``benchmarks/quality/fp8_kv.py``). The text is
+held out: Python's own reference manual (``pydoc_data.topics``, shipped with every Python), not
+pdserve's. It is cut into segments decoded side by side: each segment's first ``--context``
+tokens are prefilled in chunks through the paged cache, then every later position is decoded one
+token at a time over the pages (one decode row per segment, so a step is a batch of segments),
+and its logits are scored. Every format runs the engine as it serves: its own pool, its own
+stores and attention backend (the C kernels on a CPU), and ``--kv-cache-dtype int8`` with its
+Hadamard turns.
 
 The formats: bf16 KV (the reference), ``fp8`` (vLLM's meaning: e4m3 with a scale per token and
 KV head) and ``int8`` (int8 after a Hadamard turn, a one-byte scale). The rounding row keeps bf16
@@ -23,7 +23,8 @@ the metric cannot resolve. Per format, one line a script can read::
 KL divergence is KL(bf16 || format) in nats per position, top-1 the share of positions whose
 most likely token is bf16's, ppl_ratio the format's perplexity of the text over bf16's.
 
-    python -m benchmarks.kv_quality [--model PATH | --qwen2] [--tokens 16384] [--segment 512]
+    python -m benchmarks.quality.kv_quality [--model PATH | --qwen2] [--tokens 16384]
+        [--segment 512]
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ concurrent streamed completions, each read to its end, and prints each service's
 memory when idle before the first burst and after each one. A service whose idle memory keeps
 growing once the second burst has passed (caches and allocator arenas are warm by then) leaks.
 
-    python -m benchmarks.memory_bursts [--streams 500] [--bursts 3] [--model FOLDER]
+    python -m benchmarks.startup.memory_bursts [--streams 500] [--bursts 3] [--model FOLDER]
 """
 
 from __future__ import annotations

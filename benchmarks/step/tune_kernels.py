@@ -1,12 +1,12 @@
 """Tile sizes of the Triton attention kernels, tuned on this GPU.
 
-Times every candidate of ``kernels.triton.tiles`` on ``benchmarks.kernels``' shapes (bf16
-queries, bf16 and FP8 pages), prints each case's figures beside the default's, and for each
+Times every candidate of ``kernels.triton.tiles`` on ``benchmarks.step.triton_kernels``' shapes
+(bf16 queries, bf16 and FP8 pages), prints each case's figures beside the default's, and for each
 kind of page the candidate with the best geometric-mean speed over all cases, as the line that
 records it in ``kernels/triton/tiles.py``. Recording is a person's decision: the table fixes
 the kernels' sums (deterministic inference included) on that generation of GPU.
 
-    python -m benchmarks.tune_kernels [--kv-dtypes bf16,fp8] [--only prefill|decode]
+    python -m benchmarks.step.tune_kernels [--kv-dtypes bf16,fp8] [--only prefill|decode]
 
 Without CUDA it says so and exits 0.
 """
@@ -23,7 +23,7 @@ from typing import TypeVar
 import torch
 import triton.testing
 
-from benchmarks.kernels import (
+from benchmarks.step.triton_kernels import (
     DECODE_CASES,
     HEAD_DIM,
     KV_DTYPES,
@@ -138,7 +138,7 @@ def main() -> int:
     parser.add_argument("--only", choices=("prefill", "decode"), help="tune one kernel")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("benchmarks/tune_kernels.py tunes the Triton kernels on a CUDA GPU; none is visible.")
+        print("benchmarks.step.tune_kernels tunes the Triton kernels on a CUDA GPU; none is here.")
         return 0
     kv_names = kv_dtype_names(parser, args.kv_dtypes)
     capability = torch.cuda.get_device_capability()

@@ -36,7 +36,7 @@ per batch size::
 
     batch 64: 0.300 ms/step (the host alone; the argmax over 64 x 49152 logits it skips: 0.57 ms)
 
-    python -m benchmarks.host_overhead [--batch-sizes 1,8,64] [--steps 300] [--vocab 49152]
+    python -m benchmarks.step.host_overhead [--batch-sizes 1,8,64] [--steps 300] [--vocab 49152]
                                        [--forward-ms 0 | --device-ms 0] [--argmax-on-cpu]
 """
 

@@ -16,7 +16,8 @@ A sender process (like a prefill worker) publishes pages of a SmolLM2-shaped poo
 
 Every figure is the median of ``--repeats`` runs. Usage::
 
-    python -m benchmarks.kvtransfer [--repeats 5] [--backends zmq nixl] [--sizes-mb 1 16 256]
+    python -m benchmarks.serving.kvtransfer [--repeats 5] [--backends zmq nixl]
+        [--sizes-mb 1 16 256]
 """
 
 from __future__ import annotations

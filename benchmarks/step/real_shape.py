@@ -16,7 +16,7 @@ of bf16 weights, drawn on the device). Printed:
   step's wall time, and the kernels that take the most of it, per step; ``profile prefill T``
   (with ``--profile-prefill``) the same for a step that prefills a ``T``-token prompt.
 
-    python -m benchmarks.real_shape [--model DIR] [--batch-sizes 1,8,32,64] [--context 1024]
+    python -m benchmarks.step.real_shape [--model DIR] [--batch-sizes 1,8,32,64] [--context 1024]
         [--profile 1,8] [--profile-prefill 512]
 
 Without CUDA it runs on the CPU only with ``--allow-cpu`` (for its plumbing, on a small shape).
@@ -37,7 +37,7 @@ from common.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.engine.llm_engine import LLMEngine
 from common.sampling_params import SamplingParams
 
-SHAPES = Path(__file__).resolve().parent / "shapes"
+SHAPES = Path(__file__).resolve().parent.parent / "shapes"
 # Dense bf16 tensor-core peaks from the datasheets (TFLOP/s, without sparsity), by the start of
 # torch.cuda.get_device_name(). Absent: only the measured GEMM is given.
 DATASHEET_BF16_TFLOPS = {

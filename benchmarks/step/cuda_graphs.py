@@ -8,7 +8,7 @@ graph engine runs twice, with each step launched before the last one's tokens ar
 default, ``--async-scheduling``) and with steps taken one at a time, whose difference is the
 time the GPU waited on the host between steps.
 
-    python -m benchmarks.cuda_graphs [--model FOLDER] [--batch-sizes 1,8,32,64]
+    python -m benchmarks.step.cuda_graphs [--model FOLDER] [--batch-sizes 1,8,32,64]
 
 Without CUDA it says so and exits 0.
 """
@@ -67,7 +67,7 @@ def main() -> int:
     args = parser.parse_args()
     args.batch_sizes = [int(size) for size in args.batch_sizes.split(",")]
     if not torch.cuda.is_available():
-        print("benchmarks/cuda_graphs.py compares decode steps on a CUDA GPU; none is visible.")
+        print("benchmarks.step.cuda_graphs compares decode steps on a CUDA GPU; none is visible.")
         return 0
     eager_engine, graph_engine = build(args, eager=True), build(args, eager=False)
     graphs = graph_engine.runner.graphs

@@ -3,11 +3,11 @@
 Long chunks of bf16 queries over bf16 pages attend on AMX tiles where the processor has them
 (``kernels/cpu/prefill_attention.c``), and in SDPA's blocked kernel elsewhere. This times both on
 the same pages, on one pinned core, for whole prompts of 256 to 2048 tokens, eight prompts of 256
-side by side (one step of ``benchmarks.step``'s prefill), and chunks after a cached prefix. It
+side by side (one step of ``benchmarks.step.step``'s prefill), and chunks after a cached prefix. It
 prints each path's milliseconds per layer, its rate in GFLOP/s (the causal half of the products
 only), and the AMX kernel's speed-up.
 
-    python -m benchmarks.cpu_prefill_attention [--core 0] [--heads 9] [--kv-heads 3]
+    python -m benchmarks.step.cpu_prefill_attention [--core 0] [--heads 9] [--kv-heads 3]
         [--head-dim 64] [--repeats 5]
 
 Shapes are SmolLM2-360M's (9 query heads over 3 KV heads of 64) unless given.

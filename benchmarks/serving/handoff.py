@@ -25,8 +25,8 @@ model has 3 KV heads, which 2 ranks cannot split: with TP pairs and no ``--model
 builds a random model with 4 KV heads (``--tp-model-layers`` layers of 8 query heads of 64,
 SmolLM2's tokenizer). Usage::
 
-    python -m benchmarks.handoff [--backends zmq nixl] [--requests 5] [--prompt-tokens 4096]
-    python -m benchmarks.handoff --tp-pairs 1x1 1x2 2x1 2x2 1x4 --ship chunks
+    python -m benchmarks.serving.handoff [--backends zmq nixl] [--requests 5] [--prompt-tokens 4096]
+    python -m benchmarks.serving.handoff --tp-pairs 1x1 1x2 2x1 2x2 1x4 --ship chunks
 """
 
 from __future__ import annotations

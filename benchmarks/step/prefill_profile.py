@@ -2,12 +2,12 @@
 
 Wraps each part of the module path with a wall-clock timer (the GEMMs, attention, the KV store,
 the norms, RoPE, SiLU-and-multiply) and prints the fastest of a few steps of 512 and 2048 prompt
-tokens (256-token prompts, as ``benchmarks.step`` times them), each part's share of the step,
+tokens (256-token prompts, as ``benchmarks.step.step`` times them), each part's share of the step,
 and what is left (residual adds, Python per layer, embedding, head, sampling, bookkeeping).
 The C kernels run through ctypes and torch.profiler does not see them; these timers do.
 ``--prompt-tokens 1792 --step-tokens 1792`` times one long prompt alone instead (W3's).
 
-    python -m benchmarks.prefill_profile [--model PATH] [--core 0] [--repeats 4]
+    python -m benchmarks.step.prefill_profile [--model PATH] [--core 0] [--repeats 4]
         [--prompt-tokens 256] [--step-tokens 512,2048]
 """
 
@@ -22,7 +22,7 @@ from contextlib import contextmanager
 import torch
 
 from benchmarks.harness import add_core_argument, pin_to_cores, random_prompts
-from benchmarks.step import make_engine
+from benchmarks.step.step import make_engine
 from common.model import llama
 from common.sampling_params import SamplingParams
 from kernels.cpu import backend as cpu_backend
