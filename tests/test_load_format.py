@@ -75,7 +75,7 @@ def test_load_format_is_a_worker_flag_and_refuses_unknown_formats() -> None:
 @pytest.mark.parametrize("mode", [[], ["--argmax-on-cpu", "--forward-ms", "0.5"]])
 def test_the_host_overhead_benchmark_prints_a_line_per_batch_size(mode: list[str]) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.step.host_overhead", "--batch-sizes", "1,3",
+        [sys.executable, "-m", "benchmarks.step.host_overhead", "loop", "--batch-sizes", "1,3",
          "--steps", "5", "--prompt-len", "40", "--vocab", "500", *mode],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
