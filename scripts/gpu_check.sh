@@ -7,21 +7,22 @@
 #            decode graphs, and steps launched ahead against steps one at a time (those in
 #            test_cuda_graphs/test_async_scheduling); deterministic inference on the Triton
 #            path (test_deterministic_triton.py);
-#   graphs   python -m benchmarks.step.cuda_graphs: decode steps with CUDA graphs against eager ones
-#            (first on the tree `make gpu-carry BASE=COMMIT` carried, where it did);
-#   realshape python -m benchmarks.step.real_shape: Llama-3.1-8B's shape with random weights made on
-#            the device: its decode step at batch 1/8/32/64 beside the weight floor measured in
+#   graphs   python -m benchmarks.step.cuda_graphs: decode steps with CUDA graphs against eager
+#            ones (first on the tree `make gpu-carry BASE=COMMIT` carried, where it did);
+#   realshape python -m benchmarks.step.real_shape: Llama-3.1-8B's shape with random weights made
+#            on the device: its decode step at batch 1/8/32/64 beside the weight floor measured in
 #            the same run, its prefill TFLOP/s beside the bf16 peak, and where the device's
 #            time goes in the decode steps of batch 1 and 8 and a 512-token prefill, by kernel;
 #   serving  pdserve up with one prefill and one decode worker sharing the GPU, each given
 #            --gpu-memory-utilization 0.4 of it, then W1 of benchmarks.serving.load against it.
 # and three more that the default run leaves out (all of them do not fit in one 10-minute
 # command):
-#   bench    python -m benchmarks.step.triton_kernels: prefill TFLOP/s beside SDPA, decode GB/s beside a copy;
+#   bench    python -m benchmarks.step.triton_kernels: prefill TFLOP/s beside SDPA, decode GB/s
+#            beside a copy;
 #   realserving  W1 as in serving, on Llama-3.1-8B's layers (SmolLM2's vocabulary, the carried
 #            tokenizer's), each worker given 0.45 of the GPU and drawing its weights there;
-#   tune     python -m benchmarks.step.tune_kernels: every tile candidate on the bench's shapes, and
-#            the choice to record in kernels/triton/tiles.py.
+#   tune     python -m benchmarks.step.triton_kernels --tune: every tile candidate on the bench's
+#            shapes, and the choice to record in kernels/triton/tiles.py.
 # Each step has its own time limit, and one that fails does not stop the next. Steps joined by
 # "+" run side by side: the two test steps, which spend most of their time compiling kernels on
 # the host's cores (on an H200 machine's 16, about 270 s together, 500 one after the other).
@@ -121,7 +122,7 @@ step_bench() {
 }
 
 step_tune() {
-    "$PY" -m benchmarks.step.tune_kernels
+    "$PY" -m benchmarks.step.triton_kernels --tune
 }
 
 # SmolLM2-135M's shape with random weights, in $WORK; prints the folder.
