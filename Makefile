@@ -51,7 +51,7 @@ bench: $(STAMP)
 # writes benchmarks/RESULTS.md and benchmarks/plots/.
 compare: $(STAMP)
 	$(PIP) install -e '.[bench]'
-	$(PY) -m benchmarks.serving.compare $(ARGS)
+	$(PY) -m benchmarks.serving.versus_vllm --write-up $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
