@@ -5,7 +5,11 @@ at a given concurrency.
 For each configuration it prints how many answers came out identical (tokens and logprobs, bit
 for bit), the share of tokens generated before the first divergence, and positional agreement,
 one at a time against concurrent; and the same for two passes one at a time (the noise floor of
-the comparison itself, which should be exact in both modes).
+the comparison itself, which should be exact in both modes), e.g. (``--prompts 2 --tokens 8
+--concurrency 2``)::
+
+                    comparison                        bitwise      tokens    before 1st  positional
+    deterministic   alone vs 2 concurrent              2/2         2/2           100.0%      100.0%
 
     python -m benchmarks.quality.deterministic [--model FOLDER] [--prompts 16] [--tokens 64]
         [--concurrency 8] [--pdserve-args "--kv-transfer nixl"]

@@ -23,7 +23,13 @@ then the time from the prompt's last chunk to all its pages on the decode group 
 rank holding its heads), and fetches / fetch time count decode rank 0's reads only. The default
 model has 3 KV heads, which 2 ranks cannot split: with TP pairs and no ``--model`` the benchmark
 builds a random model with 4 KV heads (``--tp-model-layers`` layers of 8 query heads of 64,
-SmolLM2's tokenizer). Usage::
+SmolLM2's tokenizer). A row per backend, TP pair and way of shipping, in ms (2 CPU cores,
+``--backends zmq --requests 2 --prompt-tokens 512 --chunk 256 --ship chunks``)::
+
+     backend    TP          pages shipped   handoff  fetches  fetch time  first handoff
+         zmq  1->1     as each chunk ends       7.9        2        21.1           10.9
+
+Usage::
 
     python -m benchmarks.serving.handoff [--backends zmq nixl] [--requests 5] [--prompt-tokens 4096]
     python -m benchmarks.serving.handoff --tp-pairs 1x1 1x2 2x1 2x2 1x4 --ship chunks

@@ -6,6 +6,14 @@ ignore_eos and greedy sampling, streamed, at a fixed concurrency: the workload v
 Against pdserve it also reads the decode workers' own step time over the run (their
 ``pdserve_step_seconds``, from the metrics pages ``/v1/workers`` lists) and prints TPOT beside
 it: what the loop between two steps, and anything else a token waits for, adds to the step.
+It prints the workload, then a figure a line (ms unless named otherwise), e.g. from SmolLM2 on 2
+CPU cores (``--launch --isl 64 --osl 16 --num-prompts 8 --concurrency 4``)::
+
+    ISL 64, OSL 16, 8 prompts, concurrency 4
+      output_tok_s         46.2
+      tpot_mean_ms         57.3
+      decode_step_ms       57.3
+      tpot_over_step       1.00
 
     python -m benchmarks.serving.load --base-url http://127.0.0.1:8000 [--isl 256 --osl 64
         --num-prompts 64 --concurrency 8]

@@ -22,7 +22,12 @@ Two phases run one after the other against the same router:
 For each phase it prints requests/s, client latency p50/p99, the router's internal time per
 request from its ``pdserve_router_overhead_seconds`` histogram (arrival in the handler to
 dispatch, final token to response body; percentiles interpolated within buckets), and the
-router's CPU time per request (process, and its event-loop thread alone) from ``/proc``.
+router's CPU time per request (process, and its event-loop thread alone) from ``/proc``, e.g.
+the throughput phase on 2 shared cores (``--duration 2 --concurrency 4``)::
+
+      throughput phase: 4 client(s), 2985 requests in 2.0 s
+        requests/s                       1491
+        router added (sum)      p50   0.644 ms   p99   2.481 ms
 """
 
 from __future__ import annotations

@@ -6,7 +6,11 @@ prefilled, then their decode steps are timed, alternating the engines twice and 
 one's faster run. Prints ms per decode step and output tokens/s, and the graphs' speed-up. The
 graph engine runs twice, with each step launched before the last one's tokens are read (the
 default, ``--async-scheduling``) and with steps taken one at a time, whose difference is the
-time the GPU waited on the host between steps.
+time the GPU waited on the host between steps. A row per batch size: batch, ms per step eager,
+with graphs one step at a time and with graphs launched ahead, the graphs' speed-up, and eager
+and graph tokens/s; e.g. batch 8 on an H200, SmolLM2's shape (columns squeezed here)::
+
+    8  34.30  1.57  1.15  29.83x  233  6957
 
     python -m benchmarks.step.cuda_graphs [--model FOLDER] [--batch-sizes 1,8,32,64]
 

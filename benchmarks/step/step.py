@@ -5,7 +5,11 @@ Decode: the time of a whole engine step (schedule, forward, sampling, bookkeepin
 every weight byte once (measured here as a streaming read of that many bytes, beside every
 case, the fastest read of the run counting). Prefill: tokens/s of a step of 512 and 2048 prompt
 tokens beside a bare GEMM of the model's shapes at the same rows, in bf16 (``F.linear``) and in
-fp32 (``torch.mm``; the faster of the two on this machine is the floor).
+fp32 (``torch.mm``; the faster of the two on this machine is the floor). A row per case and a
+column per engine, e.g. (SmolLM2 on a shared 2-core box)::
+
+    batch  8 ctx  256       32.41 ms ( 1.61x)
+     2048 tokens                 496 ( 76.7%)              228              646
 
     python -m benchmarks.step.step [--model PATH] [--dtype bfloat16] [--core 0] [--repeats 5]
         [--baseline]   # also the plain torch path (--enforce-eager, torch attention), same run
