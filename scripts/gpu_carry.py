@@ -50,7 +50,7 @@ WHEELS = [
     "idna",
     "click",
     "h11",
-    "httpx",  # benchmarks/serving/load.py's client
+    "httpx",  # the benchmarks' HTTP client (benchmarks/harness.py, benchmarks/serving/load.py)
     "httpcore",
     "certifi",
 ]
