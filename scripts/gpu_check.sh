@@ -7,21 +7,22 @@
 #            decode graphs, and steps launched ahead against steps one at a time (those in
 #            test_cuda_graphs/test_async_scheduling); deterministic inference on the Triton
 #            path (test_deterministic_triton.py);
-#   graphs   python -m benchmarks.cuda_graphs: decode steps with CUDA graphs against eager ones
-#            (first on the tree `make gpu-carry BASE=COMMIT` carried, where it did);
-#   realshape python -m benchmarks.real_shape: Llama-3.1-8B's shape with random weights made on
-#            the device: its decode step at batch 1/8/32/64 beside the weight floor measured in
+#   graphs   python -m benchmarks.step.cuda_graphs: decode steps with CUDA graphs against eager
+#            ones (first on the tree `make gpu-carry BASE=COMMIT` carried, where it did);
+#   realshape python -m benchmarks.step.real_shape: Llama-3.1-8B's shape with random weights made
+#            on the device: its decode step at batch 1/8/32/64 beside the weight floor measured in
 #            the same run, its prefill TFLOP/s beside the bf16 peak, and where the device's
 #            time goes in the decode steps of batch 1 and 8 and a 512-token prefill, by kernel;
 #   serving  pdserve up with one prefill and one decode worker sharing the GPU, each given
-#            --gpu-memory-utilization 0.4 of it, then W1 of benchmarks.serving against it.
+#            --gpu-memory-utilization 0.4 of it, then W1 of benchmarks.serving.load against it.
 # and three more that the default run leaves out (all of them do not fit in one 10-minute
 # command):
-#   bench    python -m benchmarks.kernels: prefill TFLOP/s beside SDPA, decode GB/s beside a copy;
+#   bench    python -m benchmarks.step.triton_kernels: prefill TFLOP/s beside SDPA, decode GB/s
+#            beside a copy;
 #   realserving  W1 as in serving, on Llama-3.1-8B's layers (SmolLM2's vocabulary, the carried
 #            tokenizer's), each worker given 0.45 of the GPU and drawing its weights there;
-#   tune     python -m benchmarks.tune_kernels: every tile candidate on the bench's shapes, and
-#            the choice to record in kernels/triton/tiles.py.
+#   tune     python -m benchmarks.step.triton_kernels --tune: every tile candidate on the bench's
+#            shapes, and the choice to record in kernels/triton/tiles.py.
 # Each step has its own time limit, and one that fails does not stop the next. Steps joined by
 # "+" run side by side: the two test steps, which spend most of their time compiling kernels on
 # the host's cores (on an H200 machine's 16, about 270 s together, 500 one after the other).
@@ -117,18 +118,19 @@ step_engine() {
 }
 
 step_bench() {
-    "$PY" -m benchmarks.kernels
+    "$PY" -m benchmarks.step.triton_kernels
 }
 
 step_tune() {
-    "$PY" -m benchmarks.tune_kernels
+    "$PY" -m benchmarks.step.triton_kernels --tune
 }
 
 # SmolLM2-135M's shape with random weights, in $WORK; prints the folder.
 random_model() {
     local model="$WORK/SmolLM2-135M-Instruct-random-weights"
     rm -rf "$model"
-    "$PY" -m benchmarks.random_model "$CARRY/SmolLM2-135M-Instruct" "$model" >&2 || return 1
+    "$PY" -m benchmarks.harness random-model "$CARRY/SmolLM2-135M-Instruct" "$model" >&2 ||
+        return 1
     echo "$model"
 }
 
@@ -139,16 +141,19 @@ step_graphs() {
     # model, so that a change's before and after come from one run.
     if [[ -d $CARRY/base ]]; then
         echo "== the base tree, $(cat "$CARRY/base/BASE_COMMIT" 2>/dev/null || echo '?')"
-        (cd "$CARRY/base" && PYTHONPATH="$SITE:$PWD" "$PY" -m benchmarks.cuda_graphs \
+        # A tree from before benchmarks/ had groups keeps the benchmark at its top.
+        local graphs=benchmarks.step.cuda_graphs
+        [[ -f $CARRY/base/benchmarks/step/cuda_graphs.py ]] || graphs=benchmarks.cuda_graphs
+        (cd "$CARRY/base" && PYTHONPATH="$SITE:$PWD" "$PY" -m "$graphs" \
             --model "$model" --batch-sizes 1,8,64) || echo "the base tree's run failed"
         echo "== this tree"
     fi
-    "$PY" -m benchmarks.cuda_graphs --model "$model"
+    "$PY" -m benchmarks.step.cuda_graphs --model "$model"
 }
 
 step_realshape() {
     # shellcheck disable=SC2086
-    "$PY" -m benchmarks.real_shape ${GPU_CHECK_REALSHAPE_ARGS:---profile 1,8 --profile-prefill 512}
+    "$PY" -m benchmarks.step.real_shape ${GPU_CHECK_REALSHAPE_ARGS:---profile 1,8 --profile-prefill 512}
 }
 
 step_serving() {
@@ -181,7 +186,7 @@ step_realserving() {
 }
 
 # pdserve up on MODEL with one prefill and one decode worker, each given SHARE of the GPU (and
-# any further worker flags), then W1 of benchmarks.serving against it.
+# any further worker flags), then W1 of benchmarks.serving.load against it.
 serve_w1() {
     local model=$1 share=$2
     shift 2
@@ -221,7 +226,7 @@ EOF
             sed 's/^/GPU process (pid, name, memory): /'
     fi
     # shellcheck disable=SC2086
-    "$PY" -m benchmarks.serving --model "$model" --base-url "$url" $W1_ARGS
+    "$PY" -m benchmarks.serving.load --model "$model" --base-url "$url" $W1_ARGS
 }
 
 if [[ ${1:-} == --step ]]; then
@@ -278,7 +283,7 @@ print("\n".join(problems) or "every carried package's requirements are met")
 
 import torch, triton, transformers, zmq, fastapi, uvicorn, pydantic, httpx
 import router.server, prefill_worker.worker, decode_worker.worker
-import kvtransfer.zmq_backend, benchmarks.serving, benchmarks.random_model
+import kvtransfer.zmq_backend, benchmarks.serving.load, benchmarks.harness
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, triton "
       f"{triton.__version__}, transformers {transformers.__version__}, pyzmq {zmq.__version__}, "

@@ -3,13 +3,7 @@
 from __future__ import annotations
 
 import json
-import random
 import re
-import signal
-import socket
-import subprocess
-import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,6 +13,7 @@ import openai
 import pytest
 from tiny_models import build_tiny_chat_model
 
+from benchmarks.harness import start_cluster
 from common.config import EngineConfig, SchedulerConfig
 from common.engine.llm_engine import LLMEngine
 from common.sampling_params import SamplingParams
@@ -27,52 +22,19 @@ from common.tokenizer import Tokenizer
 STARTUP_TIMEOUT_S = 240
 
 
-def free_port_pair() -> int:
-    """A port P with P and P + 1 both free (the router's HTTP and control ports).
-
-    Drawn below the kernel's ephemeral range: a port the kernel handed out would be free at
-    the probe and could be taken by any outgoing connection (a worker's, a client's) before
-    the router binds it."""
-    low, _ = (int(n) for n in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-    for _ in range(200):
-        port = random.randrange(max(1024, low - 12000), low - 1)
-        try:
-            for candidate in (port, port + 1):
-                with socket.socket() as probe:
-                    probe.bind(("127.0.0.1", candidate))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError("no free port pair")
-
-
 @contextmanager
 def running_cluster(folder: Path, log_path: Path, *flags: str) -> Iterator[str]:
     """`pdserve up --model folder *flags` until the block ends (then it must exit cleanly);
     yields the router's base URL."""
-    port = free_port_pair()
-    log = open(log_path, "w+")  # noqa: SIM115
-    process = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "up", "--model", str(folder), "--port", str(port),
-         "--log-level", "WARNING", *flags],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    cluster = start_cluster(folder, *flags, log=log_path)
     try:
-        while True:
-            log.seek(0)
-            if "pdserve is up" in log.read():
-                break
-            if process.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                pytest.fail(f"pdserve up did not start:\n{log.read()[-3000:]}")
-            time.sleep(0.5)
-        yield f"http://127.0.0.1:{port}"
+        try:
+            cluster.wait_until_up(STARTUP_TIMEOUT_S)
+        except RuntimeError as exc:
+            pytest.fail(f"pdserve up did not start: {exc}")
+        yield cluster.base_url
     finally:
-        process.send_signal(signal.SIGINT)
-        code = process.wait(timeout=60)
-        log.close()
+        code = cluster.stop()
     assert code == 0
 
 

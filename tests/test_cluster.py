@@ -21,7 +21,6 @@ import openai
 import pytest
 import zmq
 from cluster_harness import (
-    free_port_pair,
     greedy_reference,
     reference_engine,
     tiny_chat_cluster,
@@ -30,7 +29,8 @@ from cluster_harness import (
 from tiny_models import build_tiny_chat_model
 from zmq_strangers import send_unless_refused
 
-from benchmarks import serving
+from benchmarks.harness import free_port_pair, pdserve_up, start_cluster
+from benchmarks.serving import load as serving
 from common.config import EngineConfig, SchedulerConfig
 from common.engine.llm_engine import LLMEngine
 from common.kv_layout import KVLayout
@@ -263,13 +263,13 @@ def router_metric(base: str, name: str, **labels: str) -> float:
 
 
 def test_the_startup_benchmark_times_a_cluster_up_and_its_first_answer(tmp_path):
-    """benchmarks.startup starts `pdserve up` (with the flags it does not know itself), waits
-    for it to say it is up and for a first completion, and prints both times."""
+    """benchmarks.startup.startup starts `pdserve up` (with the flags it does not know itself),
+    waits for it to say it is up and for a first completion, and prints both times."""
     folder = build_tiny_chat_model(tmp_path / "m")
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.startup", "--model", str(folder), "--rounds", "1",
-         "--port", str(free_port_pair()), "--max-model-len", "256", "--kv-cache-memory", "16MiB",
-         "--dtype", "float32"],
+        [sys.executable, "-m", "benchmarks.startup.startup", "--model", str(folder),
+         "--rounds", "1", "--port", str(free_port_pair()), "--max-model-len", "256",
+         "--kv-cache-memory", "16MiB", "--dtype", "float32"],
         capture_output=True, text=True, timeout=600, check=True,
     )  # fmt: skip
     summary = re.fullmatch(
@@ -284,21 +284,10 @@ def test_the_startup_benchmark_times_a_cluster_up_and_its_first_answer(tmp_path)
 def test_sigterm_stops_every_process(tmp_path):
     """`pdserve up` takes its children down with it."""
     folder = build_tiny_chat_model(tmp_path / "m")
-    port = free_port_pair()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "up", "--model", str(folder), "--port", str(port),
-         "--max-model-len", "256", "--kv-cache-memory", "16MiB", "--log-level", "WARNING"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )  # fmt: skip
-    line = ""
-    deadline = time.monotonic() + 240
-    while "pdserve is up" not in line and time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if not line and process.poll() is not None:
-            break
-    assert "pdserve is up" in line
+    flags = ("--max-model-len", "256", "--kv-cache-memory", "16MiB")
+    cluster = start_cluster(folder, *flags, log=tmp_path / "up.log")
+    cluster.wait_until_up(240)
+    process = cluster.process
     children = subprocess.run(
         ["pgrep", "-P", str(process.pid)], capture_output=True, text=True
     ).stdout.split()
@@ -314,23 +303,8 @@ def test_sigterm_stops_every_process(tmp_path):
 def launched(*flags: str) -> Iterator[tuple[subprocess.Popen, str]]:
     """`pdserve up *flags` on a free port until the block ends; yields the launcher's process
     (its children are the services) and the router's base URL."""
-    port = free_port_pair()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--log-level", "WARNING",
-         *flags],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )  # fmt: skip
-    try:
-        said: list[str] = []  # what it printed before it was up, to show why if it never is
-        while not said or "pdserve is up" not in said[-1]:
-            said.append(process.stdout.readline())
-            assert said[-1] or process.poll() is None, "pdserve up exited:\n" + "".join(said)
-        yield process, f"http://127.0.0.1:{port}"
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=60)
+    with pdserve_up(None, *flags) as cluster:
+        yield cluster.process, cluster.base_url
 
 
 def test_decode_worker_killed_mid_stream_migrates_and_the_stream_goes_on(tmp_path):
@@ -522,8 +496,8 @@ def kill_busy_worker(base: str, launcher_pid: int, role: str, at_least: int = 1)
 
 
 def test_the_serving_benchmark_reads_the_decode_workers_steps_over_its_run(cluster):
-    """benchmarks.serving puts TPOT beside the decode workers' own step time over the run: their
-    step histograms, read through the metrics pages the router lists, grow by the steps of the
+    """benchmarks.serving.load puts TPOT beside the decode workers' own step time over the run:
+    their step histograms, read through the metrics pages the router lists, grow by the steps of the
     requests between two readings."""
     client, _, base = cluster
     before = serving.decode_steps(base)

@@ -153,10 +153,10 @@ def test_deterministic_attention_gives_a_position_the_same_bits_however_it_is_ba
 # Compiles the prefill kernel for a GPU (this machine's, else an H100/H200's sm_90) with the
 # compiler's FP contraction on and off, in a process of its own: Triton chooses between the
 # interpreter and the compiler when the kernels are decorated. Small tiles compile in seconds;
-# ``python -m benchmarks.compiled_kernels --contraction`` checks the table's.
+# ``python -m benchmarks.step.compiled_kernels --contraction`` checks the table's.
 _CONTRACTION_SCRIPT = """
 import torch
-from benchmarks.compiled_kernels import Case, contraction_differs
+from benchmarks.step.compiled_kernels import Case, contraction_differs
 from kernels.triton.tiles import PrefillTiles
 
 major, minor = torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)

@@ -26,10 +26,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cluster_harness import free_port_pair, reference_engine
+from cluster_harness import reference_engine
 from test_router_registry import beat, reg
 from tiny_models import build_tiny_chat_model
 
+from benchmarks.harness import free_port_pair
 from common.messages import decode, encode
 from common.protocol import (
     AbortRequest,

@@ -754,7 +754,7 @@ def test_tiles_fit_the_head_size() -> None:
 def test_tuner_choice(capsys: pytest.CaptureFixture[str]) -> None:
     """The tuner keeps the candidate with the best geometric-mean gain over the default among
     those that ran in every case."""
-    from benchmarks.tune_kernels import report
+    from benchmarks.step.triton_kernels import report_candidates as report
 
     default, fast_once, steady, fails = DECODE_CANDIDATES[:4]
     rows = {

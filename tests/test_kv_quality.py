@@ -1,5 +1,6 @@
-"""The core of ``benchmarks/kv_quality.py`` on a tiny model: teacher-forced segments through every
-KV format's engine, scored against bf16 KV, and the one line per format a script reads."""
+"""The core of ``benchmarks/quality/kv_quality.py`` on a tiny model: teacher-forced segments
+through every KV format's engine, scored against bf16 KV, and the one line per format a script
+reads."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 from tiny_models import VOCAB_SIZE, build_tiny_model
 
-from benchmarks.kv_quality import FORMATS, REFERENCE, build_engine, cut_segments, measure
+from benchmarks.quality.kv_quality import FORMATS, REFERENCE, build_engine, cut_segments, measure
 
 LINE = re.compile(
     r"^kv (?P<name>[\w ]+): kld_mean (?P<mean>\S+) kld_p99 (?P<p99>\S+) "

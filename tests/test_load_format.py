@@ -69,7 +69,7 @@ def test_load_format_is_a_worker_flag_and_refuses_unknown_formats() -> None:
 @pytest.mark.parametrize("mode", [[], ["--argmax-on-cpu", "--forward-ms", "0.5"]])
 def test_the_host_overhead_benchmark_prints_a_line_per_batch_size(mode: list[str]) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.host_overhead", "--batch-sizes", "1,3",
+        [sys.executable, "-m", "benchmarks.step.host_overhead", "loop", "--batch-sizes", "1,3",
          "--steps", "5", "--prompt-len", "40", "--vocab", "500", *mode],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -81,12 +81,13 @@ def test_the_host_overhead_benchmark_prints_a_line_per_batch_size(mode: list[str
 
 @pytest.mark.slow
 def test_the_real_shape_benchmark_times_and_profiles_a_config_only_model(config_only: Path) -> None:
-    """``benchmarks.real_shape``'s plumbing on the CPU: a decode step beside its floors, that
+    """``benchmarks.step.real_shape``'s plumbing on the CPU: a decode step beside its floors, that
     step and a prefill step profiled (host ops here, kernels on a GPU), and a prefill chunk."""
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.real_shape", "--allow-cpu", "--model", str(config_only),
-         "--batch-sizes", "2", "--context", "32", "--steps", "3", "--prefill-chunks", "16",
-         "--kv-cache-gib", "1", "--profile", "2", "--profile-prefill", "24"],
+        [sys.executable, "-m", "benchmarks.step.real_shape", "--allow-cpu",
+         "--model", str(config_only), "--batch-sizes", "2", "--context", "32", "--steps", "3",
+         "--prefill-chunks", "16", "--kv-cache-gib", "1", "--profile", "2",
+         "--profile-prefill", "24"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]

@@ -4,7 +4,7 @@ A decode step reads each sequence's KV pages wherever the pool handed them out, 
 nearly every page read misses the TLB (a pool of a few GB spans a million 4 KB pages; the TLB
 holds a few thousand) and waits for a page walk. On 2 MB pages the walks all but vanish: on a
 2-core AMX Xeon, decode attention over SmolLM2's pages ran 8-10% faster
-(``benchmarks/cpu_decode_attention.py``), and a plain read of memory 40% faster.
+(``python -m benchmarks.step.cpu_attention decode``), and a plain read of memory 40% faster.
 
 Linux backs anonymous memory with 2 MB pages (transparent huge pages) only where a mapping
 covers whole aligned 2 MB ranges, and, in the usual ``madvise`` mode, only where the process

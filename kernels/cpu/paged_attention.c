@@ -37,7 +37,8 @@
  * into L1 PAGES_TO_L1 ahead, a part at a time. A Zen 3 core over SmolLM2's pages (8 x 1024
  * tokens) read 20% faster with 2 to 4 ahead into L1 than with one page ahead at once, and 8 ahead
  * was slower again; on a 2-core AMX Xeon the two steps (10 into L2, then 1 into L1) read 5-10%
- * faster than 4 into L1 alone (benchmarks/cpu_decode_attention.py, 8 and 32 x 256 and x 1024).
+ * faster than 4 into L1 alone (benchmarks/step/cpu_attention.py decode, 8 and 32 x 256 and
+ * x 1024).
  * Where bf16 rows are read in place (the row sets below), a part's lines are requested a few
  * per key from inside the work rather than all before it: a burst of 64 requests fills the
  * core's line fill buffers, and the work's own loads queue behind them (on the AMX Xeon 10-18%

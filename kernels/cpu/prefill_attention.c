@@ -5,8 +5,8 @@
  * SDPA's CPU kernel, which long chunks took before, runs a 1792-token prompt's attention (9
  * query heads, 3 KV heads, head_dim 64) at about 260 GFLOP/s on one core of the AMX Xeon, 14 ms
  * a layer: 40% of the prompt's prefill. Here both products run on AMX and the call takes 6-7 ms
- * (benchmarks/cpu_prefill_attention.py): what is left is mostly the softmax's exps, 16 lanes at
- * a time, about half of it, and the products' tile loads and stores.
+ * (benchmarks/step/cpu_attention.py prefill): what is left is mostly the softmax's exps, 16
+ * lanes at a time, about half of it, and the products' tile loads and stores.
  *
  * How it goes. A call packs each KV head's keys and values once, read straight from their pages
  * into the tiles' pair layouts. Then each block of QUERY_ROWS query rows of a KV head's query

@@ -272,7 +272,7 @@ def attend_tile(
     row: left as ``scores * qk_scale - m``, the compiler fuses the multiply into the subtraction
     wherever nothing stands between them (the unmasked tiles) and not where a select does (the
     masked ones), and the two round differently (float32 queries showed it on an H200).
-    ``benchmarks.compiled_kernels --contraction`` checks that no such pair is left.
+    ``benchmarks.step.compiled_kernels --contraction`` checks that no such pair is left.
 
     A row must see a key in the first tile it folds (both kernels see to it: prefill tiles start
     at key 0, which every row sees, and a decode split's rows see every key it holds). A row that
@@ -351,7 +351,7 @@ def attend_span(
     their own iteration, Triton's software pipeliner keeps them only one tile ahead whatever
     ``num_stages`` (compiled for sm_90, every wait in the loop is for all copies in flight); with
     the ids a step ahead, ``num_stages`` 3 and 4 keep 2 and 3 tiles of K/V in flight
-    (``benchmarks.compiled_kernels`` shows the IR)."""
+    (``benchmarks.step.compiled_kernels`` shows the IR)."""
     pos = first + tl.arange(0, BLOCK_N)
     page, slot = page_slots(page_table_ptr, pos, pos < end, page_size)
     for start in range(first, unmasked_end, BLOCK_N):

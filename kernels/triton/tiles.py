@@ -1,7 +1,7 @@
 """Tile sizes and launch shapes of the Triton attention kernels, per GPU generation.
 
-Each kernel takes its tiles from here: what ``python -m benchmarks.kernels --tune`` measured
-fastest on a generation of GPU (``TUNED``), else the defaults below. A table rather than
+Each kernel takes its tiles from here: what ``python -m benchmarks.step.triton_kernels --tune``
+measured fastest on a generation of GPU (``TUNED``), else the defaults below. A table rather than
 ``triton.autotune`` at run time, for three reasons: tuning would run inside the first requests
 (seconds of compiling and timing each shape's candidates) and cannot run inside a CUDA graph
 capture; two workers could pick different tiles for the same shape, and then a prefill worker
@@ -47,8 +47,8 @@ class DecodeTiles:
 # sizes adjust them (``_fit_prefill``, ``_fit_decode``).
 # num_stages: the kernels' K/V loads run num_stages - 1 tiles ahead of the math, but with 2 the
 # next tile's loads are issued only after this tile's math (compiled for sm_90, nothing is left
-# in flight across it: ``benchmarks.compiled_kernels``); 3 keeps a tile in flight behind it. Each
-# stage costs shared memory (this default takes 96 KiB at 2 stages and 128 KiB at 3, past an
+# in flight across it: ``benchmarks.step.compiled_kernels``); 3 keeps a tile in flight behind it.
+# Each stage costs shared memory (this default takes 96 KiB at 2 stages and 128 KiB at 3, past an
 # sm_89 GPU's 99 KiB a program), so the default stays at 2 and the tuner chooses per generation.
 DEFAULT_PREFILL = PrefillTiles(block_m=128, block_n=64, num_warps=8, num_stages=2)
 DEFAULT_DECODE = DecodeTiles(block_n=64, num_warps=4, num_stages=2)

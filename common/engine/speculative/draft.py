@@ -5,7 +5,7 @@ KV into the pages of the same ids, so the target's page tables serve both models
 is allocated twice. The draft computes its KV here, on the decode worker, from whatever the
 sequence holds: a prompt whose target KV was shipped from a prefill worker is caught up by the
 draft in its first proposing steps (a draft is a small fraction of the target, so this costs
-less than shipping a second model's pages would; ``benchmarks/speculative.py`` measures it).
+less than shipping a second model's pages would; ``benchmarks/step/speculative.py`` measures it).
 ``SpeculationState.draft_fed_tokens`` says how far a sequence's draft KV reaches; after
 verification it is valid only up to the sequence's computed tokens, since a rejected proposal
 was fed at the position that now holds the target's correction.

@@ -1,7 +1,7 @@
 """The router's own overhead and throughput, with a worker that answers at once.
 
-    python -m benchmarks.router [--duration 10] [--concurrency 32] [--client auto|wrk|python]
-                                [--repeats 1] [--profile FILE]
+    python -m benchmarks.serving.router [--duration 10] [--concurrency 32]
+        [--client auto|wrk|python] [--repeats 1] [--profile FILE]
 
 Starts ``python -m router`` as a subprocess and registers a fake decode worker (a thread of this
 process) on its control socket that answers every DecodeRequest/PrefillRequest at once with one
@@ -22,7 +22,12 @@ Two phases run one after the other against the same router:
 For each phase it prints requests/s, client latency p50/p99, the router's internal time per
 request from its ``pdserve_router_overhead_seconds`` histogram (arrival in the handler to
 dispatch, final token to response body; percentiles interpolated within buckets), and the
-router's CPU time per request (process, and its event-loop thread alone) from ``/proc``.
+router's CPU time per request (process, and its event-loop thread alone) from ``/proc``, e.g.
+the throughput phase on 2 shared cores (``--duration 2 --concurrency 4``)::
+
+      throughput phase: 4 client(s), 2985 requests in 2.0 s
+        requests/s                       1491
+        router added (sum)      p50   0.644 ms   p99   2.481 ms
 """
 
 from __future__ import annotations
@@ -34,7 +39,6 @@ import multiprocessing
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,6 +51,7 @@ import httpx
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.harness import free_port_pair
 from common.kv_layout import KVLayout
 from common.messages import PROTOCOL_VERSION, decode, encode
 from common.model.default_model import resolve_model_path
@@ -78,12 +83,6 @@ done = function(summary, latency, requests)
     latency:percentile(50), latency:percentile(99)))
 end
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class InstantWorker(threading.Thread):
@@ -411,7 +410,7 @@ def _median_phase(phases: list[Phase]) -> Phase:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.router")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.serving.router")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per phase")
     parser.add_argument("--concurrency", type=int, default=32, help="throughput-phase clients")
     parser.add_argument("--client", choices=["auto", "wrk", "python"], default="auto")
@@ -428,8 +427,8 @@ def main(argv: list[str] | None = None) -> int:
 
     model_path = resolve_model_path(None)
     body = json.dumps({"model": model_path.name, "prompt": PROMPT, "max_tokens": 1}).encode()
-    port, control_port = _free_port(), _free_port()
-    control = f"tcp://127.0.0.1:{control_port}"
+    port = free_port_pair()
+    control = f"tcp://127.0.0.1:{port + 1}"
     url = f"http://127.0.0.1:{port}"
     router = RouterProcess(port, control, args.profile)
     worker = InstantWorker(control, model_path.name)

@@ -5,9 +5,13 @@ at a given concurrency.
 For each configuration it prints how many answers came out identical (tokens and logprobs, bit
 for bit), the share of tokens generated before the first divergence, and positional agreement,
 one at a time against concurrent; and the same for two passes one at a time (the noise floor of
-the comparison itself, which should be exact in both modes).
+the comparison itself, which should be exact in both modes), e.g. (``--prompts 2 --tokens 8
+--concurrency 2``)::
 
-    python -m benchmarks.deterministic [--model FOLDER] [--prompts 16] [--tokens 64]
+                    comparison                        bitwise      tokens    before 1st  positional
+    deterministic   alone vs 2 concurrent              2/2         2/2           100.0%      100.0%
+
+    python -m benchmarks.quality.deterministic [--model FOLDER] [--prompts 16] [--tokens 64]
         [--concurrency 8] [--pdserve-args "--kv-transfer nixl"]
 """
 
@@ -16,16 +20,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shlex
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import httpx
 
-from benchmarks.fp8_kv import chat_prompts
-from benchmarks.serving import wait_for_cluster
-from benchmarks.versus_vllm import stop
+from benchmarks.harness import chat_prompts, pdserve_up
 from common.model.default_model import resolve_model_path
 from common.tokenizer import Tokenizer
 
@@ -35,23 +35,27 @@ CONFIGURATIONS = {"default": [], "deterministic": ["--enable-deterministic-infer
 Answer = tuple[tuple[str, ...], tuple[float, ...]]
 
 
-async def ask(client: httpx.AsyncClient, model: str, prompt: list[int], tokens: int) -> Answer:
+async def ask(
+    client: httpx.AsyncClient, base_url: str, model: str, prompt: list[int], tokens: int
+) -> Answer:
     body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0.0,
             "logprobs": 1, "ignore_eos": True}  # fmt: skip
-    response = await client.post(f"http://127.0.0.1:{PORT}/v1/completions", json=body)
+    response = await client.post(f"{base_url}/v1/completions", json=body)
     response.raise_for_status()
     logprobs = response.json()["choices"][0]["logprobs"]
     return tuple(logprobs["tokens"]), tuple(logprobs["token_logprobs"])
 
 
-async def answers(model: str, prompts: list[list[int]], tokens: int, concurrency: int):
+async def answers(
+    base_url: str, model: str, prompts: list[list[int]], tokens: int, concurrency: int
+) -> list[Answer]:
     """Every prompt's answer, at most ``concurrency`` requests in flight."""
     limit = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=600) as client:
 
         async def one(prompt: list[int]) -> Answer:
             async with limit:
-                return await ask(client, model, prompt, tokens)
+                return await ask(client, base_url, model, prompt, tokens)
 
         return await asyncio.gather(*(one(p) for p in prompts))
 
@@ -74,22 +78,14 @@ def agreement(reference: list[Answer], other: list[Answer]) -> str:
     )
 
 
-def measure(args, model: Path, prompts: list[list[int]], flags: list[str], log) -> list[str]:
-    command = [str(Path(sys.executable).with_name("pdserve")), "up", "--model", str(model),
-               "--port", str(PORT), "--max-model-len", "2048",
-               *shlex.split(args.pdserve_args), *flags]  # fmt: skip
-    process = subprocess.Popen(
-        command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    try:
-        wait_for_cluster(f"http://127.0.0.1:{PORT}", process, 600.0, "pdserve up")
+def measure(args, model: Path, prompts: list[list[int]], flags: list[str], log: Path) -> list[str]:
+    up_flags = ["--max-model-len", "2048", *shlex.split(args.pdserve_args), *flags]
+    with pdserve_up(model, *up_flags, port=PORT, log=log, log_level="INFO") as cluster:
         run = lambda concurrency: asyncio.run(  # noqa: E731
-            answers(model.name, prompts, args.tokens, concurrency)
+            answers(cluster.base_url, model.name, prompts, args.tokens, concurrency)
         )
         first, second, concurrent = run(1), run(1), run(args.concurrency)
         return [agreement(first, second), agreement(first, concurrent)]
-    finally:
-        stop(process)
 
 
 def main() -> None:
@@ -102,18 +98,14 @@ def main() -> None:
     args = parser.parse_args()
     model = resolve_model_path(args.model)
     prompts = chat_prompts(Tokenizer(model))[::2][: args.prompts]
-    log_path = Path(tempfile.mkdtemp(prefix="deterministic-")) / "pdserve.log"
+    logs = Path(tempfile.mkdtemp(prefix="deterministic-"))
     print(
-        f"{len(prompts)} chat prompts x {args.tokens} greedy tokens, {model.name}; log {log_path}"
+        f"{len(prompts)} chat prompts x {args.tokens} greedy tokens, {model.name}; logs in {logs}"
     )
     rows = {}
-    with open(log_path, "w") as log:
-        for name, flags in (
-            ("default", []),
-            ("deterministic", ["--enable-deterministic-inference"]),
-        ):
-            print(f"  {name} ...", flush=True)
-            rows[name] = measure(args, model, prompts, flags, log)
+    for name, flags in CONFIGURATIONS.items():
+        print(f"  {name} ...", flush=True)
+        rows[name] = measure(args, model, prompts, flags, logs / f"pdserve-{name}.log")
     print(
         f"\n{'':16s}{'comparison':30s}{'bitwise':>11s}{'tokens':>12s}{'before 1st':>14s}"
         f"{'positional':>12s}"

@@ -3,9 +3,14 @@ prompts sent twice, one request at a time: the first pass computes every prompt 
 second finds each prompt's full pages in the prefix cache and prefills only what follows. The
 control runs the same with prefix caching off (both passes compute everything, in the same
 chunks). Prints, per configuration, how many answers came out bit for bit equal (tokens and
-logprobs) and how many with the same tokens.
+logprobs) and how many with the same tokens, a line each::
 
-    python -m benchmarks.cache_hit_bits [--model FOLDER] [--tokens 48] [--deterministic]
+    deterministic=False prefix_caching=False: cached tokens on the repeat [0, 0, 0, 0, 0, 0]; bit
+    for bit 6/6, same tokens 6/6
+
+(wrapped here).
+
+    python -m benchmarks.quality.cache_hit_bits [--model FOLDER] [--tokens 48] [--deterministic]
 """
 
 from __future__ import annotations

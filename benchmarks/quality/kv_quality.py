@@ -3,14 +3,14 @@
 next-token distribution compared with the bf16 KV one.
 
 Teacher forcing feeds every position the text's true previous tokens, so one early flip does not
-decide the rest (greedy agreement saturates: see ``benchmarks/fp8_kv.py``). The text is held out:
-Python's own reference manual (``pydoc_data.topics``, shipped with every Python), not pdserve's.
-It is cut into segments decoded side by side: each segment's first ``--context`` tokens are
-prefilled in chunks through the paged cache, then every later position is decoded one token at a
-time over the pages (one decode row per segment, so a step is a batch of segments), and its
-logits are scored. Every format runs the engine as it serves: its own pool, its own stores and
-attention backend (the C kernels on a CPU), and ``--kv-cache-dtype int8`` with its Hadamard
-turns.
+decide the rest (greedy agreement saturates: see ``benchmarks/quality/fp8_kv.py``). The text is
+held out: Python's own reference manual (``pydoc_data.topics``, shipped with every Python), not
+pdserve's. It is cut into segments decoded side by side: each segment's first ``--context``
+tokens are prefilled in chunks through the paged cache, then every later position is decoded one
+token at a time over the pages (one decode row per segment, so a step is a batch of segments),
+and its logits are scored. Every format runs the engine as it serves: its own pool, its own
+stores and attention backend (the C kernels on a CPU), and ``--kv-cache-dtype int8`` with its
+Hadamard turns.
 
 The formats: bf16 KV (the reference), ``fp8`` (vLLM's meaning: e4m3 with a scale per token and
 KV head) and ``int8`` (int8 after a Hadamard turn, a one-byte scale). The rounding row keeps bf16
@@ -20,10 +20,15 @@ the metric cannot resolve. Per format, one line a script can read::
 
     kv int8: kld_mean X kld_p99 Y top1 Z% ppl_ratio R
 
+e.g. on SmolLM2, ``--tokens 512 --segment 128 --context 32 --chunk 16``::
+
+    kv int8: kld_mean 0.002125 kld_p99 0.00796 top1 97.63% ppl_ratio 0.99278
+
 KL divergence is KL(bf16 || format) in nats per position, top-1 the share of positions whose
 most likely token is bf16's, ppl_ratio the format's perplexity of the text over bf16's.
 
-    python -m benchmarks.kv_quality [--model PATH | --qwen2] [--tokens 16384] [--segment 512]
+    python -m benchmarks.quality.kv_quality [--model PATH | --qwen2] [--tokens 16384]
+        [--segment 512]
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.fp8_kv import build_qwen2_with_outliers
+from benchmarks.harness import qwen2_with_key_outliers
 from common.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.engine.batch import TokenRun, flatten_runs
 from common.engine.llm_engine import LLMEngine
@@ -313,7 +318,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         model = str(folder)
         if args.qwen2:
-            model = str(build_qwen2_with_outliers(Path(scratch), folder))
+            model = str(qwen2_with_key_outliers(Path(scratch), folder))
         engines = {name: build_engine(model, kv, segments) for name, kv in FORMATS.items()}
         qualities = measure(engines, segments, progress_to_stderr(len(segments.decode_positions)))
     shape = "Qwen2 shape, 2 KV heads of 128, key outliers" if args.qwen2 else folder.name

@@ -11,7 +11,13 @@ deterministic inference needs: a multiply and an add that the compiler fuses int
 other bits by how its step was cut. Kernels whose every FMA is written out compile alike either
 way.
 
-    python -m benchmarks.compiled_kernels [--arch 90] [--contraction]
+A line per case, e.g. (Triton 3.9, sm_90; wrapped here)::
+
+    decode q bf16, pages fp8, head 128, n128 w4 s2       REG:172 STACK:0, shared 41 KiB, 16 async
+    copies, 0 left in flight
+
+    python -m benchmarks.step.compiled_kernels [--arch 90] [--contraction] [--only prefill|decode]
+        [--query fp32|fp16|bf16] [--num-stages N]
 
 Exit status 1 with ``--contraction`` if a case's machine code depends on it. Figures come from
 the Triton installed here, which may not be the GPU machine's.
@@ -223,7 +229,8 @@ def main() -> int:
     args = parser.parse_args()
     # Triton decides between compiler and interpreter when a kernel is decorated.
     if os.environ.get("TRITON_INTERPRET") == "1":
-        print("benchmarks.compiled_kernels compiles the kernels: run it without TRITON_INTERPRET")
+        print("benchmarks.step.compiled_kernels compiles the kernels: run it without "
+              "TRITON_INTERPRET")  # fmt: skip
         return 2
     print(f"triton {triton.__version__}, sm_{args.arch}")
     failed = False

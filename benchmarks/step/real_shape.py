@@ -1,5 +1,6 @@
 """A real-size model's decode step and prefill beside the hardware's own limits, measured in one
-run on one device, with random weights (``--load-format dummy``): nothing is downloaded.
+run on one device, with random weights (``--load-format dummy``): nothing is downloaded. It is
+also the one place that profiles a prefill step: on CUDA by kernel, on the CPU by part too.
 
 The shape is Llama-3.1-8B's by default (its config.json ships in ``benchmarks/shapes/``; 16.1 GB
 of bf16 weights, drawn on the device). Printed:
@@ -9,34 +10,55 @@ of bf16 weights, drawn on the device). Printed:
   beside the datasheet peak where the device is known;
 - ``decode batch B``: the engine's step (CUDA graphs) with ``B`` sequences of ``--context``
   tokens, beside the weight floor (weight bytes / bandwidth) and the floor with the step's KV
-  reads added; the ratio to the weight floor is the figure to watch;
+  reads added; the ratio to the weight floor is the figure to watch. A line (SmolLM2's shape on
+  one CPU core)::
+
+      decode batch 1: 19.85 ms/step, 5.77x the weight floor (5.23x with its KV reads), 50 tok/s
+
 - ``prefill T``: one ``T``-token chunk of a new prompt, tokens/s and TFLOP/s (matmuls and
   causal attention) as a share of the datasheet and of the measured bf16 peak;
 - ``profile batch B`` (with ``--profile``): the device's busy time in a decode step beside the
   step's wall time, and the kernels that take the most of it, per step; ``profile prefill T``
-  (with ``--profile-prefill``) the same for a step that prefills a ``T``-token prompt.
+  (with ``--profile-prefill``) the same for a step that prefills ``T`` prompt tokens (one
+  prompt, or prompts of ``--profile-prompt-tokens`` each). On the CPU the profiler lists the
+  torch ops it sees, and ``parts prefill T`` follows: the fastest of three such steps with each
+  part of the module path under a wall-clock timer (the GEMMs, attention, the KV store, the
+  norms, RoPE, SiLU-and-multiply; the C kernels run through ctypes, where the profiler does not
+  see them), each part's share of the step, and what is left (residual adds, Python per layer,
+  embedding, head, sampling, bookkeeping)::
 
-    python -m benchmarks.real_shape [--model DIR] [--batch-sizes 1,8,32,64] [--context 1024]
+      parts prefill 512 (2 prompts of 256): 932.1 ms a step (549 tok/s), the fastest of 3
+        GEMMs                       775.7 ms  83.2%
+
+    python -m benchmarks.step.real_shape [--model DIR] [--batch-sizes 1,8,32,64] [--context 1024]
         [--profile 1,8] [--profile-prefill 512]
 
-Without CUDA it runs on the CPU only with ``--allow-cpu`` (for its plumbing, on a small shape).
+Without CUDA it runs on the CPU only with ``--allow-cpu``, on a shape the CPU can hold: a CPU
+prefill step of the default model (``pdserve convert`` prints its folder) part by part, on one
+pinned core, as 256-token prompts (one step of ``benchmarks.step.step``'s prefill)::
+
+    python -m benchmarks.step.real_shape --allow-cpu --model FOLDER --core 0 --kv-cache-gib 1
+        --batch-sizes 1 --prefill-chunks 512,2048 --profile-prefill 512,2048
+        --profile-prompt-tokens 256
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
+from benchmarks.harness import pin_to_cores, random_prompts
 from common.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.engine.llm_engine import LLMEngine
 from common.sampling_params import SamplingParams
 
-SHAPES = Path(__file__).resolve().parent / "shapes"
+SHAPES = Path(__file__).resolve().parent.parent / "shapes"
 # Dense bf16 tensor-core peaks from the datasheets (TFLOP/s, without sparsity), by the start of
 # torch.cuda.get_device_name(). Absent: only the measured GEMM is given.
 DATASHEET_BF16_TFLOPS = {
@@ -89,6 +111,10 @@ def datasheet_tflops(device: torch.device) -> float | None:
 def build_engine(args: argparse.Namespace, device: torch.device) -> LLMEngine:
     longest = args.context + args.steps + 16
     prompts = args.prefill_chunks + args.profile_prefill  # each prefilled in one step
+    # A profiled prefill step of several prompts takes them all in that one step.
+    prompts_a_step = 1
+    if args.profile_prompt_tokens:
+        prompts_a_step = max(args.profile_prefill, default=0) // args.profile_prompt_tokens
     return LLMEngine(
         EngineConfig(
             model=str(args.model),
@@ -97,7 +123,7 @@ def build_engine(args: argparse.Namespace, device: torch.device) -> LLMEngine:
             load_format="dummy",
             cache=CacheConfig(kv_cache_memory=args.kv_cache_gib << 30, enable_prefix_caching=False),
             scheduler=SchedulerConfig(
-                max_num_seqs=max(args.batch_sizes),
+                max_num_seqs=max(*args.batch_sizes, prompts_a_step),
                 max_model_len=max(longest, max(prompts) + 16),
                 max_num_batched_tokens=max(prompts),
             ),
@@ -105,21 +131,14 @@ def build_engine(args: argparse.Namespace, device: torch.device) -> LLMEngine:
     )
 
 
-def random_prompt(vocab: int, length: int, generator: torch.Generator) -> list[int]:
-    return torch.randint(vocab, (length,), generator=generator).tolist()
-
-
 @contextlib.contextmanager
 def decoding(engine: LLMEngine, batch: int, args: argparse.Namespace) -> Iterator[None]:
     """``batch`` sequences of ``--context`` tokens prefilled and a few decode steps warmed up;
     inside, each ``engine.step()`` is one decode step of the batch. Aborted on the way out."""
-    generator = torch.Generator().manual_seed(batch)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=args.steps + 8, temperature=0.0, ignore_eos=True)
-    ids = {
-        engine.add_request(random_prompt(vocab, args.context, generator), params)
-        for _ in range(batch)
-    }
+    prompts = random_prompts(batch, args.context, vocab, seed=batch)
+    ids = {engine.add_request(prompt, params) for prompt in prompts}
     started: set[str] = set()
     while started != ids:  # prefill: every sequence has its first token
         started |= {out.request_id for out in engine.step() if out.new_samples}
@@ -154,23 +173,120 @@ def profile_decode(engine: LLMEngine, batch: int, args: argparse.Namespace, step
             engine.step()
 
 
-def profile_prefill(engine: LLMEngine, tokens: int, steps: int = 3) -> None:
-    """Where the time of a step that prefills a new ``tokens``-token prompt goes (``profiled``):
-    prefill runs eagerly, so a busy share well under 1 is the host's launches and waits."""
-    generator = torch.Generator().manual_seed(tokens + 1)
+def prefill_steps(engine: LLMEngine, tokens: int, prompt_tokens: int | None, seed: int):
+    """A function that adds new prompts of ``tokens`` tokens in all (``prompt_tokens`` each,
+    or one prompt) and runs the one step that prefills them, returning its seconds."""
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    length = prompt_tokens or tokens
+    drawn = 0
 
-    def prefill() -> None:
-        engine.add_request(random_prompt(vocab, tokens, generator), params)
-        while engine.has_unfinished:  # one step: the prompt's one token ends it
+    def step() -> float:
+        nonlocal drawn
+        drawn += 1
+        for prompt in random_prompts(tokens // length, length, vocab, seed=seed + drawn):
+            engine.add_request(prompt, params)
+        synchronize(engine.device)
+        began = time.perf_counter()
+        engine.step()
+        synchronize(engine.device)
+        seconds = time.perf_counter() - began
+        while engine.has_unfinished:  # a prompt's one token ends it in that step
             engine.step()
+        return seconds
 
+    return step
+
+
+def profile_prefill(
+    engine: LLMEngine, tokens: int, prompt_tokens: int | None = None, steps: int = 3
+) -> None:
+    """Where the time of a step that prefills ``tokens`` new prompt tokens goes: by kernel
+    (``profiled``; prefill runs eagerly, so a busy share well under 1 is the host's launches
+    and waits), and on the CPU also by part (``prefill_parts``), which sees the C kernels that
+    the profiler does not."""
+    prefill = prefill_steps(engine, tokens, prompt_tokens, seed=tokens + 1)
     prefill()  # warm-up
-    synchronize(engine.device)
     with profiled(engine, f"prefill {tokens}", steps):
         for _ in range(steps):
             prefill()
+    if engine.device.type == "cpu":
+        prefill_parts(engine, tokens, prompt_tokens, steps)
+
+
+def prefill_parts(engine: LLMEngine, tokens: int, prompt_tokens: int | None, steps: int) -> None:
+    """The fastest of ``steps`` prefill steps on the CPU, part by part: each part of the module
+    path under a wall-clock timer (the GEMMs, attention, the KV store, the norms, RoPE,
+    SiLU-and-multiply), its share of the step, and what is left (residual adds, Python per
+    layer, embedding, head, sampling, bookkeeping)."""
+    prefill = prefill_steps(engine, tokens, prompt_tokens, seed=7 * tokens)
+    seconds: collections.Counter = collections.Counter()
+    best: tuple[float, dict[str, float]] | None = None
+    prefill()  # warm-up
+    with timed_parts(seconds):
+        for _ in range(steps):
+            seconds.clear()
+            step = prefill()
+            if best is None or step < best[0]:
+                best = (step, dict(seconds))
+    assert best is not None
+    step, parts = best
+    prompts = f"{tokens // prompt_tokens} prompts of {prompt_tokens}" if prompt_tokens else "one"
+    print(
+        f"parts prefill {tokens} ({prompts}): {step * 1e3:.1f} ms a step "
+        f"({tokens / step:.0f} tok/s), the fastest of {steps}",
+        flush=True,
+    )
+    inside = parts.pop("model forward", 0.0)
+    for part, part_seconds in sorted(parts.items(), key=lambda item: -item[1]):
+        print(f"  {part:24s} {part_seconds * 1e3:8.1f} ms {part_seconds / step:6.1%}")
+    rest = inside - sum(parts.values())
+    print(f"  {'rest of the forward':24s} {rest * 1e3:8.1f} ms {rest / step:6.1%}")
+    outside = step - inside
+    print(f"  {'outside the forward':24s} {outside * 1e3:8.1f} ms {outside / step:6.1%}")
+
+
+@contextlib.contextmanager
+def timed_parts(seconds: collections.Counter) -> Iterator[None]:
+    """While inside, every call of a CPU part (the methods below) adds its wall time to
+    ``seconds[part]``. The C kernels run through ctypes, where torch.profiler does not see them;
+    these timers do."""
+    from common.model import llama
+    from kernels.cpu import backend as cpu_backend
+    from kernels.cpu import linear as cpu_linear
+    from kernels.cpu import ops as cpu_ops
+
+    # (owner, method, part): every call of the method counts toward the part.
+    parts = [
+        (cpu_linear.CpuLinear, "forward", "GEMMs"),
+        (cpu_backend.CpuAttentionBackend, "attention", "attention"),
+        (cpu_backend.CpuAttentionBackend, "store_kv", "KV store"),
+        (cpu_ops.CpuRMSNorm, "forward", "RMSNorm"),
+        (cpu_ops.CpuRMSNorm, "add_and_norm", "residual add + RMSNorm"),
+        (cpu_ops.CpuRotaryApply, "forward", "RoPE"),
+        (cpu_ops.CpuSiluAndMul, "forward", "SiLU-and-multiply"),
+        (llama.LlamaForCausalLM, "forward", "model forward"),
+    ]
+    parts = [(owner, name, part) for owner, name, part in parts if hasattr(owner, name)]
+    originals = [getattr(owner, name) for owner, name, _ in parts]
+
+    def timer(method: Callable, part: str) -> Callable:
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                seconds[part] += time.perf_counter() - start
+
+        return run
+
+    for (owner, name, part), method in zip(parts, originals, strict=True):
+        setattr(owner, name, timer(method, part))
+    try:
+        yield
+    finally:
+        for (owner, name, _), method in zip(parts, originals, strict=True):
+            setattr(owner, name, method)
 
 
 @contextlib.contextmanager
@@ -212,20 +328,9 @@ def profiled(engine: LLMEngine, label: str, steps: int, top: int = 12) -> Iterat
 
 def prefill_seconds(engine: LLMEngine, tokens: int, repeats: int = 3) -> float:
     """Seconds for one step that prefills a new ``tokens``-token prompt (the best of a few)."""
-    generator = torch.Generator().manual_seed(tokens)
-    vocab = engine.model_config.vocab_size
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    best = float("inf")
-    for _ in range(repeats + 1):  # the first one warms up
-        engine.add_request(random_prompt(vocab, tokens, generator), params)
-        synchronize(engine.device)
-        began = time.perf_counter()
-        engine.step()
-        synchronize(engine.device)
-        best = min(best, time.perf_counter() - began)
-        while engine.has_unfinished:
-            engine.step()
-    return best
+    prefill = prefill_steps(engine, tokens, None, seed=tokens)
+    prefill()  # warm-up
+    return min(prefill() for _ in range(repeats))
 
 
 def prefill_flops(engine: LLMEngine, tokens: int) -> float:
@@ -254,19 +359,34 @@ def main() -> int:
     parser.add_argument(
         "--profile-prefill",
         default="",
-        help="prompt lengths whose prefill step is also profiled by kernel, e.g. 512",
+        help="prompt tokens of prefill steps also profiled (by kernel; on the CPU, by part too), "
+        "e.g. 512",
+    )
+    parser.add_argument(
+        "--profile-prompt-tokens",
+        type=int,
+        default=None,
+        help="tokens of each prompt in a profiled prefill step (default: the step is one prompt)",
     )
     parser.add_argument("--allow-cpu", action="store_true", help="run without CUDA")
+    parser.add_argument("--core", type=int, default=None, help="on the CPU, the one core to use")
     args = parser.parse_args()
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     args.profile = [int(b) for b in args.profile.split(",") if b]
     args.profile_prefill = [int(t) for t in args.profile_prefill.split(",") if t]
     args.prefill_chunks = [int(t) for t in args.prefill_chunks.split(",")]
+    if args.profile_prompt_tokens and any(
+        t % args.profile_prompt_tokens for t in args.profile_prefill
+    ):
+        parser.error("each --profile-prefill is a multiple of --profile-prompt-tokens")
     if torch.cuda.is_available():
         device = torch.device("cuda")
         name = torch.cuda.get_device_name(device)
     elif args.allow_cpu:
         device, name = torch.device("cpu"), "CPU"
+        if args.core is not None:
+            pin_to_cores({args.core})
+            name += f", one core (#{args.core})"
     else:
         print("no CUDA device: nothing to measure (--allow-cpu runs the plumbing)")
         return 0
@@ -313,7 +433,7 @@ def main() -> int:
             flush=True,
         )
     for tokens in args.profile_prefill:
-        profile_prefill(engine, tokens)
+        profile_prefill(engine, tokens, args.profile_prompt_tokens)
     return 0
 
 

@@ -23,29 +23,32 @@ then the time from the prompt's last chunk to all its pages on the decode group 
 rank holding its heads), and fetches / fetch time count decode rank 0's reads only. The default
 model has 3 KV heads, which 2 ranks cannot split: with TP pairs and no ``--model`` the benchmark
 builds a random model with 4 KV heads (``--tp-model-layers`` layers of 8 query heads of 64,
-SmolLM2's tokenizer). Usage::
+SmolLM2's tokenizer). A row per backend, TP pair and way of shipping, in ms (2 CPU cores,
+``--backends zmq --requests 2 --prompt-tokens 512 --chunk 256 --ship chunks``)::
 
-    python -m benchmarks.handoff [--backends zmq nixl] [--requests 5] [--prompt-tokens 4096]
-    python -m benchmarks.handoff --tp-pairs 1x1 1x2 2x1 2x2 1x4 --ship chunks
+     backend    TP          pages shipped   handoff  fetches  fetch time  first handoff
+         zmq  1->1     as each chunk ends       7.9        2        21.1           10.9
+
+Usage::
+
+    python -m benchmarks.serving.handoff [--backends zmq nixl] [--requests 5] [--prompt-tokens 4096]
+    python -m benchmarks.serving.handoff --tp-pairs 1x1 1x2 2x1 2x2 1x4 --ship chunks
 """
 
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 import torch
 
-from benchmarks.serving import wait_for_cluster
+from benchmarks.harness import pdserve_up, random_prompts, save_random_model
 from common.metrics import parse_exposition
 from common.model.default_model import resolve_model_path
+from common.tokenizer import Tokenizer
 
 HANDOFF = "pdserve_kv_handoff_seconds"
 FETCH = 'pdserve_kv_transfer_seconds{{backend="{backend}",side="receiver"}}'
@@ -66,66 +69,46 @@ def histogram_delta(before: dict, after: dict, name: str) -> tuple[float, float]
     )
 
 
-def wait_for_workers(base_url: str, timeout: float) -> dict:
-    """The router's worker list once it has a prefill and a decode worker (healthy already
-    means a decode worker; a request sent before the prefill worker registers is not handed
-    off)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        workers = httpx.get(f"{base_url}/v1/workers", timeout=10).json()
-        if workers["prefill"] and workers["decode"]:
-            return workers
-        time.sleep(0.5)
-    raise RuntimeError("the prefill worker never registered")
-
-
 def build_tp_model(dest: Path, num_layers: int) -> Path:
     """A random Llama with 4 KV heads of 64 (8 query heads), bf16, SmolLM2's tokenizer: a model
     every pair of 1, 2 and 4 ranks can split."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import LlamaConfig
 
-    from benchmarks.random_model import TOKENIZER_FILES
     from common.model.default_model import ensure_default_model
 
-    source = ensure_default_model(progress=False)
     config = LlamaConfig(
         vocab_size=49152, hidden_size=512, num_attention_heads=8, num_key_value_heads=4,
         head_dim=64, intermediate_size=1024, num_hidden_layers=num_layers,
         max_position_embeddings=16384, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
     )  # fmt: skip
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(dest)
-    for name in TOKENIZER_FILES:
-        if (source / name).is_file():
-            (dest / name).write_bytes((source / name).read_bytes())
-    return dest
+    return save_random_model(config, dest, torch.bfloat16, ensure_default_model(progress=False))
 
 
 def run_backend(
     args, backend: str, ship_chunks: bool, folder: str, pair: tuple[int, int] = (1, 1)
 ) -> dict[str, list[float]]:
-    base_url = f"http://127.0.0.1:{args.port}"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "up", "--model", folder, "--port", str(args.port),
-         "--kv-transfer", backend, "--remote-prefill-min-tokens", "1",
-         # Every prompt to the prefill worker, even while a heartbeat still shows the last one
-         # queued there.
-         "--local-prefill-overflow-tokens", "1000000000",
-         "--ship-chunks" if ship_chunks else "--no-ship-chunks",
-         "--max-num-batched-tokens", str(args.chunk),
-         "--prefill-tp", str(pair[0]), "--decode-tp", str(pair[1]),
-         "--max-model-len", str(args.prompt_tokens + 64), "--log-level", "WARNING"]
+    up_flags = (
+        "--kv-transfer", backend, "--remote-prefill-min-tokens", "1",
+        # Every prompt to the prefill worker, even while a heartbeat still shows the last one
+        # queued there.
+        "--local-prefill-overflow-tokens", "1000000000",
+        "--ship-chunks" if ship_chunks else "--no-ship-chunks",
+        "--max-num-batched-tokens", str(args.chunk),
+        "--prefill-tp", str(pair[0]), "--decode-tp", str(pair[1]),
+        "--max-model-len", str(args.prompt_tokens + 64),
     )  # fmt: skip
-    rng = random.Random(args.seed)
+    # Fresh prompts for every request: no prefix-cache hit anywhere.
+    vocab_size = len(Tokenizer(folder))
+    prompts = random_prompts(args.requests + 1, args.prompt_tokens, vocab_size, args.seed)
     figures: dict[str, list[float]] = {"handoff": [], "fetch": [], "fetches": []}
-    try:
-        wait_for_cluster(base_url, process, 600)
-        workers = wait_for_workers(base_url, timeout=600)
+    # Up once the router lists the prefill worker too: a request sent before that is not
+    # handed off.
+    with pdserve_up(folder, *up_flags, port=args.port) as cluster:
+        base_url = cluster.base_url
+        workers = httpx.get(f"{base_url}/v1/workers", timeout=10).json()
         decode_metrics = workers["decode"][0]["metrics_url"]
         fetch_name = FETCH.format(backend=backend)
-        for index in range(args.requests + 1):
-            # Ids past the control tokens, fresh each time: no prefix-cache hit anywhere.
-            prompt = [rng.randrange(100, 49000) for _ in range(args.prompt_tokens)]
+        for index, prompt in enumerate(prompts):
             before = scrape(decode_metrics)
             response = httpx.post(
                 f"{base_url}/v1/completions",
@@ -148,9 +131,6 @@ def run_backend(
                 figures["handoff"].append(handoff_s)
                 figures["fetch"].append(fetch_s)
                 figures["fetches"].append(fetches)
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
     return figures
 
 

@@ -21,19 +21,27 @@ Qwen2-shaped model of 2 KV heads of 128 with a key bias whose few large channels
 trained model's outlier channels (random weights: no checkpoint of that shape can be downloaded
 here, so its answers are not text, but they are as exact a function of the KV as any model's).
 
-    python -m benchmarks.fp8_kv [--model PATH | --qwen2] [--memory 256MiB]
+A row per KV format and floor: sequences identical (the mean over the chunkings), the share of
+tokens before the first divergence (its range over the chunkings), positional agreement, that
+share against the re-chunking floor's and the nudged floor's, and the capacity against bf16's;
+e.g. SmolLM2's int8 as measured on 2026-11-24 (I, L, H and P stand for figures that run did not
+keep; columns squeezed here)::
+
+    int8 KV   I/32   47.2% (L%-H%)   P%   58%   87%   1.97x
+
+    python -m benchmarks.quality.fp8_kv [--model PATH | --qwen2] [--memory 256MiB] [--tokens 64]
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import statistics
 import tempfile
 from pathlib import Path
 
 import torch
 
+from benchmarks.harness import chat_prompts, qwen2_with_key_outliers
 from common.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.engine.llm_engine import LLMEngine
 from common.engine.memory import parse_memory_size
@@ -42,46 +50,10 @@ from common.tokenizer import Tokenizer
 from kernels.interface import AttentionBackend
 from kernels.torch_backend import TorchAttentionBackend
 
-TASKS = ["Explain", "Write a short poem about", "Give three facts about", "Describe"]
-TOPICS = ["the moon", "photosynthesis", "the Roman empire", "volcanoes", "jazz music",
-          "the water cycle", "honeybees", "the printing press"]  # fmt: skip
 SCHEMES = ("fp8", "int8")
 NUDGE = 0.002  # relative size of the nudged floor's change to each stored element
 CHUNKS = (2048, 256, 96, 40)  # prefill chunk sizes each 8-bit scheme is measured under
 FLOOR_CHUNKS = (512, 256, 96, 40)  # and the bf16 noise floor (2048 is the reference itself)
-
-
-def chat_prompts(tokenizer: Tokenizer) -> list[list[int]]:
-    return [
-        tokenizer.encode_chat([{"role": "user", "content": f"{task} {topic}."}])
-        for task, topic in itertools.product(TASKS, TOPICS)
-    ]
-
-
-def build_qwen2_with_outliers(folder: Path, tokenizer_folder: Path, seed: int = 0) -> Path:
-    """A random Qwen2 of 2 KV heads of 128 whose key bias puts a few channels far above the rest,
-    with the default model's tokenizer (so the same chat prompts apply)."""
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1024,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=2048, initializer_range=0.05, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
-    head_dim = config.hidden_size // config.num_attention_heads
-    with torch.no_grad():
-        for layer in model.model.layers:
-            bias = layer.self_attn.k_proj.bias.view(config.num_key_value_heads, head_dim)
-            bias.normal_(0.0, 0.1)
-            # Two channels of each head, and their RoPE partners, ten times the rest.
-            bias[:, [3, 17, 3 + head_dim // 2, 17 + head_dim // 2]] = 8.0
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 class NudgingBackend(AttentionBackend):
@@ -163,7 +135,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         model = str(folder)
         if args.qwen2:
-            model = str(build_qwen2_with_outliers(Path(scratch), folder))
+            model = str(qwen2_with_key_outliers(Path(scratch), folder))
         reference, bf16_tokens = run(model, args.memory, args.tokens, "auto", prompts)
         # Each row is measured over several prefill chunkings: a chunking rounds differently, so
         # each one is another draw of which near-ties flip (one draw of 32 prompts moves by

@@ -5,9 +5,13 @@ Decode: the time of a whole engine step (schedule, forward, sampling, bookkeepin
 every weight byte once (measured here as a streaming read of that many bytes, beside every
 case, the fastest read of the run counting). Prefill: tokens/s of a step of 512 and 2048 prompt
 tokens beside a bare GEMM of the model's shapes at the same rows, in bf16 (``F.linear``) and in
-fp32 (``torch.mm``; the faster of the two on this machine is the floor).
+fp32 (``torch.mm``; the faster of the two on this machine is the floor). A row per case and a
+column per engine, e.g. (SmolLM2 on a shared 2-core box)::
 
-    python -m benchmarks.step [--model PATH] [--dtype bfloat16] [--core 0] [--repeats 5]
+    batch  8 ctx  256       32.41 ms ( 1.61x)
+     2048 tokens                 496 ( 76.7%)              228              646
+
+    python -m benchmarks.step.step [--model PATH] [--dtype bfloat16] [--core 0] [--repeats 5]
         [--baseline]   # also the plain torch path (--enforce-eager, torch attention), same run
         [--kv-cache-dtypes auto,int8,fp8]   # a column per KV page format, same run
         [--bf16-tiles fma,dpbf16]   # a column per other bf16 tile kernel, same run
@@ -24,6 +28,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from benchmarks.harness import add_core_argument, memory_read_seconds, pin_to_cores, random_prompts
 from common.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.engine.llm_engine import LLMEngine
 from common.sampling_params import SamplingParams
@@ -31,12 +36,6 @@ from kernels.cpu import library as cpu_library
 from kernels.cpu.linear import onednn_reorders_bf16
 from kernels.registry import ENV_VAR as ENV_BACKEND
 from kernels.timing import best_seconds
-
-
-def weight_read_floor(num_bytes: int, repeats: int) -> float:
-    """Seconds to stream ``num_bytes`` from memory once (a sum over a buffer that size)."""
-    buffer = torch.ones(num_bytes // 4, dtype=torch.float32)
-    return best_seconds(lambda: buffer.sum(), repeats)
 
 
 def bare_gemm_seconds(engine: LLMEngine, rows: int, dtype: torch.dtype, repeats: int) -> float:
@@ -93,15 +92,11 @@ def make_engine(
                 os.environ[ENV_BACKEND] = previous
 
 
-def prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(100, vocab, (count, length), generator=generator).tolist()
-
-
 def decode_step_seconds(engine: LLMEngine, batch: int, context: int, steps: int) -> float:
     """Median time of one engine step while ``batch`` sequences decode at ``context`` tokens."""
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
-    for prompt in prompts(batch, context, engine.model_config.vocab_size, seed=context + batch):
+    vocab = engine.model_config.vocab_size
+    for prompt in random_prompts(batch, context, vocab, seed=context + batch):
         engine.add_request(prompt, params)
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or (
         engine.scheduler.waiting
@@ -127,7 +122,7 @@ def prefill_tokens_per_second(engine: LLMEngine, num_tokens: int, repeats: int) 
     times = []
     for repeat in range(repeats + 1):
         seed = 1_000_000 * num_tokens + repeat
-        for prompt in prompts(num_tokens // length, length, vocab, seed=seed):
+        for prompt in random_prompts(num_tokens // length, length, vocab, seed=seed):
             engine.add_request(prompt, params)
         start = time.perf_counter()
         engine.step()
@@ -143,7 +138,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--core", type=int, default=0, help="the one core to pin to")
+    add_core_argument(parser)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=16, help="decode steps timed per case")
     parser.add_argument("--kv-cache-memory", type=int, default=1 << 30)
@@ -156,8 +151,7 @@ def main() -> None:
         "a column each",
     )
     args = parser.parse_args()
-    os.sched_setaffinity(0, {args.core})
-    torch.set_num_threads(1)
+    pin_to_cores({args.core})
     torch.manual_seed(0)
 
     kv_dtypes = args.kv_cache_dtypes.split(",")
@@ -196,7 +190,7 @@ def main() -> None:
     with torch.inference_mode():
         for context in (256, 1024):
             for batch in (1, 8, 32):
-                floors.append(weight_read_floor(weight_bytes, args.repeats))
+                floors.append(memory_read_seconds(weight_bytes, args.repeats))
                 steps[batch, context] = [
                     timed(name, decode_step_seconds, batch, context, args.steps) for name in names
                 ]

@@ -4,9 +4,12 @@ router and every worker registered) and until its first completion comes back.
 A pool scales out by starting workers, so a worker's start-up is how long new capacity takes to
 arrive, and every test cluster pays it too. Each round starts `pdserve up` afresh (flags after
 the benchmark's own are passed to it), sends one short greedy completion, and stops it; the
-figures are each round's and the best and median over the rounds.
+figures are each round's and the best and median over the rounds, the last line (SmolLM2, 2
+CPU cores, one round)::
 
-    python -m benchmarks.startup [--model FOLDER] [--rounds 3] [pdserve up flags]
+    up: best 16.53 s, median 16.53 s; first completion: best 16.70 s, median 16.70 s
+
+    python -m benchmarks.startup.startup [--model FOLDER] [--rounds 3] [pdserve up flags]
 
 The model is `pdserve up`'s default (SmolLM2) unless ``--model`` names another.
 """
@@ -15,35 +18,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import statistics
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
+from benchmarks.harness import start_cluster
 from common.model.default_model import resolve_model_path
 
 
 def one_round(model: Path, port: int, flags: list[str]) -> tuple[float, float]:
     """(seconds until `pdserve up` says it is up, seconds until its first completion)."""
     start = time.monotonic()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "up", "--model", str(model), "--port", str(port),
-         "--log-level", "WARNING", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    cluster = start_cluster(model, *flags, port=port)
     try:
-        said: list[str] = []
-        while not said or "pdserve is up" not in said[-1]:
-            said.append(process.stdout.readline())  # type: ignore[union-attr]
-            if not said[-1] and process.poll() is not None:
-                raise RuntimeError("pdserve up exited:\n" + "".join(said))
+        cluster.wait_until_up()
         up = time.monotonic() - start
         body = {"model": model.name, "prompt": "hello", "max_tokens": 4, "temperature": 0}
         request = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/completions",
+            f"{cluster.base_url}/v1/completions",
             data=json.dumps(body).encode(),
             headers={"Content-Type": "application/json"},
         )
@@ -51,8 +44,7 @@ def one_round(model: Path, port: int, flags: list[str]) -> tuple[float, float]:
             json.loads(response.read())
         return up, time.monotonic() - start
     finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=120)
+        cluster.stop()
 
 
 def main() -> None:

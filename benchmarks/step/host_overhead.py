@@ -1,23 +1,31 @@
-"""The decode worker's host loop alone: what a step costs when the device's work costs nothing.
+"""The host's share of a step: what pdserve's own Python costs when the device's work costs
+nothing, in two parts, each a subcommand.
 
-A real ``DecodeWorker`` (its sockets, scheduler, sampler, page tables, deltas to the router) runs
-its own loop (``turn()``) against a router played here on loopback, with the device's work
-replaced by this benchmark's no-ops: the model's forward returns rows of a preallocated random
-logits tensor of the right shape, and the sampler's pass over those logits (an argmax over batch
-x vocabulary floats, a kernel on a GPU) returns their rows' argmax, known in advance. So every
-millisecond printed is host work a GPU would wait on between two steps: scheduling, building the
-step's inputs, sampling's bookkeeping, the token deltas. The loop runs as it does beside a GPU:
-a step's deltas are encoded and sent by the loop itself once the next forward is launched
-(``StepIO``'s ``pulse_inline``), with no helper thread woken for them. (With ``--forward-ms``
-the no-op waits as long as a GPU's step would, without the interpreter's lock, and the time
-printed leaves its waits out: what is left is what a GPU would idle for. With no wait, the
-default, that sending is on the step's path too.)
+``loop``: the decode worker's host loop alone. A real ``DecodeWorker`` (its sockets, scheduler,
+sampler, page tables, deltas to the router) runs its own loop (``turn()``) against a router played
+here on loopback, with the device's work replaced by this benchmark's no-ops: the model's forward
+returns rows of a preallocated random logits tensor of the right shape, and the sampler's pass
+over those logits (an argmax over batch x vocabulary floats, a kernel on a GPU) returns their
+rows' argmax, known in advance. So every millisecond printed is host work a GPU would wait on
+between two steps: scheduling, building the step's inputs, sampling's bookkeeping, the token
+deltas. The loop runs as it does beside a GPU: a step's deltas are encoded and sent by the loop
+itself once the next forward is launched (``StepIO``'s ``pulse_inline``), with no helper thread
+woken for them. (With ``--forward-ms`` the no-op waits as long as a GPU's step would, without
+the interpreter's lock, and the time printed leaves its waits out: what is left is what a GPU
+would idle for. With no wait, the default, that sending is on the step's path too.)
 
 Why the argmax is a no-op too: run on this CPU, its pass over 64 x 49152 floats (12.6 MB) evicts
 the loop's objects and code from the core's caches, and the Python after it runs three times
 slower than in a loop whose device work is elsewhere, as a GPU's is. ``--argmax-on-cpu`` runs it
 anyway, times it alone in the same run and gives the total less that time as the host's share,
 cold caches included.
+
+For each batch size, that many requests (random ``--prompt-len``-token prompts, greedy,
+ignore_eos) are sent as ``DecodeRequest``s; once every one has its first token, ``--steps``
+decode steps are timed in five rounds, and the fastest round counts (this machine is shared).
+One line per batch size::
+
+    batch 64: 0.300 ms/step (the host alone; the argmax over 64 x 49152 logits it skips: 0.57 ms)
 
 ``--device-ms`` plays a GPU instead: each forward launched takes that long on a device
 timeline of its own (from the later of its launch and the previous step's end), and the host
@@ -29,22 +37,41 @@ per step is printed beside it::
     batch 64: one at a time 1.405 ms/step, launched ahead 0.997 ms/step, beside 1 ms device
     steps (the device idle 0.405 and 0.000 ms a step)
 
-For each batch size, that many requests (random ``--prompt-len``-token prompts, greedy,
-ignore_eos) are sent as ``DecodeRequest``s; once every one has its first token, ``--steps`` decode
-steps are timed in five rounds, and the fastest round counts (this machine is shared). One line
-per batch size::
+``forward``: what pdserve's own Python costs an eager forward on the Triton path. On a GPU an
+eager forward (every prefill step, and a decode step without CUDA graphs) is paced by the host
+issuing its launches, and for a small model that is most of its time: SmolLM2's shape took 23 ms
+a decode step eager on an H100, 1.15 ms with graphs. Part of that is torch's and Triton's launch
+machinery; part is pdserve's own Python around each launch (checks, block sizes, views, the
+kernels' arguments). This part times the second on the CPU: the model runs as on CUDA for a
+16-bit model (the Triton attention backend, the one-kernel norms, RoPE and SiLU-and-multiply),
+with every Triton launch and every linear product (the head's too) made a no-op that returns (an
+empty tensor of) the right shape. What is left is the forward's own host time, with torch's
+cheapest calls (views, empty tensors) still in it. The model has SmolLM2-135M's layers (30, 9
+query heads of 64, 3 KV heads, hidden 576, MLP 1536) with weights drawn in place and a
+vocabulary of 1024. It times, best of ``--rounds``, a decode forward of ``--batch`` rows over 64
+tokens of context each and a prefill forward of one ``--prompt``-token prompt, one line each
+(``--profile`` adds the functions that take the most host time over 20 decode forwards)::
 
-    batch 64: 0.300 ms/step (the host alone; the argmax over 64 x 49152 logits it skips: 0.57 ms)
+    decode 8 rows: 4.16 ms a forward, 139 us a layer
 
-    python -m benchmarks.host_overhead [--batch-sizes 1,8,64] [--steps 300] [--vocab 49152]
-                                       [--forward-ms 0 | --device-ms 0] [--argmax-on-cpu]
+Triton's interpreter is what lets the kernels' Python run without a GPU, so ``forward`` runs
+itself again with ``TRITON_INTERPRET=1`` where that is not set.
+
+    python -m benchmarks.step.host_overhead loop [--batch-sizes 1,8,64] [--steps 300]
+        [--vocab 49152] [--forward-ms 0 | --device-ms 0] [--argmax-on-cpu]
+    python -m benchmarks.step.host_overhead forward [--batch 8] [--prompt 256] [--rounds 50]
+        [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import logging
 import multiprocessing
+import os
+import pstats
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -52,8 +79,9 @@ from pathlib import Path
 
 import torch
 import zmq
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import LlamaConfig
 
+from benchmarks.harness import random_prompts, save_random_model
 from common.engine import sampler as sampler_module
 from common.messages import decode, encode
 from common.protocol import (
@@ -67,6 +95,8 @@ from common.sampling_params import SamplingParams
 from common.startup_objects import startup_objects_frozen
 from decode_worker.worker import DecodeWorker, build_parser
 from kernels.argmax import argmax_rows
+
+# -- the loop part ---------------------------------------------------------------------------------
 
 
 def build_model(folder: Path, vocab_size: int) -> Path:
@@ -84,8 +114,7 @@ def build_model(folder: Path, vocab_size: int) -> Path:
         bos_token_id=None,
         pad_token_id=0,
     )
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
-    return folder
+    return save_random_model(config, folder, torch.float32)
 
 
 class NoOpForward:
@@ -265,18 +294,14 @@ def start_batch(
 ) -> list[str]:
     """Send ``batch`` requests and turn the worker's loop until each has its first token (their
     prompts prefilled by the no-op); their ids."""
-    generator = torch.Generator().manual_seed(batch)
     vocab = worker.engine.model_config.vocab_size
     ids = [f"b{batch}-{i}" for i in range(batch)]
     params = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
+    prompts = random_prompts(batch, prompt_len, vocab, seed=batch)
     router.start(
         [
-            DecodeRequest(
-                request_id,
-                torch.randint(vocab, (prompt_len,), generator=generator).tolist(),
-                params,
-            )
-            for request_id in ids
+            DecodeRequest(request_id, prompt, params)
+            for request_id, prompt in zip(ids, prompts, strict=True)
         ]
     )
     deadline = time.monotonic() + 600
@@ -347,8 +372,7 @@ def abort_all(worker: DecodeWorker, request_ids: list[str]) -> None:
         worker.scheduler.abort(request_id)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_loop_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-sizes", default="1,8,64")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--prompt-len", type=int, default=1024)
@@ -375,7 +399,10 @@ def main() -> int:
         "outside its waits: what the host does beside it (sending the previous step's tokens) "
         "then costs the step nothing",
     )
-    args = parser.parse_args()
+
+
+def run_loop(args: argparse.Namespace) -> None:
+    """The ``loop`` part: one line per batch size."""
     logging.basicConfig(level=logging.WARNING)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     torch.set_num_threads(1)  # the host loop is one thread: measure it as one
@@ -420,6 +447,129 @@ def main() -> int:
         finally:
             worker.close()
             router.close()
+
+
+# -- the forward part -----------------------------------------------------------------------------
+
+LAYERS, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, MLP, VOCAB = 30, 9, 3, 64, 576, 1536, 1024
+CONTEXT = 64  # tokens of context each decode row attends over
+PAGE_SIZE = 16
+
+
+def run_forward(args: argparse.Namespace) -> None:
+    """The ``forward`` part: a line for a decode forward and one for a prefill forward."""
+    # Imported here: Triton reads TRITON_INTERPRET when a kernel is decorated.
+    import torch
+    from torch.nn import functional
+    from transformers import LlamaConfig
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from common.config import ModelConfig
+    from common.engine.kv_pool import KVPool, kv_layout
+    from common.model.loader import load_model
+    from kernels.interface import AttentionMetadata
+    from kernels.layer_kernels import CudaKernels
+    from kernels.sizes import ceil_div
+    from kernels.timing import best_seconds
+    from kernels.triton.backend import TritonAttentionBackend
+
+    InterpretedFunction.run = lambda self, *args, grid, warmup, **kwargs: None
+    # The few ops left that touch data (the embedding's rows, the head's) would otherwise start
+    # parallel regions whose threads wait on a shared machine's other work: on a GPU they are
+    # launches, not host threads.
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as folder:
+        LlamaConfig(
+            hidden_size=HIDDEN,
+            num_attention_heads=HEADS,
+            num_key_value_heads=KV_HEADS,
+            head_dim=HEAD_DIM,
+            intermediate_size=MLP,
+            num_hidden_layers=LAYERS,
+            vocab_size=VOCAB,
+            tie_word_embeddings=True,
+            architectures=["LlamaForCausalLM"],
+        ).save_pretrained(folder)
+        config = ModelConfig.from_pretrained(folder)
+    device, dtype = torch.device("cpu"), torch.float16
+    model = load_model(config, dtype, device, load_format="dummy")
+    model.use_kernels(CudaKernels())
+    # Every linear layer and the head go through it.
+    functional.linear = lambda x, weight, bias=None: x.new_empty(*x.shape[:-1], weight.shape[0])
+    rows = max(args.batch * CONTEXT, args.prompt)
+    num_pages = ceil_div(rows, PAGE_SIZE) + args.batch
+    pool = KVPool(kv_layout(dtype, PAGE_SIZE, LAYERS, KV_HEADS, HEAD_DIM), num_pages, device)
+    model.bind_kv(pool, TritonAttentionBackend())
+
+    def decode_forward() -> None:
+        batch, pages = args.batch, ceil_div(CONTEXT, PAGE_SIZE)
+        meta = AttentionMetadata(
+            query_start_loc=torch.arange(batch + 1, dtype=torch.int32),
+            seq_lens=torch.full((batch,), CONTEXT, dtype=torch.int32),
+            page_tables=torch.arange(batch * pages, dtype=torch.int32).view(batch, pages),
+            slot_mapping=torch.arange(batch, dtype=torch.int64) * CONTEXT + CONTEXT - 1,
+            max_query_len=1,
+            max_seq_len=CONTEXT,
+        )
+        positions = torch.full((batch,), CONTEXT - 1)
+        model(torch.ones(batch, dtype=torch.long), positions, meta, torch.arange(batch))
+
+    def prefill_forward() -> None:
+        tokens, pages = args.prompt, ceil_div(args.prompt, PAGE_SIZE)
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, tokens], dtype=torch.int32),
+            seq_lens=torch.tensor([tokens], dtype=torch.int32),
+            page_tables=torch.arange(pages, dtype=torch.int32)[None],
+            slot_mapping=torch.arange(tokens, dtype=torch.int64),
+            max_query_len=tokens,
+            max_seq_len=tokens,
+        )
+        last = torch.tensor([tokens - 1])
+        model(torch.ones(tokens, dtype=torch.long), torch.arange(tokens), meta, last)
+
+    print(
+        f"SmolLM2-135M's layers ({LAYERS}), float16, the Triton path's kernels made no-ops; "
+        f"best of {args.rounds}"
+    )
+    with torch.inference_mode():
+        for label, forward in (
+            (f"decode {args.batch} rows", decode_forward),
+            (f"prefill {args.prompt} tokens", prefill_forward),
+        ):
+            seconds = best_seconds(forward, args.rounds)  # this machine is shared
+            per_layer = seconds / LAYERS * 1e6
+            print(f"{label}: {seconds * 1e3:.2f} ms a forward, {per_layer:.0f} us a layer")
+        if args.profile:
+            profile = cProfile.Profile()
+            profile.enable()
+            for _ in range(20):
+                decode_forward()
+            profile.disable()
+            pstats.Stats(profile).sort_stats("tottime").print_stats(15)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    parts = parser.add_subparsers(dest="part", required=True)
+    add_loop_arguments(
+        parts.add_parser("loop", help="the decode worker's loop, device work no-ops")
+    )
+    forward = parts.add_parser(
+        "forward", help="an eager forward on the Triton path, launches no-ops"
+    )
+    forward.add_argument("--batch", type=int, default=8, help="decode rows (default 8)")
+    forward.add_argument("--prompt", type=int, default=256, help="prefill tokens (default 256)")
+    forward.add_argument("--rounds", type=int, default=50)
+    forward.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    if args.part == "loop":
+        run_loop(args)
+        return 0
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        os.environ["TRITON_INTERPRET"] = "1"
+        command = [sys.executable, "-m", "benchmarks.step.host_overhead", *sys.argv[1:]]
+        os.execv(sys.executable, command)
+    run_forward(args)
     return 0
 
 

@@ -2,9 +2,12 @@
 
 Workload: 64 requests of 256 random prompt tokens, 64 output tokens each (ignore_eos), all
 submitted at once to the engine; transformers runs them as static batches of 8 (left-padded,
-greedy). Both in bf16 on the default model unless --model/--dtype say otherwise.
+greedy). Both in bf16 on the default model unless --model/--dtype say otherwise. It prints
+each one's output tokens/s and their ratio, the last line::
 
-    python -m benchmarks.engine [--requests 64] [--prompt-len 256] [--output-len 64]
+    ratio engine / transformers: 1.99x
+
+    python -m benchmarks.step.engine [--requests 64] [--prompt-len 256] [--output-len 64]
 """
 
 from __future__ import annotations
@@ -15,16 +18,11 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
+from benchmarks.harness import random_prompts
 from common.config import EngineConfig, SchedulerConfig
 from common.engine.llm_engine import LLMEngine
 from common.model.default_model import resolve_model_path
 from common.sampling_params import SamplingParams
-
-
-def random_prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    # Skip the low ids, which hold the control tokens of most vocabularies.
-    return torch.randint(100, vocab, (count, length), generator=generator).tolist()
 
 
 def run_engine(args, prompts) -> float:
@@ -80,7 +78,7 @@ def main() -> None:
     args = parser.parse_args()
     folder = resolve_model_path(args.model)
     vocab = AutoModelForCausalLM.from_pretrained(folder).config.vocab_size
-    prompts = random_prompts(args.requests, args.prompt_len, vocab)
+    prompts = random_prompts(args.requests, args.prompt_len, vocab, seed=0)
     print(f"model {folder.name}, {args.dtype}, torch threads {torch.get_num_threads()}")
     print(f"{args.requests} requests x {args.prompt_len} prompt + {args.output_len} output tokens")
     engine_tps = run_engine(args, prompts)

@@ -6,10 +6,18 @@ ignore_eos and greedy sampling, streamed, at a fixed concurrency: the workload v
 Against pdserve it also reads the decode workers' own step time over the run (their
 ``pdserve_step_seconds``, from the metrics pages ``/v1/workers`` lists) and prints TPOT beside
 it: what the loop between two steps, and anything else a token waits for, adds to the step.
+It prints the workload, then a figure a line (ms unless named otherwise), e.g. from SmolLM2 on 2
+CPU cores (``--launch --isl 64 --osl 16 --num-prompts 8 --concurrency 4``)::
 
-    python -m benchmarks.serving --base-url http://127.0.0.1:8000 [--isl 256 --osl 64
+    ISL 64, OSL 16, 8 prompts, concurrency 4
+      output_tok_s         46.2
+      tpot_mean_ms         57.3
+      decode_step_ms       57.3
+      tpot_over_step       1.00
+
+    python -m benchmarks.serving.load --base-url http://127.0.0.1:8000 [--isl 256 --osl 64
         --num-prompts 64 --concurrency 8]
-    python -m benchmarks.serving --launch [pdserve up flags]   # starts pdserve up itself
+    python -m benchmarks.serving.load --launch [pdserve up flags]   # starts pdserve up itself
 """
 
 from __future__ import annotations
@@ -17,15 +25,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 
 import httpx
 
+from benchmarks.harness import random_prompts, start_cluster
 from common.metrics import parse_exposition
 from common.model.default_model import resolve_model_path
 from common.tokenizer import Tokenizer
@@ -37,12 +43,6 @@ class Result:
     token_times: list[float] = field(default_factory=list)
     output_tokens: int = 0
     error: str | None = None
-
-
-def random_prompts(tokenizer: Tokenizer, count: int, length: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    # Ids past the control tokens of the vocabulary, like vLLM's random dataset.
-    return [[rng.randrange(100, 49000) for _ in range(length)] for _ in range(count)]
 
 
 async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Result:
@@ -159,24 +159,6 @@ def report(results: list[Result], elapsed: float, args, steps: DecodeSteps | Non
     return figures
 
 
-def wait_for_cluster(
-    base_url: str, process: subprocess.Popen, timeout: float, name: str = "pdserve up"
-) -> None:
-    """Until ``base_url/health`` answers 200; raises if ``process`` (the server ``name``)
-    exits first or the timeout passes."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{name} exited with {process.returncode}")
-        try:
-            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"{name} did not become healthy")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -190,16 +172,12 @@ def main() -> None:
     parser.add_argument("--launch", action="store_true", help="start `pdserve up` first")
     args, up_flags = parser.parse_known_args()
     folder = resolve_model_path(args.model)
-    tokenizer = Tokenizer(folder)
-    prompts = random_prompts(tokenizer, args.num_prompts, args.isl, args.seed)
-    process = None
+    prompts = random_prompts(args.num_prompts, args.isl, len(Tokenizer(folder)), args.seed)
+    cluster = None
     if args.launch:
-        port = args.base_url.rsplit(":", 1)[1]
-        process = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cli", "up", "--model", str(folder), "--port", port,
-             "--log-level", "WARNING", *up_flags]
-        )  # fmt: skip
-        wait_for_cluster(args.base_url, process, 600)
+        port = int(args.base_url.rsplit(":", 1)[1])
+        cluster = start_cluster(folder, *up_flags, port=port)
+        cluster.wait_until_up()
     try:
         model = args.served_model_name or folder.name
         # One request first, so start-up costs (first forward, connections) are not measured.
@@ -211,9 +189,8 @@ def main() -> None:
         steps = after - before if after is not None and before is not None else None
         report(results, elapsed, args, steps)
     finally:
-        if process is not None:
-            process.terminate()
-            process.wait(timeout=60)
+        if cluster is not None:
+            cluster.stop()
 
 
 if __name__ == "__main__":

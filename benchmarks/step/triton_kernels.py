@@ -1,18 +1,35 @@
-"""Speed of the Triton attention kernels on a CUDA GPU.
+"""Speed of the Triton attention kernels on a CUDA GPU: beside other implementations, or, with
+``--tune``, tile candidate by tile candidate.
 
 Prefill: TFLOP/s of chunked-prefill attention over the paged pool, beside torch SDPA (and
 flash-attn / FlashInfer where installed) on the same shapes with contiguous K/V. FLOPs count only
 the causally allowed scores (4 * head_dim per query-key pair and head), the same for every
-implementation.
+implementation. One line per case, of the form (T: TFLOP/s; R: a multiple of bf16's)::
+
+      1 x (0 cached + 4096 new)      triton bf16 T | triton fp8 T (Rx bf16) | torch sdpa T
 
 Decode: GB/s of paged decode attention (K/V pages, 8-bit pages' scales, queries and outputs
 read or written once) against the GPU's memory bandwidth: its specification where torch reports
-the memory clock and bus width, and what a device-to-device copy reaches.
+the memory clock and bus width, and what a device-to-device copy reaches. One line per case::
+
+      64 x 2048 tokens, S splits           bf16 B GB/s (P%) | fp8 B GB/s (P%) (Rx bf16)
 
 FP8 and int8 pages are also given as a multiple of bf16 pages' speed on the same shape (TFLOP/s
 for prefill, tokens/s for decode), where bf16 is measured too.
 
-    python -m benchmarks.kernels [--kv-dtypes bf16,fp8,int8]
+``--tune`` times every candidate of ``kernels.triton.tiles`` on the same shapes (bf16 queries,
+by default bf16 and FP8 pages) instead, prints each case's figures beside the default's, and for
+each kind of page the candidate with the best geometric-mean speed over all cases, then the line
+that records it in ``kernels/triton/tiles.py``::
+
+      best: TILES at Gx the default (m128 n64 w8 s2) in geometric mean, Wx in its worst case
+      TUNED_PREFILL[((9, 0), "none")] = PrefillTiles(block_m=..., block_n=..., ...)
+
+Recording is a person's decision: the table fixes the kernels' sums (deterministic inference
+included) on that generation of GPU.
+
+    python -m benchmarks.step.triton_kernels [--kv-dtypes bf16,fp8,int8] [--only prefill|decode]
+    python -m benchmarks.step.triton_kernels --tune [--kv-dtypes bf16,fp8] [--only prefill|decode]
 
 Without CUDA it says so and exits 0.
 """
@@ -21,9 +38,11 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +58,16 @@ from kernels.interface import (
 from kernels.kv_formats import quantize_fp8, quantize_int8
 from kernels.sizes import ceil_div
 from kernels.triton.decode_attention import decode_attention, default_num_splits
+from kernels.triton.paged import QUANTIZED
 from kernels.triton.prefill_attention import prefill_attention
+from kernels.triton.tiles import (
+    DECODE_CANDIDATES,
+    DEFAULT_DECODE,
+    DEFAULT_PREFILL,
+    PREFILL_CANDIDATES,
+    DecodeTiles,
+    PrefillTiles,
+)
 
 PAGE_SIZE = 16
 # Llama-3-8B's attention: 32 query heads over 8 KV heads of 128. A pool laid out for two layers
@@ -301,20 +329,138 @@ def kv_dtype_names(parser: argparse.ArgumentParser, text: str) -> list[str]:
     return names
 
 
+# -- tuning the tiles ------------------------------------------------------------------------------
+
+Tiles = TypeVar("Tiles", PrefillTiles, DecodeTiles)
+
+
+def candidate_ms(fn: Callable[[], object]) -> float | None:
+    """Median milliseconds, or None where the candidate cannot run (shared memory, registers)."""
+    try:
+        return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+    except Exception as error:  # triton's OutOfResources and compile errors alike
+        print(f"    ({type(error).__name__}: {str(error).splitlines()[0][:80]})")
+        return None
+
+
+def kv_quant_flag(kv_dtype: torch.dtype) -> str:
+    return QUANTIZED.get(kv_dtype, ("none", None))[0]
+
+
+def report_candidates(
+    title: str,
+    unit: str,
+    candidates: Sequence[Tiles],
+    default: Tiles,
+    rows: dict[str, list[float | None]],  # case label -> figure per candidate (higher is better)
+) -> Tiles:
+    """Print the figures and return the candidate with the best geometric-mean gain over the
+    default across the cases (one that failed anywhere is out)."""
+    print(f"\n{title} ({unit}; columns are the candidates)")
+    names = [str(tiles) for tiles in candidates]
+    print(f"  {'case':34} " + " ".join(f"{name:>16}" for name in names))
+    for label, figures in rows.items():
+        cells = ["n/a" if f is None else f"{f:.1f}" for f in figures]
+        print(f"  {label:34} " + " ".join(f"{cell:>16}" for cell in cells))
+    base = candidates.index(default)
+    gains: dict[int, float] = {}
+    for i in range(len(candidates)):
+        ratios = [f[i] / f[base] for f in rows.values() if f[i] is not None and f[base]]
+        if len(ratios) == len(rows):
+            gains[i] = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+    best = max(gains, key=gains.__getitem__, default=base)
+    worst_case = min((f[best] / f[base] for f in rows.values() if f[best] and f[base]), default=1.0)
+    print(
+        f"  best: {candidates[best]} at {gains.get(best, 1.0):.2f}x the default "
+        f"({default}) in geometric mean, {worst_case:.2f}x in its worst case"
+    )
+    return candidates[best]
+
+
+def tune_prefill(kv_name: str, kv_dtype: torch.dtype) -> PrefillTiles:
+    rows: dict[str, list[float | None]] = {}
+    for case in PREFILL_CASES:
+        seq_lens = [case.prefix + case.chunk] * case.num_seqs
+        query, cache, meta = paged_inputs([case.chunk] * case.num_seqs, seq_lens, kv_dtype)
+        figures = []
+        for tiles in PREFILL_CANDIDATES:
+            run = functools.partial(
+                prefill_attention, query, cache, meta, HEAD_DIM**-0.5, tiles=tiles
+            )
+            ms = candidate_ms(run)
+            figures.append(None if ms is None else case.flops / ms / 1e9)
+        rows[str(case)] = figures
+        del query, cache, meta
+        torch.cuda.empty_cache()
+    title = f"prefill attention over {kv_name} pages"
+    return report_candidates(title, "TFLOP/s", PREFILL_CANDIDATES, DEFAULT_PREFILL, rows)
+
+
+def tune_decode(kv_name: str, kv_dtype: torch.dtype) -> DecodeTiles:
+    rows: dict[str, list[float | None]] = {}
+    for num_seqs, context in DECODE_CASES:
+        query, cache, meta = paged_inputs([1] * num_seqs, [context] * num_seqs, kv_dtype)
+        splits = default_num_splits(num_seqs, NUM_KV_HEADS, context, query.device)
+        pages_bytes = kv_bytes(kv_dtype, num_seqs * context)
+        figures = []
+        for tiles in DECODE_CANDIDATES:
+            run = functools.partial(
+                decode_attention, query, cache, meta, HEAD_DIM**-0.5, tiles=tiles
+            )
+            ms = candidate_ms(run)
+            figures.append(None if ms is None else pages_bytes / ms / 1e6)
+        rows[f"{num_seqs} x {context} tokens, {splits} splits"] = figures
+        del query, cache, meta
+        torch.cuda.empty_cache()
+    title = f"decode attention over {kv_name} pages"
+    return report_candidates(title, "GB/s of pages read", DECODE_CANDIDATES, DEFAULT_DECODE, rows)
+
+
+def tune(kv_names: list[str], only: str | None) -> None:
+    """Every tile candidate on each kind of page, and the lines that would record the best."""
+    capability = torch.cuda.get_device_capability()
+    print(f"compute capability {capability}")
+    choices: list[str] = []
+    for name in kv_names:
+        kv_dtype, flag = KV_DTYPES[name], kv_quant_flag(KV_DTYPES[name])
+        if only in (None, "prefill"):
+            tiles = tune_prefill(name, kv_dtype)
+            choices.append(f'TUNED_PREFILL[({capability}, "{flag}")] = {tiles!r}')
+        if only in (None, "decode"):
+            tiles = tune_decode(name, kv_dtype)
+            choices.append(f'TUNED_DECODE[({capability}, "{flag}")] = {tiles!r}')
+    print("\nfor kernels/triton/tiles.py (heads of up to 128):")
+    for line in choices:
+        print(f"  {line}")
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument(
-        "--kv-dtypes", default="bf16,fp8,int8", help="comma-separated subset of bf16,fp8,int8"
+        "--kv-dtypes",
+        default=None,
+        help="comma-separated subset of bf16,fp8,int8 (default: all three; bf16,fp8 to --tune)",
+    )
+    parser.add_argument("--only", choices=("prefill", "decode"), help="one kernel")
+    parser.add_argument(
+        "--tune", action="store_true", help="time every tile candidate and print the best"
     )
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("benchmarks/kernels.py measures the Triton kernels on a CUDA GPU; none is visible.")
+        print("benchmarks.step.triton_kernels measures the Triton kernels on a CUDA GPU; none is "
+              "visible.")  # fmt: skip
         return 0
-    kv_dtypes = kv_dtype_names(parser, args.kv_dtypes)
+    default_kv_dtypes = "bf16,fp8" if args.tune else "bf16,fp8,int8"
+    kv_dtypes = kv_dtype_names(parser, args.kv_dtypes or default_kv_dtypes)
     print(f"device: {torch.cuda.get_device_name()}")
     torch.manual_seed(0)
-    bench_prefill(kv_dtypes)
-    bench_decode(kv_dtypes)
+    if args.tune:
+        tune(kv_dtypes, args.only)
+        return 0
+    if args.only in (None, "prefill"):
+        bench_prefill(kv_dtypes)
+    if args.only in (None, "decode"):
+        bench_decode(kv_dtypes)
     return 0
 
 
