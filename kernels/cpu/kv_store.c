@@ -64,7 +64,8 @@ static inline uint8_t int8_scale_code(float amax) {
 }
 
 /* Quantise one head vector (float32) into int8 page bytes and its scale code, exactly as
- * kernels/kv_formats.py's quantize_int8: x / s (an IEEE division), plus one half, floored, clamped. */
+ * kernels/kv_formats.py's quantize_int8: x / s (an IEEE division), plus one half, floored,
+ * clamped. */
 static void quantize_int8_row(const float *restrict x, int dim, void *restrict out_bytes,
                               void *restrict scale_out) {
     int8_t *out = out_bytes;
@@ -110,7 +111,8 @@ static inline uint8_t fp8_e4m3_from_float(float value) {
 }
 
 /* Quantise one head vector (float32) into e4m3 page bytes and its float32 scale, exactly as
- * kernels/kv_formats.py's quantize_fp8: s = max(amax / 448, 1e-12), x / s clamped to +-448, then rounded. */
+ * kernels/kv_formats.py's quantize_fp8: s = max(amax / 448, 1e-12), x / s clamped to +-448,
+ * then rounded. */
 static void quantize_fp8_row(const float *restrict x, int dim, void *restrict out_bytes,
                              void *restrict scale_out) {
     uint8_t *out = out_bytes;
