@@ -244,7 +244,7 @@ def _unit(value: Any) -> bool:
 # pdserve does not implement, each with the test for the values that change nothing. Any other
 # value is refused with a 400 naming the field: a client asking for JSON output must not get
 # free text without a word. Fields that change nothing (``user``, ``metadata``, ``store``,
-# ``service_tier``, ``priority``, ``parallel_tool_calls``, ...) pass.
+# ``service_tier``, ``parallel_tool_calls``, ...) pass.
 UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "best_of": _no_ranking,
     "suffix": _off,

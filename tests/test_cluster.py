@@ -479,7 +479,17 @@ def kill_busy_worker(base: str, launcher_pid: int, role: str, at_least: int = 1)
     busy = None
     while busy is None and time.monotonic() < deadline:
         workers = json.loads(urllib.request.urlopen(f"{base}/v1/workers", timeout=10).read())
-        busy = next((w["id"] for w in workers[role] if w["load"]["inflight"] >= at_least), None)
+        # Held by the router's books and by the worker's own latest heartbeat: a request whose
+        # first token the router has yet to read is in its books but no longer on the worker.
+        busy = next(
+            (
+                w["id"]
+                for w in workers[role]
+                if min(w["load"]["inflight"], w["load"]["num_running"] + w["load"]["num_waiting"])
+                >= at_least
+            ),
+            None,
+        )
         time.sleep(0.02)
     if busy is None:
         return None
