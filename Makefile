@@ -60,7 +60,7 @@ compare: $(STAMP)
 clean:
 	rm -rf $(VENV) build *.egg-info
 
-# The GPU check (README, "On a GPU"). Here, where pip reaches a registry: the wheels a GPU machine
+# The GPU check (docs/gpu.md). Here, where pip reaches a registry: the wheels a GPU machine
 # without network lacks, and the default model's config and tokenizer, into .gpu-carry/. There:
 # `make gpu-check` (or `bash scripts/gpu_check.sh`) with .gpu-carry carried along. BASE=COMMIT
 # also carries that commit's tree, whose decode steps the graphs step times beside the checkout's.

@@ -4,7 +4,7 @@ The dispatcher reports each sequence's life: its dispatch, its first token (with
 of the worker that prefilled it), every later run of tokens, the decode worker's stage times
 after a handoff, and its end. Where vLLM exports the same quantity this module uses vLLM's
 meaning and bucket edges, so dashboards and alerts written for ``vllm:`` carry over by renaming
-the prefix (the README lists the mapping). What a disaggregated request adds, the split of its
+the prefix (docs/metrics.md lists the mapping). What a disaggregated request adds, the split of its
 time to first token over the router, the prefill worker and the hops between, and the decode
 worker's handoff wait and queue, has histograms of its own.
 

@@ -1,9 +1,11 @@
-"""The README's metric tables are the contract: a running cluster exports every metric listed
-there, traffic moves every one not marked *on faults*, and the Grafana dashboard and the alert
-rules name only listed metrics (so none of their queries reads a series that does not exist)."""
+"""docs/metrics.md's tables are the contract: every metric the code registers is listed there
+once, a running cluster exports every metric listed, traffic moves every one not marked *on
+faults* or *on a GPU*, and the Grafana dashboard and the alert rules name only listed metrics (so
+none of their queries reads a series that does not exist)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import shutil
@@ -20,29 +22,54 @@ from cluster_harness import tiny_chat_cluster
 pytestmark = pytest.mark.slow  # starts `pdserve up` and drives traffic
 
 ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
+METRICS_DOC = ROOT / "docs/metrics.md"
 DASHBOARD = ROOT / "deploy/grafana/dashboards/pdserve.json"
 ALERTS = ROOT / "deploy/alerts.yml"
 MODEL = "tiny-chat"
 WORKER_TABLES = ("Workers", "KV transfer")
+# Every module that registers a metric. Those at module level register on import; the router
+# makes its own per app (its SLO gauges only when an objective is set).
+METRIC_MODULES = (
+    "common/metrics.py",
+    "common/service/core_loan.py",
+    "kvtransfer/metrics.py",
+    "router/metrics.py",
+    "router/request_metrics.py",
+)
 
 
 def documented() -> dict[str, list[tuple[str, bool]]]:
-    """The README's metric tables under its Metrics heading, by the first line of the paragraph
-    before each: the (metric, whether this CPU cluster's traffic moves it) of every row."""
-    section = README.read_text().split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
+    """docs/metrics.md's metric tables, by the heading each sits under: the (metric, whether this
+    CPU cluster's traffic moves it) of every row."""
     tables: dict[str, list[tuple[str, bool]]] = {}
-    lead, after_blank = "", True
-    for line in section.splitlines():
+    heading = ""
+    for line in METRICS_DOC.read_text().splitlines():
         row = re.match(r"\| `(pdserve_\w+)` \|", line)
         if row:
             # Rows marked *on faults* move on failures alone, *on a GPU* by default only there.
             quiet_here = "*on faults*" in line or "*on a GPU*" in line
-            tables.setdefault(lead, []).append((row.group(1), not quiet_here))
-        elif line and not line.startswith("|") and after_blank:
-            lead = line
-        after_blank = not line
+            tables.setdefault(heading, []).append((row.group(1), not quiet_here))
+        elif line.startswith("## "):
+            heading = line[3:]
     return tables
+
+
+def registered() -> set[str]:
+    """Every metric the code registers, as a scrape names it (a counter with ``_total``)."""
+    from prometheus_client import REGISTRY
+
+    from router.metrics import RouterMetrics
+    from router.request_metrics import ServiceLevel
+
+    for path in METRIC_MODULES:
+        importlib.import_module(path.removesuffix(".py").replace("/", "."))
+    router = RouterMetrics(ServiceLevel(ttft_s=1.0, tpot_s=1.0)).registry
+    return {
+        family.name + "_total" if family.type == "counter" else family.name
+        for registry in (REGISTRY, router)
+        for family in registry.collect()
+        if family.name.startswith("pdserve_")
+    }
 
 
 def families(exposition: str) -> dict[str, float | None]:
@@ -77,10 +104,28 @@ def dashboard_expressions() -> list[tuple[str, str]]:
     return [(p["title"], t["expr"]) for p in dashboard["panels"] for t in p.get("targets", [])]
 
 
-def test_the_readme_lists_each_metric_once():
+def test_the_metrics_page_lists_each_metric_once():
     names = [name for rows in documented().values() for name, _ in rows]
     assert len(names) > 40
-    assert len(names) == len(set(names))
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+
+
+def test_every_metric_the_code_registers_is_documented():
+    listed = {name for rows in documented().values() for name, _ in rows}
+    code = registered()
+    assert not code - listed, f"registered but not in docs/metrics.md: {sorted(code - listed)}"
+    assert not listed - code, f"in docs/metrics.md but never registered: {sorted(listed - code)}"
+
+
+def test_the_metric_modules_are_every_module_that_registers_one():
+    """A new module with metrics joins METRIC_MODULES, so the test above sees its metrics."""
+    found = {
+        str(path.relative_to(ROOT))
+        for package in ("common", "kvtransfer", "router", "prefill_worker", "decode_worker")
+        for path in (ROOT / package).rglob("*.py")
+        if re.search(r"\b(Counter|Gauge|Histogram|Summary)\(", path.read_text())
+    }
+    assert found == set(METRIC_MODULES)
 
 
 @pytest.mark.parametrize("source", ["dashboard", "alerts"])

@@ -34,7 +34,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default="auto",
         choices=KV_CACHE_DTYPES,
         help="auto: the model's dtype; fp8: e4m3 pages; int8: Hadamard-turned int8 pages, the "
-        "closest to the model's answers at half the memory (README, How it works)",
+        "closest to the model's answers at half the memory (docs/kv-formats.md)",
     )
     group.add_argument(
         "--kv-cache-memory",
