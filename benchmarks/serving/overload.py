@@ -16,17 +16,19 @@ goal at 5x: at least 0.9). The cluster runs with admission (``--max-queue-delay`
 predicted to wait longer is refused at once; ``--max-inflight-per-worker``: beyond it requests
 wait in the router, so a decode batch stays the size that keeps TPOT), and with
 ``--without-admission`` the same levels run again with both off, for contrast. One line a level,
-e.g. on 2 CPU cores (``--duration 20``)::
+e.g. on the 2-core AVX-512 Xeon (the defaults)::
 
-    capacity 9.6 req/s (ISL 128, OSL 16, concurrency 8; SLO TTFT 3000 ms TPOT 300 ms)
-    admission (--max-queue-delay 1.5 --max-inflight-per-worker 8)
-    1x: accepted 190 completed 190 refused 0 goodput_ratio 1.00 (good 9.1/s, refused in - ms)
-    5x: accepted 231 completed 231 refused 724 goodput_ratio 0.97 (good 8.8/s, refused in 9/41 ms)
+    capacity 9.7 req/s (ISL 128, OSL 16, concurrency 32; SLO TTFT 3000 ms TPOT 300 ms)
+    admission (--max-queue-delay 1.5 --max-inflight-per-worker 16)
+    1x: accepted 164 completed 164 refused 40 goodput_ratio 1.00 (good 8.2/s, refused in 3/6 ms)
+    5x: accepted 197 completed 197 refused 757 goodput_ratio 1.20 (good 9.8/s, refused in 3/10 ms)
+    without admission
+    5x: accepted 954 completed 954 refused 0 goodput_ratio 0.34 (good 3.5/s, refused in - ms)
+
+    python -m benchmarks.serving.overload [--levels 1,2,5] [--duration 20] [--without-admission]
 
 The capacity is measured once, admission off (the cluster's own), and every level of either run
 offers a multiple of it.
-
-    python -m benchmarks.serving.overload [--levels 1,2,5] [--duration 20] [--without-admission]
 """
 
 from __future__ import annotations
