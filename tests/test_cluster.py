@@ -341,12 +341,14 @@ def test_prefill_worker_killed_under_load_every_request_completes(tmp_path):
     """Kill -9 one of two prefill workers while both hold prompts: the router re-dispatches
     them through the other one, to the decode worker that was already expecting them (under a
     new id, so the abort of the first attempt cannot swallow the second), and every request
-    completes with the tokens one process gives."""
+    completes with the tokens one process gives. Both prefill workers are paused (SIGSTOP)
+    while the prompts are dispatched, so each surely holds several when one is killed: a toy
+    model prefills a prompt in milliseconds, faster than anyone could watch for the moment."""
     folder = build_tiny_chat_model(tmp_path / "tiny-chat")
-    # Small steps: a prompt stays on its prefill worker for several of them.
     flags = ("--model", str(folder), "--prefill", "2", "--max-model-len", "1024",
              "--kv-cache-memory", "64MiB", "--dtype", "float32",
-             "--remote-prefill-min-tokens", "8", "--max-num-batched-tokens", "32")  # fmt: skip
+             "--remote-prefill-min-tokens", "8", "--max-num-batched-tokens", "32",
+             "--local-prefill-overflow-tokens", "1000000")  # fmt: skip
     with launched(*flags) as (process, base):
         tokenizer = Tokenizer(folder)
         prompts = [f"request {i}: " + LONG_PROMPT * 3 for i in range(24)]
@@ -361,17 +363,59 @@ def test_prefill_worker_killed_under_load_every_request_completes(tmp_path):
                 extra_body={"ignore_eos": True},
             )  # fmt: skip
 
-        with ThreadPoolExecutor(max_workers=24) as pool:
-            futures = [pool.submit(complete, p) for p in prompts]
-            killed = kill_busy_worker(base, process.pid, "prefill", at_least=2)
-            results = [f.result(timeout=180) for f in futures]
-        assert killed is not None
+        paused = worker_pids(process.pid, "prefill")
+        for pid in paused.values():
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            with ThreadPoolExecutor(max_workers=24) as pool:
+                futures = [pool.submit(complete, p) for p in prompts]
+                held = wait_for_inflight(base, "prefill", at_least=2)
+                victim = max(held, key=held.__getitem__)
+                os.kill(paused.pop(victim), signal.SIGKILL)
+                for pid in paused.values():
+                    os.kill(pid, signal.SIGCONT)
+                paused = {}
+                results = [f.result(timeout=180) for f in futures]
+        finally:
+            for pid in paused.values():
+                os.kill(pid, signal.SIGCONT)
         assert [r.choices[0].finish_reason for r in results] == ["length"] * 24
         assert [r.choices[0].text for r in results] == [tokenizer.decode(t) for t in expected]
         metrics = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
         redispatched = re.search(r'^pdserve_router_redispatches_total\{kind="prefill"\} (\S+)$',
                                  metrics, re.MULTILINE)  # fmt: skip
-        assert redispatched and float(redispatched.group(1)) >= 1
+        assert redispatched and float(redispatched.group(1)) >= held[victim]
+
+
+def worker_pids(launcher_pid: int, role: str) -> dict[str, int]:
+    """The ``role`` workers `pdserve up` started, by worker id."""
+    children = subprocess.run(
+        ["pgrep", "-P", str(launcher_pid)], capture_output=True, text=True
+    ).stdout.split()
+    found = {}
+    for pid in children:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            argv = cmdline.read().split(b"\0")
+        if b"--worker-id" in argv:
+            worker_id = argv[argv.index(b"--worker-id") + 1].decode()
+            if worker_id.startswith(role):
+                found[worker_id] = int(pid)
+    return found
+
+
+def wait_for_inflight(base: str, role: str, at_least: int) -> dict[str, int]:
+    """Until every ``role`` worker has at least ``at_least`` requests in the router's books
+    (generously: the workers are paused, nothing leaves them); each one's count."""
+    import json
+
+    deadline = time.monotonic() + 60
+    while True:
+        workers = json.loads(urllib.request.urlopen(f"{base}/v1/workers", timeout=10).read())
+        held = {w["id"]: w["load"]["inflight"] for w in workers[role]}
+        if held and min(held.values()) >= at_least:
+            return held
+        assert time.monotonic() < deadline, f"the {role} workers held only {held}"
+        time.sleep(0.05)
 
 
 def test_a_step_longer_than_the_heartbeat_timeout_keeps_its_worker(tmp_path):
@@ -479,17 +523,7 @@ def kill_busy_worker(base: str, launcher_pid: int, role: str, at_least: int = 1)
     busy = None
     while busy is None and time.monotonic() < deadline:
         workers = json.loads(urllib.request.urlopen(f"{base}/v1/workers", timeout=10).read())
-        # Held by the router's books and by the worker's own latest heartbeat: a request whose
-        # first token the router has yet to read is in its books but no longer on the worker.
-        busy = next(
-            (
-                w["id"]
-                for w in workers[role]
-                if min(w["load"]["inflight"], w["load"]["num_running"] + w["load"]["num_waiting"])
-                >= at_least
-            ),
-            None,
-        )
+        busy = next((w["id"] for w in workers[role] if w["load"]["inflight"] >= at_least), None)
         time.sleep(0.02)
     if busy is None:
         return None

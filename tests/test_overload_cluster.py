@@ -250,3 +250,43 @@ def test_a_flood_of_junk_on_every_socket_evicts_no_worker_and_loses_no_request(
         # A handful of log lines per socket, not one per frame.
         log = (tmp_path / "up.log").read_text()
         assert log.count("dropped a frame") < 200, log.count("dropped a frame")
+
+
+def test_an_abort_storm_leaves_every_other_stream_answered(model, tmp_path):
+    """150 streams at once, every third one's client gone after its first chunk: each stream
+    whose client stays gets all its tokens, and once the storm is over no worker holds anything
+    and the router has nothing in flight."""
+    flags = (*FLAGS, "--heartbeat-timeout", "5")
+    prompts = [[100 + (i * 7919 + 13 * p) % 20000 for i in range(64)] for p in range(150)]
+    with running_cluster(model, tmp_path / "up.log", *flags) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=240)
+
+        def stream(index: int) -> int | None:
+            """The number of tokens streamed, or None where the client went away."""
+            chunks = client.completions.create(
+                model="tiny-chat", prompt=prompts[index], max_tokens=16, temperature=0,
+                stream=True, extra_body={"ignore_eos": True, "return_token_ids": True},
+            )  # fmt: skip
+            tokens = 0
+            for chunk in chunks:
+                if chunk.choices and getattr(chunk.choices[0], "token_ids", None):
+                    tokens += len(chunk.choices[0].token_ids)
+                if index % 3 == 0:
+                    chunks.response.close()  # the client is gone
+                    return None
+            return tokens
+
+        with ThreadPoolExecutor(max_workers=100) as pool:
+            counts = list(pool.map(stream, range(len(prompts))))
+        kept = [c for i, c in enumerate(counts) if i % 3]
+        assert kept == [16] * len(kept)
+        deadline = time.monotonic() + 60
+        while True:
+            held = [w["load"]["num_running"] + w["load"]["num_waiting"]
+                    for role in ("prefill", "decode") for w in workers(base)[role]]  # fmt: skip
+            if not any(held) and metric(base, "pdserve_router_inflight_requests") == 0:
+                break
+            assert time.monotonic() < deadline, f"still held after the storm: {held}"
+            time.sleep(0.5)
+        assert metric(base, "pdserve_router_aborts_total", cause="client_disconnected") >= 1
+        assert metric(base, "pdserve_router_stalled_requests_total") == 0

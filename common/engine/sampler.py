@@ -142,7 +142,7 @@ class Sampler:
 
     A worker calls ``sample`` once per forward with the logits of each sequence's last position.
     ``sample`` modifies neither the logits nor the rows. Every row's params must have passed
-    ``validate(vocab_size)``, and every prompt and output token id must lie in
+    ``check_token_ids(vocab_size)``, and every prompt and output token id must lie in
     ``[0, vocab_size)``.
 
     Seeded rows give the same tokens in any process on the same kind of device (CPU and CUDA
