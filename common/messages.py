@@ -38,7 +38,8 @@ import msgpack
 # a registration carries its worker process's incarnation. 7: transfer params list a
 # tensor-parallel prefill worker's ranks; a fetch names the KV heads it asks for. 8: a step's
 # one-token deltas travel as columns of TokenDeltas. 9: heartbeats carry the worker's steps,
-# the progress of each request it holds, and its prefill and finishing rates.
+# the progress of each request it holds, and its prefill and finishing rates; sampling params
+# carry a structured-output spec.
 PROTOCOL_VERSION = 9
 
 # Control messages are small; a frame above this is refused before it is parsed. Sockets that

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
+from common.structured import StructuredSpec
+
 # OpenAI's limit on `top_logprobs`; vLLM enforces the same by default.
 MAX_LOGPROBS = 20
 # The range torch.Generator.manual_seed accepts; negative seeds wrap modulo 2**64 as they do there.
@@ -53,6 +55,9 @@ class SamplingParams:
     # vLLM's bad words, as the router tokenized them: a sequence's last token gets -inf wherever
     # the output ends with the rest of it (a one-token sequence's, always).
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # What the output must match (a JSON schema, a regex, a grammar, ...): every sampled token is
+    # masked to those the constraint allows (common/engine/structured/). None: free text.
+    structured: StructuredSpec | None = None
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the first field that is of the wrong type or out of range
