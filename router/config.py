@@ -10,6 +10,21 @@ from router.request_metrics import ServiceLevel
 
 
 @dataclass(slots=True)
+class OutputParsing:
+    """How chat answers are read (vLLM's flags): tool calls in the answer, for ``tool_choice:
+    auto``, and the reasoning before it (router/chat_output.py)."""
+
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None  # a name of router/tool_parsers
+    reasoning_parser: str | None = None  # a name of router/reasoning
+
+    @property
+    def auto_tool_choice(self) -> bool:
+        """Whether ``tool_choice: auto`` is served: it needs both flags, as in vLLM."""
+        return self.enable_auto_tool_choice and self.tool_call_parser is not None
+
+
+@dataclass(slots=True)
 class RouterConfig:
     served_model_name: str  # the name responses report, and the first in /v1/models
     max_model_len: int
@@ -36,3 +51,4 @@ class RouterConfig:
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     slo: ServiceLevel = field(default_factory=ServiceLevel)  # what counts as goodput
+    parsing: OutputParsing = field(default_factory=OutputParsing)

@@ -1,0 +1,68 @@
+"""The answers of a forced tool call, which a JSON schema constrains (router/tool_request.py):
+``tool_choice: "required"`` gives a JSON list of ``{"name": ..., "parameters": {...}}``, a named
+function gives that function's arguments alone. Neither has content; vLLM reads them so.
+"""
+
+from __future__ import annotations
+
+from router.tool_parsers.base import Parsed, ParsedCall, ToolParser
+from router.tool_parsers.json_text import NotJSON, call_in, scan_object, skip_space
+
+
+class RequiredCallsParser(ToolParser):
+    """``tool_choice: "required"``: the answer is the list of calls. One that does not parse
+    (cut short by ``max_tokens`` or a stop string) gives no calls, as in vLLM."""
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        try:
+            return Parsed("", _listed_calls(text, final))
+        except NotJSON:
+            return Parsed("")
+
+
+class NamedCallParser(ToolParser):
+    """A named function: the answer is its arguments, taken as they are (as vLLM does), once
+    anything but whitespace has come."""
+
+    def __init__(self, function: str) -> None:
+        self.function = function
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        start = skip_space(text, 0)
+        if start >= len(text):
+            return Parsed("")
+        return Parsed("", [ParsedCall(self.function, text[start:])])
+
+
+def _listed_calls(text: str, final: bool) -> list[ParsedCall]:
+    calls: list[ParsedCall] = []
+    i = skip_space(text, 0)
+    if i >= len(text):
+        return _unfinished(calls, final)
+    if text[i] != "[":
+        raise NotJSON(f"the calls must be a JSON list, got {text[i]!r}")
+    i = skip_space(text, i + 1)
+    while i < len(text):
+        scan = scan_object(text, i)
+        call = call_in(text, scan, ("parameters",))
+        if scan.end is None:
+            return _unfinished(calls + ([call] if call else []), final)
+        assert call is not None  # a closed object is a call, or call_in raised
+        calls.append(call)
+        i = skip_space(text, scan.end)
+        if i >= len(text):
+            break
+        if text[i] == "]":
+            if skip_space(text, i + 1) < len(text):
+                raise NotJSON("text after the list of calls")
+            return calls
+        if text[i] != ",":
+            raise NotJSON(f"expected ',' or ']' after a call, got {text[i]!r}")
+        i = skip_space(text, i + 1)
+    return _unfinished(calls, final)
+
+
+def _unfinished(calls: list[ParsedCall], final: bool) -> list[ParsedCall]:
+    if final:
+        raise NotJSON("the list of calls is cut short")
+    return calls
