@@ -34,6 +34,8 @@ from common import cluster_auth
 from common.service.core_loan import create_loan_file, omp_places
 from common.service.drain import DEFAULT_DRAIN_TIMEOUT_S, positive_seconds
 from kernels.cpu.features import has_amx_bf16
+from router.reasoning import reasoning_parser_names
+from router.tool_parsers import tool_parser_names
 
 # A worker that dies is started again (the router re-dispatches its requests meanwhile), at
 # most this many times, so a worker that cannot start does not loop for ever.
@@ -164,6 +166,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--slo-tpot-ms", type=float, default=None, help="the router's goodput TPOT objective"
     )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="the router's: read tool calls from answers to tool_choice: auto (with "
+        "--tool-call-parser)",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=tool_parser_names(),
+        default=None,
+        help="the router's: the format the model writes tool calls in",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=reasoning_parser_names(),
+        default=None,
+        help="the router's: split each chat answer's reasoning into `reasoning`",
+    )
     # Flags of one role only; the rest of the unknown flags go to every worker.
     prefill = parser.add_argument_group("prefill workers")
     prefill.add_argument("--kv-lease-seconds", type=float, default=None)
@@ -238,6 +258,22 @@ def build_parser() -> argparse.ArgumentParser:
 def tp_size(args: argparse.Namespace, role: str) -> int:
     """The tensor-parallel size of each worker of ``role``: the ranks it runs on."""
     return args.prefill_tp if role == "prefill" else args.decode_tp
+
+
+def router_flags(args: argparse.Namespace) -> list[str]:
+    """The flags given to ``pdserve up`` that tune the router, as the router takes them."""
+    valued = (
+        "heartbeat_timeout", "request_stall_timeout", "max_tokens_default", "slo_ttft_ms",
+        "slo_tpot_ms", "max_queue_delay", "max_inflight_per_worker", "max_request_tokens",
+        "tool_call_parser", "reasoning_parser",
+    )  # fmt: skip
+    flags: list[str] = []
+    for name in valued:
+        if getattr(args, name) is not None:
+            flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    if args.enable_auto_tool_choice:
+        flags.append("--enable-auto-tool-choice")
+    return flags
 
 
 def role_flags(args: argparse.Namespace, role: str) -> list[str]:
@@ -547,13 +583,7 @@ def main(argv: list[str] | None = None) -> int:
         router_args += ["--api-key", args.api_key]
     if args.served_model_name:
         router_args += ["--served-model-name", *args.served_model_name]
-    router_flags = (
-        "heartbeat_timeout", "request_stall_timeout", "max_tokens_default", "slo_ttft_ms",
-        "slo_tpot_ms", "max_queue_delay", "max_inflight_per_worker", "max_request_tokens",
-    )  # fmt: skip
-    for flag in router_flags:
-        if getattr(args, flag) is not None:
-            router_args += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    router_args += router_flags(args)
     on_gpu = gpu_available()
     router_args += local_prefill_flags(args, on_gpu)
     shared = [

@@ -18,7 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from common.sampling_params import MAX_BAD_WORDS, MAX_LOGPROBS, SamplingParams
 from router.beam_search import MAX_BEAM_WIDTH
+from router.chat_output import ChatOutputPlan, plan_output
+from router.config import OutputParsing
 from router.errors import BadRequest
+from router.tool_request import AssistantToolCall, ToolParam, tool_choice_of
 
 MAX_N = 128
 # A seed is a signed 64-bit integer, as in OpenAI's schema and vLLM (torch.long); the schema
@@ -113,8 +116,12 @@ class ChatMessage(BaseModel):
     role: str = Field(min_length=1, max_length=64)
     content: str | list[dict] | None = None
     name: str | None = None
-    # Read only to refuse: an assistant turn's tool calls would otherwise vanish from the prompt.
-    tool_calls: list[dict] | None = None
+    # An assistant turn's tool calls, and a tool's result (role "tool") naming the call it answers.
+    tool_calls: list[AssistantToolCall] | None = None
+    tool_call_id: str | None = None
+    # An assistant turn's reasoning, for templates that show it (vLLM's name, and its older one).
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class _ChatTemplateFields(BaseModel):
@@ -126,6 +133,8 @@ class _ChatTemplateFields(BaseModel):
     # for a template that grounds its answer in them.
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, str]] | None = None
+    # Functions the model may call, rendered by the chat template (router/tool_request.py).
+    tools: list[ToolParam] | None = None
 
 
 class ChatBody(_SamplingBody, _ChatTemplateFields):
@@ -135,6 +144,12 @@ class ChatBody(_SamplingBody, _ChatTemplateFields):
     top_logprobs: int | None = None
     # The answer starts with the last message's content when that message has the answer's role.
     echo: bool = False
+    # "none", "auto", "required" or {"type": "function", "function": {"name": ...}}, checked in
+    # vLLM's words (router/tool_request.py); absent with tools: "auto".
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
+    # vLLM's: false leaves the reasoning out of the answer (with --reasoning-parser).
+    include_reasoning: bool = True
 
 
 class TokenizeBody(_ChatTemplateFields):
@@ -183,6 +198,12 @@ class GenerationRequest:
     use_beam_search: bool = False  # n is the beam width (router/beam_search.py)
     length_penalty: float = 1.0
     priority: int = 0  # lower first, where requests wait for room
+    # A chat answer's reasoning and tool calls (router/chat_output.py); None: its text is its
+    # content.
+    output: ChatOutputPlan | None = None
+    # Tokens decoded with no text: the end-of-sequence tokens where the answer keeps its special
+    # tokens for a tool-call parser.
+    hidden_token_ids: frozenset[int] = frozenset()
 
     def params_for_choice(self, index: int) -> SamplingParams:
         """Choice ``index`` of a prompt: a seeded request uses seed + index per choice."""
@@ -244,7 +265,8 @@ def _unit(value: Any) -> bool:
 # pdserve does not implement, each with the test for the values that change nothing. Any other
 # value is refused with a 400 naming the field: a client asking for JSON output must not get
 # free text without a word. Fields that change nothing (``user``, ``metadata``, ``store``,
-# ``service_tier``, ``parallel_tool_calls``, ...) pass.
+# ``service_tier``, ...) pass. Chat declares ``tools`` and ``tool_choice`` (router/tool_request.py);
+# a completion has no tools.
 UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "best_of": _no_ranking,
     "suffix": _off,
@@ -265,6 +287,13 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "chat_template": _off,
     "spaces_between_special_tokens": _on,
 }
+
+
+# The request fields that ask for a structured output: none goes with beam search.
+STRUCTURED_OUTPUT_FIELDS = (
+    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar",
+)  # fmt: skip
 
 
 # The chat template renderer's own arguments (transformers' apply_chat_template), and the
@@ -331,6 +360,14 @@ def refuse_with_beam_search(body: CompletionBody | ChatBody) -> None:
         value = getattr(body, name)
         if value not in (allowed if isinstance(allowed, tuple) else (allowed,)):
             raise BadRequest(f"{name} is not supported with beam search (got {value!r:.80})", name)
+    # A tool call or a structured output needs every token constrained or the answer read as
+    # calls; beams are scored and ended on raw tokens.
+    if isinstance(body, ChatBody) and body.tools:
+        raise BadRequest("tools are not supported with beam search", "tools")
+    for name in STRUCTURED_OUTPUT_FIELDS:
+        value = getattr(body, name, None) or (body.model_extra or {}).get(name)
+        if not _plain_text(value):
+            raise BadRequest(f"{name} is not supported with beam search (got {value!r:.80})", name)
 
 
 def to_generation(
@@ -341,10 +378,12 @@ def to_generation(
     default_max_tokens: int | None = None,
     *,
     max_request_tokens: int | None = None,
+    parsing: OutputParsing | None = None,
 ) -> GenerationRequest:
     """The checked request. A chat request without ``max_tokens`` may use the rest of the
     context, as in vLLM, or at most ``default_max_tokens`` when the server sets it. The tokens
-    it may generate, n x prompts x max_tokens, are at most ``max_request_tokens`` (None: any)."""
+    it may generate, n x prompts x max_tokens, are at most ``max_request_tokens`` (None: any).
+    ``parsing``: how the server reads chat answers (tool calls, reasoning; None: it does not)."""
     chat = isinstance(body, ChatBody)
     refuse_unsupported(body)
     if not 1 <= body.n <= MAX_N:
@@ -362,7 +401,9 @@ def to_generation(
         # vLLM's words: greedy choices are one answer n times over, each generated anew.
         raise BadRequest(f"n must be 1 when using greedy sampling, got {body.n}.", "n")
     messages: list[dict] = []
+    parsing = parsing or OutputParsing()
     if isinstance(body, ChatBody):
+        tool_choice = tool_choice_of(body.tools, body.tool_choice, parsing.auto_tool_choice)
         messages = chat_messages(body)
         prompts = [Prompt(encode_conversation(body, codec, messages), None)]
         logprobs = _chat_logprobs(body)
@@ -461,6 +502,13 @@ def to_generation(
         params.check_token_ids(codec.vocab_size)
     except ValueError as exc:
         raise BadRequest(str(exc), str(exc).split(" ", 1)[0]) from None
+    output = None
+    if isinstance(body, ChatBody):
+        output, params = plan_output(
+            tool_choice, body.tools, body.parallel_tool_calls, body.include_reasoning, parsing,
+            codec, prompts[0].token_ids, params,
+        )  # fmt: skip
+    keeps_special_tokens = output is not None and output.keeps_special_tokens
     return GenerationRequest(
         chat=chat,
         model=body.model,
@@ -474,7 +522,11 @@ def to_generation(
         logprobs=logprobs,
         echo=(not chat) and body.echo,
         session_id=_session_key(session_id or body.user),
-        skip_special_tokens=body.skip_special_tokens,
+        # A tool-call parser whose markers are special tokens reads the answer with them, as
+        # vLLM reads it; the end-of-sequence token then ends it without text.
+        skip_special_tokens=body.skip_special_tokens and not keeps_special_tokens,
+        hidden_token_ids=frozenset(codec.eos_token_ids) if keeps_special_tokens else frozenset(),
+        output=output,
         # As in vLLM, usage on every chunk needs include_usage too.
         continuous_usage=bool(
             body.stream_options
@@ -509,6 +561,8 @@ def encode_conversation(
         )
     if body.documents is not None:
         kwargs["documents"] = body.documents
+    if body.tools:
+        kwargs["tools"] = [tool.for_template() for tool in body.tools]
     try:
         return codec.encode_chat(
             messages, body.add_generation_prompt, body.continue_final_message, kwargs
@@ -607,14 +661,10 @@ def _truncated(prompt: Prompt, keep: int, side: str, max_model_len: int) -> Prom
 
 
 def chat_messages(body: ChatBody | TokenizeBody) -> list[dict]:
+    """The conversation as the chat template gets it: text parts joined, an assistant turn's
+    tool calls and reasoning, a tool result's call id."""
     messages = []
     for m in body.messages or []:
-        if m.tool_calls:
-            raise BadRequest(
-                "tool_calls in messages are not supported by pdserve, which serves no tools: the "
-                "chat template would render the turn without them",
-                "messages",
-            )
         content = m.content
         if isinstance(content, list):
             # Only text parts are served; images and audio are not part of a text model's input.
@@ -624,9 +674,17 @@ def chat_messages(body: ChatBody | TokenizeBody) -> list[dict]:
                     raise BadRequest("only text content parts are supported", "messages")
                 texts.append(part["text"])
             content = "\n".join(texts)
-        message = {"role": m.role, "content": content or ""}
+        message: dict[str, Any] = {"role": m.role, "content": content or ""}
         if m.name is not None:
             message["name"] = m.name
+        if m.tool_calls:
+            message["tool_calls"] = [call.for_template() for call in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        reasoning = m.reasoning if m.reasoning is not None else m.reasoning_content
+        if reasoning is not None:
+            # Both names, as vLLM hands them over: templates read one or the other.
+            message["reasoning"] = message["reasoning_content"] = reasoning
         messages.append(message)
     return messages
 

@@ -76,7 +76,7 @@ async def _generate_counted(
     gen_request = await off_the_loop_if_large(
         request, to_generation, body, state.codec, config.max_model_len,
         request.headers.get("x-session-id"), config.default_max_tokens,
-        max_request_tokens=config.max_request_tokens,
+        max_request_tokens=config.max_request_tokens, parsing=config.parsing,
     )  # fmt: skip
     sequences = len(gen_request.prompts) * gen_request.n
     if sequences > config.max_inflight:

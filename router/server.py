@@ -12,10 +12,12 @@ from common.cluster_auth import add_insecure_flag, secret_for_binding
 from common.startup_objects import startup_objects_frozen
 from router.admission import AdmissionConfig
 from router.app import create_app
-from router.config import RouterConfig
+from router.config import OutputParsing, RouterConfig
 from router.http_protocol import with_read_deadline
 from router.policy import RoutingConfig
+from router.reasoning import reasoning_parser_names
 from router.request_metrics import ServiceLevel
+from router.tool_parsers import tool_parser_names
 
 if TYPE_CHECKING:
     # Imported by main once torch is hidden: transformers would load it.
@@ -135,6 +137,25 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the cluster secret's file (default: $PDSERVE_CLUSTER_SECRET); workers must hold it",
     )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="read tool calls from answers to tool_choice: auto, with --tool-call-parser "
+        "(vLLM's flag; required and named tool choices need neither)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=tool_parser_names(),
+        default=None,
+        help="the format the model writes tool calls in, for tool_choice: auto",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=reasoning_parser_names(),
+        default=None,
+        help="split each chat answer's <think> part into `reasoning`, and start a structured "
+        "output or forced tool call after it",
+    )
     add_insecure_flag(p)
     p.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"]
@@ -162,6 +183,8 @@ def config_from_args(args: argparse.Namespace, text: Tokenizer, model_path: Path
         value = getattr(args, name)
         if value is not None and not 0 < value < float("inf"):
             raise ValueError(f"--{name.replace('_', '-')} must be a positive number of ms")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:  # vLLM's words
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
     max_len = args.max_model_len or text.max_position_embeddings
     if max_len < 2:
         raise ValueError("--max-model-len must be >= 2")
@@ -197,6 +220,11 @@ def config_from_args(args: argparse.Namespace, text: Tokenizer, model_path: Path
         routing=RoutingConfig(
             remote_prefill_min_tokens=args.remote_prefill_min_tokens,
             local_prefill_overflow_tokens=args.local_prefill_overflow_tokens,
+        ),
+        parsing=OutputParsing(
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
         ),
     )
 

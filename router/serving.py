@@ -19,6 +19,7 @@ from functools import lru_cache
 from typing import Any
 
 from common.protocol import TokenSample
+from router.chat_output import ChatOutput
 from router.detokenizer import IncrementalDetokenizer
 from router.dispatcher import Dispatcher, Generation
 from router.errors import APIError
@@ -61,6 +62,8 @@ class Choice:
     # Kept for a whole body: the tokens taken, and their samples where logprobs were asked for.
     token_ids: list[int] = field(default_factory=list)
     scored: list[TokenSample] = field(default_factory=list)
+    # A chat answer's reasoning and tool calls, where the request has them.
+    output: ChatOutput | None = None
 
     @property
     def done(self) -> bool:
@@ -97,7 +100,7 @@ class Run:
         self.created = int(time.time())
         self.sink: asyncio.Queue[int] = asyncio.Queue()
         self.choices: list[Choice] = []
-        skip = frozenset(request.params.stop_token_ids)
+        skip = frozenset(request.params.stop_token_ids) | request.hidden_token_ids
         for p, prompt in enumerate(request.prompts):
             for c in range(request.n):
                 params = request.params_for_choice(c)
@@ -116,7 +119,8 @@ class Run:
                     skip,
                     request.include_stop_str,
                 )
-                self.choices.append(Choice(gen, detok, p))
+                output = None if request.output is None else ChatOutput(request.output)
+                self.choices.append(Choice(gen, detok, p, output=output))
 
     def submit(self) -> None:
         """Dispatch every choice (or queue it for a worker with room); raises ``NoWorkerError``
@@ -199,12 +203,15 @@ class Run:
         for i, c in enumerate(self.choices):
             token_ids = c.token_ids if request.return_token_ids else None
             if request.chat:
-                message = {"role": request.role, "content": request.echo_text + c.text}
+                message = self._message(c)  # first: the finish reason depends on its calls
+                finish = (
+                    c.finish_reason if c.output is None else c.output.finish_reason(c.finish_reason)
+                )
                 choice: dict[str, Any] = {
                     "index": i,
                     "message": message,
                     "logprobs": self._chat_logprobs(c.scored),
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": finish,
                     "stop_reason": c.stop_reason,
                 }
                 if token_ids is not None:
@@ -264,7 +271,13 @@ class Run:
                     logprobs, c.text_offset = self._echo_logprobs(c)
                 yield self._chunk(c, echo, logprobs, None)
             ids = update.token_ids
-            if request.chat:
+            if request.chat and c.output is not None:
+                logprobs = self._chat_logprobs(update.scored)
+                delta = c.output.delta(update.text, update.finished)
+                if delta or update.finished or logprobs is not None or request.return_token_ids:
+                    finish = c.output.finish_reason(c.finish_reason)
+                    yield self._chunk(c, delta, logprobs, finish, ids)
+            elif request.chat:
                 logprobs = self._chat_logprobs(update.scored)
                 delta = {"content": update.text} if update.text or not update.finished else {}
                 yield self._chunk(c, delta, logprobs, c.finish_reason, ids)
@@ -326,6 +339,21 @@ class Run:
             "choices": choices,
             **extra,
         }
+
+    def _message(self, c: Choice) -> dict[str, Any]:
+        """A whole chat answer's message: its text as content, or read by its output plan as
+        reasoning, content and tool calls (vLLM's ``reasoning``, with --reasoning-parser)."""
+        echo = self.request.echo_text
+        if c.output is None:
+            return {"role": self.request.role, "content": echo + c.text}
+        parts = c.output.message(c.text)
+        content = parts.content if not echo else echo + (parts.content or "")
+        message: dict[str, Any] = {"role": self.request.role, "content": content}
+        if c.output.plan.reasoning_parser is not None:
+            message["reasoning"] = parts.reasoning
+        if parts.tool_calls:
+            message["tool_calls"] = parts.tool_calls
+        return message
 
     def _prompt_ids(self, c: Choice) -> list[int]:
         return self.request.prompts[c.prompt_index].token_ids

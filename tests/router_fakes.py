@@ -2,9 +2,10 @@
 protocol over real ZeroMQ sockets.
 
 ``FakeWorker`` answers at once with made-up tokens (one delta per tick, so a stream is in flight
-long enough to be interrupted), keeps a real ``PageManager`` so its cache events are the ones a
-worker would publish, and hands prompts to a decode ``FakeWorker`` in-process. ``EnginePair``
-wraps one real ``LLMEngine`` behind a prefill and a decode identity.
+long enough to be interrupted), or with a script's (``answer``: say, a text encoded with the
+model's tokenizer), keeps a real ``PageManager`` so its cache events are the ones a worker would
+publish, and hands prompts to a decode ``FakeWorker`` in-process. ``EnginePair`` wraps one real
+``LLMEngine`` behind a prefill and a decode identity.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import queue
 import secrets
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
 
 import httpx
 import uvicorn
@@ -46,6 +47,9 @@ from router.config import RouterConfig
 from router.http_protocol import with_read_deadline
 
 HEARTBEAT = 0.1
+# What a fake answers a request with, given its prompt and params: the token ids to generate
+# (then it stops, as on an end-of-sequence token), or None for the usual ``1000 + position``.
+Script = Callable[[list[int], SamplingParams], list[int] | None]
 # How long a wait for something that happens in a moment may take on a loaded 2-core machine,
 # where the router and the fake workers share one process (and its GIL) with the test.
 DEADLINE_S = 30.0
@@ -111,6 +115,15 @@ class _Job:
     params: SamplingParams
     next_index: int
     out: ControlSocket | None = None
+    script: list[int] | None = None  # the tokens to answer with, if scripted
+
+
+def _finish(generated: int, params: SamplingParams, script: list[int] | None) -> str | None:
+    """Why a sequence that has ``generated`` tokens ends there, if it does: its script done (as
+    a model's end-of-sequence token ends it), or its length reached."""
+    if script is not None and generated >= len(script):
+        return "stop"
+    return "length" if generated >= params.max_tokens else None
 
 
 def wait_until(condition, timeout: float = DEADLINE_S) -> None:
@@ -122,7 +135,8 @@ def wait_until(condition, timeout: float = DEADLINE_S) -> None:
 
 
 class FakeWorker(threading.Thread):
-    """A worker that answers with token ``1000 + position``; ``hub`` maps ids to workers."""
+    """A worker that answers with token ``1000 + position``, or as ``answer`` scripts a
+    request; ``hub`` maps ids to workers."""
 
     def __init__(
         self,
@@ -134,8 +148,10 @@ class FakeWorker(threading.Thread):
         page_size: int = 16,
         tokens_per_tick: int = 1,
         tick: float = 0.005,
+        answer: Script | None = None,
     ):
         super().__init__(daemon=True, name=f"fake-{worker_id}")
+        self.answer = answer
         self.endpoint = endpoint
         self.worker_id = worker_id
         self.role = role
@@ -231,13 +247,14 @@ class FakeWorker(threading.Thread):
             self.jobs.pop(msg.request_id, None)
         elif isinstance(msg, PrefillRequest):
             params = msg.params
+            script = self._script(msg.prompt_token_ids, params)
             cached = self._prefill(msg.prompt_token_ids)
             sock.send(CacheEvents(self.worker_id, *self._drain()))
-            finish = "length" if params.max_tokens == 1 else None
+            finish = _finish(1, params, script)
             sock.send(
                 TokenDelta(
                     msg.request_id,
-                    [self._sample(0, params)],
+                    [self._next(0, params, script)],
                     0,
                     finish,
                     len(msg.prompt_token_ids),
@@ -249,14 +266,24 @@ class FakeWorker(threading.Thread):
                 self.handoffs_to_lose -= 1
             elif finish is None:
                 self.hub[msg.decode_worker_id].inbox.put(
-                    _Job(msg.request_id, msg.prompt_token_ids, params, 1)
+                    _Job(msg.request_id, msg.prompt_token_ids, params, 1, script=script)
                 )
         elif isinstance(msg, DecodeRequest):
             params = msg.params
             job = _Job(
-                msg.request_id, msg.prompt_token_ids, params, len(msg.output_token_ids), sock
+                msg.request_id,
+                msg.prompt_token_ids,
+                params,
+                len(msg.output_token_ids),
+                sock,
+                self._script(msg.prompt_token_ids, params),
             )
             self.jobs[msg.request_id] = job
+
+    def _script(self, prompt: list[int], params: SamplingParams) -> list[int] | None:
+        script = None if self.answer is None else self.answer(prompt, params)
+        assert script is None or script, "a scripted answer needs at least one token"
+        return script
 
     def _prefill(self, prompt: list[int]) -> int:
         """File the prompt's full pages like a worker's prefix cache; returns cached tokens."""
@@ -283,15 +310,22 @@ class FakeWorker(threading.Thread):
             1000 + index, -0.5 if top is not None else None, top, [-0.5] * len(top or [])
         )
 
+    def _next(self, index: int, params: SamplingParams, script: list[int] | None) -> TokenSample:
+        """The sample at ``index``: the script's token where there is one."""
+        sample = self._sample(index, params)
+        return sample if script is None else replace(sample, token_id=script[index])
+
     def _generate(self) -> None:
         """One tick of decoding: every job's deltas in one frame per socket, as a real decode
         worker sends a step's deltas (``TokenDeltas``; a lone delta goes as itself)."""
         by_socket: dict[int, tuple[ControlSocket, list[TokenDelta]]] = {}
         for job in list(self.jobs.values()):
             count = min(self.tokens_per_tick, job.params.max_tokens - job.next_index)
-            samples = [self._sample(job.next_index + k, job.params) for k in range(count)]
-            done = job.next_index + count >= job.params.max_tokens
-            finish = "length" if done else None
+            if job.script is not None:
+                count = min(count, len(job.script) - job.next_index)
+            samples = [self._next(job.next_index + k, job.params, job.script) for k in range(count)]
+            finish = _finish(job.next_index + count, job.params, job.script)
+            done = finish is not None
             # A stop token ends the sequence there, as a real worker's scheduler does.
             stops = [i for i, s in enumerate(samples) if s.token_id in job.params.stop_token_ids]
             if stops:

@@ -20,10 +20,12 @@ from pdserve.launcher import (
     names_a_gpu_backend,
     pair_core_loans,
     role_flags,
+    router_flags,
     worker_env,
     worker_placements,
 )
 from prefill_worker.worker import build_parser as prefill_parser
+from router.server import build_parser as router_parser
 
 ROLE_PARSERS = {"prefill": prefill_parser, "decode": decode_parser}
 BASE = ["--router", "tcp://127.0.0.1:1", "--model", "m"]
@@ -49,6 +51,21 @@ def test_role_flags_go_to_their_role_only():
     assert prefill.max_num_batched_tokens == 1024
     decode = decode_parser().parse_args([*BASE, *role_flags(args, "decode")])
     assert (decode.kv_fetch_timeout, decode.max_prefill_tokens_while_decoding) == (3.0, 32)
+
+
+def test_the_routers_flags_go_to_the_router_and_parse_there():
+    args, rest = build_parser().parse_known_args(
+        [
+            *("--enable-auto-tool-choice", "--tool-call-parser", "hermes"),
+            *("--reasoning-parser", "qwen3", "--heartbeat-timeout", "4", "--seed", "2"),
+        ]
+    )
+    assert rest == ["--seed", "2"]  # for every worker
+    flags = router_flags(args)
+    router = router_parser().parse_args(flags)
+    assert (router.enable_auto_tool_choice, router.tool_call_parser) == (True, "hermes")
+    assert (router.reasoning_parser, router.heartbeat_timeout) == ("qwen3", 4.0)
+    assert router_flags(build_parser().parse_known_args([])[0]) == []
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])

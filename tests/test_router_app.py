@@ -273,7 +273,12 @@ def test_health_answers_while_a_megabyte_prompt_is_tokenized(cluster, monkeypatc
 
 REFUSED = [
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    # Tools default to tool_choice "auto", which needs --enable-auto-tool-choice (as in vLLM).
+    (
+        "/v1/chat/completions",
+        {"tools": [{"type": "function", "function": {"name": "f"}}]},
+        "tool_choice",
+    ),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
     ("/v1/chat/completions", {"logit_bias": {"99999999": 100}}, "logit_bias"),  # out of vocab
     ("/v1/chat/completions", {"logit_bias": {"five": 1}}, "logit_bias"),
@@ -288,7 +293,7 @@ REFUSED = [
 ]
 # Values of the same fields that change nothing, and fields that never change the answer.
 ACCEPTED = [
-    ("/v1/chat/completions", {"response_format": {"type": "text"}, "tools": [], "logit_bias": {},
+    ("/v1/chat/completions", {"response_format": {"type": "text"}, "logit_bias": {},
                               "tool_choice": "none", "parallel_tool_calls": False}),
     ("/v1/chat/completions", {"add_generation_prompt": True, "echo": False, "metadata": {"a": 1},
                               "store": False, "service_tier": "auto", "modalities": ["text"]}),

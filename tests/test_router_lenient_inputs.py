@@ -18,11 +18,6 @@ MODEL = resolve_model_path(None)
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 HI = [{"role": "user", "content": "hi"}]
-TOOL_TURN = {
-    "role": "assistant",
-    "content": None,
-    "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
-}
 
 
 @pytest.fixture(scope="module")
@@ -65,12 +60,6 @@ def sent_params(router, request_id: str) -> SamplingParams:
         ),
         (COMPLETIONS, {"prompt": ["a"] * 1025}, "prompt", "at most 1024 prompts, got 1025"),
         (
-            CHAT,
-            {"messages": [*HI, TOOL_TURN, {"role": "user", "content": "and?"}]},
-            "messages",
-            "tool_calls in messages are not supported",
-        ),
-        (
             COMPLETIONS,
             {"prompt": ["a"] * 8, "n": 128, "max_tokens": 1025},
             "max_tokens",
@@ -88,7 +77,6 @@ def sent_params(router, request_id: str) -> SamplingParams:
         "stop_token_ids-many",
         "logit_bias-many",
         "prompts-many",
-        "tool_calls",
         "n128-over-8-prompts",
     ],
 )
