@@ -152,6 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
         "lowest priority first (default: off)",
     )
     parser.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=None,
+        help="the router's: seconds a structured output's grammar may take to compile in its "
+        "check (default 10)",
+    )
+    parser.add_argument(
         "--max-request-tokens",
         type=int,
         default=None,
@@ -550,6 +557,7 @@ def main(argv: list[str] | None = None) -> int:
     router_flags = (
         "heartbeat_timeout", "request_stall_timeout", "max_tokens_default", "slo_ttft_ms",
         "slo_tpot_ms", "max_queue_delay", "max_inflight_per_worker", "max_request_tokens",
+        "grammar_compile_timeout",
     )  # fmt: skip
     for flag in router_flags:
         if getattr(args, flag) is not None:

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from common.sampling_params import MAX_BAD_WORDS, MAX_LOGPROBS, SamplingParams
 from router.beam_search import MAX_BEAM_WIDTH
 from router.errors import BadRequest
+from router.structured_request import structured_spec
 
 MAX_N = 128
 # A seed is a signed 64-bit integer, as in OpenAI's schema and vLLM (torch.long); the schema
@@ -183,6 +184,9 @@ class GenerationRequest:
     use_beam_search: bool = False  # n is the beam width (router/beam_search.py)
     length_penalty: float = 1.0
     priority: int = 0  # lower first, where requests wait for room
+    # The field that asked for the structured output in params.structured, for the compile
+    # check's 400 to name (router/structured_request.py); None: free text.
+    structured_field: str | None = None
 
     def params_for_choice(self, index: int) -> SamplingParams:
         """Choice ``index`` of a prompt: a seeded request uses seed + index per choice."""
@@ -224,10 +228,6 @@ def _no_ranking(value: Any) -> bool:
     return value is None or value == 1
 
 
-def _plain_text(value: Any) -> bool:
-    return value is None or (isinstance(value, dict) and value.get("type") == "text")
-
-
 def _no_tool_forced(value: Any) -> bool:
     return value in (None, "none", "auto")
 
@@ -248,16 +248,11 @@ def _unit(value: Any) -> bool:
 UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "best_of": _no_ranking,
     "suffix": _off,
-    "response_format": _plain_text,
     "tools": _off,
     "tool_choice": _no_tool_forced,
     "functions": _off,
     "function_call": _no_tool_forced,
-    "structured_outputs": _off,
-    "guided_json": _off,
-    "guided_regex": _off,
-    "guided_choice": _off,
-    "guided_grammar": _off,
+    "guided_whitespace_pattern": _off,
     "prompt_embeds": _off,
     "prediction": _off,
     "audio": _off,
@@ -350,8 +345,14 @@ def to_generation(
     if not 1 <= body.n <= MAX_N:
         raise BadRequest(f"n must be in [1, {MAX_N}], got {body.n}", "n")
     temperature = _temperature(body.temperature)
+    structured = structured_spec(body.model_extra or {})
     if body.use_beam_search:
         refuse_with_beam_search(body)
+        if structured is not None:
+            raise BadRequest(
+                f"{structured[1]} cannot be used with beam search (use_beam_search)",
+                structured[1],
+            )
     elif body.length_penalty != 1:
         raise BadRequest(
             f"length_penalty applies to beam search only (use_beam_search), got "
@@ -457,6 +458,7 @@ def to_generation(
                 None if body.allowed_token_ids is None else sorted(set(body.allowed_token_ids))
             ),
             bad_words_token_ids=bad_words,
+            structured=None if structured is None else structured[0],
         )
         params.check_token_ids(codec.vocab_size)
     except ValueError as exc:
@@ -486,6 +488,7 @@ def to_generation(
         use_beam_search=body.use_beam_search,
         length_penalty=body.length_penalty,
         priority=body.priority,
+        structured_field=None if structured is None else structured[1],
         **(_chat_answer(body, messages) if isinstance(body, ChatBody) else {}),
     )
 
