@@ -17,6 +17,25 @@ PREFIX_CACHE_HIT_TOKENS = Counter(
 )
 GENERATED_TOKENS = Counter("pdserve_generated_tokens", "Tokens sampled by this worker")
 REQUESTS = Counter("pdserve_requests", "Requests this worker finished, by outcome", ["outcome"])
+GRAMMAR_COMPILES = Counter(
+    "pdserve_grammar_compiles",
+    "Structured-output grammars compiled, by the library that compiled them (none: neither could)",
+    ["backend"],
+)
+GRAMMAR_CACHE_HITS = Counter(
+    "pdserve_grammar_cache_hits", "Structured-output specs whose grammar was compiled already"
+)
+GRAMMAR_COMPILE_SECONDS = Histogram(
+    "pdserve_grammar_compile_seconds",
+    "Time to compile a structured-output grammar, off the step thread, by library",
+    ["backend"],
+    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10),
+)
+GRAMMAR_MASK_SECONDS = Histogram(
+    "pdserve_grammar_mask_seconds",
+    "Time a step spent filling the token masks of its rows under a grammar",
+    buckets=(1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1),
+)
 BAD_MESSAGES = Counter(
     "pdserve_bad_messages",
     "Frames dropped as malformed, oversized, unknown or unexpected, by socket",

@@ -154,6 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
         "lowest priority first (default: off)",
     )
     parser.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=None,
+        help="the router's: seconds a structured output's grammar may take to compile in its "
+        "check (default 10)",
+    )
+    parser.add_argument(
         "--max-request-tokens",
         type=int,
         default=None,
@@ -265,7 +272,7 @@ def router_flags(args: argparse.Namespace) -> list[str]:
     valued = (
         "heartbeat_timeout", "request_stall_timeout", "max_tokens_default", "slo_ttft_ms",
         "slo_tpot_ms", "max_queue_delay", "max_inflight_per_worker", "max_request_tokens",
-        "tool_call_parser", "reasoning_parser",
+        "grammar_compile_timeout", "tool_call_parser", "reasoning_parser",
     )  # fmt: skip
     flags: list[str] = []
     for name in valued:

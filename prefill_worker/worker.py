@@ -86,6 +86,9 @@ class PrefillWorker(WorkerService):
     def poll_io(self) -> None:
         self.shipments.poll()
 
+    def forget(self, request_id: str) -> None:
+        self.shipments.withdraw(request_id)
+
     def extra_sockets(self) -> list:
         return list(self.sender.poll_sockets())
 

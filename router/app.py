@@ -27,8 +27,20 @@ from router.openai_api import TextCodec
 from router.registry import WorkerRegistry
 from router.serving import TokenText
 from router.state import RouterState, ServerLoad
+from router.structured_request import GrammarCheck
 
 logger = logging.getLogger(__name__)
+
+
+def _grammar_check(config: RouterConfig, codec: TextCodec) -> GrammarCheck | None:
+    """The check of structured outputs, over the served model's own tokenizer (a test's
+    stand-in codec has none: its requests' specs go unchecked)."""
+    hf_tokenizer = getattr(codec, "hf_tokenizer", None)
+    if hf_tokenizer is None:
+        return None
+    return GrammarCheck(
+        hf_tokenizer, codec.vocab_size, list(codec.eos_token_ids), config.grammar_compile_timeout
+    )
 
 
 def create_app(config: RouterConfig, codec: TextCodec) -> FastAPI:
@@ -59,6 +71,7 @@ def create_app(config: RouterConfig, codec: TextCodec) -> FastAPI:
         dispatcher=dispatcher,
         token_text=TokenText(codec.decode),
         load=ServerLoad(),
+        grammar_check=_grammar_check(config, codec),
     )
 
     @contextlib.asynccontextmanager

@@ -46,6 +46,8 @@ class RouterConfig:
     max_retries: int = 3
     max_body_bytes: int = 4 << 20
     max_inflight: int = 4096  # sequences in flight; more -> 429
+    # Seconds the check of a structured output's grammar may take; longer -> 400.
+    grammar_compile_timeout: float = 10.0
     # Workers must prove it on the control socket (common/cluster_auth); None: in the clear.
     cluster_secret: str | None = None
     routing: RoutingConfig = field(default_factory=RoutingConfig)

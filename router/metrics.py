@@ -73,6 +73,13 @@ class RouterMetrics:
         self.inflight = Gauge(
             "pdserve_router_inflight_requests", "Sequences being generated", registry=r
         )
+        self.structured = Counter(
+            "pdserve_router_structured_requests",
+            "Requests under a structured output (a JSON schema, a regex, a grammar, a forced "
+            "tool call, ...), by kind",
+            ["kind"],
+            registry=r,
+        )
         self.queued = Gauge(
             "pdserve_router_queued_requests",
             "Requests waiting in the router's queue for a worker below --max-inflight-per-worker",
@@ -100,6 +107,7 @@ class RouterMetrics:
         self.decision_count = _children(self.decisions)
         self.abort_count = _children(self.aborts)
         self.overhead_stage = _children(self.overhead)
+        self.structured_count = _children(self.structured)
 
 
 _Metric = TypeVar("_Metric", bound=MetricWrapperBase)

@@ -17,10 +17,12 @@ from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field
 
 from common.sampling_params import MAX_BAD_WORDS, MAX_LOGPROBS, SamplingParams
+from common.structured import StructuredSpec
 from router.beam_search import MAX_BEAM_WIDTH
 from router.chat_output import ChatOutputPlan, plan_output
 from router.config import OutputParsing
 from router.errors import BadRequest
+from router.structured_request import structured_spec
 from router.tool_request import AssistantToolCall, ToolParam, tool_choice_of
 
 MAX_N = 128
@@ -204,6 +206,9 @@ class GenerationRequest:
     # Tokens decoded with no text: the end-of-sequence tokens where the answer keeps its special
     # tokens for a tool-call parser.
     hidden_token_ids: frozenset[int] = frozenset()
+    # The field that asked for the structured output in params.structured, for the compile
+    # check's 400 to name (router/structured_request.py); None: free text.
+    structured_field: str | None = None
 
     def params_for_choice(self, index: int) -> SamplingParams:
         """Choice ``index`` of a prompt: a seeded request uses seed + index per choice."""
@@ -245,10 +250,6 @@ def _no_ranking(value: Any) -> bool:
     return value is None or value == 1
 
 
-def _plain_text(value: Any) -> bool:
-    return value is None or (isinstance(value, dict) and value.get("type") == "text")
-
-
 def _no_tool_forced(value: Any) -> bool:
     return value in (None, "none", "auto")
 
@@ -270,16 +271,11 @@ def _unit(value: Any) -> bool:
 UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "best_of": _no_ranking,
     "suffix": _off,
-    "response_format": _plain_text,
     "tools": _off,
     "tool_choice": _no_tool_forced,
     "functions": _off,
     "function_call": _no_tool_forced,
-    "structured_outputs": _off,
-    "guided_json": _off,
-    "guided_regex": _off,
-    "guided_choice": _off,
-    "guided_grammar": _off,
+    "guided_whitespace_pattern": _off,
     "prompt_embeds": _off,
     "prediction": _off,
     "audio": _off,
@@ -287,13 +283,6 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "chat_template": _off,
     "spaces_between_special_tokens": _on,
 }
-
-
-# The request fields that ask for a structured output: none goes with beam search.
-STRUCTURED_OUTPUT_FIELDS = (
-    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-    "guided_grammar",
-)  # fmt: skip
 
 
 # The chat template renderer's own arguments (transformers' apply_chat_template), and the
@@ -360,14 +349,10 @@ def refuse_with_beam_search(body: CompletionBody | ChatBody) -> None:
         value = getattr(body, name)
         if value not in (allowed if isinstance(allowed, tuple) else (allowed,)):
             raise BadRequest(f"{name} is not supported with beam search (got {value!r:.80})", name)
-    # A tool call or a structured output needs every token constrained or the answer read as
-    # calls; beams are scored and ended on raw tokens.
+    # A tool call needs every token constrained or the answer read as calls; beams are scored
+    # and ended on raw tokens. (A structured output is refused by to_generation, which reads it.)
     if isinstance(body, ChatBody) and body.tools:
         raise BadRequest("tools are not supported with beam search", "tools")
-    for name in STRUCTURED_OUTPUT_FIELDS:
-        value = getattr(body, name, None) or (body.model_extra or {}).get(name)
-        if not _plain_text(value):
-            raise BadRequest(f"{name} is not supported with beam search (got {value!r:.80})", name)
 
 
 def to_generation(
@@ -389,8 +374,14 @@ def to_generation(
     if not 1 <= body.n <= MAX_N:
         raise BadRequest(f"n must be in [1, {MAX_N}], got {body.n}", "n")
     temperature = _temperature(body.temperature)
+    structured = structured_spec(body.model_extra or {})
     if body.use_beam_search:
         refuse_with_beam_search(body)
+        if structured is not None:
+            raise BadRequest(
+                f"{structured[1]} cannot be used with beam search (use_beam_search)",
+                structured[1],
+            )
     elif body.length_penalty != 1:
         raise BadRequest(
             f"length_penalty applies to beam search only (use_beam_search), got "
@@ -498,6 +489,7 @@ def to_generation(
                 None if body.allowed_token_ids is None else sorted(set(body.allowed_token_ids))
             ),
             bad_words_token_ids=bad_words,
+            structured=None if structured is None else structured[0],
         )
         params.check_token_ids(codec.vocab_size)
     except ValueError as exc:
@@ -538,8 +530,19 @@ def to_generation(
         use_beam_search=body.use_beam_search,
         length_penalty=body.length_penalty,
         priority=body.priority,
+        structured_field=_structured_field(structured, params),
         **(_chat_answer(body, messages) if isinstance(body, ChatBody) else {}),
     )
+
+
+def _structured_field(
+    asked: tuple[StructuredSpec, str] | None, params: SamplingParams
+) -> str | None:
+    """The field a constraint's compile check names: the one that asked for a structured output,
+    or ``tools`` where the constraint forces a tool call (router/chat_output.py)."""
+    if asked is not None:
+        return asked[1]
+    return None if params.structured is None else "tools"
 
 
 def encode_conversation(

@@ -78,6 +78,11 @@ async def _generate_counted(
         request.headers.get("x-session-id"), config.default_max_tokens,
         max_request_tokens=config.max_request_tokens, parsing=config.parsing,
     )  # fmt: skip
+    spec = gen_request.params.structured
+    if spec is not None:
+        if state.grammar_check is not None and gen_request.structured_field is not None:
+            await state.grammar_check.check(spec, gen_request.structured_field)
+        state.metrics.structured_count(spec.kind).inc()
     sequences = len(gen_request.prompts) * gen_request.n
     if sequences > config.max_inflight:
         raise APIError(

@@ -101,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
     p.add_argument("--max-inflight", type=int, default=4096, help="sequences; above it 429")
     p.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a structured output's schema or grammar may take to compile in the "
+        "router's check before the request is refused with a 400",
+    )
+    p.add_argument(
         "--max-queue-delay",
         type=float,
         default=None,
@@ -205,6 +212,7 @@ def config_from_args(args: argparse.Namespace, text: Tokenizer, model_path: Path
         max_retries=args.max_retries,
         max_body_bytes=args.max_body_bytes,
         max_inflight=args.max_inflight,
+        grammar_compile_timeout=args.grammar_compile_timeout,
         # Workers connect to the control socket: it is what a stranger must not reach.
         cluster_secret=secret_for_binding(
             args.cluster_secret_file, [args.control], args.insecure_no_auth

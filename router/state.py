@@ -12,6 +12,7 @@ from router.metrics import RouterMetrics
 from router.openai_api import TextCodec
 from router.registry import WorkerRegistry
 from router.serving import TokenText
+from router.structured_request import GrammarCheck
 
 
 @dataclass(slots=True)
@@ -32,3 +33,4 @@ class RouterState:
     dispatcher: Dispatcher
     token_text: TokenText
     load: ServerLoad
+    grammar_check: GrammarCheck | None = None  # None: structured outputs go unchecked

@@ -192,6 +192,12 @@ def send_traffic(client, base: str) -> None:
         messages=[{"role": "user", "content": "Hello there"}], max_tokens=6, stream=True, **greedy
     )
     assert sum(1 for _ in chunks) > 1
+    # A structured output, twice: the second's grammar is compiled already.
+    for _ in range(2):
+        client.completions.create(
+            prompt=shared, max_tokens=4, model=MODEL, temperature=0,
+            extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+        )  # fmt: skip
     # A client that leaves mid-stream: the router aborts the sequence on the workers.
     gone = client.completions.create(prompt=shared, max_tokens=300, stream=True, **greedy)
     next(iter(gone))

@@ -73,7 +73,11 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Result
     return result
 
 
-async def run(args, prompts: list[list[int]], model: str) -> tuple[list[Result], float]:
+async def run(
+    args, prompts: list[list[int]], model: str, extra: dict | None = None
+) -> tuple[list[Result], float]:
+    """Every prompt, ``--concurrency`` at a time; ``extra``: more request fields (a structured
+    output, say)."""
     url = f"{args.base_url}/v1/completions"
     semaphore = asyncio.Semaphore(args.concurrency)
     limits = httpx.Limits(max_connections=args.concurrency * 2)
@@ -83,6 +87,7 @@ async def run(args, prompts: list[list[int]], model: str) -> tuple[list[Result],
             body = {
                 "model": model, "prompt": prompt, "max_tokens": args.osl, "temperature": 0,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+                **(extra or {}),
             }  # fmt: skip
             async with semaphore:
                 return await one_request(client, url, body)

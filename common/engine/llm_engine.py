@@ -41,6 +41,7 @@ from common.engine.sequence import FinishReason, Sequence, first_output_prompt_l
 from common.engine.speculative.draft import DraftModelProposer
 from common.engine.speculative.ngram import NgramProposer
 from common.engine.speculative.speculator import Proposer, Speculator
+from common.engine.structured.compiler import GrammarCompiler
 from common.engine.tp_group import (
     FollowerRank,
     FollowerRanks,
@@ -76,6 +77,7 @@ class RequestOutput:
     num_cached_tokens: int
     # With the first token, when params.prompt_logprobs asked: prompt tokens 1.. scored.
     prompt_logprobs: list[PromptLogprob] | None = None
+    error: str | None = None  # why it was given up (its grammar could not be compiled)
 
     @property
     def finished(self) -> bool:
@@ -209,12 +211,17 @@ class LLMEngine:
         self.speculator = self._build_speculator(speculative, draft, num_pages)
         scheduling = (config.scheduler, self.page_manager, self.max_model_len)
         eos = self.model_config.eos_token_ids
+        # Structured outputs: grammars compiled off the step thread, from the model's tokenizer
+        # (loaded on the first one; a rank other than 0 samples nothing and compiles none).
+        self.grammars = GrammarCompiler(self.model_path, self.model_config.vocab_size, list(eos))
         self.scheduler: Scheduler
         if role == "prefill":
-            self.scheduler = PrefillScheduler(*scheduling, eos)
+            self.scheduler = PrefillScheduler(*scheduling, eos, grammars=self.grammars)
         else:
             scheduler_class = DecodeScheduler if role == "decode" else Scheduler
-            self.scheduler = scheduler_class(*scheduling, eos, self.speculator)
+            self.scheduler = scheduler_class(
+                *scheduling, eos, self.speculator, grammars=self.grammars
+            )
         self.runner = ModelRunner(self.model, self.pool, self.sampler, self.speculator)
         self.runner.followers = self.followers
         if graph_sizes:
@@ -373,7 +380,8 @@ class LLMEngine:
         return Speculator(config, proposer)
 
     def close(self) -> None:
-        """Stop the other ranks of a tensor-parallel group (nothing to do otherwise)."""
+        """Stop the other ranks of a tensor-parallel group, and the grammar compiler."""
+        self.grammars.close()
         if self.followers is not None:
             self.followers.close()
 
@@ -443,7 +451,13 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         _, outputs = self.run_step()
-        return [
+        given_up = [
+            RequestOutput(
+                seq.request_id, [], seq.finish_reason, seq.num_prompt_tokens, 0, error=error
+            )
+            for seq, error in self.scheduler.drain_failed()
+        ]
+        return given_up + [
             RequestOutput(
                 out.seq.request_id,
                 out.new_samples,

@@ -40,6 +40,8 @@ from common.engine.sampler import (
     prompt_logprobs,
 )
 from common.engine.speculative.speculator import Speculator
+from common.engine.structured.masks import fill_masks
+from common.engine.structured.state import GrammarState
 from common.engine.tp_group import FollowerRanks
 from common.model.llama import LlamaForCausalLM
 
@@ -224,17 +226,24 @@ class ModelRunner:
         if any(item.seq.num_prompt_logprobs_due for item in batch):
             logits = self._score_prompts(batch, proposals, logits)
         rows: list[SamplingRow] = []
+        grammars: list[tuple[GrammarState | None, Seq[int]]] = []
         for item, proposed in zip(batch, proposals, strict=True):
             if not item.will_sample:
                 continue
             seq = item.seq
             # The row after j accepted proposals sees them as already generated: penalties,
-            # min_tokens and a seeded row's noise all follow.
+            # min_tokens, a seeded row's noise and its grammar all follow.
             for j in range(len(proposed) + 1):
                 rows.append(
                     SamplingRow(seq.params, seq.token_ids, seq.num_prompt_tokens, proposed[:j])
                 )
-        return self.sampler.sample(logits, rows) if rows else []
+            grammars.append((seq.grammar, proposed))
+        if not rows:
+            return []
+        # On the host while the device still computes the logits (a GPU's forward is launched,
+        # not run): the sampler waits for them only after this.
+        masks = fill_masks(grammars, self.sampler.vocab_size)
+        return self.sampler.sample(logits, rows, masks)
 
     @torch.inference_mode()
     def run_forward(self, runs: list[TokenRun]) -> None:

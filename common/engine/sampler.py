@@ -2,6 +2,8 @@
 
 The order of operations is vLLM's:
 
+0. a row under a structured output keeps only the tokens its grammar allows (the runner's
+   masks, ``common/engine/structured/``): the logprobs below see the grammar, as vLLM's do;
 1. logprobs to report come from the raw logits (``log_softmax`` before anything below);
 2. ``allowed_token_ids``: every token outside the list gets ``-inf``;
 3. bad words: the token that would complete one at the end of the output gets ``-inf``;
@@ -31,6 +33,7 @@ from typing import NamedTuple, cast
 
 import torch
 
+from common.engine.structured.masks import GrammarMasks, apply_masks
 from common.sampling_params import SamplingParams
 from kernels.argmax import argmax_rows
 
@@ -160,9 +163,15 @@ class Sampler:
         self.eos_token_ids = list(eos_token_ids)
         self._generators: dict[torch.device, torch.Generator] = {}
 
-    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        masks: GrammarMasks | None = None,
+    ) -> list[SampledToken]:
         """Sample one token per row of ``logits [B, V_model]`` (any float dtype; columns past
-        ``vocab_size`` are padding and never sampled)."""
+        ``vocab_size`` are padding and never sampled); ``masks``: the grammars' of the rows
+        under a structured output."""
         if logits.dim() != 2 or logits.shape[0] != len(rows) or logits.shape[1] < self.vocab_size:
             raise ValueError(
                 f"logits must be [len(rows), >= vocab_size] = [{len(rows)}, >= {self.vocab_size}],"
@@ -170,11 +179,11 @@ class Sampler:
             )
         if not rows:
             return []
-        if all(plain_argmax(row.params, row.num_output_tokens) for row in rows):
+        if masks is None and all(plain_argmax(row.params, row.num_output_tokens) for row in rows):
             return self.argmax(logits)
         params = [row.params for row in rows]
         want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
-        token_ids, raw_logprobs = self._draw(logits, rows, want_logprobs)
+        token_ids, raw_logprobs = self._draw(logits, rows, want_logprobs, masks)
         results = plain_samples(token_ids.tolist())
         if raw_logprobs is not None:
             _fill_logprobs(results, params, want_logprobs, raw_logprobs, token_ids)
@@ -190,16 +199,22 @@ class Sampler:
         return self._draw(logits, rows, [])[0]
 
     def _draw(
-        self, logits: torch.Tensor, rows: Sequence[SamplingRow], want_logprobs: list[int]
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        want_logprobs: list[int],
+        masks: GrammarMasks | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Steps 1 to 8 of the module's docstring: the token ids [len(rows)] on the device, and
+        """Steps 0 to 8 of the module's docstring: the token ids [len(rows)] on the device, and
         the raw logprobs of the rows ``want_logprobs`` (None if none)."""
         x = logits[:, : self.vocab_size]
         # The steps below edit x in place: a float32 copy of the real vocabulary where any row
-        # is edited, else (greedy rows with nothing to ban, bias or penalise) the float32
-        # logits themselves, only read.
-        if x.dtype != torch.float32 or any(_edits_logits(row) for row in rows):
+        # is edited, else (greedy rows with nothing to mask, ban, bias or penalise) the
+        # float32 logits themselves, only read.
+        if x.dtype != torch.float32 or masks is not None or any(_edits_logits(r) for r in rows):
             x = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+        if masks is not None:
+            apply_masks(x, masks)
         params = [row.params for row in rows]
         raw_logprobs = None
         if want_logprobs:
@@ -458,10 +473,11 @@ def _edits_logits(row: SamplingRow) -> bool:
 
 
 def _edits_beyond_sampling(params: SamplingParams, num_output_tokens: int) -> bool:
-    """A whitelist of tokens, bad words, stop tokens banned until min_tokens, a logit bias or
-    a penalty."""
+    """A whitelist of tokens, a grammar, bad words, stop tokens banned until min_tokens, a logit
+    bias or a penalty."""
     return (
         params.allowed_token_ids is not None
+        or params.structured is not None
         or bool(params.bad_words_token_ids)
         or num_output_tokens < params.min_tokens
         or bool(params.logit_bias)
@@ -473,11 +489,13 @@ def draws_from_logits_alone(params: SamplingParams, num_output_tokens: int) -> b
     """Whether the next token of a sequence with ``params`` and ``num_output_tokens`` output
     tokens so far is drawn from its logits with nothing read of its history and nothing to
     report: no penalty, no bad word (they read the output), no stop token banned
-    (min_tokens), no logprobs. Greedy or not, seeded or not, biased or filtered:
+    (min_tokens), no grammar (its mask follows the output), no logprobs. Greedy or not, seeded
+    or not, biased or filtered:
     ``sample_ids`` draws it on the device. Like ``plain_argmax``, once true it stays so as the
     output grows."""
     return (
         params.logprobs is None
+        and params.structured is None  # its mask waits for the token before it
         and not _has_penalties(params)
         and not params.bad_words_token_ids
         and num_output_tokens >= params.min_tokens

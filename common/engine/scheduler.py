@@ -43,6 +43,9 @@ from common.engine.page_manager import PageManager
 from common.engine.sampler import SampledToken
 from common.engine.sequence import FinishReason, Sequence, SequenceStatus, SpeculationState
 from common.engine.speculative.speculator import Speculator
+from common.engine.structured.compiler import GrammarCompiler
+from common.engine.structured.matcher import GrammarError
+from common.engine.structured.state import GrammarState
 from common.hashing import page_hashes
 from kernels.sizes import ceil_div
 
@@ -55,6 +58,7 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: Seq[int],
         speculator: Speculator | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.token_budget = config.token_budget
         self.max_num_seqs = config.max_num_seqs
@@ -66,6 +70,12 @@ class Scheduler:
         self.speculator = speculator
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # Sequences under a structured output whose grammar is compiling: they join ``waiting``
+        # once it is compiled, so a slow grammar holds up no one else. Those whose grammar
+        # could not be compiled wait in ``failed`` for the caller to tell their clients.
+        self.grammars = grammars
+        self.compiling: list[Sequence] = []
+        self.failed: list[tuple[Sequence, str]] = []
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0  # prompt tokens run through the model, cache hits not
         # The last step's batch when it was every running sequence decoding, in running order:
@@ -88,11 +98,46 @@ class Scheduler:
                 f"{self.max_model_len} (prompt plus at least one generated token)"
             )
         seq.queued_time = time.monotonic()
+        spec = seq.params.structured
+        if spec is not None and seq.grammar is None:
+            if self.grammars is None:
+                raise ValueError("this engine serves no structured outputs")
+            seq.grammar = GrammarState(spec, self.grammars.submit(spec))
+            self.compiling.append(seq)
+            return
         self.waiting.append(seq)
+
+    def drain_failed(self) -> list[tuple[Sequence, str]]:
+        """The sequences given up since the last call, each with why (a grammar that could
+        not be compiled, or that refuses the output the sequence came with)."""
+        failed, self.failed = self.failed, []
+        return failed
+
+    def _take_compiled(self) -> None:
+        """Queue the sequences whose grammar has been compiled, their grammar started."""
+        still: list[Sequence] = []
+        for seq in self.compiling:
+            grammar = seq.grammar
+            assert grammar is not None
+            if not grammar.compiled:
+                still.append(seq)
+                continue
+            try:
+                complete = grammar.start(seq.output_token_ids)
+            except GrammarError as exc:
+                self._finish(seq, FinishReason.ABORT)
+                self.failed.append((seq, str(exc)))
+                continue
+            if complete:  # migrated with its answer already whole: nothing is left to sample
+                self._finish(seq, FinishReason.STOP)
+                self.failed.append((seq, "its structured output was complete already"))
+                continue
+            self.waiting.append(seq)
+        self.compiling = still
 
     def abort(self, request_id: str) -> Sequence | None:
         """Remove a request wherever it is and free its pages; None if it is unknown."""
-        for queue in (self.running, self.waiting):
+        for queue in (self.running, self.waiting, self.compiling):
             for seq in queue:
                 if seq.request_id == request_id:
                     queue.remove(seq)
@@ -101,15 +146,19 @@ class Scheduler:
         return None
 
     def holds(self, request_id: str) -> bool:
-        return any(seq.request_id == request_id for seq in (*self.running, *self.waiting))
+        return any(
+            seq.request_id == request_id for seq in (*self.running, *self.waiting, *self.compiling)
+        )
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.compiling)
 
     # -- the step -------------------------------------------------------------------------------
 
     def schedule(self) -> list[ScheduledSequence]:
+        if self.compiling:
+            self._take_compiled()
         steady = self._steady_batch = self._steady_decodes()
         if steady is not None:
             return steady
@@ -433,6 +482,13 @@ class Scheduler:
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         params = seq.params
+        if seq.grammar is not None:
+            try:
+                if seq.grammar.advance(token_id):
+                    return FinishReason.STOP  # its structured output is whole
+            except GrammarError as exc:  # a token no mask allowed: never sampled under one
+                self.failed.append((seq, str(exc)))
+                return FinishReason.ABORT
         if not params.ignore_eos and token_id in self.eos_token_ids:
             return FinishReason.STOP
         if token_id in params.stop_token_ids:

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from common.engine.sampler import PromptLogprob, SampledToken
+from common.engine.structured.state import GrammarState
 from common.sampling_params import SamplingParams
 
 
@@ -56,6 +57,9 @@ class Sequence:
     speculation: SpeculationState = field(default_factory=SpeculationState)
     # With params.prompt_logprobs: prompt tokens 1.. scored so far, in order.
     prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
+    # With params.structured: its grammar, which masks every token it samples (the scheduler
+    # makes it on admission).
+    grammar: GrammarState | None = None
 
     @classmethod
     def from_prompt(

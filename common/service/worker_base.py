@@ -217,6 +217,9 @@ class WorkerService(ABC):
         """Requests held outside the scheduler (e.g. waiting for their pages)."""
         return 0
 
+    def forget(self, request_id: str) -> None:  # noqa: B027 (most roles keep nothing beside)
+        """The scheduler gave ``request_id`` up: drop what the role keeps of it beside."""
+
     def pending_progress(self) -> dict[str, int]:
         """Each request held outside the scheduler, with a count that grows as it moves (pages
         announced and received): what the heartbeat reports of them beside the scheduler's."""
@@ -225,7 +228,9 @@ class WorkerService(ABC):
     def num_held(self) -> int:
         """Requests this worker holds: running, waiting, or outside the scheduler. A drain
         ends when none are left."""
-        return len(self.scheduler.running) + len(self.scheduler.waiting) + self.num_pending()
+        scheduler = self.scheduler
+        held = len(scheduler.running) + len(scheduler.waiting) + len(scheduler.compiling)
+        return held + self.num_pending()
 
     def serve_during_step(
         self,
@@ -367,6 +372,11 @@ class WorkerService(ABC):
         poller.poll(_IN_FLIGHT_POLL_MS if self.io_in_flight() else _IDLE_POLL_MS)
 
     def _report(self) -> None:
+        for seq, error in self.scheduler.drain_failed():
+            # Its grammar could not be compiled here (the router checks each one first, so
+            # this is rare): no other worker would do better.
+            self.fail(seq.request_id, f"structured output: {error}", retryable=False)
+            self.forget(seq.request_id)
         events = self.page_manager.drain_events()
         if events:
             self._send_output(CacheEvents(self.worker_id, events.stored, events.removed))
@@ -398,21 +408,22 @@ class WorkerService(ABC):
         scheduler, pages = self.scheduler, self.page_manager
         queued = sum(
             max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
-            for seq in (*scheduler.waiting, *scheduler.running)
+            for seq in (*scheduler.compiling, *scheduler.waiting, *scheduler.running)
         )
         RUNNING.set(len(scheduler.running))
-        WAITING.set(len(scheduler.waiting) + self.num_pending())
+        waiting = len(scheduler.compiling) + len(scheduler.waiting) + self.num_pending()
+        WAITING.set(waiting)
         KV_USAGE.set(pages.usage)
         PROMPT_TOKENS_QUEUED.set(queued)
         held = {
             seq.request_id: seq.num_computed_tokens + seq.num_output_tokens
-            for seq in (*scheduler.waiting, *scheduler.running)
+            for seq in (*scheduler.compiling, *scheduler.waiting, *scheduler.running)
         }
         held.update(self.pending_progress())
         return Heartbeat(
             self.worker_id,
             num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting) + self.num_pending(),
+            num_waiting=waiting,
             queued_prefill_tokens=queued,
             num_free_pages=pages.num_free_pages,
             kv_usage=pages.usage,
