@@ -5,6 +5,7 @@ must come back the way vLLM answers it (fields, shapes, and the tokens themselve
 from __future__ import annotations
 
 import time
+from typing import Literal
 
 import httpx
 import openai
@@ -601,3 +602,48 @@ def test_structured_output_through_langchain_and_litellm(cluster, monkeypatch):
     )  # fmt: skip
     Verdict.model_validate_json(answer.choices[0].message.content)
     assert answer.choices[0].finish_reason == "stop"
+
+
+class GetWeather(BaseModel):
+    """The weather in a city."""
+
+    city: str = Field(max_length=12)
+    unit: Literal["celsius", "fahrenheit"]
+
+
+def test_tool_calls_through_the_sdk_langchain_and_litellm(cluster, monkeypatch):
+    """Forced calls (required, and a named function) on a model that knows no tools: the SDK's
+    parse() reads the arguments into the pydantic model, langchain's bind_tools and litellm get
+    calls whose arguments are one."""
+    from langchain_openai import ChatOpenAI
+
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    import litellm
+
+    client, _, base = cluster
+    tool = openai.pydantic_function_tool(GetWeather)
+    parsed = client.chat.completions.parse(
+        model=MODEL, messages=CONVERSATION, tools=[tool], tool_choice="required",
+        parallel_tool_calls=False, temperature=1.0, seed=1, max_tokens=60,
+    )  # fmt: skip
+    (call,) = parsed.choices[0].message.tool_calls
+    assert call.function.name == "GetWeather"
+    assert isinstance(call.function.parsed_arguments, GetWeather)
+    assert parsed.choices[0].finish_reason == "tool_calls"
+
+    settings = {"base_url": f"{base}/v1", "api_key": "unused", "model": MODEL}
+    bound = ChatOpenAI(temperature=1.0, seed=2, max_tokens=60, **settings).bind_tools(
+        [GetWeather], tool_choice="GetWeather"
+    )
+    message = bound.invoke("What is the weather in Paris?")
+    assert [call["name"] for call in message.tool_calls] == ["GetWeather"]
+    GetWeather.model_validate(message.tool_calls[0]["args"])
+
+    answer = litellm.completion(
+        model=f"openai/{MODEL}", api_base=f"{base}/v1", api_key="unused", max_tokens=60,
+        messages=CONVERSATION, temperature=1.0, seed=3, tools=[tool], tool_choice="required",
+        parallel_tool_calls=False,
+    )  # fmt: skip
+    (call,) = answer.choices[0].message.tool_calls
+    assert call.function.name == "GetWeather"
+    GetWeather.model_validate_json(call.function.arguments)

@@ -4,10 +4,14 @@ up to five tokens at once: stops, usage and streaming must all still land on the
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import pytest
 from cluster_harness import reference_engine, tiny_chat_cluster, worker_metric
 
 from common.sampling_params import SamplingParams
+from common.structured import JSON_SCHEMA, StructuredSpec
 from common.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow  # starts `pdserve up`
@@ -104,3 +108,32 @@ def test_logprobs_for_every_token_of_the_runs(cluster):
     assert len(logprobs.token_logprobs) == MAX_TOKENS
     for chosen, top in zip(logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
         assert chosen == pytest.approx(max(top.values()), abs=1e-4)
+
+
+LIST_OF_WORDS = {
+    "type": "array",
+    "items": {"type": "string", "maxLength": 8},
+    "minItems": 3,
+    "maxItems": 6,
+}
+
+
+def test_a_json_schema_answer_equals_the_engine_without_speculation(cluster):
+    """Under a grammar the draft's proposals are masked as if taken and a refused one ends the
+    verified run: the answer is still the grammar-constrained greedy one, token for token, and
+    sampled answers validate."""
+    client, folder, _ = cluster
+    spec = StructuredSpec(JSON_SCHEMA, json.dumps(LIST_OF_WORDS))
+    tokenizer = Tokenizer(folder)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, structured=spec)
+    expected = reference_engine(folder).generate([tokenizer.encode(LONG_PROMPT)], params)[0]
+    schema_format = {"guided_json": LIST_OF_WORDS}
+    ask = {"model": "tiny-chat", "prompt": LONG_PROMPT, "max_tokens": MAX_TOKENS}
+    result = client.completions.create(**ask, temperature=0, extra_body=schema_format)
+    assert result.choices[0].text == tokenizer.decode(expected)
+    assert result.choices[0].finish_reason == "stop"
+    for seed in range(3):
+        sampled = client.completions.create(
+            **ask, temperature=0.9, seed=seed, extra_body=schema_format
+        )
+        jsonschema.validate(json.loads(sampled.choices[0].text), LIST_OF_WORDS)
