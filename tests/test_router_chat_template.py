@@ -3,13 +3,9 @@ through /tokenize and a chat completion's usage against fake workers."""
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 from router_fakes import model_text, router_with_a_pair
-
-from common.model.default_model import resolve_model_path
+from tiny_models import default_model_with_template
 
 # ChatML, as the default model's, with three variables a request may set: documents (after the
 # messages), enable_thinking (an empty think block opens the answer when it is false), and tags
@@ -28,14 +24,8 @@ MESSAGES = [{"role": "user", "content": "What is in the box?"}]
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     """The default model's config and tokenizer, its chat template replaced by TEMPLATE."""
-    source, folder = resolve_model_path(None), tmp_path_factory.mktemp("templated") / "templated"
-    folder.mkdir()
-    for name in ("config.json", "generation_config.json", "tokenizer.json"):
-        shutil.copy(source / name, folder / name)
-    config = json.loads((source / "tokenizer_config.json").read_text())
-    config["chat_template"] = TEMPLATE
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return folder
+    folder = tmp_path_factory.mktemp("templated") / "templated"
+    return default_model_with_template(folder, TEMPLATE)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ two agree. The router reads its parsing settings per request: a test sets them o
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,8 +17,8 @@ import jsonschema
 import openai
 import pytest
 from router_fakes import model_text, router_server, start_fakes
+from tiny_models import default_model_with_template
 
-from common.model.default_model import resolve_model_path
 from common.protocol import DecodeRequest, PrefillRequest
 from common.sampling_params import SamplingParams
 from common.structured import StructuredSpec
@@ -124,14 +123,7 @@ class Answers:
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     """The default model's config and tokenizer, with TEMPLATE as its chat template."""
-    source, folder = resolve_model_path(None), tmp_path_factory.mktemp("tools") / "tools"
-    folder.mkdir()
-    for name in ("config.json", "generation_config.json", "tokenizer.json"):
-        shutil.copy(source / name, folder / name)
-    config = json.loads((source / "tokenizer_config.json").read_text())
-    config["chat_template"] = TEMPLATE
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return folder
+    return default_model_with_template(tmp_path_factory.mktemp("tools") / "tools", TEMPLATE)
 
 
 @pytest.fixture(scope="module")

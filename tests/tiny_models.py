@@ -6,6 +6,8 @@ shape overrides its fields by keyword, and ``save_tiny_model`` writes it with se
 
 from __future__ import annotations
 
+import json
+import shutil
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -187,3 +189,18 @@ def assert_greedy_equal_up_to_near_ties(
             logits = model(torch.tensor([prompt + theirs[:i]])).logits[0, -1]
         gap = float(logits.max() - torch.minimum(logits[ours[i]], logits[theirs[i]]))
         assert gap < tolerance, f"token {i} differs ({ours[i]} vs {theirs[i]}) {gap:.3f} apart"
+
+
+def default_model_with_template(folder: Path, chat_template: str) -> Path:
+    """The default model's config and tokenizer in ``folder`` (no weights: for the router), its
+    chat template replaced by ``chat_template``."""
+    from common.model.default_model import resolve_model_path
+
+    source = resolve_model_path(None)
+    folder.mkdir(parents=True)
+    for name in ("config.json", "generation_config.json", "tokenizer.json"):
+        shutil.copy(source / name, folder / name)
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    config["chat_template"] = chat_template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder

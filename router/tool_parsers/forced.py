@@ -6,7 +6,7 @@ function gives that function's arguments alone. Neither has content; vLLM reads 
 from __future__ import annotations
 
 from router.tool_parsers.base import Parsed, ParsedCall, ToolParser
-from router.tool_parsers.json_text import NotJSON, call_in, scan_object, skip_space
+from router.tool_parsers.json_text import NotJSON, next_call, skip_space
 
 
 class RequiredCallsParser(ToolParser):
@@ -43,13 +43,11 @@ def _listed_calls(text: str, final: bool) -> list[ParsedCall]:
         raise NotJSON(f"the calls must be a JSON list, got {text[i]!r}")
     i = skip_space(text, i + 1)
     while i < len(text):
-        scan = scan_object(text, i)
-        call = call_in(text, scan, ("parameters",))
-        if scan.end is None:
-            return _unfinished(calls + ([call] if call else []), final)
-        assert call is not None  # a closed object is a call, or call_in raised
+        call, end = next_call(text, i, ("parameters",), final)
+        if end is None or call is None:
+            return calls + ([call] if call else [])
         calls.append(call)
-        i = skip_space(text, scan.end)
+        i = skip_space(text, end)
         if i >= len(text):
             break
         if text[i] == "]":

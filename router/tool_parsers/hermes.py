@@ -9,7 +9,7 @@ whole answer content.
 from __future__ import annotations
 
 from router.tool_parsers.base import Parsed, ParsedCall, ToolParser, partial_marker
-from router.tool_parsers.json_text import NotJSON, call_in, scan_object, skip_space
+from router.tool_parsers.json_text import NotJSON, next_call, skip_space
 
 START = "<tool_call>"
 END = "</tool_call>"
@@ -42,14 +42,10 @@ class HermesToolParser(ToolParser):
                 if final:
                     raise NotJSON("a <tool_call> tag with no call in it")
                 return calls
-            scan = scan_object(text, i)
-            call = call_in(text, scan, ("arguments",))
-            if scan.end is None:
-                if final:
-                    raise NotJSON("a call cut short")
+            call, end = next_call(text, i, ("arguments",), final)
+            if end is None or call is None:
                 return calls + ([call] if call else [])
-            assert call is not None  # a closed object is a call, or call_in raised
-            after = skip_space(text, scan.end)
+            after = skip_space(text, end)
             if after >= len(text) or (not final and END.startswith(text[after:])):
                 # The closing tag may still come; a whole answer may end without it.
                 return [*calls, call]

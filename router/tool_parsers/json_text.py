@@ -241,3 +241,19 @@ def call_in(text: str, scan: ObjectScan, argument_keys: tuple[str, ...]) -> Pars
     if not found:
         return None
     return ParsedCall(function, found[0].value_text(text))
+
+
+def next_call(
+    text: str, i: int, argument_keys: tuple[str, ...], final: bool
+) -> tuple[ParsedCall | None, int | None]:
+    """The call in the JSON object at ``i`` (``call_in``) and the index after it; None for the
+    index where the object is cut short: in a growing answer, the call so far (None until its
+    name is whole); in a whole one, ``NotJSON``."""
+    scan = scan_object(text, i)
+    call = call_in(text, scan, argument_keys)
+    if scan.end is None:
+        if final:
+            raise NotJSON("a call cut short")
+        return call, None
+    assert call is not None  # a closed object is a call, or call_in raised
+    return call, scan.end

@@ -9,7 +9,7 @@ dropped, as vLLM drops it; an object that is no call makes the whole answer cont
 from __future__ import annotations
 
 from router.tool_parsers.base import Parsed, ParsedCall, ToolParser
-from router.tool_parsers.json_text import NotJSON, call_in, scan_object, skip_space
+from router.tool_parsers.json_text import NotJSON, next_call, skip_space
 
 PYTHON_TAG = "<|python_tag|>"
 ARGUMENT_KEYS = ("parameters", "arguments")
@@ -36,15 +36,11 @@ class Llama3JsonToolParser(ToolParser):
     def _calls(self, text: str, i: int, final: bool) -> list[ParsedCall]:
         calls: list[ParsedCall] = []
         while True:
-            scan = scan_object(text, i)
-            call = call_in(text, scan, ARGUMENT_KEYS)
-            if scan.end is None:
-                if final:
-                    raise NotJSON("a call cut short")
+            call, end = next_call(text, i, ARGUMENT_KEYS, final)
+            if end is None or call is None:
                 return calls + ([call] if call else [])
-            assert call is not None  # a closed object is a call, or call_in raised
             calls.append(call)
-            after = skip_space(text, scan.end)
+            after = skip_space(text, end)
             if after >= len(text) or text[after] != ";":
                 return calls  # the end, or text after the calls
             i = skip_space(text, after + 1)

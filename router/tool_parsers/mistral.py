@@ -16,7 +16,7 @@ import secrets
 import string
 
 from router.tool_parsers.base import Parsed, ParsedCall, ToolParser, partial_marker
-from router.tool_parsers.json_text import NotJSON, call_in, scan_object, skip_space, value_end
+from router.tool_parsers.json_text import NotJSON, next_call, skip_space, value_end
 
 BOT = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
@@ -62,17 +62,13 @@ class MistralToolParser(ToolParser):
     def _json_objects(self, text: str, i: int, final: bool, in_list: bool) -> list[ParsedCall]:
         calls: list[ParsedCall] = []
         while True:
-            scan = scan_object(text, i)
-            call = call_in(text, scan, ("arguments",))
-            if scan.end is None:
-                if final:
-                    raise NotJSON("a call cut short")
+            call, end = next_call(text, i, ("arguments",), final)
+            if end is None or call is None:
                 return calls + ([call] if call else [])
-            assert call is not None  # a closed object is a call, or call_in raised
             calls.append(call)
             if not in_list:
                 return calls
-            i = skip_space(text, scan.end)
+            i = skip_space(text, end)
             if i >= len(text):
                 if final:
                     raise NotJSON("a list of calls cut short")
