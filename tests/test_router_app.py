@@ -272,7 +272,7 @@ def test_health_answers_while_a_megabyte_prompt_is_tokenized(cluster, monkeypatc
 
 
 REFUSED = [
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format"),
     # Tools default to tool_choice "auto", which needs --enable-auto-tool-choice (as in vLLM).
     (
         "/v1/chat/completions",
@@ -287,7 +287,7 @@ REFUSED = [
     ("/v1/completions", {"best_of": 3}, "best_of"),
     ("/v1/completions", {"suffix": " the end"}, "suffix"),
     ("/v1/completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
-    ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
+    ("/v1/completions", {"guided_json": {"type": "object", "required": 7}}, "guided_json"),
     ("/v1/completions", {"length_penalty": 2.0}, "length_penalty"),  # beam search only
     ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
 ]

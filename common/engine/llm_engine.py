@@ -381,7 +381,9 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the other ranks of a tensor-parallel group, and the grammar compiler."""
-        self.grammars.close()
+        grammars = getattr(self, "grammars", None)  # absent where the build failed before it
+        if grammars is not None:
+            grammars.close()
         if self.followers is not None:
             self.followers.close()
 
