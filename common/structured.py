@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Any
 
 # The kinds, with vLLM's names (its ``structured_outputs`` fields).
 JSON_SCHEMA = "json_schema"  # text: the schema, as JSON
@@ -61,9 +62,41 @@ class StructuredSpec:
                 isinstance(value, list) and value and all(isinstance(c, str) for c in value)
             ):
                 raise ValueError("a choice must be a non-empty list of strings")
+            if self.kind == STRUCTURAL_TAG:
+                _check_structural_tag(value)
         elif self.kind in (REGEX, GRAMMAR) and not self.text:
             raise ValueError(f"a {self.kind} must not be empty")
 
     @property
     def is_json(self) -> bool:
         return self.kind in (JSON_SCHEMA, JSON_OBJECT)
+
+
+def _check_structural_tag(tag: Any) -> None:
+    """A structural tag's shape, so that a malformed one is refused where the request is read
+    (only xgrammar compiles one, in the workers): vLLM's form, ``structures`` (each a ``begin``
+    that starts with one of the ``triggers``, a ``schema`` object and an ``end``), or xgrammar's,
+    a ``format`` object."""
+    if not isinstance(tag, dict):
+        raise ValueError("a structural tag must be a JSON object")
+    if "structures" not in tag:
+        if not isinstance(tag.get("format"), dict):
+            raise ValueError("a structural tag needs structures and triggers, or a format object")
+        return
+    structures, triggers = tag["structures"], tag.get("triggers")
+    if not isinstance(triggers, list) or not triggers:
+        raise ValueError("a structural tag's triggers must be a non-empty list of strings")
+    if not all(isinstance(t, str) and t for t in triggers):
+        raise ValueError("a structural tag's triggers must be a non-empty list of strings")
+    if not isinstance(structures, list) or not structures:
+        raise ValueError("a structural tag's structures must be a non-empty list")
+    for item in structures:
+        if not (
+            isinstance(item, dict)
+            and isinstance(item.get("begin"), str)
+            and isinstance(item.get("end"), str)
+            and isinstance(item.get("schema", {}), dict)
+        ):
+            raise ValueError("each structure needs begin and end strings and a schema object")
+        if not any(item["begin"].startswith(t) for t in triggers):
+            raise ValueError(f"the structure beginning {item['begin']!r} starts with no trigger")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from common.sampling_params import SamplingParams
-from common.structured import JSON_SCHEMA, StructuredSpec
+from common.structured import JSON_SCHEMA, STRUCTURAL_TAG, StructuredSpec
 from router.config import OutputParsing
 from router.errors import BadRequest
 from router.reasoning import reasoning_parser_class
@@ -105,12 +105,10 @@ def plan_output(
     )
     spec = params.structured
     schema = None if tools is None else forced_call_schema(choice, tools, parallel_tool_calls)
-    if schema is not None:
-        if spec is not None:  # vLLM's words
-            raise BadRequest(
-                "You can only either use constraints for structured outputs or tools, not both.",
-                "tool_choice",
-            )
+    # A forced call's schema takes the place of a structured output the request also asked for
+    # (the answer is the call, not content), except a structural tag, which already says where
+    # each call goes: vLLM's rule.
+    if schema is not None and (spec is None or spec.kind != STRUCTURAL_TAG):
         try:
             spec = StructuredSpec(JSON_SCHEMA, json.dumps(schema))
         except ValueError as exc:

@@ -24,7 +24,6 @@ from common.sampling_params import SamplingParams
 from common.structured import StructuredSpec
 from router.chat_output import plan_output
 from router.config import OutputParsing
-from router.errors import BadRequest
 from router.server import build_parser, config_from_args
 from router.tool_request import NONE, REQUIRED, ToolChoice, ToolParam
 
@@ -599,7 +598,7 @@ def test_the_routers_flags(model):
 
 def test_a_structured_output_from_the_request_starts_after_the_reasoning_too(model):
     """A constraint the request asked for (``response_format`` and the like, parsed elsewhere
-    into the params' spec) waits for the end of the thinking; a forced call cannot join it."""
+    into the params' spec) waits for the end of the thinking."""
     codec = model_text(model)
     asked = SamplingParams(structured=StructuredSpec("json_object"))
     thinking = codec.encode("<|im_start|>assistant\n<think>\n", add_special_tokens=False)
@@ -615,6 +614,29 @@ def test_a_structured_output_from_the_request_starts_after_the_reasoning_too(mod
     )
     plan, params = plan_output(ToolChoice(NONE), None, None, True, reasoning, codec, closed, asked)
     assert plan is not None and not plan.thinking and params.structured == asked.structured
+
+
+def test_a_forced_call_takes_the_place_of_a_structured_output_but_not_of_a_structural_tag(model):
+    """As in vLLM: with tool_choice required, the answer is the call, so the tools' schema
+    constrains it instead of the request's response_format; a structural tag stays, as it
+    already says where each call goes."""
+    codec = model_text(model)
     tools = [ToolParam.model_validate(NOW)]
-    with pytest.raises(BadRequest, match="either use constraints for structured outputs or tools"):
-        plan_output(ToolChoice(REQUIRED), tools, None, True, reasoning, codec, thinking, asked)
+    prompt = codec.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    asked = SamplingParams(structured=StructuredSpec("json_object"))
+    plan, params = plan_output(
+        ToolChoice(REQUIRED), tools, None, True, OutputParsing(), codec, prompt, asked
+    )
+    assert plan is not None and params.structured is not None
+    assert params.structured.kind == "json_schema"
+    assert json.loads(params.structured.text)["items"]["anyOf"][0]["properties"]["name"] == {
+        "type": "string",
+        "enum": [NOW["function"]["name"]],
+    }
+    structures = [{"begin": "<f>", "end": "</f>"}]
+    tag = {"type": "structural_tag", "structures": structures, "triggers": ["<f>"]}
+    tag = SamplingParams(structured=StructuredSpec("structural_tag", json.dumps(tag)))
+    _, params = plan_output(
+        ToolChoice(REQUIRED), tools, None, True, OutputParsing(), codec, prompt, tag
+    )
+    assert params.structured == tag.structured

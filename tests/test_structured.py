@@ -92,6 +92,11 @@ def test_text_and_nothing_ask_for_nothing():
         ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "one structured output"),
         ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex",
          "one structured output"),
+        ({"response_format": {"type": "structural_tag"}}, "response_format", "or a format"),
+        ({"response_format": {"type": "structural_tag", "triggers": ["<f>"], "structures": [
+            {"begin": "<g>", "end": "</g>"}]}}, "response_format", "starts with no trigger"),
+        ({"structured_outputs": {"structural_tag": '{"structures": [{"begin": "<f>"}], '
+          '"triggers": ["<f>"]}'}}, "structured_outputs", "begin and end strings"),
     ],
 )  # fmt: skip
 def test_bad_forms_are_400s_naming_the_field(extra, field, words):
@@ -205,6 +210,41 @@ def test_a_trigger_keeps_the_grammar_off_until_the_output_holds_it(compiler, tok
     assert state.active
     assert state.fill_rows([], bitmask, 0) == [0]
     assert tokenizer.encode("A", add_special_tokens=False)[0] in allowed(bitmask, 0)
+
+
+def test_a_structural_tag_leaves_text_free_until_its_trigger_then_holds_the_schema(
+    compiler, tokenizer
+):
+    """vLLM's structural tag: free text, then after ``<f>`` the schema's JSON and ``</f>``."""
+    tag = {
+        "type": "structural_tag",
+        "structures": [
+            {
+                "begin": "<f>",
+                "schema": {
+                    "type": "object",
+                    "properties": {"n": {"type": "integer"}},
+                    "required": ["n"],
+                },
+                "end": "</f>",
+            }
+        ],
+        "triggers": ["<f>"],
+    }
+    state = started(compiler, StructuredSpec("structural_tag", json.dumps(tag)))
+    bitmask = torch.zeros(1, VOCAB // 32, dtype=torch.int32)
+    state.fill_rows([], bitmask, 0)
+    word = tokenizer.encode("Hello", add_special_tokens=False)[0]
+    assert word in allowed(bitmask, 0)  # before the trigger: text
+    for token in tokenizer.encode("Hello <f>", add_special_tokens=False):
+        assert not state.advance(token)
+    state.fill_rows([], bitmask, 0)
+    assert word not in allowed(bitmask, 0)  # inside: the schema's JSON only
+    assert tokenizer.encode("{", add_special_tokens=False)[0] in allowed(bitmask, 0)
+    for token in tokenizer.encode('{"n": 7}</f>', add_special_tokens=False):
+        state.advance(token)
+    state.fill_rows([], bitmask, 0)
+    assert word in allowed(bitmask, 0)  # after the end tag: text again
 
 
 def test_the_compiler_caches_by_text_and_fails_what_neither_library_compiles(compiler):
