@@ -208,10 +208,13 @@ def test_forced_calls_stream_as_they_come_whole(choice, text, calls):
     assert output.finish_reason("stop") == ("stop" if choice.mode == NAMED else "tool_calls")
 
 
-def test_a_required_answer_that_does_not_parse_has_no_calls():
+def test_a_forced_answer_that_does_not_parse_has_no_calls():
     for text in ('[{"name": "now", "parameters": {}}', "[]", '[{"name": "now"}]', "x"):
         assert RequiredCallsParser().parse(text, final=True).calls == []
     assert NamedCallParser("f").parse("  ", final=True).calls == []
+    # Cut short: the arguments so far while streaming, no call in the whole answer.
+    assert NamedCallParser("f").parse(' {"a": ', final=False).calls == [ParsedCall("f", '{"a": ')]
+    assert NamedCallParser("f").parse(' {"a": ', final=True).calls == []
     assert NamedCallParser("f").parse(' {"a": 1}', final=True).calls == [
         ParsedCall("f", '{"a": 1}')
     ]

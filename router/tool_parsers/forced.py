@@ -5,6 +5,8 @@ function gives that function's arguments alone. Neither has content; vLLM reads 
 
 from __future__ import annotations
 
+import json
+
 from router.tool_parsers.base import Parsed, ParsedCall, ToolParser
 from router.tool_parsers.json_text import NotJSON, next_call, skip_space
 
@@ -22,7 +24,9 @@ class RequiredCallsParser(ToolParser):
 
 class NamedCallParser(ToolParser):
     """A named function: the answer is its arguments, taken as they are (as vLLM does), once
-    anything but whitespace has come."""
+    anything but whitespace has come. A whole answer whose arguments are not a complete JSON
+    value (cut short) gives no call, as a required one does, so that a client never reads
+    half an object as the call's arguments (as OpenAI answers, and vLLM's own tests expect)."""
 
     def __init__(self, function: str) -> None:
         self.function = function
@@ -31,7 +35,18 @@ class NamedCallParser(ToolParser):
         start = skip_space(text, 0)
         if start >= len(text):
             return Parsed("")
-        return Parsed("", [ParsedCall(self.function, text[start:])])
+        arguments = text[start:]
+        if final and not _is_json(arguments):
+            return Parsed("")
+        return Parsed("", [ParsedCall(self.function, arguments)])
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _listed_calls(text: str, final: bool) -> list[ParsedCall]:
