@@ -164,8 +164,10 @@ def run_file(
     subprocess.run(command, cwd=workdir, env=env, stdout=sys.stderr, check=False)
     if not report.exists():
         return 0, 1, 0
-    suite = ElementTree.parse(report).getroot()
-    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    root = ElementTree.parse(report).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    if suite is None:
+        return 0, 1, 0
     counts = {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")}
     failed = counts["failures"] + counts["errors"]
     return counts["tests"] - failed - counts["skipped"], failed, counts["skipped"]
@@ -203,10 +205,10 @@ def main() -> None:
         )
         totals = [0, 0, 0]
         for selection in chosen:
-            counts = (0, 0, 0)
+            counts = [0, 0, 0]
             for _ in range(args.rounds):
                 run = run_file(args.python, workdir, selection, env)
-                counts = tuple(c + r for c, r in zip(counts, run, strict=True))
+                counts = [c + r for c, r in zip(counts, run, strict=True)]
             totals = [t + c for t, c in zip(totals, counts, strict=True)]
             name = selection.path.removeprefix(TESTS).removeprefix("tests/")
             print(f"{name:<58} passed {counts[0]:3}  failed {counts[1]:2}  skipped {counts[2]:2}")
