@@ -12,6 +12,8 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
+from common.context_window import exact_context_length
+
 # Texts longer than this are encoded by a call that releases the GIL.
 LONG_TEXT_CHARS = 16_384
 
@@ -25,7 +27,8 @@ class Tokenizer:
             raise ValueError(f"cannot load a tokenizer from {path}: {exc}") from exc
         config = _optional_json(path / "config.json")
         self.vocab_size = int(config.get("vocab_size") or len(self._tokenizer))
-        self.max_position_embeddings = int(config.get("max_position_embeddings") or 4096)
+        # The context the model answers exactly: its positions, at most its sliding window.
+        self.max_position_embeddings = exact_context_length(config)
         self.eos_token_ids = eos_token_ids(path, config, self._tokenizer.eos_token_id)
         # The router encodes every prompt and decodes every token on its event loop: call the
         # Rust tokenizer directly where that gives transformers' own result.
