@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import subprocess
+import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -78,3 +82,42 @@ def worker_metric(base: str, role: str, name: str) -> float:
     text = urllib.request.urlopen(url, timeout=10).read().decode()
     match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
     return float(match.group(1)) if match else 0.0
+
+
+def worker_pids(launcher_pid: int, role: str) -> dict[str, int]:
+    """The ``role`` workers `pdserve up` started, by worker id."""
+    children = subprocess.run(
+        ["pgrep", "-P", str(launcher_pid)], capture_output=True, text=True
+    ).stdout.split()
+    found = {}
+    for pid in children:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            argv = cmdline.read().split(b"\0")
+        if b"--worker-id" in argv:
+            worker_id = argv[argv.index(b"--worker-id") + 1].decode()
+            if worker_id.startswith(role):
+                found[worker_id] = int(pid)
+    return found
+
+
+def kill_busy_decode_worker(base: str, launcher_pid: int) -> str:
+    killed = kill_busy_worker(base, launcher_pid, "decode")
+    assert killed is not None
+    return killed
+
+
+def kill_busy_worker(base: str, launcher_pid: int, role: str, at_least: int = 1) -> str | None:
+    """SIGKILL the first ``role`` worker holding at least ``at_least`` requests (waiting up to
+    30 s for one to); returns its id, or None if none got so busy."""
+    deadline = time.monotonic() + 30
+    busy = None
+    while busy is None and time.monotonic() < deadline:
+        workers = json.loads(urllib.request.urlopen(f"{base}/v1/workers", timeout=10).read())
+        busy = next((w["id"] for w in workers[role] if w["load"]["inflight"] >= at_least), None)
+        time.sleep(0.02)
+    if busy is None:
+        return None
+    pid = worker_pids(launcher_pid, role).get(busy)
+    assert pid is not None, f"no process for {busy}"
+    os.kill(pid, signal.SIGKILL)
+    return busy

@@ -22,9 +22,11 @@ import pytest
 import zmq
 from cluster_harness import (
     greedy_reference,
+    kill_busy_decode_worker,
     reference_engine,
     tiny_chat_cluster,
     worker_metric,
+    worker_pids,
 )
 from tiny_models import build_tiny_chat_model
 from zmq_strangers import send_unless_refused
@@ -387,22 +389,6 @@ def test_prefill_worker_killed_under_load_every_request_completes(tmp_path):
         assert redispatched and float(redispatched.group(1)) >= held[victim]
 
 
-def worker_pids(launcher_pid: int, role: str) -> dict[str, int]:
-    """The ``role`` workers `pdserve up` started, by worker id."""
-    children = subprocess.run(
-        ["pgrep", "-P", str(launcher_pid)], capture_output=True, text=True
-    ).stdout.split()
-    found = {}
-    for pid in children:
-        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-            argv = cmdline.read().split(b"\0")
-        if b"--worker-id" in argv:
-            worker_id = argv[argv.index(b"--worker-id") + 1].decode()
-            if worker_id.startswith(role):
-                found[worker_id] = int(pid)
-    return found
-
-
 def wait_for_inflight(base: str, role: str, at_least: int) -> dict[str, int]:
     """Until every ``role`` worker has at least ``at_least`` requests in the router's books
     (generously: the workers are paused, nothing leaves them); each one's count."""
@@ -506,37 +492,6 @@ def resident_mib(pid: str) -> float:
     with open(f"/proc/{pid}/status") as status:
         line = next(line for line in status if line.startswith("VmRSS:"))
     return int(line.split()[1]) / 1024
-
-
-def kill_busy_decode_worker(base: str, launcher_pid: int) -> str:
-    killed = kill_busy_worker(base, launcher_pid, "decode")
-    assert killed is not None
-    return killed
-
-
-def kill_busy_worker(base: str, launcher_pid: int, role: str, at_least: int = 1) -> str | None:
-    """SIGKILL the first ``role`` worker holding at least ``at_least`` requests (waiting up to
-    30 s for one to); returns its id, or None if none got so busy."""
-    import json
-
-    deadline = time.monotonic() + 30
-    busy = None
-    while busy is None and time.monotonic() < deadline:
-        workers = json.loads(urllib.request.urlopen(f"{base}/v1/workers", timeout=10).read())
-        busy = next((w["id"] for w in workers[role] if w["load"]["inflight"] >= at_least), None)
-        time.sleep(0.02)
-    if busy is None:
-        return None
-    children = subprocess.run(
-        ["pgrep", "-P", str(launcher_pid)], capture_output=True, text=True
-    ).stdout.split()
-    for pid in children:
-        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-            argv = cmdline.read().split(b"\0")
-        if b"--worker-id" in argv and argv[argv.index(b"--worker-id") + 1].decode() == busy:
-            os.kill(int(pid), signal.SIGKILL)
-            return busy
-    raise AssertionError(f"no process for {busy}")
 
 
 def test_the_serving_benchmark_reads_the_decode_workers_steps_over_its_run(cluster):

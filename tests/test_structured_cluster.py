@@ -6,16 +6,14 @@ not eyeballed."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import openai
 import pytest
+from cluster_harness import kill_busy_decode_worker
 from pydantic import BaseModel, Field
 
 from benchmarks.harness import pdserve_up
@@ -279,31 +277,7 @@ def test_an_answer_migrated_mid_way_still_validates(cluster):
     for chunk in stream:
         text += chunk.choices[0].delta.content or "" if chunk.choices else ""
         if not killed.is_set() and text.count(",") >= 5:
-            kill_the_busy_decode_worker(up)
+            kill_busy_decode_worker(up.base_url, up.process.pid)
             killed.set()
     assert killed.is_set()
     jsonschema.validate(json.loads(text), many)
-
-
-def kill_the_busy_decode_worker(up) -> None:
-    import subprocess
-    import urllib.request
-
-    deadline = time.monotonic() + 30
-    while True:
-        workers = json.loads(urllib.request.urlopen(f"{up.base_url}/v1/workers").read())
-        busy = [w["id"] for w in workers["decode"] if w["load"]["inflight"]]
-        if busy:
-            break
-        assert time.monotonic() < deadline, "no decode worker holds the request"
-        time.sleep(0.02)
-    children = subprocess.run(
-        ["pgrep", "-P", str(up.process.pid)], capture_output=True, text=True
-    ).stdout.split()
-    for pid in children:
-        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-            argv = cmdline.read().split(b"\0")
-        if b"--worker-id" in argv and argv[argv.index(b"--worker-id") + 1].decode() == busy[0]:
-            os.kill(int(pid), signal.SIGKILL)
-            return
-    raise AssertionError(f"no process for {busy[0]}")
