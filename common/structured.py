@@ -84,9 +84,9 @@ def _check_structural_tag(tag: Any) -> None:
             raise ValueError("a structural tag needs structures and triggers, or a format object")
         return
     structures, triggers = tag["structures"], tag.get("triggers")
-    if not isinstance(triggers, list) or not triggers:
-        raise ValueError("a structural tag's triggers must be a non-empty list of strings")
-    if not all(isinstance(t, str) and t for t in triggers):
+    if not (
+        isinstance(triggers, list) and triggers and all(isinstance(t, str) and t for t in triggers)
+    ):
         raise ValueError("a structural tag's triggers must be a non-empty list of strings")
     if not isinstance(structures, list) or not structures:
         raise ValueError("a structural tag's structures must be a non-empty list")

@@ -28,7 +28,7 @@ class Tokenizer:
         config = _optional_json(path / "config.json")
         self.vocab_size = int(config.get("vocab_size") or len(self._tokenizer))
         # The context the model answers exactly: its positions, at most its sliding window.
-        self.max_position_embeddings = exact_context_length(config)
+        self.exact_context_length = exact_context_length(config)
         self.eos_token_ids = eos_token_ids(path, config, self._tokenizer.eos_token_id)
         # The router encodes every prompt and decodes every token on its event loop: call the
         # Rust tokenizer directly where that gives transformers' own result.
