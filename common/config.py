@@ -50,6 +50,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     checkpoint_dtype: torch.dtype
+    # The checkpoint's own ``quantization_config`` (common/model/quantization/), None if none.
+    quantization_config: dict | None = None
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
@@ -101,6 +103,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
             checkpoint_dtype=DTYPES.get(str(dtype_name), torch.float32),
+            quantization_config=raw.get("quantization_config"),
         )
 
 
@@ -272,6 +275,9 @@ class EngineConfig:
     # Ranks the model is split over (Megatron-style, common/model/parallel.py), one process
     # each; rank 0 is the engine, the others it spawns.
     tensor_parallel_size: int = 1
+    # The quantization method the checkpoint must hold (vLLM's --quantization); None: whatever
+    # it holds (common/model/quantization).
+    quantization: str | None = None
 
     def validate(self) -> None:
         if self.tensor_parallel_size < 1:

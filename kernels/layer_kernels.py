@@ -19,6 +19,7 @@ from torch import nn
 
 from kernels.cpu.linear import BOTH, CpuLinear, GemmPlan, StepShape, choose_gemm_plan, probe_plan
 from kernels.cpu.ops import CpuRMSNorm, CpuRotaryApply, CpuSiluAndMul, cpu_ops_apply
+from kernels.quantized import QuantizedLinear, RoundedInputs
 from kernels.triton.elementwise import CudaRotaryApply, CudaSiluAndMul
 from kernels.triton.invariant import InvariantLinear, InvariantRMSNorm
 
@@ -32,6 +33,10 @@ class LayerKernels:
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module | None:
         """``y = x W^T + b`` (the output projection included, ``bias`` None)."""
+        return None
+
+    def quantized_linear(self, linear: QuantizedLinear) -> nn.Module | None:
+        """``linear``'s twin: the same quantized weight, read by this device's kernels."""
         return None
 
     def norm(self, weight: torch.Tensor, eps: float) -> nn.Module | None:
@@ -97,6 +102,13 @@ class InvariantKernels(LayerKernels):
 
     def linear(self, weight, bias) -> nn.Module:
         return InvariantLinear(weight, bias)
+
+    def quantized_linear(self, linear: QuantizedLinear) -> nn.Module:
+        """A batch-invariant GEMM over the dequantized weight: the same tokens whatever the
+        batch, at 16-bit memory (a quantized invariant GEMM is not written yet)."""
+        weight = linear.qweight.dequantize(linear.compute_dtype)
+        dense = InvariantLinear(weight, linear.bias)
+        return dense if linear.activations is None else RoundedInputs(linear.activations, dense)
 
     def norm(self, weight, eps) -> nn.Module:
         return InvariantRMSNorm(weight, eps)

@@ -29,6 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from kernels.sizes import ceil_div
 
@@ -39,6 +41,10 @@ CODE_KINDS = (INT8, UINT4, FP8_E4M3)
 # The largest magnitude of each kind of activation code.
 FP8_E4M3_MAX = 448.0
 INT8_MAX = 127.0
+# The magnitude a dynamic int8 scale maps a row's largest input to: half the code range
+# (127 - -128) / 2, as compressed-tensors computes it (vLLM's int8 kernels take 127; the two
+# differ by 0.4% in the scale, compressed-tensors' is the checkpoint's own).
+INT8_SCALE_RANGE = 127.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,24 +191,33 @@ def cat_rows(parts: Sequence[QuantizedWeight]) -> QuantizedWeight:
 
 # Where the activation scale comes from.
 DYNAMIC_PER_TOKEN = "dynamic_per_token"
+# A scale per token and group of ``group_size`` inputs (block FP8 checkpoints: groups of 128).
+DYNAMIC_PER_TOKEN_GROUP = "dynamic_per_token_group"
 DYNAMIC_PER_TENSOR = "dynamic_per_tensor"
 STATIC = "static"
+ACTIVATION_STRATEGIES = (DYNAMIC_PER_TOKEN, DYNAMIC_PER_TOKEN_GROUP, DYNAMIC_PER_TENSOR, STATIC)
 
 
 @dataclass(frozen=True, slots=True)
 class ActivationQuantization:
     """How a W8A8 checkpoint rounds a linear layer's input: to ``kind`` (``INT8`` or
-    ``FP8_E4M3``, symmetric), with a scale per token, per tensor, or ``static_scale``."""
+    ``FP8_E4M3``, symmetric), with a scale per token, per token and group of ``group_size``
+    inputs, per tensor, or ``static_scale``."""
 
     kind: str
     strategy: str
     static_scale: float | None = None
+    group_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in (INT8, FP8_E4M3):
             raise ValueError(f"activations are quantized to int8 or FP8 e4m3, not {self.kind}")
-        if self.strategy not in (DYNAMIC_PER_TOKEN, DYNAMIC_PER_TENSOR, STATIC):
+        if self.strategy not in ACTIVATION_STRATEGIES:
             raise ValueError(f"unknown activation scale strategy {self.strategy!r}")
+        if (self.strategy == DYNAMIC_PER_TOKEN_GROUP) != (self.group_size is not None):
+            raise ValueError("a group size goes with per-token-group scales, and only with them")
+        if self.group_size is not None and self.group_size <= 0:
+            raise ValueError(f"an activation group size must be positive, got {self.group_size}")
         if (self.strategy == STATIC) != (self.static_scale is not None):
             raise ValueError("a static activation scale, and only it, needs its value")
         if self.static_scale is not None and not self.static_scale > 0:
@@ -211,18 +226,76 @@ class ActivationQuantization:
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` rounded to the checkpoint's activation codes, back in ``x``'s dtype."""
         limit = FP8_E4M3_MAX if self.kind == FP8_E4M3 else INT8_MAX
+        scale_range = FP8_E4M3_MAX if self.kind == FP8_E4M3 else INT8_SCALE_RANGE
         x32 = x.float()
+        if self.strategy == DYNAMIC_PER_TOKEN_GROUP:
+            assert self.group_size is not None
+            width = x32.shape[-1]
+            padded = F.pad(x32, (0, ceil_div(width, self.group_size) * self.group_size - width))
+            grouped = padded.unflatten(-1, (-1, self.group_size))
+            per_token = ActivationQuantization(self.kind, DYNAMIC_PER_TOKEN)
+            rounded = per_token.apply(grouped).flatten(-2)[..., :width]
+            return rounded.to(x.dtype)
         if self.strategy == STATIC:
             scale = torch.tensor(self.static_scale, dtype=torch.float32, device=x.device)
         elif self.strategy == DYNAMIC_PER_TOKEN:
-            scale = x32.abs().amax(dim=-1, keepdim=True) / limit
+            scale = x32.abs().amax(dim=-1, keepdim=True) / scale_range
         else:
-            scale = x32.abs().amax() / limit
+            scale = x32.abs().amax() / scale_range
         # An all-zero row has scale 0: it stays zero.
         scale = torch.clamp(scale, min=torch.finfo(torch.float32).tiny)
-        scaled = (x32 / scale).clamp(-limit, limit)
+        scaled = x32 / scale
         if self.kind == FP8_E4M3:
-            codes = scaled.to(torch.float8_e4m3fn).float()
+            codes = scaled.clamp(-limit, limit).to(torch.float8_e4m3fn).float()
         else:
-            codes = torch.round(scaled).clamp(-limit - 1, limit)
+            # The code range is one wider below: a row's most negative input, at -127.5
+            # scales, rounds (to even) to -128.
+            codes = torch.round(scaled.clamp(-limit - 1, limit))
         return (codes * scale).to(x.dtype)
+
+
+class QuantizedLinear(nn.Module):
+    """``y = q(x) W^T + b``: ``W`` held as codes and scales, ``q`` the checkpoint's rounding of
+    the input (W8A8) or nothing (weight-only formats). The twin the device's kernels stand in
+    for (``LayerKernels.quantized_linear``), and what runs where a device has none: the weight
+    dequantized at each call, then torch's GEMM."""
+
+    def __init__(
+        self,
+        weight: QuantizedWeight,
+        bias: torch.Tensor | None,
+        activations: ActivationQuantization | None,
+        dtype: torch.dtype,
+    ) -> None:
+        """``dtype``: the model's, which its inputs and outputs are in."""
+        super().__init__()
+        self.qweight = weight
+        self.compute_dtype = dtype
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.activations = activations
+        self.in_features, self.out_features = weight.in_features, weight.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activations is not None:
+            x = self.activations.apply(x)
+        return F.linear(x, self.qweight.dequantize(x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        rounding = "" if self.activations is None else f", inputs {self.activations.kind}"
+        return (
+            f"in={self.in_features}, out={self.out_features}, {self.qweight.kind} codes in "
+            f"groups of {self.qweight.group_size}{rounding}"
+        )
+
+
+class RoundedInputs(nn.Module):
+    """``linear(q(x))``: a W8A8 layer's input rounding in front of a dense twin of its weight
+    (``LayerKernels`` that multiply a dequantized copy, as the batch-invariant ones do)."""
+
+    def __init__(self, activations: ActivationQuantization, linear: nn.Module) -> None:
+        super().__init__()
+        self.activations = activations
+        self.linear = linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.activations.apply(x))

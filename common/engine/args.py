@@ -14,6 +14,7 @@ from common.config import (
     SpeculativeConfig,
 )
 from common.engine.memory import parse_memory_size
+from common.model.quantization import QUANTIZATION_METHODS
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -85,6 +86,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "shape, made on the device (benchmarks of a real model's speed without its weights)",
     )
     group.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        choices=QUANTIZATION_METHODS,
+        help="the method the checkpoint's weights must be quantized with (default: read from "
+        "the checkpoint: its quantization_config, or a GGUF file)",
+    )
+    group.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=int,
@@ -147,6 +156,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_deterministic_inference=args.enable_deterministic_inference,
         load_format=args.load_format,
         tensor_parallel_size=args.tensor_parallel_size,
+        quantization=args.quantization,
     )
     config.validate()
     return config

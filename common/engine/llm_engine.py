@@ -148,7 +148,12 @@ class LLMEngine:
         )
         self.backend = get_attention_backend(self.device, deterministic=deterministic)
         self.model = load_model(
-            self.model_config, self.dtype, self.device, config.load_format, self.tp
+            self.model_config,
+            self.dtype,
+            self.device,
+            config.load_format,
+            self.tp,
+            config.quantization,
         )
         if kv_dtype == INT8_DTYPE:
             self.model.turn_kv_heads()
@@ -308,7 +313,7 @@ class LLMEngine:
         (batch-invariant tiles in deterministic mode); on CUDA, one-kernel norms, activation
         and RoPE (16-bit models); else torch's own modules."""
         deterministic = self.config.enable_deterministic_inference
-        dtype, head_dim = model.embed_tokens.weight.dtype, model.config.head_dim
+        dtype, head_dim = self.dtype, model.config.head_dim
         if deterministic and self.backend.name == "triton":
             model.use_kernels(InvariantKernels())
             if log:

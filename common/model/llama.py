@@ -28,6 +28,7 @@ from kernels.cpu.linear import StepShape
 from kernels.interface import AttentionBackend, AttentionMetadata, KVCacheView
 from kernels.kv_turn import hadamard_turns
 from kernels.layer_kernels import LayerKernels
+from kernels.quantized import QuantizedLinear
 
 
 class RMSNorm(nn.Module):
@@ -281,7 +282,10 @@ def add_and_norm(
 
 
 def swapped_linear(kernels: LayerKernels, linear: nn.Module) -> nn.Module:
-    """``kernels``' twin of ``linear`` (an ``nn.Linear``), or ``linear`` where it has none."""
+    """``kernels``' twin of ``linear`` (an ``nn.Linear`` or a ``QuantizedLinear``), or
+    ``linear`` where it has none."""
+    if isinstance(linear, QuantizedLinear):
+        return kept_if_none(kernels.quantized_linear(linear), linear)
     weight, bias = cast(torch.Tensor, linear.weight), cast("torch.Tensor | None", linear.bias)
     return kept_if_none(kernels.linear(weight, bias), linear)
 
@@ -371,26 +375,32 @@ class LlamaForCausalLM(nn.Module):
     def turn_kv_heads(self) -> None:
         """Turn queries, keys and values by a Hadamard matrix around attention, for pools of
         int8 pages (``kernels/kv_turn.py``); before ``use_kernels``, which swaps in their twins."""
-        weight = self.embed_tokens.weight
+        device = self.rotary.inv_freq.device
         for layer in self.decoder_layers():
             attention = layer.self_attn
             attention.query_turn, attention.kv_turn = hadamard_turns(
-                self.config.head_dim, torch.float32, weight.device
+                self.config.head_dim, torch.float32, device
             )
 
     def use_kernels(self, kernels: LayerKernels) -> None:
         """Every layer takes ``kernels``' twins of its parts, and so do the final norm and the
         output projection; a projection swapped in becomes ``head`` (tied weights included)
-        and the separate ``lm_head``'s weight is dropped."""
+        and the separate ``lm_head``'s weight is dropped. A quantized head is one already."""
         for layer in self.decoder_layers():
             layer.use_kernels(kernels)
         self.norm = swapped_norm(kernels.norm, self.norm)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.step_shape = kernels.step_shape
+        if isinstance(self.head, QuantizedLinear):
+            self.head = swapped_linear(kernels, self.head)
+            return
+        if self.head is not None:
+            return  # a twin already (the kernels were taken before)
+        embedding = cast(nn.Embedding, self.embed_tokens)
+        weight = embedding.weight if self.lm_head is None else self.lm_head.weight
         head = kernels.linear(weight, None)
         if head is not None:
             self.head = head
             self.lm_head = None
-        self.step_shape = kernels.step_shape
 
     def linear_shapes(self) -> list[tuple[int, int]]:
         """``(out, in)`` of one decoder layer's linear layers, for choosing GEMM kernels."""

@@ -1,24 +1,35 @@
-"""Loads a Hugging Face folder's (sharded) safetensors into ``LlamaForCausalLM``.
+"""Loads a checkpoint (``common/model/checkpoint_files.py``) into ``LlamaForCausalLM``.
 
-Under tensor parallelism each rank reads only its slices of the checkpoint's tensors (safetensors
-reads a slice without the rest): the rows of its heads, MLP width and vocabulary, or the
-columns of the row-parallel layers' inputs (``common/model/parallel.py``).
+Under tensor parallelism each rank reads only its slices of the checkpoint's dense tensors
+(safetensors reads a slice without the rest): the rows of its heads, MLP width and vocabulary,
+or the columns of the row-parallel layers' inputs (``common/model/parallel.py``). A quantized
+layer is read whole and sliced with its scales, a group of inputs never split between ranks.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import re
-from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from common.config import LOAD_FORMATS, ModelConfig
+from common.model.checkpoint_files import TensorSlice, checkpoint_tensors
 from common.model.llama import LlamaForCausalLM, rope_inverse_frequencies
 from common.model.parallel import TensorParallel
+from common.model.quantization import quantization_method
+from common.model.quantization.compressed_tensors import QuantizedLinearTensors
+from common.model.quantized_layers import QuantizedEmbedding
+from kernels.quantized import (
+    STATIC,
+    ActivationQuantization,
+    QuantizedLinear,
+    QuantizedWeight,
+    cat_rows,
+)
+
+logger = logging.getLogger(__name__)
 
 # Checkpoint names of tensors that pdserve stores fused: (checkpoint suffix, fused name, shard).
 _FUSED = {
@@ -31,46 +42,6 @@ _FUSED = {
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 
 
-def _weight_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError) as exc:
-            raise ValueError(f"corrupt weight index {index}: {exc}") from exc
-        return sorted({folder / name for name in weight_map.values()})
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors weights in {folder}")
-    return files
-
-
-# A rank's part of one checkpoint tensor: (dimension, first index, end) or None for all of it.
-_Slice = tuple[int, int, int] | None
-
-
-def _read_tensors(
-    files: list[Path], slice_of: Callable[[str], _Slice]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of ``files``, or of each the part ``slice_of(name)`` says, read alone."""
-    for path in files:
-        if not path.is_file():
-            raise ValueError(f"weight file {path} is missing")
-        try:
-            with safe_open(str(path), framework="pt") as handle:
-                for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    part = slice_of(name)
-                    if part is None:
-                        yield name, handle.get_tensor(name)
-                        continue
-                    dim, start, end = part
-                    lazy = handle.get_slice(name)
-                    index = (slice(None),) * dim + (slice(start, end),)
-                    yield name, lazy[index]
-        except (SafetensorError, OSError, RuntimeError) as exc:
-            raise ValueError(f"corrupt weight file {path}: {exc}") from exc
-
-
 # The spread of dummy weights: the initialisation of most Hugging Face Llama configs.
 _DUMMY_STD = 0.02
 
@@ -81,11 +52,16 @@ def load_model(
     device: torch.device,
     load_format: str = "auto",
     tp: TensorParallel | None = None,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """Build the model on ``device`` in ``dtype`` and fill every parameter from the checkpoint,
     or, with ``load_format="dummy"`` (vLLM's name), with random weights drawn on the device:
     a model's real shape, and so its real speed, with nothing but its config.json (an 8B
     model's 16 GB are neither read nor copied).
+
+    A quantized checkpoint's layers keep their codes and scales (``QuantizedLinear``,
+    ``QuantizedEmbedding``); the rest is in ``dtype``. ``quantization``: ``--quantization``,
+    the method the checkpoint must hold (``common/model/quantization``).
 
     ``tp``: this rank's place in a tensor-parallel group; it reads (or draws) only its slices.
 
@@ -95,38 +71,57 @@ def load_model(
     tp = tp or TensorParallel()
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}")
+    method = quantization_method(config, quantization)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, tp)
-    _allocate(model, dtype, device)
+    dummy = load_format == "dummy"
+    # Weights a checkpoint may hold quantized get their storage as they arrive.
+    _allocate(model, dtype, device, deferred=() if dummy else _DEFERRED)
     # _allocate gave every floating-point buffer ``dtype``; the RoPE frequencies must stay
     # float32 for exact positions.
     model.rotary.inv_freq = rope_inverse_frequencies(config).to(device)
-    if load_format == "dummy":
+    if dummy:
+        if method is not None:
+            logger.warning("--load-format dummy: random 16-bit weights, not %s ones", method)
         return _fill_randomly(model).eval()
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     fused_parts: dict[str, dict[int, torch.Tensor]] = {}
-    for name, tensor in _read_tensors(
-        _weight_files(config.path), lambda name: _rank_slice(name, config, tp)
-    ):
+    quantized_parts: dict[str, dict[int, QuantizedLinearTensors]] = {}
+    for name, value in checkpoint_tensors(config, method, lambda n: _rank_slice(n, config, tp)):
         target, shard = _target_name(name)
-        if name in _VOCAB_ROWS:
-            tensor = _pad_rows(tensor, len(tp.vocab_rows(config.vocab_size)))
         if target is None or (name == "lm_head.weight" and config.tie_word_embeddings):
             continue
         if target not in params:
             raise ValueError(f"checkpoint tensor {name} does not fit {config.architecture}")
+        if not isinstance(value, torch.Tensor):
+            quantized = _as_linear_tensors(value)
+            part = _rank_part(name, quantized.weight, config, tp)
+            quantized = QuantizedLinearTensors(part, quantized.activations)
+            quantized_parts.setdefault(target, {})[0 if shard is None else shard] = quantized
+            continue
+        if name in _VOCAB_ROWS:
+            value = _pad_rows(value, len(tp.vocab_rows(config.vocab_size)))
         if shard is None:
-            _copy_param(params[target], tensor, name)
+            _copy_param(model, target, value, name, dtype, device)
             loaded.add(target)
         else:
-            fused_parts.setdefault(target, {})[shard] = tensor
+            fused_parts.setdefault(target, {})[shard] = value
     for target, parts in fused_parts.items():
-        expected = 3 if "qkv" in target else 2
-        if len(parts) != expected:
+        if target in quantized_parts:
+            raise ValueError(
+                f"{target.removesuffix('.weight')}: its parts are quantized and 16-bit mixed; "
+                "the layers pdserve fuses (q, k, v; gate, up) must be quantized alike"
+            )
+        if len(parts) != _expected_parts(target):
             continue  # reported below as missing
-        _copy_param(params[target], torch.cat([parts[i] for i in range(expected)]), target)
+        merged = torch.cat([parts[i] for i in range(len(parts))])
+        _copy_param(model, target, merged, target, dtype, device)
         loaded.add(target)
+    for target, quantized_layers in quantized_parts.items():
+        if len(quantized_layers) == _expected_parts(target):
+            _install_quantized(model, target, quantized_layers, dtype, device)
+            loaded.add(target)
     missing = sorted(set(params) - loaded)
     if missing:
         shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
@@ -134,13 +129,26 @@ def load_model(
     return model.eval()
 
 
-def _allocate(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+# Parameters a checkpoint may hold quantized: left on the meta device by _allocate until the
+# loader knows which form they come in (a quantized layer's 16-bit storage is never made).
+_DEFERRED = (".qkv_proj.weight", ".o_proj.weight", ".gate_up_proj.weight", ".down_proj.weight")
+_DEFERRED_WHOLE = ("embed_tokens.weight", "lm_head.weight")
+
+
+def _deferred(name: str, deferred: tuple[str, ...]) -> bool:
+    return bool(deferred) and (name.endswith(deferred) or name in _DEFERRED_WHOLE)
+
+
+def _allocate(
+    model: nn.Module, dtype: torch.dtype, device: torch.device, deferred: tuple[str, ...] = ()
+) -> None:
     """Storage on ``device`` for every parameter and buffer of a model built on the meta
     device, uninitialised, floating-point ones in ``dtype``; a tensor two modules share stays
-    shared. ``Module.to_empty`` then ``.to(dtype)`` would allocate a 16-bit model in float32
-    first (twice its bytes, on a GPU before the first weight is read), and to_empty's
-    empty_like of a meta tensor runs torch's Python reference ops, whose first call imports
-    sympy: seconds of every worker's start-up."""
+    shared. Parameters whose names end with one of ``deferred`` (with the embedding and head,
+    where any is) stay on the meta device. ``Module.to_empty`` then ``.to(dtype)`` would
+    allocate a 16-bit model in float32 first (twice its bytes, on a GPU before the first weight
+    is read), and to_empty's empty_like of a meta tensor runs torch's Python reference ops,
+    whose first call imports sympy: seconds of every worker's start-up."""
     made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(meta tensor): (it, its storage)
 
     def storage_for(meta: torch.Tensor) -> torch.Tensor:
@@ -152,9 +160,10 @@ def _allocate(model: nn.Module, dtype: torch.dtype, device: torch.device) -> Non
             made[id(meta)] = (meta, real)  # the meta tensor kept alive: its id stays its own
         return made[id(meta)][1]
 
-    for module in model.modules():
+    for prefix, module in model.named_modules():
         for name, param in list(module.named_parameters(recurse=False)):
-            setattr(module, name, storage_for(param))
+            if not _deferred(f"{prefix}.{name}".lstrip("."), deferred):
+                setattr(module, name, storage_for(param))
         for name, buffer in list(module.named_buffers(recurse=False)):
             setattr(module, name, storage_for(buffer))
 
@@ -198,7 +207,7 @@ def _target_name(name: str) -> tuple[str | None, int | None]:
 _VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
-def _rank_slice(name: str, config: ModelConfig, tp: TensorParallel) -> _Slice:
+def _rank_slice(name: str, config: ModelConfig, tp: TensorParallel) -> TensorSlice:
     """The part of checkpoint tensor ``name`` rank ``tp.rank`` holds (None: all of it)."""
     if tp.size == 1:
         return None
@@ -234,11 +243,131 @@ def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([tensor, padding])
 
 
-def _copy_param(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+def _copy_param(
+    model: nn.Module,
+    target: str,
+    tensor: torch.Tensor,
+    name: str,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """Fill parameter ``target`` of ``model`` from ``tensor`` (checkpoint name ``name``), giving
+    it storage first where _allocate deferred it."""
+    param = model.get_parameter(target)
     if param.shape != tensor.shape:
         raise ValueError(
             f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
             f"expected {tuple(param.shape)}"
         )
+    if param.is_meta:
+        kind = dtype if param.is_floating_point() else param.dtype
+        owner, _, leaf = target.rpartition(".")
+        param = nn.Parameter(torch.empty(param.shape, dtype=kind, device=device), False)
+        setattr(model.get_submodule(owner), leaf, param)
     with torch.no_grad():
         param.copy_(tensor)
+
+
+def _expected_parts(target: str) -> int:
+    """How many checkpoint tensors pdserve's parameter ``target`` is fused from."""
+    return 3 if ".qkv_proj." in target else 2 if ".gate_up_proj." in target else 1
+
+
+def _as_linear_tensors(value: object) -> QuantizedLinearTensors:
+    if isinstance(value, QuantizedLinearTensors):
+        return value
+    if isinstance(value, QuantizedWeight):
+        return QuantizedLinearTensors(value, None)
+    raise TypeError(f"not a checkpoint tensor: {type(value).__name__}")
+
+
+def _rank_part(
+    name: str, weight: QuantizedWeight, config: ModelConfig, tp: TensorParallel
+) -> QuantizedWeight:
+    """This rank's part of quantized checkpoint tensor ``name``: rows or whole groups of
+    columns, as ``_rank_slice`` says; the last rank's vocabulary padded with zero rows."""
+    part = _rank_slice(name, config, tp)
+    if part is not None:
+        dim, start, stop = part
+        try:
+            weight = weight.rows(start, stop) if dim == 0 else weight.columns(start, stop)
+        except ValueError as exc:
+            raise ValueError(
+                f"{name} cannot be split over {tp.size} ranks: {exc}; serve it with a "
+                "tensor-parallel size whose slices hold whole groups"
+            ) from exc
+    if name in _VOCAB_ROWS:
+        weight = _pad_quantized_rows(weight, len(tp.vocab_rows(config.vocab_size)))
+    return weight
+
+
+def _pad_quantized_rows(weight: QuantizedWeight, rows: int) -> QuantizedWeight:
+    """``weight`` with rows of zero scales (and offsets) below it up to ``rows``: zero rows."""
+    missing = rows - weight.out_features
+    if missing == 0:
+        return weight
+
+    def padded(tensor: torch.Tensor) -> torch.Tensor:
+        return torch.cat([tensor, tensor.new_zeros((missing, *tensor.shape[1:]))])
+
+    offsets = None if weight.offsets is None else padded(weight.offsets)
+    return QuantizedWeight(
+        weight.kind,
+        padded(weight.codes),
+        padded(weight.scales),
+        offsets,
+        weight.group_size,
+        weight.in_features,
+    )
+
+
+def _install_quantized(
+    model: LlamaForCausalLM,
+    target: str,
+    parts: dict[int, QuantizedLinearTensors],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """Put the quantized layer fused from ``parts`` where parameter ``target``'s module was:
+    a ``QuantizedLinear`` (keeping the module's bias), or for the embedding a
+    ``QuantizedEmbedding``, which a model with tied embeddings also multiplies its output by."""
+    ordered = [parts[i] for i in range(len(parts))]
+    weight = cat_rows([part.weight for part in ordered]).to(device)
+    activations = _shared_activations([part.activations for part in ordered], target)
+    module_name = target.removesuffix(".weight")
+    if module_name == "embed_tokens":
+        first_row = model.tp.vocab_rows(model.config.vocab_size).start
+        model.embed_tokens = QuantizedEmbedding(weight, dtype, model.tp, first_row)
+        if model.config.tie_word_embeddings:
+            model.head = QuantizedLinear(weight, None, None, dtype)
+        return
+    if module_name == "lm_head":
+        model.lm_head = None
+        model.head = QuantizedLinear(weight, None, activations, dtype)
+        return
+    owner, _, leaf = module_name.rpartition(".")
+    old = model.get_submodule(module_name)
+    bias = old.bias if isinstance(old, nn.Linear) and old.bias is not None else None
+    if bias is not None and bias.is_meta:
+        raise ValueError(f"{module_name}: its bias is missing")
+    setattr(model.get_submodule(owner), leaf, QuantizedLinear(weight, bias, activations, dtype))
+
+
+def _shared_activations(
+    parts: list[ActivationQuantization | None], target: str
+) -> ActivationQuantization | None:
+    """How the inputs of a layer fused from ``parts`` are rounded: as each part's, which must
+    agree; static scales of parts that share one input take the largest (as vLLM does)."""
+    first = parts[0]
+    if any((p is None) != (first is None) for p in parts) or any(
+        p is not None and first is not None and (p.kind, p.strategy) != (first.kind, first.strategy)
+        for p in parts
+    ):
+        raise ValueError(
+            f"{target.removesuffix('.weight')}: the layers fused into it round their inputs "
+            "differently"
+        )
+    if first is None or first.strategy != STATIC:
+        return first
+    scale = max(p.static_scale for p in parts if p is not None and p.static_scale is not None)
+    return ActivationQuantization(first.kind, STATIC, scale)

@@ -1,0 +1,106 @@
+"""A checkpoint's tensors, one at a time, whatever it is stored in: Hugging Face safetensors
+(sharded or not), a compressed-tensors checkpoint's quantized layers, or a GGUF file.
+
+Each tensor comes under its Hugging Face name. A dense one comes as a torch tensor, of which
+``slice_of`` may ask only a part (a tensor-parallel rank's rows or columns, read without the
+rest). A quantized linear layer comes whole, as ``QuantizedLinearTensors`` under its weight's
+name, once all of its tensors are read: the loader slices it (``QuantizedWeight.rows`` and
+``columns``), since its scales and codes are sliced together.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from common.config import ModelConfig
+from common.model.quantization import COMPRESSED_TENSORS
+from common.model.quantization.compressed_tensors import (
+    TENSOR_SUFFIXES,
+    CompressedTensorsConfig,
+    QuantizedLinearTensors,
+)
+
+# A rank's part of one checkpoint tensor: (dimension, first index, end) or None for all of it.
+TensorSlice = tuple[int, int, int] | None
+CheckpointValue = torch.Tensor | QuantizedLinearTensors
+
+
+def checkpoint_tensors(
+    config: ModelConfig, method: str | None, slice_of: Callable[[str], TensorSlice]
+) -> Iterator[tuple[str, CheckpointValue]]:
+    """Every weight of ``config``'s checkpoint, stored by quantization ``method`` (None: dense
+    safetensors)."""
+    files = _weight_files(config.path)
+    if method is None:
+        yield from _read_tensors(files, slice_of)
+    elif method == COMPRESSED_TENSORS:
+        yield from _compressed_tensors(config, files, slice_of)
+    else:
+        raise ValueError(f"no reader for {method} checkpoints")
+
+
+def _compressed_tensors(
+    config: ModelConfig, files: list[Path], slice_of: Callable[[str], TensorSlice]
+) -> Iterator[tuple[str, CheckpointValue]]:
+    """Dense tensors as they are read; each quantized layer once all its tensors are."""
+    quantization = CompressedTensorsConfig.from_dict(config.quantization_config)
+    layers: dict[str, dict[str, torch.Tensor]] = {}
+
+    def layer_of(name: str) -> tuple[str, str] | None:
+        layer, _, suffix = name.rpartition(".")
+        if suffix in TENSOR_SUFFIXES and quantization.scheme_for(layer) is not None:
+            return layer, suffix
+        return None
+
+    def dense_slice(name: str) -> TensorSlice:
+        return None if layer_of(name) is not None else slice_of(name)
+
+    for name, tensor in _read_tensors(files, dense_slice):
+        found = layer_of(name)
+        if found is None:
+            yield name, tensor
+        else:
+            layers.setdefault(found[0], {})[found[1]] = tensor
+    for layer, tensors in layers.items():
+        yield f"{layer}.weight", quantization.layer(layer, tensors)
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise ValueError(f"corrupt weight index {index}: {exc}") from exc
+        return sorted({folder / name for name in weight_map.values()})
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {folder}")
+    return files
+
+
+def _read_tensors(
+    files: list[Path], slice_of: Callable[[str], TensorSlice]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of ``files``, or of each the part ``slice_of(name)`` says, read alone."""
+    for path in files:
+        if not path.is_file():
+            raise ValueError(f"weight file {path} is missing")
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    part = slice_of(name)
+                    if part is None:
+                        yield name, handle.get_tensor(name)
+                        continue
+                    dim, start, end = part
+                    lazy = handle.get_slice(name)
+                    index = (slice(None),) * dim + (slice(start, end),)
+                    yield name, lazy[index]
+        except (SafetensorError, OSError, RuntimeError) as exc:
+            raise ValueError(f"corrupt weight file {path}: {exc}") from exc

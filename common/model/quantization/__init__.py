@@ -1,0 +1,41 @@
+"""Quantized checkpoints: which method a model's weights are stored in.
+
+Detected from the checkpoint as vLLM does (its ``quantization_config``), and
+``--quantization`` may name the method it must be: a mismatch is an error, never a guess. A
+method pdserve does not read is refused at load, naming it.
+"""
+
+from __future__ import annotations
+
+from common.config import ModelConfig
+from common.model.quantization.compressed_tensors import METHOD as COMPRESSED_TENSORS
+
+QUANTIZATION_METHODS = (COMPRESSED_TENSORS,)
+
+
+def quantization_method(config: ModelConfig, forced: str | None = None) -> str | None:
+    """The method ``config``'s checkpoint is quantized with, None for 16- or 32-bit weights.
+
+    ``forced``: ``--quantization``'s value, which the checkpoint must hold. Raises
+    ``ValueError`` for a method pdserve does not read or one other than ``forced``."""
+    found: str | None = None
+    if config.quantization_config is not None:
+        raw = config.quantization_config
+        method = raw.get("quant_method") if isinstance(raw, dict) else None
+        if method not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"{config.path}: quantization_config.quant_method {method!r} is not read by "
+                f"pdserve; it reads {', '.join(QUANTIZATION_METHODS)}"
+            )
+        found = method
+    if forced is not None:
+        if forced not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"--quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {forced!r}"
+            )
+        if found != forced:
+            raise ValueError(
+                f"--quantization {forced}: the checkpoint in {config.path} is "
+                f"{found or 'not quantized'}"
+            )
+    return found
