@@ -22,6 +22,7 @@ from torch import nn
 from common.config import ModelConfig
 from common.engine.kv_pool import KVPool
 from common.model.parallel import TensorParallel
+from common.model.quantized_layers import QuantizedEmbedding
 from kernels.cpu.backend import SHORT_QUERY_MAX, CpuAttentionBackend, CpuAttentionPlan
 from kernels.cpu.layer import FusedDecoderLayer
 from kernels.cpu.linear import StepShape
@@ -318,7 +319,7 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp = tp or TensorParallel()
         # The table is built empty: the loader fills it, and nn.Embedding's own normal draw,
         # on the meta device, imports torch._dynamo (seconds of every worker's start-up).
-        self.embed_tokens: nn.Embedding | VocabParallelEmbedding = (
+        self.embed_tokens: nn.Embedding | VocabParallelEmbedding | QuantizedEmbedding = (
             nn.Embedding(
                 config.vocab_size,
                 config.hidden_size,
@@ -457,7 +458,9 @@ class LlamaForCausalLM(nn.Module):
         if self.head is not None:
             logits = self.head(hidden)
         else:
-            head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            # A quantized table always has its head set (the loader's QuantizedLinear).
+            table = cast("nn.Embedding | VocabParallelEmbedding", self.embed_tokens)
+            head = table.weight if self.lm_head is None else self.lm_head.weight
             logits = F.linear(hidden, head)
         if self.tp.size > 1:
             # Each rank scored its rows of the vocabulary; the last one's padding goes.

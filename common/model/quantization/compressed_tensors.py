@@ -303,17 +303,20 @@ def _weight(scheme: LayerScheme, tensors: dict[str, torch.Tensor]) -> QuantizedW
         return QuantizedWeight(FP8_E4M3, stored.view(torch.uint8), scales, None, group, columns)
     if scheme.format == "pack-quantized":
         # Stored unsigned, shifted up by 2^(bits - 1): w = s (u - 2^(bits-1) - z).
-        shift = float(1 << (ws.num_bits - 1))
-        offsets = scales * (shift if zero_points is None else zero_points + shift)
         if ws.num_bits == 4:
-            return QuantizedWeight(UINT4, stored, scales, offsets, group, columns)
+            shift = float(1 << (ws.num_bits - 1))
+            unsigned_offsets = scales * (shift if zero_points is None else zero_points + shift)
+            return QuantizedWeight(UINT4, stored, scales, unsigned_offsets, group, columns)
         codes = (stored.to(torch.int16) - 128).to(torch.int8)
-        offsets = None if zero_points is None else scales * zero_points
-        return QuantizedWeight(INT8, codes, scales, offsets, group, columns)
+        return QuantizedWeight(INT8, codes, scales, _offsets(scales, zero_points), group, columns)
     if stored.dtype != torch.int8:
         raise ValueError(f"weight is {stored.dtype}, not int8")
-    offsets = None if zero_points is None else scales * zero_points
-    return QuantizedWeight(INT8, stored, scales, offsets, group, columns)
+    return QuantizedWeight(INT8, stored, scales, _offsets(scales, zero_points), group, columns)
+
+
+def _offsets(scales: torch.Tensor, zero_points: torch.Tensor | None) -> torch.Tensor | None:
+    """s (q - z) = s q - s z: the offsets of signed codes with zero points."""
+    return None if zero_points is None else scales * zero_points
 
 
 def _group_size(ws: WeightScheme, columns: int) -> int:
