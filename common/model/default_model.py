@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from common.model.gguf_checkpoint import gguf_model_folder
 from common.model.gguf_llama import (
     check_tensor_names,
     hf_tensor_name,
@@ -87,15 +88,25 @@ def ensure_default_model(progress: bool = True, *, force: bool = False) -> Path:
     )
 
 
+def default_gguf_model() -> tuple[Path, Path]:
+    """The default model served from its GGUF as it is: its metadata folder (config, tokenizer;
+    no weights) and the GGUF file its quantized weights are read from."""
+    gguf_path = find_default_gguf()
+    return gguf_model_folder(gguf_path), gguf_path
+
+
 def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
-    """The model folder to serve: the default model for None, else the given Hugging Face folder."""
+    """The model folder to serve: the default model for None, the metadata folder of a .gguf
+    file (``gguf_weights_file`` names the file), else the given Hugging Face folder."""
     if model is None:
         return ensure_default_model()
     path = Path(model).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return gguf_model_folder(path)
     if not path.is_dir():
         raise ValueError(
             f"model folder {str(path)!r} does not exist; pass a Hugging Face model folder, "
-            "or no model to serve the default one"
+            "a .gguf file, or no model to serve the default one"
         )
     if not (path / "config.json").is_file():
         raise ValueError(
