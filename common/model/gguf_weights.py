@@ -23,8 +23,9 @@ interleave scales and codes, which no kernel reads in place).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
-from pathlib import Path
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -44,14 +45,12 @@ from kernels.quantized import INT8, UINT4, QuantizedWeight
 if TYPE_CHECKING:
     from transformers import LlamaConfig
 
-_DENSE_TYPES = {
-    GGMLQuantizationType.F32: torch.float32,
-    GGMLQuantizationType.F16: torch.float16,
-    GGMLQuantizationType.BF16: torch.bfloat16,
-}
+_DENSE_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
 
-def read_gguf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+def read_gguf_weights(
+    path: str | os.PathLike[str],
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """Every tensor of the llama GGUF at `path`, under its Hugging Face name, ``[out, in]``.
 
     F32, F16 and BF16 tensors come as dense tensors of that dtype; the block formats in
@@ -79,7 +78,7 @@ def check_gguf_weights(reader: GGUFReader, config: LlamaConfig) -> None:
         _check_readable(tensor)
 
 
-def supported_types() -> list[str]:
+def _supported_types() -> list[str]:
     """The GGML tensor types ``read_gguf_weights`` reads, by name."""
     return [kind.name for kind in (*_DENSE_TYPES, *_TRANSLATIONS)]
 
@@ -91,7 +90,7 @@ def _check_readable(tensor: ReaderTensor) -> None:
     if kind not in _TRANSLATIONS:
         raise ValueError(
             f"GGUF tensor {tensor.name!r} is of type {kind.name}, which pdserve does not read "
-            f"(it reads {', '.join(supported_types())})"
+            f"(it reads {', '.join(_supported_types())})"
         )
     if tensor.data.ndim != 2:
         raise ValueError(
@@ -126,14 +125,8 @@ def _take_rows(
 ) -> torch.Tensor | QuantizedWeight:
     if isinstance(weight, torch.Tensor):
         return weight[order]
-    return QuantizedWeight(
-        kind=weight.kind,
-        codes=weight.codes[order],
-        scales=weight.scales[order],
-        offsets=None if weight.offsets is None else weight.offsets[order],
-        group_size=weight.group_size,
-        in_features=weight.in_features,
-    )
+    offsets = None if weight.offsets is None else weight.offsets[order]
+    return replace(weight, codes=weight.codes[order], scales=weight.scales[order], offsets=offsets)
 
 
 # --- the block formats -----------------------------------------------------------------------
