@@ -167,6 +167,12 @@ def test_unsupported_type_is_refused_by_name(tmp_path: Path, cache: Path) -> Non
     assert not list((cache / "gguf").glob("q2k-*"))
 
 
+def test_a_quantized_norm_is_refused(tmp_path: Path) -> None:
+    path = write_tiny_llama_gguf(tmp_path / "norm.gguf", T.Q4_K, {"output_norm.weight": T.Q8_0})
+    with pytest.raises(ValueError, match=r"'output_norm\.weight' is a 1-D Q8_0 tensor"):
+        next(read_gguf_weights(path))
+
+
 @pytest.fixture
 def tiny_gguf(tmp_path: Path) -> Path:
     return write_tiny_llama_gguf(tmp_path / "tiny.gguf", T.Q4_K, {"output.weight": T.Q6_K})
