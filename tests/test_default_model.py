@@ -25,6 +25,7 @@ from common.model.default_model import (
     main,
     resolve_model_path,
 )
+from common.model.gguf_llama import unpermute_rope_rows
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MARKER = ".pdserve-converted.json"
@@ -151,7 +152,7 @@ def test_unpermute_inverts_llama_cpp_permutation() -> None:
     permuted = (
         weight.reshape(num_heads, 2, head_dim // 2, cols).swapaxes(1, 2).reshape(weight.shape)
     )
-    np.testing.assert_array_equal(default_model._unpermute_rope_rows(permuted, num_heads), weight)
+    np.testing.assert_array_equal(unpermute_rope_rows(permuted, num_heads), weight)
 
 
 def test_second_call_does_not_reconvert(model_dir: Path, monkeypatch) -> None:
