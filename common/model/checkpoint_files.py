@@ -18,12 +18,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from common.config import ModelConfig
-from common.model.quantization import COMPRESSED_TENSORS
+from common.model.gguf_checkpoint import gguf_weights_file
+from common.model.quantization import COMPRESSED_TENSORS, GGUF
 from common.model.quantization.compressed_tensors import (
     TENSOR_SUFFIXES,
     CompressedTensorsConfig,
     QuantizedLinearTensors,
 )
+from kernels.quantized import QuantizedWeight
 
 # A rank's part of one checkpoint tensor: (dimension, first index, end) or None for all of it.
 TensorSlice = tuple[int, int, int] | None
@@ -35,6 +37,9 @@ def checkpoint_tensors(
 ) -> Iterator[tuple[str, CheckpointValue]]:
     """Every weight of ``config``'s checkpoint, stored by quantization ``method`` (None: dense
     safetensors)."""
+    if method == GGUF:
+        yield from _gguf_tensors(config, slice_of)
+        return
     files = _weight_files(config.path)
     if method is None:
         yield from _read_tensors(files, slice_of)
@@ -42,6 +47,26 @@ def checkpoint_tensors(
         yield from _compressed_tensors(config, files, slice_of)
     else:
         raise ValueError(f"no reader for {method} checkpoints")
+
+
+def _gguf_tensors(
+    config: ModelConfig, slice_of: Callable[[str], TensorSlice]
+) -> Iterator[tuple[str, CheckpointValue]]:
+    """A GGUF file's tensors: quantized ones whole, the rank's part of dense ones."""
+    # Imported here: only GGUF models need the gguf package's reader.
+    from common.model.gguf_weights import read_gguf_weights
+
+    path = gguf_weights_file(config.path)
+    assert path is not None, f"{config.path} names no GGUF file"
+    for name, value in read_gguf_weights(path):
+        if isinstance(value, QuantizedWeight):
+            yield name, QuantizedLinearTensors(value, None)
+            continue
+        part = slice_of(name)
+        if part is not None:
+            dim, start, stop = part
+            value = value.narrow(dim, start, stop - start)
+        yield name, value
 
 
 def _compressed_tensors(

@@ -1,6 +1,7 @@
 """Quantized checkpoints: which method a model's weights are stored in.
 
-Detected from the checkpoint as vLLM does (its ``quantization_config``), and
+Detected from the checkpoint as vLLM does (its ``quantization_config``, or the GGUF file a
+folder's weights are in: ``common/model/gguf_checkpoint.py``), and
 ``--quantization`` may name the method it must be: a mismatch is an error, never a guess. A
 method pdserve does not read is refused at load, naming it.
 """
@@ -8,9 +9,11 @@ method pdserve does not read is refused at load, naming it.
 from __future__ import annotations
 
 from common.config import ModelConfig
+from common.model.gguf_checkpoint import gguf_weights_file
 from common.model.quantization.compressed_tensors import METHOD as COMPRESSED_TENSORS
 
-QUANTIZATION_METHODS = (COMPRESSED_TENSORS,)
+GGUF = "gguf"
+QUANTIZATION_METHODS = (COMPRESSED_TENSORS, GGUF)
 
 
 def quantization_method(config: ModelConfig, forced: str | None = None) -> str | None:
@@ -19,7 +22,9 @@ def quantization_method(config: ModelConfig, forced: str | None = None) -> str |
     ``forced``: ``--quantization``'s value, which the checkpoint must hold. Raises
     ``ValueError`` for a method pdserve does not read or one other than ``forced``."""
     found: str | None = None
-    if config.quantization_config is not None:
+    if gguf_weights_file(config.path) is not None:
+        found = GGUF
+    elif config.quantization_config is not None:
         raw = config.quantization_config
         method = raw.get("quant_method") if isinstance(raw, dict) else None
         if method not in QUANTIZATION_METHODS:

@@ -1,0 +1,97 @@
+"""A GGUF file served as it is: every block type pdserve reads gives, in float32, the greedy
+tokens of ``transformers`` over the same file dequantized by the gguf package itself."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from engines import build_engine
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+from safetensors.torch import save_file
+from tiny_gguf import VOCAB_SIZE, write_tiny_llama_gguf
+from tiny_models import assert_greedy_equal_up_to_near_ties, hf_greedy
+
+from common.config import ModelConfig
+from common.model.default_model import resolve_model_path
+from common.model.gguf_llama import (
+    hf_tensor_name,
+    rope_heads,
+    unpermute_rope_rows,
+    write_hf_metadata,
+)
+from common.model.loader import load_model
+from common.model.quantized_layers import QuantizedEmbedding
+from common.sampling_params import SamplingParams
+from kernels.quantized import QuantizedLinear
+
+NEW_TOKENS = 12
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+# Weight-only formats: the same weights summed in another order part only at last-bit ties.
+TIE = 1e-3
+TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]
+
+
+def _prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(3, VOCAB_SIZE, (n,), generator=generator).tolist() for n in (5, 17, 40)]
+
+
+def _dequantized_folder(gguf_path: Path, folder: Path) -> Path:
+    """``gguf_path``'s model as a float32 Hugging Face folder, every tensor dequantized by the
+    gguf package: the reference pdserve's kernels must agree with."""
+    reader = GGUFReader(gguf_path)
+    folder.mkdir(parents=True)
+    config = write_hf_metadata(reader, folder)
+    tensors = {}
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        weight = dequantize(tensor.data, tensor.tensor_type)
+        heads = rope_heads(name, config)
+        if heads is not None:
+            weight = unpermute_rope_rows(weight, heads)
+        tensors[name] = torch.tensor(weight, dtype=torch.float32)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("kind", TYPES)
+def test_gguf_type_gives_the_greedy_tokens_of_its_dequantized_model(tmp_path, kind, tied):
+    path = write_tiny_llama_gguf(
+        tmp_path / f"{kind}.gguf", GGMLQuantizationType[kind], tied=tied, seed=1
+    )
+    reference = _dequantized_folder(path, tmp_path / "dequantized")
+    prompts = _prompts()
+    expected = hf_greedy(reference, prompts, NEW_TOKENS)
+    engine = build_engine(resolve_model_path(path), max_num_batched_tokens=2048)
+    got = engine.generate(prompts, GREEDY)
+    assert_greedy_equal_up_to_near_ties(reference, prompts, got, expected, TIE)
+    engine.close()
+
+
+def test_gguf_layers_keep_their_blocks(tmp_path):
+    """Q4_K's layers stay 4-bit codes, and the quantized table is looked up (and, tied, is the
+    output projection) without a 16-bit copy of it."""
+    path = write_tiny_llama_gguf(tmp_path / "q4k.gguf", GGMLQuantizationType.Q4_K, tied=True)
+    model = load_model(
+        ModelConfig.from_pretrained(resolve_model_path(path)), torch.float32, torch.device("cpu")
+    )
+    qkv = model.decoder_layers()[0].self_attn.qkv_proj
+    assert isinstance(qkv, QuantizedLinear) and qkv.qweight.kind == "uint4"
+    assert isinstance(model.embed_tokens, QuantizedEmbedding)
+    assert isinstance(model.head, QuantizedLinear)
+    assert model.head.qweight is model.embed_tokens.table
+
+
+def test_quantization_flag_names_gguf(tmp_path):
+    from common.model.quantization import quantization_method
+
+    path = write_tiny_llama_gguf(tmp_path / "q8.gguf", GGMLQuantizationType.Q8_0)
+    config = ModelConfig.from_pretrained(resolve_model_path(path))
+    assert quantization_method(config) == "gguf"
+    assert quantization_method(config, "gguf") == "gguf"
+    with pytest.raises(ValueError, match=r"--quantization compressed-tensors: .* is gguf"):
+        quantization_method(config, "compressed-tensors")
