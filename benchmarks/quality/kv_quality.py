@@ -232,12 +232,13 @@ def measure(
     engines: dict[str, LLMEngine],
     segments: Segments,
     progress: Callable[[int], None] | None = None,
+    reference_name: str = REFERENCE,
 ) -> list[Quality]:
     """Teacher-force ``segments`` through every engine in step and score each against the
-    ``REFERENCE`` one's distributions; the reference itself scores KLD 0 and top-1 100%.
+    ``reference_name`` one's distributions; the reference itself scores KLD 0 and top-1 100%.
     ``progress`` hears how many positions are done after each."""
-    if REFERENCE not in engines:
-        raise ValueError(f"no {REFERENCE!r} engine to compare with")
+    if reference_name not in engines:
+        raise ValueError(f"no {reference_name!r} engine to compare with")
     runners = {name: TeacherForced(engine, segments) for name, engine in engines.items()}
     tallies = {name: Tally() for name in engines}
 
@@ -254,7 +255,7 @@ def measure(
     for done, position in enumerate(segments.decode_positions, 1):
         targets = torch.tensor([tokens[position + 1] for tokens in segments.token_ids])
         logprobs = {name: timed(name, runner.decode, position) for name, runner in runners.items()}
-        reference = logprobs[REFERENCE]
+        reference = logprobs[reference_name]
         assert reference is not None
         for name, tally in tallies.items():
             other = logprobs[name]
@@ -262,7 +263,7 @@ def measure(
             tally.add(reference, other, targets)
         if progress is not None:
             progress(done)
-    reference_ppl = tallies[REFERENCE].perplexity
+    reference_ppl = tallies[reference_name].perplexity
     qualities = []
     for name, tally in tallies.items():
         klds = torch.cat(tally.klds).clamp_min(0.0)  # float64 rounding can dip below zero
