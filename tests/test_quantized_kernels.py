@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from kernels.cpu import library as cpu_library
 from kernels.cpu.library import CpuKernelsUnavailable
-from kernels.cpu.linear import StepShape
+from kernels.cpu.linear import BF16_BLAS, StepShape
 from kernels.cpu.quantized_linear import TILE_MAX_ROWS, CpuQuantizedLinear
 from kernels.quantized import (
     CODE_KINDS,
@@ -41,7 +41,7 @@ TOLERANCE = {
     torch.float32: {"atol": 1e-4, "rtol": 1e-4},
     torch.bfloat16: {"atol": 1e-2, "rtol": 8e-3},
 }
-# Past TILE_MAX_ROWS a bf16 layer multiplies its weight rounded to bf16 (oneDNN's GEMM).
+# Past TILE_MAX_ROWS a bf16 layer on AMX multiplies its weight rounded to bf16 (oneDNN).
 DEQUANTIZED_BF16_TOLERANCE = {"atol": 2e-2, "rtol": 2e-2}
 
 
@@ -168,7 +168,7 @@ def test_many_rows_dequantize_for_torch_gemm_unless_steps_are_short(kind, dtype)
     """Past TILE_MAX_ROWS rows the layer dequantizes and runs torch's GEMM (close to the twin);
     a step of short runs, and a tiles-only layer, keep the tiles' bits at any row count."""
     weight = random_weight(kind, 576, 128, True, seed=5)
-    x = torch.randn(TILE_MAX_ROWS + 40, 576).to(dtype)
+    x = torch.randn(max(TILE_MAX_ROWS.values()) + 40, 576).to(dtype)
     bias = torch.randn(OUT_FEATURES).to(dtype)
     step = StepShape()
     layer = CpuQuantizedLinear(weight, bias, dtype, step)
@@ -179,6 +179,12 @@ def test_many_rows_dequantize_for_torch_gemm_unless_steps_are_short(kind, dtype)
     torch.testing.assert_close(blas.float(), expected, **tolerance)
     dequantized = layer.dequantize_into_scratch()
     torch.testing.assert_close(dequantized, weight.dequantize().to(dtype), atol=0, rtol=0)
+    transposed = layer.dequantize_into_scratch(transposed=True)
+    torch.testing.assert_close(transposed, weight.dequantize().t(), atol=0, rtol=0)
+    if dtype == torch.bfloat16:
+        layer.blas_dtype = BF16_BLAS  # what a processor with AMX runs
+        bf16_blas = layer.forward_dequantized(x)
+        torch.testing.assert_close(bf16_blas.float(), expected, **DEQUANTIZED_BF16_TOLERANCE)
     step.short_runs_only = True
     assert torch.equal(layer(x), tiles)
 

@@ -53,8 +53,8 @@ int pdserve_quantized_linear(const void *x, int64_t x_stride, const uint8_t *pac
                              int64_t y_stride, int io_dtype, int M, int N, int K,
                              int num_threads);
 int pdserve_quantized_dequantize(const uint8_t *packed, int kind, int group_size,
-                                 int has_offsets, void *out, int out_dtype, int N, int K,
-                                 int num_threads);
+                                 int has_offsets, void *out, int out_dtype, int transposed,
+                                 int N, int K, int num_threads);
 void pdserve_store_kv(const void *key, int64_t key_stride, const void *value,
                       int64_t value_stride, void *key_cache, void *value_cache,
                       int64_t page_stride, int64_t token_stride, int64_t head_stride,

@@ -213,7 +213,8 @@ def _declare(library: ctypes.CDLL) -> None:
     library.pdserve_quantized_linear.restype = ctypes.c_int
     library.pdserve_quantized_dequantize.argtypes = [
         ptr, i32, i32, i32,  # packed tiles, code kind, group size, whether there are offsets
-        ptr, i32, i32, i32, i32,  # out [N, K], its dtype, N, K, threads
+        ptr, i32, i32,  # out, its dtype, whether it is [K, N] rather than [N, K]
+        i32, i32, i32,  # N, K, threads
     ]  # fmt: skip
     library.pdserve_quantized_dequantize.restype = ctypes.c_int
     library.pdserve_decoder_layer_scratch_bytes.argtypes = [ptr, i32]

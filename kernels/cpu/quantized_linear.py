@@ -7,12 +7,14 @@ and the tile kernel decodes its codes as it streams them: a decode step reads on
 output is summed in one fixed order whatever the row count, like the bf16 tiles
 (``kernels/cpu/linear.py``), so a sequence's tokens do not depend on the batch.
 
-Prefill chunks are bound by arithmetic, not by the weights' bytes, and there the processor's
-BLAS beats the tiles: past ``TILE_MAX_ROWS`` rows the weight is dequantized into a scratch
-buffer in the model's dtype, shared by every layer, and multiplied by torch's GEMM (oneDNN for
-bf16, MKL for float32). A bf16 model's dequantized weight is rounded to bf16 there, as a bf16
-checkpoint of the same model would be. Decode and verification steps (``short_runs_only``) and
-deterministic inference (``tiles_only``) take the tiles at every row count.
+Prefill chunks are bound by arithmetic, not by the weights' bytes: past ``TILE_MAX_ROWS`` rows
+the weight is dequantized into a scratch buffer shared by every layer and multiplied by torch's
+GEMM. Which one follows what ``kernels/cpu/linear.py``'s probe finds on each kind of processor:
+bf16 (oneDNN) where there is AMX, several times faster than float32 there, the weight then
+rounded to bf16 as a bf16 checkpoint of the model would be; float32 (MKL, over the weight
+transposed, the layout it runs fastest) elsewhere, where oneDNN's bf16 runs at half MKL's speed
+or slower. Decode and verification steps (``short_runs_only``) and deterministic inference
+(``tiles_only``) take the tiles at every row count.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from torch import nn
 
 from kernels.cpu import library as cpu_library
 from kernels.cpu.backend import KV_DTYPE_CODES
-from kernels.cpu.linear import TILE, TILE_DTYPES, StepShape
+from kernels.cpu.features import has_amx_bf16
+from kernels.cpu.linear import BF16_BLAS, FLOAT32_BLAS, TILE, TILE_DTYPES, StepShape
 from kernels.quantized import FP8_E4M3, INT8, UINT4, ActivationQuantization, QuantizedWeight
 from kernels.sizes import ceil_div
 
@@ -34,11 +37,14 @@ KIND_CODES = {INT8: 0, UINT4: 1, FP8_E4M3: 2}
 # The tile kernel decodes an e4m3 code as an fp16 of 1/256 its value (exact); its scale holds
 # the 256.
 FP8_DECODE_SCALE = 256.0
-# Past this many rows a call dequantizes the weight and runs torch's GEMM. On the 2-core
-# AVX-512 Xeon (AVX512_BF16, no AMX), SmolLM2-135M's shapes, bf16 (benchmarks.step.
-# quantized_gemm): at 32 rows the tiles took 0.42-0.65x the time of dequantize + oneDNN, at 512
-# rows 1.6-2.4x.
-TILE_MAX_ROWS = 64
+# Past this many rows a call dequantizes the weight and runs torch's GEMM, by the BLAS it runs.
+# float32 MKL: on the 2-core AVX-512 Xeon (AVX512_BF16, no AMX), one thread, SmolLM2's
+# gate_up (3072 x 576) and down (576 x 1536), int8 in groups of 32 and uint4 in groups of 64:
+# at 256 rows the tiles took 0.78-0.98x the time of dequantizing and MKL, at 512 0.86-1.10x
+# (even), at 128 and fewer 0.78-0.81x. bf16 oneDNN on AMX runs prefill-sized GEMMs 5-8x faster
+# than float32 MKL (kernels/cpu/linear.py), so there the tiles give way where bf16 models' do
+# (unmeasured with quantized weights; the bf16 probe's smallest BLAS row count).
+TILE_MAX_ROWS = {FLOAT32_BLAS: 256, BF16_BLAS: 32}
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,11 +158,14 @@ class CpuQuantizedLinear(nn.Module):
         self.packed = pack_quantized_tiles(weight.to(torch.device("cpu")))
         self.bias32 = None if bias is None else bias.detach().to(torch.float32).contiguous()
         self.bias_in_dtype = None if bias is None else bias.detach().to(dtype).contiguous()
+        bf16_blas = dtype == torch.bfloat16 and has_amx_bf16()
+        self.blas_dtype = BF16_BLAS if bf16_blas else FLOAT32_BLAS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activations is not None:
             x = self.activations.apply(x)
-        if self.tiles_only or self.step.short_runs_only or x.shape[0] <= TILE_MAX_ROWS:
+        short = x.shape[0] <= TILE_MAX_ROWS[self.blas_dtype] or self.step.short_runs_only
+        if self.tiles_only or short:
             return self.forward_tiles(x)
         return self.forward_dequantized(x)
 
@@ -189,11 +198,20 @@ class CpuQuantizedLinear(nn.Module):
     def forward_dequantized(self, x: torch.Tensor) -> torch.Tensor:
         """The weight dequantized into the shared scratch buffer, then torch's GEMM."""
         self._check_input(x)
-        return F.linear(x, self.dequantize_into_scratch(), self.bias_in_dtype)
+        if self.blas_dtype == BF16_BLAS:
+            return F.linear(x, self.dequantize_into_scratch(), self.bias_in_dtype)
+        weight_t = self.dequantize_into_scratch(transposed=True)
+        x32 = x.to(torch.float32)
+        if self.bias32 is None:
+            return torch.mm(x32, weight_t).to(self.dtype)
+        return torch.addmm(self.bias32, x32, weight_t).to(self.dtype)
 
-    def dequantize_into_scratch(self) -> torch.Tensor:
-        """The ``[N, K]`` weight in the model's dtype, over the scratch buffer."""
-        weight = self.scratch.borrow((self.out_features, self.in_features), self.dtype)
+    def dequantize_into_scratch(self, transposed: bool = False) -> torch.Tensor:
+        """The weight over the scratch buffer: ``[N, K]`` in the model's dtype, or
+        (``transposed``) ``[K, N]`` in float32."""
+        shape = (self.in_features, self.out_features) if transposed else self.weight_shape
+        dtype = torch.float32 if transposed else self.dtype
+        weight = self.scratch.borrow(shape, dtype)
         packed = self.packed
         status = cpu_library.load().pdserve_quantized_dequantize(
             packed.tiles.data_ptr(),
@@ -201,7 +219,8 @@ class CpuQuantizedLinear(nn.Module):
             packed.group_size,
             int(packed.has_offsets),
             weight.data_ptr(),
-            KV_DTYPE_CODES[self.dtype],
+            KV_DTYPE_CODES[dtype],
+            int(transposed),
             self.out_features,
             self.in_features,
             torch.get_num_threads(),
@@ -209,6 +228,10 @@ class CpuQuantizedLinear(nn.Module):
         if status != 0:
             raise MemoryError("dequantizing the weight could not allocate its scratch memory")
         return weight
+
+    @property
+    def weight_shape(self) -> tuple[int, int]:
+        return self.out_features, self.in_features
 
     def _check_input(self, x: torch.Tensor) -> None:
         if x.dtype != self.dtype or x.dim() != 2 or x.shape[1] != self.in_features:
@@ -220,7 +243,11 @@ class CpuQuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         packed = self.packed
         offsets = ", offsets" if packed.has_offsets else ""
-        rows = "every row count" if self.tiles_only else f"up to {TILE_MAX_ROWS} rows"
+        rows = (
+            "every row count"
+            if self.tiles_only
+            else f"up to {TILE_MAX_ROWS[self.blas_dtype]} rows, {self.blas_dtype} BLAS beyond"
+        )
         return (
             f"in={self.in_features}, out={self.out_features}, {packed.kind} in groups of "
             f"{packed.group_size}{offsets}, tile GEMMs {rows}"

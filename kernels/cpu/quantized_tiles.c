@@ -187,16 +187,61 @@ static inline __attribute__((always_inline)) void prefetch_stream(const uint8_t 
     _mm_prefetch((const char *)at + PREFETCH_FAR, _MM_HINT_T1);
 }
 
-/* part[r][0..TILE) += x[r][k] * code[k][0..TILE) over k-rows [0, kc), decoding the codes as
- * they are read, for n <= DIRECT_ROWS rows (kind and n constants after inlining, so the sums
- * stay in registers). */
+/* Where a block's partial sums go once it has run: where its group ends (`scales` set), into
+ * the outputs' sums, acc = fma(scale, partial, acc) then acc = fma(-offset, xsum, acc), with
+ * the partial sums still in registers; else (a group longer than a chunk) into `part`, for the
+ * block over the next chunk to go on from. */
+typedef struct {
+    const float *scales;  /* NULL: the group goes on past this block */
+    const float *offsets; /* or NULL */
+    const float *xsum;    /* the first row's sum over the group; the next row's xsum_stride on */
+    int64_t xsum_stride;
+} group_end;
+
+/* The partial sums of n rows: zero where the group starts (`fresh`), else kept in part. */
+static inline __attribute__((always_inline)) void block_begin(vec a[][VECS], const int n,
+                                                              int fresh, const float *part) {
+    for (int r = 0; r < n; r++)
+        for (int v = 0; v < VECS; v++)
+            a[r][v] = fresh ? vec_set1(0.0f) : vec_load(part + r * TILE + v * LANES);
+}
+
+/* The partial sums of n rows scaled into acc, where their group ends. */
+static inline __attribute__((always_inline)) void block_scale(vec a[][VECS], const int n,
+                                                              const group_end *end, float *acc) {
+    for (int r = 0; r < n; r++) {
+        const vec minus_sum = vec_set1(end->offsets ? -end->xsum[r * end->xsum_stride] : 0.0f);
+        for (int v = 0; v < VECS; v++) {
+            vec sum = vec_fma(vec_load(end->scales + v * LANES), a[r][v],
+                              vec_load(acc + r * TILE + v * LANES));
+            if (end->offsets) sum = vec_fma(vec_load(end->offsets + v * LANES), minus_sum, sum);
+            vec_store(acc + r * TILE + v * LANES, sum);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void block_end(vec a[][VECS], const int n,
+                                                            const group_end *end, float *part,
+                                                            float *acc) {
+    if (end->scales) {
+        block_scale(a, n, end, acc);
+        return;
+    }
+    for (int r = 0; r < n; r++)
+        for (int v = 0; v < VECS; v++) vec_store(part + r * TILE + v * LANES, a[r][v]);
+}
+
+/* For n <= DIRECT_ROWS rows, a whole group: the sums of x[r][k] * code[k][0..TILE) over its
+ * k-rows [0, kc), decoding the codes as they are read, scaled into acc (kind and n constants
+ * after inlining, so the sums stay in registers). */
 static inline __attribute__((always_inline)) void direct_block(const float *x, int64_t x_stride,
                                                                const uint8_t *codes,
                                                                const int kind, int kc,
-                                                               const int n, float *part) {
+                                                               const int n,
+                                                               const group_end *end,
+                                                               float *acc) {
     vec a[DIRECT_ROWS][VECS];
-    for (int r = 0; r < n; r++)
-        for (int v = 0; v < VECS; v++) a[r][v] = vec_load(part + r * TILE + v * LANES);
+    block_begin(a, n, 1, NULL);
     for (int k = 0; k < kc; k += STEP(kind)) {
         prefetch_stream(codes + code_bytes(kind, k));
         vec w[2 * VECS];
@@ -208,19 +253,18 @@ static inline __attribute__((always_inline)) void direct_block(const float *x, i
                 for (int v = 0; v < VECS; v++) a[r][v] = vec_fma(xv, w[s * VECS + v], a[r][v]);
             }
     }
-    for (int r = 0; r < n; r++)
-        for (int v = 0; v < VECS; v++) vec_store(part + r * TILE + v * LANES, a[r][v]);
+    block_scale(a, n, end, acc);
 }
 
 #define DIRECT_CASE(code, rows)                                                                \
     case (code) * DIRECT_ROWS + (rows) - 1:                                                    \
-        direct_block(x, x_stride, codes, code, kc, rows, part);                                \
+        direct_block(x, x_stride, codes, code, kc, rows, end, acc);                            \
         break;
 #define DIRECT_KINDS(rows)                                                                     \
     DIRECT_CASE(QUANT_INT8, rows) DIRECT_CASE(QUANT_UINT4, rows) DIRECT_CASE(QUANT_FP8_E4M3, rows)
 
 static void direct_any(const float *x, int64_t x_stride, const uint8_t *codes, int kind, int kc,
-                       int n, float *part) {
+                       int n, const group_end *end, float *acc) {
     switch (kind * DIRECT_ROWS + n - 1) {
         DIRECT_KINDS(1)
         DIRECT_KINDS(2)
@@ -254,14 +298,16 @@ static void decode_chunk(int kind, const uint8_t *codes, int kc, float *wide) {
         decode_kind(QUANT_FP8_E4M3, codes, kc, wide);
 }
 
-/* part[r][0..TILE) += x[r][k] * wide[k][0..TILE) over k-rows [0, kc), for n <= WIDE_ROWS rows
- * (a constant after inlining). */
+/* For n <= WIDE_ROWS rows (a constant after inlining), the sums of x[r][k] * wide[k][0..TILE)
+ * over k-rows [0, kc) of a decoded chunk, going on from part unless the chunk starts its group
+ * (`fresh`), and where it ends its group scaled into acc (see group_end). */
 static inline __attribute__((always_inline)) void wide_block(const float *x, int64_t x_stride,
                                                              const float *wide, int kc,
-                                                             const int n, float *part) {
+                                                             const int n, int fresh,
+                                                             const group_end *end, float *part,
+                                                             float *acc) {
     vec a[WIDE_ROWS][VECS];
-    for (int r = 0; r < n; r++)
-        for (int v = 0; v < VECS; v++) a[r][v] = vec_load(part + r * TILE + v * LANES);
+    block_begin(a, n, fresh, part);
     for (int k = 0; k < kc; k++)
         for (int v = 0; v < VECS; v++) {
             const vec w = vec_load(wide + k * TILE + v * LANES);
@@ -269,17 +315,16 @@ static inline __attribute__((always_inline)) void wide_block(const float *x, int
             for (int r = 0; r < n; r++)
                 a[r][v] = vec_fma(vec_set1(x[r * x_stride + k]), w, a[r][v]);
         }
-    for (int r = 0; r < n; r++)
-        for (int v = 0; v < VECS; v++) vec_store(part + r * TILE + v * LANES, a[r][v]);
+    block_end(a, n, end, part, acc);
 }
 
 #define WIDE_CASE(rows)                                                                        \
     case rows:                                                                                 \
-        wide_block(x, x_stride, wide, kc, rows, part);                                         \
+        wide_block(x, x_stride, wide, kc, rows, fresh, end, part, acc);                        \
         break;
 
 static void wide_any(const float *x, int64_t x_stride, const float *wide, int kc, int n,
-                     float *part) {
+                     int fresh, const group_end *end, float *part, float *acc) {
     switch (n) {
         WIDE_CASE(1) WIDE_CASE(2) WIDE_CASE(3)
 #if WIDE_ROWS > 3
@@ -289,42 +334,45 @@ static void wide_any(const float *x, int64_t x_stride, const float *wide, int kc
 }
 #undef WIDE_CASE
 #else
-/* Portable C: a chunk decoded one code at a time, every row over it. */
+/* Portable C: a chunk decoded one code at a time, then each row over it. */
 #define DIRECT_ROWS 0
 #define WIDE_ROWS 1
+
+typedef struct {
+    const float *scales;
+    const float *offsets;
+    const float *xsum;
+    int64_t xsum_stride;
+} group_end;
 
 static void decode_chunk(int kind, const uint8_t *codes, int kc, float *wide) {
     for (int k = 0; k < kc; k++)
         for (int j = 0; j < TILE; j++) wide[k * TILE + j] = code_value(kind, codes, k, j);
 }
 
+/* One row (n is 1) over a decoded chunk, as the vector paths' wide_block. */
 static void wide_any(const float *x, int64_t x_stride, const float *wide, int kc, int n,
-                     float *part) {
-    (void)x_stride;
-    (void)n;
+                     int fresh, const group_end *end, float *part, float *acc) {
+    (void)x_stride, (void)n;
+    float sums[TILE];
+    for (int j = 0; j < TILE; j++) sums[j] = fresh ? 0.0f : part[j];
     for (int k = 0; k < kc; k++)
-        for (int j = 0; j < TILE; j++) part[j] += x[k] * wide[k * TILE + j];
+        for (int j = 0; j < TILE; j++) sums[j] += x[k] * wide[k * TILE + j];
+    if (!end->scales) {
+        memcpy(part, sums, sizeof sums);
+        return;
+    }
+    for (int j = 0; j < TILE; j++) {
+        acc[j] = fmaf(end->scales[j], sums[j], acc[j]);
+        if (end->offsets) acc[j] = fmaf(end->offsets[j], -end->xsum[0], acc[j]);
+    }
 }
 
 static void direct_any(const float *x, int64_t x_stride, const uint8_t *codes, int kind, int kc,
-                       int n, float *part) {
-    (void)x, (void)x_stride, (void)codes, (void)kind, (void)kc, (void)n, (void)part;
+                       int n, const group_end *end, float *acc) {
+    (void)x, (void)x_stride, (void)codes, (void)kind, (void)kc, (void)n, (void)end, (void)acc;
 }
 #endif
-
-/* acc[r] = fma(scale, part[r], acc[r]), then fma(-offset, xsum[r], .): a group's partial sums
- * scaled into the outputs' sums, for M rows. */
-static void finish_group(const float *scales, const float *offsets, const float *xsum,
-                         int64_t xsum_stride, int M, const float *part, float *acc) {
-    for (int r = 0; r < M; r++) {
-        const float *p = part + (int64_t)r * TILE;
-        float *a = acc + (int64_t)r * TILE;
-        for (int j = 0; j < TILE; j++) a[j] = fmaf(scales[j], p[j], a[j]);
-        if (!offsets) continue;
-        const float minus_sum = -xsum[r * xsum_stride];
-        for (int j = 0; j < TILE; j++) a[j] = fmaf(offsets[j], minus_sum, a[j]);
-    }
-}
 
 /* The shape of a packed weight, as a call reads it. */
 typedef struct {
@@ -351,19 +399,23 @@ static void tile_sums(const quantized_shape *q, const uint8_t *tile, const float
         const float *scales = (const float *)at;
         const float *offsets = q->has_offsets ? scales + TILE : NULL;
         const uint8_t *codes = (const uint8_t *)(scales + header);
-        memset(part, 0, (size_t)M * TILE * sizeof(float));
         if (M <= DIRECT_ROWS) {
-            direct_any(x + k0, x_stride, codes, q->kind, rows, M, part);
+            const group_end end = {scales, offsets, xsum + g, q->groups};
+            direct_any(x + k0, x_stride, codes, q->kind, rows, M, &end, acc);
         } else {
             for (int c0 = 0; c0 < rows; c0 += CHUNK_K) {
                 const int kc = rows - c0 < CHUNK_K ? rows - c0 : CHUNK_K;
+                const int ends = c0 + kc == rows;
                 decode_chunk(q->kind, codes + code_bytes(q->kind, c0), kc, wide);
-                for (int m = 0; m < M; m += WIDE_ROWS)
+                for (int m = 0; m < M; m += WIDE_ROWS) {
+                    const group_end end = {ends ? scales : NULL, offsets,
+                                           xsum + (int64_t)m * q->groups + g, q->groups};
                     wide_any(x + (int64_t)m * x_stride + k0 + c0, x_stride, wide, kc,
-                             M - m < WIDE_ROWS ? M - m : WIDE_ROWS, part + (int64_t)m * TILE);
+                             M - m < WIDE_ROWS ? M - m : WIDE_ROWS, c0 == 0, &end,
+                             part + (int64_t)m * TILE, acc + (int64_t)m * TILE);
+                }
             }
         }
-        finish_group(scales, offsets, xsum + g, q->groups, M, part, acc);
         at = codes + code_bytes(q->kind, rows);
     }
 }
@@ -452,9 +504,11 @@ int pdserve_quantized_linear(const void *x, int64_t x_stride, const uint8_t *pac
     return failed ? -1 : 0;
 }
 
+/* out: the [N, K] weight (or, transposed, [K, N]) in float32 or bf16 (out_dtype), each weight
+ * scale * code - offset in float32, rounded once. */
 int pdserve_quantized_dequantize(const uint8_t *packed, int kind, int group_size,
-                                 int has_offsets, void *out, int out_dtype, int N, int K,
-                                 int num_threads) {
+                                 int has_offsets, void *out, int out_dtype, int transposed,
+                                 int N, int K, int num_threads) {
     if (!valid_shape(kind, group_size, 0, N, K) || (out_dtype != KV_F32 && out_dtype != KV_BF16))
         return -2;
     const int groups = (K + group_size - 1) / group_size;
@@ -485,11 +539,13 @@ int pdserve_quantized_dequantize(const uint8_t *packed, int kind, int group_size
                 for (int c0 = 0; c0 < rows; c0 += CHUNK_K) {
                     const int kc = rows - c0 < CHUNK_K ? rows - c0 : CHUNK_K;
                     decode_chunk(kind, codes + code_bytes(kind, c0), kc, wide);
-                    for (int j = 0; j < width; j++)
-                        for (int k = 0; k < kc && k0 + c0 + k < K; k++) {
+                    for (int k = 0; k < kc && k0 + c0 + k < K; k++)
+                        for (int j = 0; j < width; j++) {
                             const float w = scales[j] * wide[k * TILE + j] -
                                             (offsets ? offsets[j] : 0.0f);
-                            const int64_t at_out = (int64_t)(n0 + j) * K + k0 + c0 + k;
+                            const int64_t at_out =
+                                transposed ? (int64_t)(k0 + c0 + k) * N + n0 + j
+                                           : (int64_t)(n0 + j) * K + k0 + c0 + k;
                             if (out_dtype == KV_F32)
                                 ((float *)out)[at_out] = w;
                             else
