@@ -15,7 +15,7 @@ Printed per (format, rows): milliseconds per pass, the ratio to bf16's, and the 
 read)::
 
     format               rows   ms/pass   vs bf16   floor ms   MB read
-    bf16                    1     20.13     1.00x      16.92     269.7
+    bf16                    1     18.05     1.00x      17.91     269.0
 
     python -m benchmarks.step.quantized_gemm [--rows 1,8,32,512] [--layers 30] [--repeats 5]
         [--threads N]
