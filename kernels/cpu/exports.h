@@ -43,6 +43,18 @@ int pdserve_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *pac
                         int num_threads);
 int pdserve_linear_f32(const float *x, int64_t x_stride, const float *packed, const float *bias,
                        float *y, int64_t y_stride, int M, int N, int K, int num_threads);
+/* Quantized weights in tiles (quantized_tiles.c): the kind of their codes, as
+ * kernels/cpu/quantized_linear.py's KIND_CODES mirrors them. */
+enum quantized_code { QUANT_INT8 = 0, QUANT_UINT4 = 1, QUANT_FP8_E4M3 = 2 };
+
+int pdserve_quantized_tile_bytes(int kind, int group_size, int has_offsets, int K);
+int pdserve_quantized_linear(const void *x, int64_t x_stride, const uint8_t *packed, int kind,
+                             int group_size, int has_offsets, const float *bias, void *y,
+                             int64_t y_stride, int io_dtype, int M, int N, int K,
+                             int num_threads);
+int pdserve_quantized_dequantize(const uint8_t *packed, int kind, int group_size,
+                                 int has_offsets, void *out, int out_dtype, int transposed,
+                                 int N, int K, int num_threads);
 void pdserve_store_kv(const void *key, int64_t key_stride, const void *value,
                       int64_t value_stride, void *key_cache, void *value_cache,
                       int64_t page_stride, int64_t token_stride, int64_t head_stride,

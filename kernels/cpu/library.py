@@ -202,6 +202,21 @@ def _declare(library: ctypes.CDLL) -> None:
     library.pdserve_linear_bf16.restype = ctypes.c_int
     library.pdserve_linear_f32.argtypes = library.pdserve_linear_bf16.argtypes
     library.pdserve_linear_f32.restype = ctypes.c_int
+    library.pdserve_quantized_tile_bytes.argtypes = [i32, i32, i32, i32]
+    library.pdserve_quantized_tile_bytes.restype = ctypes.c_int
+    library.pdserve_quantized_linear.argtypes = [
+        ptr, i64, ptr, i32,  # x, its row stride, packed tiles, code kind
+        i32, i32, ptr,  # group size, whether there are offsets, bias
+        ptr, i64, i32,  # y, its row stride, the dtype of x and y
+        i32, i32, i32, i32,  # M, N, K, threads
+    ]  # fmt: skip
+    library.pdserve_quantized_linear.restype = ctypes.c_int
+    library.pdserve_quantized_dequantize.argtypes = [
+        ptr, i32, i32, i32,  # packed tiles, code kind, group size, whether there are offsets
+        ptr, i32, i32,  # out, its dtype, whether it is [K, N] rather than [N, K]
+        i32, i32, i32,  # N, K, threads
+    ]  # fmt: skip
+    library.pdserve_quantized_dequantize.restype = ctypes.c_int
     library.pdserve_decoder_layer_scratch_bytes.argtypes = [ptr, i32]
     library.pdserve_decoder_layer_scratch_bytes.restype = i64
     library.pdserve_decoder_layer_bf16.argtypes = [

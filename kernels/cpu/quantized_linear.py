@@ -1,0 +1,254 @@
+"""Linear layers over quantized weights on the CPU: int8, 4-bit and FP8 codes read as they are.
+
+A ``QuantizedWeight`` (``kernels/quantized.py``) is prepacked once into tiles of 32 output
+columns (``pack_quantized_tiles``; the layout is described in ``kernels/cpu/quantized_tiles.c``),
+and the tile kernel decodes its codes as it streams them: a decode step reads one byte a weight
+(half of one for 4-bit codes) where a bf16 model reads two, and memory is what bounds it. Each
+output is summed in one fixed order whatever the row count, like the bf16 tiles
+(``kernels/cpu/linear.py``), so a sequence's tokens do not depend on the batch.
+
+Prefill chunks are bound by arithmetic, not by the weights' bytes: past ``TILE_MAX_ROWS`` rows
+the weight is dequantized into a scratch buffer shared by every layer and multiplied by torch's
+GEMM. Which one follows what ``kernels/cpu/linear.py``'s probe finds on each kind of processor:
+bf16 (oneDNN) where there is AMX, several times faster than float32 there, the weight then
+rounded to bf16 as a bf16 checkpoint of the model would be; float32 (MKL, over the weight
+transposed, the layout it runs fastest) elsewhere, where oneDNN's bf16 runs at half MKL's speed
+or slower. Decode and verification steps (``short_runs_only``) and deterministic inference
+(``tiles_only``) take the tiles at every row count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.cpu import library as cpu_library
+from kernels.cpu.backend import KV_DTYPE_CODES
+from kernels.cpu.features import has_amx_bf16
+from kernels.cpu.linear import BF16_BLAS, FLOAT32_BLAS, TILE, TILE_DTYPES, StepShape
+from kernels.quantized import FP8_E4M3, INT8, UINT4, ActivationQuantization, QuantizedWeight
+from kernels.sizes import ceil_div
+
+# exports.h's quantized_code.
+KIND_CODES = {INT8: 0, UINT4: 1, FP8_E4M3: 2}
+# The tile kernel decodes an e4m3 code as an fp16 of 1/256 its value (exact); its scale holds
+# the 256.
+FP8_DECODE_SCALE = 256.0
+# Past this many rows a call dequantizes the weight and runs torch's GEMM, by the BLAS it runs.
+# float32 MKL: on the 2-core AVX-512 Xeon (AVX512_BF16, no AMX), one thread, SmolLM2's
+# gate_up (3072 x 576) and down (576 x 1536), int8 in groups of 32 and uint4 in groups of 64:
+# at 256 rows the tiles took 0.78-0.98x the time of dequantizing and MKL, at 512 0.86-1.10x
+# (even), at 128 and fewer 0.78-0.81x. bf16 oneDNN on AMX runs prefill-sized GEMMs 5-8x faster
+# than float32 MKL (kernels/cpu/linear.py), so there the tiles give way where bf16 models' do
+# (unmeasured with quantized weights; the bf16 probe's smallest BLAS row count).
+TILE_MAX_ROWS = {FLOAT32_BLAS: 256, BF16_BLAS: 32}
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedTiles:
+    """A ``QuantizedWeight`` as the tile kernel reads it: ``tiles`` uint8 ``[ceil(N / 32),
+    tile_bytes]``, each row one tile's groups in order (scales, offsets, codes)."""
+
+    tiles: torch.Tensor
+    kind: str
+    group_size: int
+    has_offsets: bool
+    out_features: int
+    in_features: int
+
+
+def pack_quantized_tiles(weight: QuantizedWeight) -> QuantizedTiles:
+    """``weight`` in tiles of 32 output columns (see ``kernels/cpu/quantized_tiles.c``): per
+    tile and group, the scales and offsets of its 32 columns, then its codes k-major; columns
+    past N hold zero codes and scales."""
+    if weight.kind == UINT4 and weight.group_size % 2:
+        raise ValueError(
+            f"4-bit codes pair two input columns in a byte; a group of {weight.group_size} "
+            "would split a pair"
+        )
+    out_features, in_features = weight.shape
+    num_tiles = ceil_div(out_features, TILE)
+    pad_n = num_tiles * TILE - out_features
+    values = weight.codes.view(torch.uint8)
+    if weight.kind == UINT4:
+        # [N, ceil(K / 2)] -> [N, K_pad] of nibbles, K_pad even.
+        values = torch.stack((values & 0x0F, values >> 4), dim=-1).flatten(1)
+    # [N, K_pad] -> [tiles, K_pad, 32]: each tile's k-rows of 32 columns.
+    tiles = F.pad(values, (0, 0, 0, pad_n)).view(num_tiles, TILE, -1).transpose(1, 2)
+    if weight.kind == UINT4:
+        tiles = tiles[:, 0::2] | (tiles[:, 1::2] << 4)
+    scales = weight.scales * (FP8_DECODE_SCALE if weight.kind == FP8_E4M3 else 1.0)
+    columns = [scales] if weight.offsets is None else [scales, weight.offsets]
+    # [N, groups] -> [tiles, groups, 32 * len(columns)] as bytes: each group's header.
+    headers = torch.cat(
+        [
+            F.pad(part, (0, 0, 0, pad_n)).view(num_tiles, TILE, -1).transpose(1, 2)
+            for part in columns
+        ],
+        dim=2,
+    )
+    headers = headers.contiguous().view(torch.uint8)
+    code_rows = weight.group_size // 2 if weight.kind == UINT4 else weight.group_size
+    groups = headers.shape[1]
+    blocks = []
+    for group in range(groups):
+        codes = tiles[:, group * code_rows : (group + 1) * code_rows].reshape(num_tiles, -1)
+        blocks += [headers[:, group], codes]
+    packed = torch.cat(blocks, dim=1).contiguous()
+    expected = cpu_library.load().pdserve_quantized_tile_bytes(
+        KIND_CODES[weight.kind], weight.group_size, int(weight.offsets is not None), in_features
+    )
+    assert packed.shape[1] == expected, (packed.shape, expected)
+    return QuantizedTiles(
+        tiles=packed,
+        kind=weight.kind,
+        group_size=weight.group_size,
+        has_offsets=weight.offsets is not None,
+        out_features=out_features,
+        in_features=in_features,
+    )
+
+
+class WeightScratch:
+    """One buffer that dequantized weights borrow in turn (layers run one at a time), grown to
+    the largest asked for: a prefill step needs one layer's weight in the model's dtype at a
+    time, not the whole model's."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[torch.dtype, torch.Tensor] = {}
+
+    def borrow(self, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+        """A ``shape`` tensor of ``dtype`` over the buffer, valid until the next ``borrow``."""
+        count = shape[0] * shape[1]
+        buffer = self.buffers.get(dtype)
+        if buffer is None or buffer.numel() < count:
+            buffer = self.buffers[dtype] = torch.empty(count, dtype=dtype)
+        return buffer[:count].view(shape)
+
+
+SHARED_SCRATCH = WeightScratch()
+
+
+class CpuQuantizedLinear(nn.Module):
+    """``y = x W^T + b`` in the model's dtype (bf16 or float32) over a quantized ``W``, the
+    input first rounded as the checkpoint's activations are (``activations``), if they are."""
+
+    def __init__(
+        self,
+        weight: QuantizedWeight,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        step: StepShape | None = None,
+        activations: ActivationQuantization | None = None,
+        tiles_only: bool = False,
+        scratch: WeightScratch = SHARED_SCRATCH,
+    ) -> None:
+        super().__init__()
+        if dtype not in TILE_DTYPES:
+            raise ValueError(f"quantized linear layers run in bf16 or float32, not {dtype}")
+        self.out_features, self.in_features = weight.shape
+        self.dtype = dtype
+        self.step = step or StepShape()
+        self.activations = activations
+        self.tiles_only = tiles_only
+        self.scratch = scratch
+        self.packed = pack_quantized_tiles(weight.to(torch.device("cpu")))
+        self.bias32 = None if bias is None else bias.detach().to(torch.float32).contiguous()
+        self.bias_in_dtype = None if bias is None else bias.detach().to(dtype).contiguous()
+        bf16_blas = dtype == torch.bfloat16 and has_amx_bf16()
+        self.blas_dtype = BF16_BLAS if bf16_blas else FLOAT32_BLAS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activations is not None:
+            x = self.activations.apply(x)
+        short = x.shape[0] <= TILE_MAX_ROWS[self.blas_dtype] or self.step.short_runs_only
+        if self.tiles_only or short:
+            return self.forward_tiles(x)
+        return self.forward_dequantized(x)
+
+    def forward_tiles(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        out = torch.empty((x.shape[0], self.out_features), dtype=self.dtype)
+        packed = self.packed
+        status = cpu_library.load().pdserve_quantized_linear(
+            x.data_ptr(),
+            x.stride(0),
+            packed.tiles.data_ptr(),
+            KIND_CODES[packed.kind],
+            packed.group_size,
+            int(packed.has_offsets),
+            None if self.bias32 is None else self.bias32.data_ptr(),
+            out.data_ptr(),
+            out.stride(0),
+            KV_DTYPE_CODES[self.dtype],
+            x.shape[0],
+            self.out_features,
+            self.in_features,
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise MemoryError("the quantized tile GEMM could not allocate its scratch memory")
+        return out
+
+    def forward_dequantized(self, x: torch.Tensor) -> torch.Tensor:
+        """The weight dequantized into the shared scratch buffer, then torch's GEMM."""
+        self._check_input(x)
+        if self.blas_dtype == BF16_BLAS:
+            return F.linear(x, self.dequantize_into_scratch(), self.bias_in_dtype)
+        weight_t = self.dequantize_into_scratch(transposed=True)
+        x32 = x.to(torch.float32)
+        if self.bias32 is None:
+            return torch.mm(x32, weight_t).to(self.dtype)
+        return torch.addmm(self.bias32, x32, weight_t).to(self.dtype)
+
+    def dequantize_into_scratch(self, transposed: bool = False) -> torch.Tensor:
+        """The weight over the scratch buffer: ``[N, K]`` in the model's dtype, or
+        (``transposed``) ``[K, N]`` in float32."""
+        shape = (self.in_features, self.out_features) if transposed else self.weight_shape
+        dtype = torch.float32 if transposed else self.dtype
+        weight = self.scratch.borrow(shape, dtype)
+        packed = self.packed
+        status = cpu_library.load().pdserve_quantized_dequantize(
+            packed.tiles.data_ptr(),
+            KIND_CODES[packed.kind],
+            packed.group_size,
+            int(packed.has_offsets),
+            weight.data_ptr(),
+            KV_DTYPE_CODES[dtype],
+            int(transposed),
+            self.out_features,
+            self.in_features,
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise MemoryError("dequantizing the weight could not allocate its scratch memory")
+        return weight
+
+    @property
+    def weight_shape(self) -> tuple[int, int]:
+        return self.out_features, self.in_features
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        if x.dtype != self.dtype or x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(
+                f"this layer takes {self.dtype} [rows, {self.in_features}], got {x.dtype} "
+                f"{tuple(x.shape)}"
+            )
+
+    def extra_repr(self) -> str:
+        packed = self.packed
+        offsets = ", offsets" if packed.has_offsets else ""
+        rows = (
+            "every row count"
+            if self.tiles_only
+            else f"up to {TILE_MAX_ROWS[self.blas_dtype]} rows, {self.blas_dtype} BLAS beyond"
+        )
+        return (
+            f"in={self.in_features}, out={self.out_features}, {packed.kind} in groups of "
+            f"{packed.group_size}{offsets}, tile GEMMs {rows}"
+        )
