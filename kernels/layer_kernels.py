@@ -17,8 +17,17 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from kernels.cpu.linear import BOTH, CpuLinear, GemmPlan, StepShape, choose_gemm_plan, probe_plan
+from kernels.cpu.linear import (
+    BOTH,
+    TILE_DTYPES,
+    CpuLinear,
+    GemmPlan,
+    StepShape,
+    choose_gemm_plan,
+    probe_plan,
+)
 from kernels.cpu.ops import CpuRMSNorm, CpuRotaryApply, CpuSiluAndMul, cpu_ops_apply
+from kernels.cpu.quantized_linear import CpuQuantizedLinear
 from kernels.quantized import QuantizedLinear, RoundedInputs
 from kernels.triton.elementwise import CudaRotaryApply, CudaSiluAndMul
 from kernels.triton.invariant import InvariantLinear, InvariantRMSNorm
@@ -69,6 +78,8 @@ class CpuKernels(LayerKernels):
         self, dtype: torch.dtype, num_params: int, head_dim: int, deterministic: bool = False
     ) -> None:
         self.plan = probe_plan(dtype, num_params, deterministic)
+        self.dtype = dtype
+        self.deterministic = deterministic
         self.step_shape = StepShape()
         self.elementwise = cpu_ops_apply(dtype, head_dim)
 
@@ -85,6 +96,20 @@ class CpuKernels(LayerKernels):
 
     def linear(self, weight, bias) -> nn.Module:
         return CpuLinear(weight, bias, self.plan, self.step_shape)
+
+    def quantized_linear(self, linear: QuantizedLinear) -> nn.Module | None:
+        """The C kernels over the codes as they are (``kernels/cpu/quantized_tiles.c``); a
+        model in neither bf16 nor float32 keeps the torch twin."""
+        if self.dtype not in TILE_DTYPES:
+            return None
+        return CpuQuantizedLinear(
+            linear.qweight,
+            linear.bias,
+            self.dtype,
+            self.step_shape,
+            linear.activations,
+            tiles_only=self.deterministic,
+        )
 
     def norm(self, weight, eps) -> nn.Module | None:
         return CpuRMSNorm(weight, eps) if self.elementwise else None

@@ -23,6 +23,7 @@ from common.engine.llm_engine import LLMEngine
 from common.model.loader import load_model
 from common.model.quantization.writer import SCHEMES, write_compressed_tensors
 from common.sampling_params import SamplingParams
+from kernels.cpu.quantized_linear import CpuQuantizedLinear
 from kernels.quantized import QuantizedLinear
 
 NEW_TOKENS = 16
@@ -119,8 +120,9 @@ def test_scheme_gives_the_greedy_tokens_of_transformers(base_model, tmp_path_fac
         )
     expected = hf_greedy(reference_folder, prompts, NEW_TOKENS)
     engine = build_engine(folder, max_num_batched_tokens=2048)
-    linears = [m for m in engine.model.modules() if isinstance(m, QuantizedLinear)]
-    assert linears == [] or all(m.qweight.codes.element_size() == 1 for m in linears)
+    # Every decoder layer's linears run the C kernels over the codes.
+    kernels = [m for m in engine.model.modules() if isinstance(m, CpuQuantizedLinear)]
+    assert len(kernels) == 4 * len(engine.model.decoder_layers())
     got = engine.generate(prompts, GREEDY)
     tie = WEIGHT_ONLY_TIE if SCHEMES[scheme].inputs is None else ROUNDED_INPUTS_TIE
     assert_greedy_equal_up_to_near_ties(reference_folder, prompts, got, expected, tie)
