@@ -15,6 +15,11 @@ column per engine, e.g. (SmolLM2 on a shared 2-core box)::
         [--baseline]   # also the plain torch path (--enforce-eager, torch attention), same run
         [--kv-cache-dtypes auto,int8,fp8]   # a column per KV page format, same run
         [--bf16-tiles fma,dpbf16]   # a column per other bf16 tile kernel, same run
+        [--weights W8A16,W4A16,FP8_DYNAMIC,GGUF_Q4_1]   # a column per quantized format
+
+With ``--weights``, each format is the default model quantized here (``pdserve quantize``,
+groups of 64; ``GGUF_Q4_1``: its own GGUF file, served as it is), and each decode step is shown
+beside its own floor: the bytes of its own weights (codes, scales, offsets) read once.
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ import argparse
 import contextlib
 import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -31,11 +38,17 @@ import torch.nn.functional as F
 from benchmarks.harness import add_core_argument, memory_read_seconds, pin_to_cores, random_prompts
 from common.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.engine.llm_engine import LLMEngine
+from common.model.quantization.writer import write_compressed_tensors
 from common.sampling_params import SamplingParams
 from kernels.cpu import library as cpu_library
 from kernels.cpu.linear import onednn_reorders_bf16
+from kernels.cpu.quantized_linear import CpuQuantizedLinear
 from kernels.registry import ENV_VAR as ENV_BACKEND
 from kernels.timing import best_seconds
+
+GGUF_Q4_1 = "GGUF_Q4_1"
+# Groups of the grouped formats: 64 divides SmolLM2's 576 and 1536 columns.
+GROUP_SIZE = 64
 
 
 def bare_gemm_seconds(engine: LLMEngine, rows: int, dtype: torch.dtype, repeats: int) -> float:
@@ -56,15 +69,55 @@ def bare_gemm_seconds(engine: LLMEngine, rows: int, dtype: torch.dtype, repeats:
 
 
 def model_weight_bytes(engine: LLMEngine) -> int:
-    """Bytes of the model's weights in its own dtype: decoder layers, final norm, head."""
+    """Bytes a decode step reads of the model's weights: every decoder layer's linears and the
+    head, each in the form it is kept (16-bit, or quantized codes with their scales)."""
+    model = engine.model
+    linears = [
+        module
+        for layer in model.decoder_layers()
+        for module in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        )
+    ]
     config = engine.model_config
-    per_layer = sum(out * inp for out, inp in engine.model.linear_shapes())
-    params = config.num_layers * per_layer + config.vocab_size * config.hidden_size
-    return params * engine.dtype.itemsize
+    head_bytes = config.vocab_size * config.hidden_size * engine.dtype.itemsize
+    if isinstance(model.head, CpuQuantizedLinear):
+        head_bytes = model.head.packed.tiles.nbytes
+    return head_bytes + sum(_linear_bytes(module, engine.dtype) for module in linears)
+
+
+def _linear_bytes(module: torch.nn.Module, dtype: torch.dtype) -> int:
+    if isinstance(module, CpuQuantizedLinear):
+        return module.packed.tiles.nbytes
+    out_features, in_features = int(module.out_features), int(module.in_features)
+    return out_features * in_features * dtype.itemsize
+
+
+def quantized_models(formats: list[str], base: str | None, scratch: Path) -> dict[str, str]:
+    """A model folder for each of ``formats`` (``writer.SCHEMES`` or ``GGUF_Q4_1``)."""
+    from common.model.default_model import default_gguf_model, resolve_model_path
+
+    folders = {}
+    for name in formats:
+        if name == GGUF_Q4_1:
+            folders[name] = str(default_gguf_model()[0])
+        else:
+            source = resolve_model_path(base)
+            target = scratch / name
+            folders[name] = str(write_compressed_tensors(source, target, name, GROUP_SIZE))
+    return folders
 
 
 def make_engine(
-    args, max_batched: int, max_model_len: int, eager: bool = False, kv_cache_dtype: str = "auto"
+    args,
+    max_batched: int,
+    max_model_len: int,
+    eager: bool = False,
+    kv_cache_dtype: str = "auto",
+    model: str | None = None,
 ) -> LLMEngine:
     """The engine as workers run it, or (``eager``) the plain torch path: torch modules and
     the torch reference attention."""
@@ -74,7 +127,7 @@ def make_engine(
     try:
         return LLMEngine(
             EngineConfig(
-                model=args.model,
+                model=model or args.model,
                 dtype=args.dtype,
                 cache=CacheConfig(
                     kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=kv_cache_dtype
@@ -150,8 +203,15 @@ def main() -> None:
         help="comma-separated bf16 tile kernels (fma, dpbf16, amx) beside this machine's own, "
         "a column each",
     )
+    parser.add_argument(
+        "--weights",
+        default="",
+        help="comma-separated quantized formats of the model (W8A16, W4A16, FP8_DYNAMIC, ..., "
+        "GGUF_Q4_1), a column each",
+    )
     args = parser.parse_args()
     pin_to_cores({args.core})
+    scratch = tempfile.TemporaryDirectory()
     torch.manual_seed(0)
 
     kv_dtypes = args.kv_cache_dtypes.split(",")
@@ -171,6 +231,10 @@ def main() -> None:
     if args.baseline:
         engines["plain torch"] = make_engine(args, 2048, 2048, eager=True)
         kernels_of["plain torch"] = contextlib.nullcontext
+    formats = [name for name in args.weights.split(",") if name]
+    for name, folder in quantized_models(formats, args.model, Path(scratch.name)).items():
+        engines[name] = make_engine(args, 2048, 2048, model=folder)
+        kernels_of[name] = contextlib.nullcontext
 
     def timed(name: str, measure, *measure_args) -> float:
         with kernels_of[name]():
@@ -182,6 +246,10 @@ def main() -> None:
     print(f"bf16 tiles: {cpu_library.bf16_tiles()} (this machine's own)")
     print(f"weights {weight_bytes / 1e6:.0f} MB")
     names = list(engines)
+    # Each column's floor scales the first one's by the bytes its own weights take.
+    bytes_of = {name: model_weight_bytes(engines[name]) for name in names}
+    for name in formats:
+        print(f"weights {name}: {bytes_of[name] / 1e6:.0f} MB")
     # The floor is read again beside every case and the fastest read of the run is the floor:
     # a shared machine's memory speed drifts over minutes, and one early reading can sit in a
     # slow (or fast) spell that the decode cases do not.
@@ -202,7 +270,10 @@ def main() -> None:
     print()
     print("decode step      " + "".join(f"{name:>24s}" for name in names))
     for (batch, context), times in steps.items():
-        cells = [f"{seconds * 1e3:8.2f} ms ({seconds / floor:5.2f}x)" for seconds in times]
+        cells = [
+            f"{seconds * 1e3:8.2f} ms ({seconds / (floor * bytes_of[name] / weight_bytes):5.2f}x)"
+            for name, seconds in zip(names, times, strict=True)
+        ]
         print(f"batch {batch:2d} ctx {context:4d}" + "".join(f"{c:>24s}" for c in cells))
     # Where oneDNN has no bf16 path (an AVX2 core), torch's bf16 GEMM is emulated, several times
     # slower than float32: no floor, and its 2048 rows would take minutes. Its column says so.
@@ -233,6 +304,18 @@ def main() -> None:
                 + f"   {fp32:14.0f}"
             )
     print("\n(x): decode step over its floor; (%): prefill over the faster bare GEMM")
+    if formats:
+        print()
+        print("quantized formats against the first column (decode step, prefill tokens/s)")
+        first = names[0]
+        for (batch, context), times in steps.items():
+            ratios = "  ".join(
+                f"{name} {seconds / times[0]:.2f}x"
+                for name, seconds in zip(names, times, strict=True)
+                if name in formats
+            )
+            print(f"batch {batch:2d} ctx {context:4d}  {ratios}   (step time over {first}'s)")
+    scratch.cleanup()
 
 
 if __name__ == "__main__":
