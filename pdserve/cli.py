@@ -10,6 +10,10 @@ import sys
 SUBCOMMANDS = {
     "generate": ("common.engine.generate", "generate a completion in one process"),
     "convert": ("common.model.default_model", "convert the bundled default model"),
+    "quantize": (
+        "common.model.quantization.writer",
+        "write a model as a compressed-tensors checkpoint (FP8, int8, 4-bit)",
+    ),
     "prefill": ("prefill_worker.worker", "run a prefill worker"),
     "decode": ("decode_worker.worker", "run a decode worker"),
     "router": ("router.server", "run the OpenAI-compatible router"),

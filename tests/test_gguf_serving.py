@@ -95,3 +95,14 @@ def test_quantization_flag_names_gguf(tmp_path):
     assert quantization_method(config, "gguf") == "gguf"
     with pytest.raises(ValueError, match=r"--quantization compressed-tensors: .* is gguf"):
         quantization_method(config, "compressed-tensors")
+
+
+def test_a_bf16_gguf_engine_plans_its_pool(tmp_path):
+    """In bf16 every tensor of a GGUF model may be held by the C kernels' modules (none a
+    parameter): the pool is still planned from its memory and the engine serves."""
+    path = write_tiny_llama_gguf(tmp_path / "q4_1.gguf", GGMLQuantizationType.Q4_1, tied=True)
+    engine = build_engine(
+        resolve_model_path(path), dtype="bfloat16", num_pages=None, kv_cache_memory=16 << 20
+    )
+    assert len(engine.generate(_prompts(), GREEDY)[0]) == NEW_TOKENS
+    engine.close()

@@ -45,7 +45,7 @@ def warm_up(
     token over them (the model stays bound to the pool: bind the real pool afterwards). Both
     run with ``backend`` launching every variant of its kernels, so that on a GPU each is
     compiled here: a prefill worker decodes too, a lone token over a cached prompt."""
-    device = next(model.parameters()).device
+    device = model.device
     num_pages = ceil_div(num_tokens, layout.page_size)
     pool = KVPool(layout, num_pages, device)
     model.bind_kv(pool, backend)

@@ -1,7 +1,8 @@
 """A checkpoint's tensors, one at a time, whatever it is stored in: Hugging Face safetensors
 (sharded or not), a compressed-tensors checkpoint's quantized layers, or a GGUF file.
 
-Each tensor comes under its Hugging Face name. A dense one comes as a torch tensor, of which
+Each tensor comes under its Hugging Face name (GPTQ and AWQ layers too: their packed tensors
+read by ``common/model/quantization/gptq_awq.py``). A dense one comes as a torch tensor, of which
 ``slice_of`` may ask only a part (a tensor-parallel rank's rows or columns, read without the
 rest). A quantized linear layer comes whole, as ``QuantizedLinearTensors`` under its weight's
 name, once all of its tensors are read: the loader slices it (``QuantizedWeight.rows`` and
@@ -13,18 +14,21 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from common.config import ModelConfig
 from common.model.gguf_checkpoint import gguf_weights_file
-from common.model.quantization import COMPRESSED_TENSORS, GGUF
+from common.model.quantization import AWQ, COMPRESSED_TENSORS, GGUF, GPTQ
+from common.model.quantization.compressed_tensors import TENSOR_SUFFIXES as CT_SUFFIXES
 from common.model.quantization.compressed_tensors import (
-    TENSOR_SUFFIXES,
     CompressedTensorsConfig,
     QuantizedLinearTensors,
 )
+from common.model.quantization.gptq_awq import TENSOR_SUFFIXES as PACKED_SUFFIXES
+from common.model.quantization.gptq_awq import PackedIntConfig
 from kernels.quantized import QuantizedWeight
 
 # A rank's part of one checkpoint tensor: (dimension, first index, end) or None for all of it.
@@ -44,7 +48,12 @@ def checkpoint_tensors(
     if method is None:
         yield from _read_tensors(files, slice_of)
     elif method == COMPRESSED_TENSORS:
-        yield from _compressed_tensors(config, files, slice_of)
+        ct = CompressedTensorsConfig.from_dict(config.quantization_config)
+        quantized = lambda layer: ct.scheme_for(layer) is not None  # noqa: E731
+        yield from _quantized_layers(ct, quantized, CT_SUFFIXES, files, slice_of)
+    elif method in (GPTQ, AWQ):
+        packed = PackedIntConfig.from_dict(config.quantization_config)
+        yield from _quantized_layers(packed, packed.quantizes, PACKED_SUFFIXES, files, slice_of)
     else:
         raise ValueError(f"no reader for {method} checkpoints")
 
@@ -69,16 +78,26 @@ def _gguf_tensors(
         yield name, value
 
 
-def _compressed_tensors(
-    config: ModelConfig, files: list[Path], slice_of: Callable[[str], TensorSlice]
+class _LayerReader(Protocol):
+    """A quantization config that knows which layers it stores packed, and reads one."""
+
+    def layer(self, layer: str, tensors: dict[str, torch.Tensor]) -> QuantizedLinearTensors: ...
+
+
+def _quantized_layers(
+    reader: _LayerReader,
+    quantized: Callable[[str], bool],
+    suffixes: tuple[str, ...],
+    files: list[Path],
+    slice_of: Callable[[str], TensorSlice],
 ) -> Iterator[tuple[str, CheckpointValue]]:
-    """Dense tensors as they are read; each quantized layer once all its tensors are."""
-    quantization = CompressedTensorsConfig.from_dict(config.quantization_config)
+    """Dense tensors as they are read; each quantized layer (``quantized(layer)``, its tensors
+    named ``layer.SUFFIX``) once all its tensors are."""
     layers: dict[str, dict[str, torch.Tensor]] = {}
 
     def layer_of(name: str) -> tuple[str, str] | None:
         layer, _, suffix = name.rpartition(".")
-        if suffix in TENSOR_SUFFIXES and quantization.scheme_for(layer) is not None:
+        if suffix in suffixes and quantized(layer):
             return layer, suffix
         return None
 
@@ -92,7 +111,7 @@ def _compressed_tensors(
         else:
             layers.setdefault(found[0], {})[found[1]] = tensor
     for layer, tensors in layers.items():
-        yield f"{layer}.weight", quantization.layer(layer, tensors)
+        yield f"{layer}.weight", reader.layer(layer, tensors)
 
 
 def _weight_files(folder: Path) -> list[Path]:

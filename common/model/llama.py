@@ -348,6 +348,12 @@ class LlamaForCausalLM(nn.Module):
         # process's thread count throughout.
         self.layer_threads: LayerThreads | None = None
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model runs: its RoPE frequencies' device (every other tensor may be held
+        by kernel modules, as no parameter)."""
+        return self.rotary.inv_freq.device
+
     def decoder_layers(self) -> list[DecoderLayer]:
         # nn.ModuleList is not generic: its items type as nn.Module.
         return cast("list[DecoderLayer]", list(self.layers))
@@ -376,7 +382,7 @@ class LlamaForCausalLM(nn.Module):
     def turn_kv_heads(self) -> None:
         """Turn queries, keys and values by a Hadamard matrix around attention, for pools of
         int8 pages (``kernels/kv_turn.py``); before ``use_kernels``, which swaps in their twins."""
-        device = self.rotary.inv_freq.device
+        device = self.device
         for layer in self.decoder_layers():
             attention = layer.self_attn
             attention.query_turn, attention.kv_turn = hadamard_turns(

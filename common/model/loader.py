@@ -173,7 +173,7 @@ def _fill_randomly(model: LlamaForCausalLM) -> LlamaForCausalLM:
     """Norm weights 1, biases 0, every other weight normal(0, 0.02): logits of a sane spread,
     so sampling and the attention see the numbers a trained model's would have in range."""
     # Each rank draws its own slices: a sharded dummy model is as random as a whole one.
-    generator = torch.Generator(device=model.rotary.inv_freq.device)
+    generator = torch.Generator(device=model.device)
     generator.manual_seed(model.tp.rank)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):

@@ -11,9 +11,10 @@ from __future__ import annotations
 from common.config import ModelConfig
 from common.model.gguf_checkpoint import gguf_weights_file
 from common.model.quantization.compressed_tensors import METHOD as COMPRESSED_TENSORS
+from common.model.quantization.gptq_awq import AWQ, GPTQ
 
 GGUF = "gguf"
-QUANTIZATION_METHODS = (COMPRESSED_TENSORS, GGUF)
+QUANTIZATION_METHODS = (COMPRESSED_TENSORS, GGUF, GPTQ, AWQ)
 
 
 def quantization_method(config: ModelConfig, forced: str | None = None) -> str | None:
