@@ -31,6 +31,7 @@ from kernels.cpu.quantized_linear import CpuQuantizedLinear
 from kernels.quantized import QuantizedLinear, RoundedInputs
 from kernels.triton.elementwise import CudaRotaryApply, CudaSiluAndMul
 from kernels.triton.invariant import InvariantLinear, InvariantRMSNorm
+from kernels.triton.quantized_gemm import TritonQuantizedLinear
 
 
 class LayerKernels:
@@ -142,10 +143,18 @@ class InvariantKernels(LayerKernels):
         return InvariantRMSNorm(weight, eps)
 
 
-class CudaKernels(LayerKernels):
+class CudaQuantizedKernels(LayerKernels):
+    """Any model on CUDA: quantized linear layers read their codes in a Triton GEMM
+    (``kernels/triton/quantized_gemm.py``); every other role keeps torch's module."""
+
+    def quantized_linear(self, linear: QuantizedLinear) -> nn.Module:
+        return TritonQuantizedLinear(linear)
+
+
+class CudaKernels(CudaQuantizedKernels):
     """16-bit models on CUDA: RMSNorm, SiLU-and-multiply and RoPE as one Triton kernel each
     (``kernels/triton/elementwise.py``; the norm is the batch-invariant one, which rounds where the
-    torch module does). Linear layers stay cuBLAS's."""
+    torch module does). Linear layers stay cuBLAS's, quantized ones take the Triton GEMM."""
 
     def norm(self, weight, eps) -> nn.Module:
         return InvariantRMSNorm(weight, eps)

@@ -219,3 +219,20 @@ def test_quantization_flag_must_match_the_checkpoint(base_model, tmp_path_factor
     )
     assert engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0.0))
     engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["W4A16", "FP8_DYNAMIC", "W8A8"])
+def test_cuda_engine_gives_the_greedy_tokens_of_transformers(base_model, tmp_path_factory, scheme):
+    """On CUDA the quantized layers take the Triton GEMM over their codes."""
+    from kernels.triton.quantized_gemm import TritonQuantizedLinear
+
+    folder = _quantized(base_model, tmp_path_factory, scheme)
+    prompts = random_prompts(6, seed=3)
+    expected = hf_greedy(folder, prompts, NEW_TOKENS)
+    engine = build_engine(folder, device="cuda", max_num_batched_tokens=2048)
+    assert any(isinstance(m, TritonQuantizedLinear) for m in engine.model.modules())
+    got = engine.generate(prompts, GREEDY)
+    tie = WEIGHT_ONLY_TIE if SCHEMES[scheme].inputs is None else ROUNDED_INPUTS_TIE
+    assert_greedy_equal_up_to_near_ties(folder, prompts, got, expected, max(tie, 1e-2))
+    engine.close()

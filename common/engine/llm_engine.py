@@ -59,7 +59,7 @@ from common.sampling_params import SamplingParams
 from common.startup_objects import startup_objects_frozen
 from kernels.cpu.huge_pages import huge_page_bytes
 from kernels.interface import FP8_DTYPE, INT8_DTYPE
-from kernels.layer_kernels import CpuKernels, CudaKernels, InvariantKernels
+from kernels.layer_kernels import CpuKernels, CudaKernels, CudaQuantizedKernels, InvariantKernels
 from kernels.registry import get_attention_backend
 from kernels.triton.elementwise import cuda_ops_apply
 
@@ -328,6 +328,7 @@ class LLMEngine:
                 logger.info("linear layers: %s", gemm_plan.describe())
         elif self.device.type == "cuda" and not self.config.enforce_eager:
             if not cuda_ops_apply(dtype, head_dim):
+                model.use_kernels(CudaQuantizedKernels())  # a float32 model's quantized layers
                 return
             model.use_kernels(CudaKernels())
             if log:
