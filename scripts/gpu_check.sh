@@ -15,10 +15,12 @@
 #            time goes in the decode steps of batch 1 and 8 and a 512-token prefill, by kernel;
 #   serving  pdserve up with one prefill and one decode worker sharing the GPU, each given
 #            --gpu-memory-utilization 0.4 of it, then W1 of benchmarks.serving.load against it.
-# and three more that the default run leaves out (all of them do not fit in one 10-minute
+# and four more that the default run leaves out (all of them do not fit in one 10-minute
 # command):
 #   bench    python -m benchmarks.step.triton_kernels: prefill TFLOP/s beside SDPA, decode GB/s
 #            beside a copy;
+#   quantized  python -m benchmarks.step.quantized_triton: the Triton GEMM over FP8, block-FP8,
+#            int8 and 4-bit codes beside bf16's on Llama-3.1-8B's shapes at 1 to 4096 rows;
 #   realserving  W1 as in serving, on Llama-3.1-8B's layers (SmolLM2's vocabulary, the carried
 #            tokenizer's), each worker given 0.45 of the GPU and drawing its weights there;
 #   tune     python -m benchmarks.step.triton_kernels --tune: every tile candidate on the bench's
@@ -29,9 +31,10 @@
 # Logs go to $OUT where it is set (else /tmp/gpu-check); a summary table ends the output, and the
 # exit status is 1 if any step did not pass.
 #
-#   bash scripts/gpu_check.sh [setup|kernels|engine|graphs|realshape|serving|bench|realserving|tune ...]
+#   bash scripts/gpu_check.sh [setup|kernels|engine|graphs|realshape|serving|bench|quantized|realserving|tune ...]
 #       # default: kernels+engine graphs realshape serving (about 470 s on an H200); then, as a
-#       #   second command: bench realserving; and where tiles are to be tuned, a third: tune
+#       #   second command: bench quantized realserving; and where tiles are to be tuned, a
+#       #   third: tune
 #
 # It first installs what `make gpu-carry` put in .gpu-carry/ (the wheels the image lacks, and
 # SmolLM2's config and tokenizer, served with random weights: the real ones do not fit) into
@@ -68,6 +71,7 @@ declare -A LIMIT_S=(
     [graphs]=${GPU_CHECK_GRAPHS_S:-200}
     [realshape]=${GPU_CHECK_REALSHAPE_S:-120}
     [realserving]=${GPU_CHECK_REALSERVING_S:-200}
+    [quantized]=${GPU_CHECK_QUANTIZED_S:-120}
 )
 SERVING_PORT=18000
 W1_ARGS=${GPU_CHECK_W1_ARGS:---isl 256 --osl 64 --num-prompts 64 --concurrency 8}
@@ -95,7 +99,8 @@ pytest_figures() {
 
 step_kernels() {
     # shellcheck disable=SC2046,SC2086
-    OMP_NUM_THREADS=$TEST_THREADS "$PY" -m pytest tests/test_kernels.py tests/test_cuda_ops.py -q -rfE \
+    OMP_NUM_THREADS=$TEST_THREADS "$PY" -m pytest tests/test_kernels.py tests/test_cuda_ops.py \
+        tests/test_quantized_triton.py -q -rfE \
         -p no:cacheprovider $(xdist_flags 8) ${GPU_CHECK_KERNELS_ARGS:-}
 }
 
@@ -105,6 +110,7 @@ step_engine() {
     # shellcheck disable=SC2046,SC2086
     OMP_NUM_THREADS=$TEST_THREADS "$PY" -m pytest tests/test_engine_equivalence.py \
         tests/test_engine_triton.py tests/test_cuda_graphs.py tests/test_async_scheduling.py \
+        tests/test_quantized_checkpoints.py \
         -m gpu -q -rfE -p no:cacheprovider $(xdist_flags 4) ${GPU_CHECK_ENGINE_ARGS:-}
     local marked=$?
     # shellcheck disable=SC2046,SC2086
@@ -119,6 +125,10 @@ step_engine() {
 
 step_bench() {
     "$PY" -m benchmarks.step.triton_kernels
+}
+
+step_quantized() {
+    "$PY" -m benchmarks.step.quantized_triton
 }
 
 step_tune() {
@@ -348,6 +358,14 @@ figures_of() {
             figures="${figures}KV pages: ${pages:-?}${memory:+; GPU MiB by process: $memory}"
             ;;
         tune) figures=$(grep -aE '^  best:' "$LOGS/tune.log" | sed 's/^ *//' | paste -sd ';' -) ;;
+        quantized)
+            # Lines "FORMAT ROWS us RATIO GB/s TFLOP/s" (FORMAT may be two words): the ratio
+            # to bf16 of each format at 1 and 4096 rows.
+            figures=$(awk 'NF >= 6 && $(NF - 4) ~ /^(1|4096)$/ && $1 != "bf16" {
+                name = $1; for (i = 2; i <= NF - 5; i++) name = name " " $i
+                printf "%s @%s %s, ", name, $(NF - 4), $(NF - 2) }' "$LOGS/quantized.log")
+            figures="${figures%, }"
+            ;;
         realshape)
             figures=$(awk '/^decode batch/ { sub(":", "", $3); printf "b%s %s ms (%s floor), ", $3, $4, $6 }
                 /^prefill / { sub(":", "", $2); sub("[(]", "", $7)
