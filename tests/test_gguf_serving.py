@@ -3,25 +3,15 @@ tokens of ``transformers`` over the same file dequantized by the gguf package it
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from engines import build_engine
-from gguf import GGMLQuantizationType, GGUFReader
-from gguf.quants import dequantize
-from safetensors.torch import save_file
+from gguf import GGMLQuantizationType
 from tiny_gguf import VOCAB_SIZE, write_tiny_llama_gguf
 from tiny_models import assert_greedy_equal_up_to_near_ties, hf_greedy
 
 from common.config import ModelConfig
-from common.model.default_model import resolve_model_path
-from common.model.gguf_llama import (
-    hf_tensor_name,
-    rope_heads,
-    unpermute_rope_rows,
-    write_hf_metadata,
-)
+from common.model.default_model import dequantize_gguf, resolve_model_path
 from common.model.loader import load_model
 from common.model.quantized_layers import QuantizedEmbedding
 from common.sampling_params import SamplingParams
@@ -39,31 +29,14 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(3, VOCAB_SIZE, (n,), generator=generator).tolist() for n in (5, 17, 40)]
 
 
-def _dequantized_folder(gguf_path: Path, folder: Path) -> Path:
-    """``gguf_path``'s model as a float32 Hugging Face folder, every tensor dequantized by the
-    gguf package: the reference pdserve's kernels must agree with."""
-    reader = GGUFReader(gguf_path)
-    folder.mkdir(parents=True)
-    config = write_hf_metadata(reader, folder)
-    tensors = {}
-    for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name)
-        weight = dequantize(tensor.data, tensor.tensor_type)
-        heads = rope_heads(name, config)
-        if heads is not None:
-            weight = unpermute_rope_rows(weight, heads)
-        tensors[name] = torch.tensor(weight, dtype=torch.float32)
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    return folder
-
-
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("kind", TYPES)
 def test_gguf_type_gives_the_greedy_tokens_of_its_dequantized_model(tmp_path, kind, tied):
     path = write_tiny_llama_gguf(
         tmp_path / f"{kind}.gguf", GGMLQuantizationType[kind], tied=tied, seed=1
     )
-    reference = _dequantized_folder(path, tmp_path / "dequantized")
+    # Every tensor dequantized by the gguf package: the reference the kernels must agree with.
+    reference = dequantize_gguf(path, tmp_path / "dequantized", "float32")
     prompts = _prompts()
     expected = hf_greedy(reference, prompts, NEW_TOKENS)
     engine = build_engine(resolve_model_path(path), max_num_batched_tokens=2048)

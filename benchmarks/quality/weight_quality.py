@@ -103,40 +103,13 @@ def dequantized_compressed_tensors(folder: Path, target: Path) -> Path:
     return target
 
 
-def dequantized_gguf(gguf_path: Path, target: Path) -> Path:
-    """The GGUF file's model as a float32 folder, dequantized by the gguf package."""
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-
-    from common.model.gguf_llama import (
-        hf_tensor_name,
-        rope_heads,
-        unpermute_rope_rows,
-        write_hf_metadata,
-    )
-
-    reader = GGUFReader(gguf_path)
-    target.mkdir(parents=True)
-    config = write_hf_metadata(reader, target)
-    tensors = {}
-    for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name)
-        weight = dequantize(tensor.data, tensor.tensor_type)
-        heads = rope_heads(name, config)
-        if heads is not None:
-            weight = unpermute_rope_rows(weight, heads)
-        tensors[name] = torch.tensor(weight, dtype=torch.float32)
-    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
-    return target
-
-
 def checkpoints(name: str, base: Path, scratch: Path) -> tuple[Path, Path, Path]:
     """(16-bit model, the format's checkpoint, its dense dequantized copy) for format ``name``."""
-    from common.model.default_model import default_gguf_model, find_default_gguf
+    from common.model.default_model import default_gguf_model, dequantize_gguf, find_default_gguf
 
     if name == GGUF_Q4_1:
         folder, _ = default_gguf_model()
-        dense = dequantized_gguf(find_default_gguf(), scratch / "q4_1-dense")
+        dense = dequantize_gguf(find_default_gguf(), scratch / "q4_1-dense", "float32")
         return dense, folder, dense
     quantized = write_compressed_tensors(base, scratch / name, name, GROUP_SIZE)
     return base, quantized, dequantized_compressed_tensors(quantized, scratch / f"{name}-dense")

@@ -143,25 +143,35 @@ def main(argv: list[str] | None = None) -> int:
 
 def _convert_gguf(gguf_path: Path, out_dir: Path, progress: bool) -> None:
     """Write config, bf16 weights, tokenizer and generation config for a llama GGUF."""
+    dequantize_gguf(gguf_path, out_dir, "bfloat16", progress)
+
+
+def dequantize_gguf(gguf_path: Path, out_dir: Path, dtype: str, progress: bool = False) -> Path:
+    """A llama GGUF as a Hugging Face folder in ``out_dir``: its metadata (config, tokenizer,
+    generation config) and every tensor dequantized by the gguf package, in ``dtype``
+    ("bfloat16", "float32"): the default model's conversion, and the float32 reference the
+    quantized kernels are measured against."""
     # Imported here so that resolving an existing folder stays cheap for the router.
     from gguf import GGUFReader
 
     reader = GGUFReader(gguf_path)
     config = write_hf_metadata(reader, out_dir)
-    _save_weights(reader, config, out_dir / "model.safetensors", progress)
+    _save_weights(reader, config, out_dir / "model.safetensors", dtype, progress and gguf_path.name)
+    return out_dir
 
 
-def _save_weights(reader: GGUFReader, config: LlamaConfig, path: Path, progress: bool) -> None:
-    """Dequantise every GGUF tensor to bf16 under its Hugging Face name and save them."""
+def _save_weights(
+    reader: GGUFReader, config: LlamaConfig, path: Path, dtype: str, progress: str | bool
+) -> None:
+    """Dequantise every GGUF tensor to ``dtype`` under its Hugging Face name and save them;
+    ``progress``: the name a progress bar shows, or False for none."""
     import torch
     from gguf.quants import dequantize
     from safetensors.torch import save_file
     from tqdm import tqdm
 
     tensors: dict[str, torch.Tensor] = {}
-    bar = tqdm(
-        reader.tensors, desc=f"Converting {DEFAULT_MODEL_NAME}", unit="tensor", disable=not progress
-    )
+    bar = tqdm(reader.tensors, desc=f"Converting {progress}", unit="tensor", disable=not progress)
     for tensor in bar:
         name = hf_tensor_name(tensor.name)
         # numpy's shape is the reverse of GGUF's dims, i.e. already torch's (out, in) layout.
@@ -169,6 +179,6 @@ def _save_weights(reader: GGUFReader, config: LlamaConfig, path: Path, progress:
         num_heads = rope_heads(name, config)
         if num_heads is not None:
             weight = unpermute_rope_rows(weight, num_heads)
-        tensors[name] = torch.tensor(weight, dtype=torch.float32).to(torch.bfloat16)
+        tensors[name] = torch.tensor(weight, dtype=torch.float32).to(getattr(torch, dtype))
     check_tensor_names(tensors, config)
     save_file(tensors, str(path), metadata={"format": "pt"})
