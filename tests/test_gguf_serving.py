@@ -79,3 +79,33 @@ def test_a_bf16_gguf_engine_plans_its_pool(tmp_path):
     )
     assert len(engine.generate(_prompts(), GREEDY)[0]) == NEW_TOKENS
     engine.close()
+
+
+def test_later_loads_read_the_stored_blocks_and_a_damaged_copy_is_rewritten(tmp_path, monkeypatch):
+    import common.model.gguf_weights as gguf_weights
+    from common.model.gguf_blocks import BLOCKS_FILE
+
+    path = write_tiny_llama_gguf(tmp_path / "q6k.gguf", GGMLQuantizationType.Q6_K, tied=False)
+    folder = resolve_model_path(path)
+    config = ModelConfig.from_pretrained(folder)
+    first = load_model(config, torch.float32, torch.device("cpu"))
+    assert (folder / BLOCKS_FILE).is_file()
+
+    def unread(*_args):
+        raise AssertionError("the GGUF file was read again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(gguf_weights, "read_gguf_weights", unread)
+        second = load_model(config, torch.float32, torch.device("cpu"))
+    for a, b in zip(first.decoder_layers(), second.decoder_layers(), strict=True):
+        assert torch.equal(
+            a.mlp.down_proj.qweight.dequantize(), b.mlp.down_proj.qweight.dequantize()
+        )
+    assert torch.equal(first.head.qweight.dequantize(), second.head.qweight.dequantize())
+    (folder / BLOCKS_FILE).write_bytes(b"not a safetensors file")
+    third = load_model(config, torch.float32, torch.device("cpu"))
+    assert torch.equal(
+        first.decoder_layers()[1].self_attn.qkv_proj.qweight.dequantize(),
+        third.decoder_layers()[1].self_attn.qkv_proj.qweight.dequantize(),
+    )
+    assert (folder / BLOCKS_FILE).stat().st_size > 1000  # written again

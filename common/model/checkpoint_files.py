@@ -61,13 +61,16 @@ def checkpoint_tensors(
 def _gguf_tensors(
     config: ModelConfig, slice_of: Callable[[str], TensorSlice]
 ) -> Iterator[tuple[str, CheckpointValue]]:
-    """A GGUF file's tensors: quantized ones whole, the rank's part of dense ones."""
+    """A GGUF file's tensors: quantized ones whole, the rank's part of dense ones. Read from
+    the folder's copy of the file's blocks as pdserve keeps them (``gguf_blocks``), written by
+    the first engine to load the file: reading a GGUF (its vocabulary, and every block
+    translated) takes seconds, this copy milliseconds."""
     # Imported here: only GGUF models need the gguf package's reader.
-    from common.model.gguf_weights import read_gguf_weights
+    from common.model.gguf_blocks import read_or_translate_blocks
 
     path = gguf_weights_file(config.path)
     assert path is not None, f"{config.path} names no GGUF file"
-    for name, value in read_gguf_weights(path):
+    for name, value in read_or_translate_blocks(path, config.path):
         if isinstance(value, QuantizedWeight):
             yield name, QuantizedLinearTensors(value, None)
             continue
