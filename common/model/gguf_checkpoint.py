@@ -83,8 +83,7 @@ def gguf_weights_file(folder: str | os.PathLike[str]) -> Path | None:
 def _write_folder(identity: _FileIdentity, out_dir: Path) -> None:
     from gguf import GGUFReader
 
-    from common.model.gguf_llama import write_hf_metadata
-    from common.model.gguf_weights import check_gguf_weights
+    from common.model.gguf_llama import check_gguf_weights, write_hf_metadata
 
     reader = GGUFReader(identity.path)
     # Refused here, a tensor pdserve cannot read fails the start, not every worker's load.

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import numpy as np
-    from gguf import GGUFReader
+    from gguf import GGUFReader, ReaderTensor
     from transformers import LlamaConfig, PreTrainedTokenizerFast
 
 _TOKEN_TYPE_CONTROL = 3  # llama.cpp's token type for special tokens such as <|im_start|>
@@ -191,3 +191,40 @@ def build_tokenizer(reader: GGUFReader, config: LlamaConfig) -> PreTrainedTokeni
         model_max_length=config.max_position_embeddings,
         clean_up_tokenization_spaces=False,
     )
+
+
+# The GGML types pdserve reads: dense ones as they are, block ones translated exactly into
+# QuantizedWeight (common/model/gguf_weights.py's _TRANSLATIONS, one per type).
+# By name: this module is read where the gguf package is not imported (the router).
+DENSE_TYPES = ("F32", "F16", "BF16")
+BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+
+
+def check_gguf_weights(reader: GGUFReader, config: LlamaConfig) -> None:
+    """Raise ValueError unless `reader`'s tensors are the ones `config` needs, each of a type
+    ``common/model/gguf_weights.py`` reads: checked without torch, when a folder is written
+    (by the launcher or the router, which never load it)."""
+    check_tensor_names((hf_tensor_name(tensor.name) for tensor in reader.tensors), config)
+    for tensor in reader.tensors:
+        _check_readable(tensor)
+
+
+def _supported_types() -> list[str]:
+    """The GGML tensor types ``read_gguf_weights`` reads, by name."""
+    return [*DENSE_TYPES, *BLOCK_TYPES]
+
+
+def _check_readable(tensor: ReaderTensor) -> None:
+    kind = tensor.tensor_type
+    if kind.name in DENSE_TYPES:
+        return
+    if kind.name not in BLOCK_TYPES:
+        raise ValueError(
+            f"GGUF tensor {tensor.name!r} is of type {kind.name}, which pdserve does not read "
+            f"(it reads {', '.join(_supported_types())})"
+        )
+    if tensor.data.ndim != 2:
+        raise ValueError(
+            f"GGUF tensor {tensor.name!r} is a {tensor.data.ndim}-D {kind.name} tensor; "
+            "pdserve reads quantized tensors only as 2-D weights"
+        )

@@ -34,7 +34,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderTenso
 from gguf.quants import Q4_K
 
 from common.model.gguf_llama import (
-    check_tensor_names,
+    BLOCK_TYPES,
+    DENSE_TYPES,
+    check_gguf_weights,
     hf_tensor_name,
     llama_config,
     rope_heads,
@@ -43,9 +45,7 @@ from common.model.gguf_llama import (
 from kernels.quantized import INT8, UINT4, QuantizedWeight
 
 if TYPE_CHECKING:
-    from transformers import LlamaConfig
-
-_DENSE_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+    pass
 
 
 def read_gguf_weights(
@@ -60,7 +60,7 @@ def read_gguf_weights(
     """
     reader = GGUFReader(path)
     config = llama_config(reader)
-    check_gguf_weights(reader, config)
+    check_gguf_weights(reader, config)  # every tensor of a type read here, before any is read
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)
         weight = _read_tensor(tensor)
@@ -70,38 +70,9 @@ def read_gguf_weights(
         yield name, weight
 
 
-def check_gguf_weights(reader: GGUFReader, config: LlamaConfig) -> None:
-    """Raise ValueError unless `reader`'s tensors are the ones `config` needs, each of a type
-    ``read_gguf_weights`` reads."""
-    check_tensor_names((hf_tensor_name(tensor.name) for tensor in reader.tensors), config)
-    for tensor in reader.tensors:
-        _check_readable(tensor)
-
-
-def _supported_types() -> list[str]:
-    """The GGML tensor types ``read_gguf_weights`` reads, by name."""
-    return [kind.name for kind in (*_DENSE_TYPES, *_TRANSLATIONS)]
-
-
-def _check_readable(tensor: ReaderTensor) -> None:
-    kind = tensor.tensor_type
-    if kind in _DENSE_TYPES:
-        return
-    if kind not in _TRANSLATIONS:
-        raise ValueError(
-            f"GGUF tensor {tensor.name!r} is of type {kind.name}, which pdserve does not read "
-            f"(it reads {', '.join(_supported_types())})"
-        )
-    if tensor.data.ndim != 2:
-        raise ValueError(
-            f"GGUF tensor {tensor.name!r} is a {tensor.data.ndim}-D {kind.name} tensor; "
-            "pdserve reads quantized tensors only as 2-D weights"
-        )
-
-
 def _read_tensor(tensor: ReaderTensor) -> torch.Tensor | QuantizedWeight:
     kind = tensor.tensor_type
-    if kind in _DENSE_TYPES:
+    if kind.name in DENSE_TYPES:
         # The reader hands BF16 over as raw bytes; F32 and F16 come typed.
         data = np.array(tensor.data)  # a writable copy out of the read-only mapping
         if kind == GGMLQuantizationType.BF16:
@@ -270,3 +241,5 @@ _TRANSLATIONS: dict[GGMLQuantizationType, Callable[[np.ndarray, int], QuantizedW
     GGMLQuantizationType.Q5_K: _q5_k,
     GGMLQuantizationType.Q6_K: _q6_k,
 }
+# The types the torch-free check at a folder's writing lets through are the ones read here.
+assert {kind.name for kind in _TRANSLATIONS} == set(BLOCK_TYPES), "BLOCK_TYPES drifted"
