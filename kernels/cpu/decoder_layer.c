@@ -1,27 +1,40 @@
-/* A whole bf16 decoder layer of a short-run step (decodes, verification runs) in one call,
- * over bf16, FP8 or int8 pages (int8 pages with their Hadamard turns, kernels/kv_turn.py).
+/* A whole decoder layer of a short-run step (decodes, verification runs) in one call, bf16
+ * rows over bf16 or quantized weights (any mix), over bf16, FP8 or int8 pages (int8 pages with
+ * their Hadamard turns, kernels/kv_turn.py).
  *
  * In a decode step the layer's arithmetic is a few GEMMs over a handful of rows; calling its
  * dozen parts one by one from Python (norm, projections, RoPE, KV store, attention, SiLU,
- * residual adds) costs more than some of them compute. This runs the very same kernels in the
- * very same order, with the residual adds rounded to bf16 as torch's are, so the layer's output
- * is the same bits as the module path's (common/model/llama.py), which stays for every other
- * case. */
+ * residual adds, a W8A8 checkpoint's rounding of each projection's input) costs more than some
+ * of them compute. This runs the very same kernels in the very same order, with the residual
+ * adds rounded to bf16 as torch's are, so the layer's output is the same bits as the module
+ * path's (common/model/llama.py), which stays for every other case. */
 #include <stdint.h>
 
 #include "exports.h"
 #include "numerics.h"
+
+/* One of the layer's projections: bf16 tiles (linear_tiles.c) or quantized tiles
+ * (quantized_tiles.c), its input first rounded as a W8A8 checkpoint's are. Mirrored field by
+ * field by kernels/cpu/layer.py's LinearWeights. */
+typedef struct {
+    const void *tiles;
+    const float *bias; /* or NULL */
+    int32_t quantized; /* 0: bf16 tiles; else quantized tiles of codes `kind` */
+    int32_t kind;      /* quantized_code */
+    int32_t group_size;
+    int32_t has_offsets;
+    activation_rounding rounding; /* ROUND_NONE: the input as it is */
+} linear_weights;
 
 /* What a layer keeps from load to load: its weights and its KV pages. Mirrored field by field
  * by kernels/cpu/layer.py's LayerWeights. */
 typedef struct {
     const uint16_t *input_norm;
     const uint16_t *post_attention_norm;
-    const uint16_t *qkv_tiles;
-    const float *qkv_bias; /* or NULL */
-    const uint16_t *o_tiles;
-    const uint16_t *gate_up_tiles;
-    const uint16_t *down_tiles;
+    linear_weights qkv;
+    linear_weights o; /* o, gate_up and down have no bias */
+    linear_weights gate_up;
+    linear_weights down;
     /* int8 pages: the float32 tiles of the turns (head_dim x head_dim); else NULL. */
     const float *query_turn_tiles;
     const float *kv_turn_tiles;
@@ -47,6 +60,22 @@ typedef struct {
     int32_t page_size;
     int32_t kv_dtype; /* exports.h's kv_dtype: KV_BF16, KV_FP8_E4M3 or KV_INT8 */
 } layer_weights;
+
+/* y [rows, N] = x [rows, K] W^T (+ bias), bf16 rows; x, scratch, is rounded in place first
+ * where the projection rounds its input (nothing else reads it after). Returns the kernels'
+ * status: 0, or nonzero if one could not allocate its scratch memory. */
+static int project(const linear_weights *l, uint16_t *x, int64_t x_stride, uint16_t *y,
+                   int64_t y_stride, int rows, int N, int K, int num_threads) {
+    if (l->rounding.strategy != ROUND_NONE &&
+        pdserve_round_activations(&l->rounding, x, x_stride, x, x_stride, KV_BF16, rows, K))
+        return -1;
+    if (!l->quantized)
+        return pdserve_linear_bf16(x, x_stride, l->tiles, l->bias, y, y_stride, rows, N, K,
+                                   num_threads);
+    return pdserve_quantized_linear(x, x_stride, l->tiles, l->kind, l->group_size,
+                                    l->has_offsets, l->bias, y, y_stride, KV_BF16, rows, N, K,
+                                    num_threads);
+}
 
 /* hidden[i] = bf16(hidden[i] + delta[i]), as a bf16 tensor add rounds. */
 static void add_bf16(uint16_t *hidden, const uint16_t *delta, int64_t count) {
@@ -191,8 +220,8 @@ int pdserve_decoder_layer_bf16(const layer_weights *w, uint16_t *hidden, int row
 
     pdserve_rms_norm_bf16(hidden, hidden_size, w->input_norm, w->eps, normed, hidden_size, rows,
                           hidden_size);
-    if (pdserve_linear_bf16(normed, hidden_size, w->qkv_tiles, w->qkv_bias, qkv, qkv_size, rows,
-                            qkv_size, hidden_size, num_threads))
+    if (project(&w->qkv, normed, hidden_size, qkv, qkv_size, rows, qkv_size, hidden_size,
+                num_threads))
         return -1;
     pdserve_rope_bf16(qkv, qkv_size, head_dim, rows, w->num_heads, head_dim, cos, sin,
                       trig_stride);
@@ -208,19 +237,19 @@ int pdserve_decoder_layer_bf16(const layer_weights *w, uint16_t *hidden, int row
                             query_start_loc, seq_lens, seq_ids, num_listed, attended,
                             num_threads);
     if (status) return -1;
-    if (pdserve_linear_bf16(attended, q_size, w->o_tiles, NULL, projected, hidden_size, rows,
-                            hidden_size, q_size, num_threads))
+    if (project(&w->o, attended, q_size, projected, hidden_size, rows, hidden_size, q_size,
+                num_threads))
         return -1;
     add_bf16(hidden, projected, count);
 
     pdserve_rms_norm_bf16(hidden, hidden_size, w->post_attention_norm, w->eps, normed,
                           hidden_size, rows, hidden_size);
-    if (pdserve_linear_bf16(normed, hidden_size, w->gate_up_tiles, NULL, gate_up,
-                            2 * intermediate, rows, 2 * intermediate, hidden_size, num_threads))
+    if (project(&w->gate_up, normed, hidden_size, gate_up, 2 * intermediate, rows,
+                2 * intermediate, hidden_size, num_threads))
         return -1;
     pdserve_silu_mul_bf16(gate_up, 2 * intermediate, activated, intermediate, rows, intermediate);
-    if (pdserve_linear_bf16(activated, intermediate, w->down_tiles, NULL, projected, hidden_size,
-                            rows, hidden_size, intermediate, num_threads))
+    if (project(&w->down, activated, intermediate, projected, hidden_size, rows, hidden_size,
+                intermediate, num_threads))
         return -1;
     add_bf16(hidden, projected, count);
     return 0;

@@ -55,6 +55,27 @@ int pdserve_quantized_linear(const void *x, int64_t x_stride, const uint8_t *pac
 int pdserve_quantized_dequantize(const uint8_t *packed, int kind, int group_size,
                                  int has_offsets, void *out, int out_dtype, int transposed,
                                  int N, int K, int num_threads);
+/* How a W8A8 checkpoint rounds a linear layer's input (activation_rounding.c): to int8 or
+ * e4m3 codes (`kind`, a quantized_code) over a scale per token, per token and group of
+ * `group_size` inputs, per tensor (all rows of a call), or `static_scale`.
+ * kernels/cpu/activation_rounding.py's ActivationRounding mirrors it. */
+enum rounding_strategy {
+    ROUND_NONE = 0,
+    ROUND_PER_TOKEN = 1,
+    ROUND_PER_TOKEN_GROUP = 2,
+    ROUND_PER_TENSOR = 3,
+    ROUND_STATIC = 4
+};
+typedef struct {
+    int32_t strategy; /* rounding_strategy */
+    int32_t kind;
+    int32_t group_size;
+    float static_scale;
+} activation_rounding;
+
+int pdserve_round_activations(const activation_rounding *rounding, const void *x,
+                              int64_t x_stride, void *out, int64_t out_stride, int io_dtype,
+                              int rows, int width);
 void pdserve_store_kv(const void *key, int64_t key_stride, const void *value,
                       int64_t value_stride, void *key_cache, void *value_cache,
                       int64_t page_stride, int64_t token_stride, int64_t head_stride,

@@ -1,11 +1,13 @@
-"""A bf16 decoder layer of a short-run step as one C call (``kernels/cpu/decoder_layer.c``).
+"""A decoder layer of a short-run step as one C call (``kernels/cpu/decoder_layer.c``).
 
 In a decode step each layer is a dozen small calls from Python (norms, projections, RoPE, the
 KV store, attention, SiLU, residual adds), and on one CPU core their dispatch costs about a
 fifth of the step at batch 1. ``FusedDecoderLayer`` holds what the C layer needs that does not
 change between steps (weight and page pointers, shapes) and runs the same kernels in the same
 order, so a layer's output is the same bits as the module path's. It serves only where every
-part would take the C kernels anyway: bf16 weights in tiles, bf16, FP8 or int8 pages (int8 with
+part would take the C kernels anyway: bf16 weights in tiles or quantized weights in theirs
+(``kernels/cpu/quantized_linear.py``, W8A8 inputs rounded in C as the module path rounds them),
+in any mix, bf16 rows, bf16, FP8 or int8 pages (int8 with
 its Hadamard turns in float32 tiles, ``kernels/kv_turn.py``), C norms and RoPE, no query/key
 norms, a step of short runs; the module path keeps everything else.
 """
@@ -17,10 +19,47 @@ import ctypes
 import torch
 
 from kernels.cpu import library as cpu_library
+from kernels.cpu.activation_rounding import ActivationRounding, activation_rounding
 from kernels.cpu.backend import KV_DTYPE_CODES
 from kernels.cpu.linear import CpuLinear
 from kernels.cpu.ops import CpuRMSNorm, CpuRotaryApply, CpuSiluAndMul
+from kernels.cpu.quantized_linear import KIND_CODES, CpuQuantizedLinear
 from kernels.interface import FP8_DTYPE, INT8_DTYPE, SCALE_DTYPES, KVCacheView
+
+
+class LinearWeights(ctypes.Structure):
+    """``linear_weights`` of decoder_layer.c, field by field."""
+
+    _fields_ = [
+        ("tiles", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("quantized", ctypes.c_int32),
+        ("kind", ctypes.c_int32),
+        ("group_size", ctypes.c_int32),
+        ("has_offsets", ctypes.c_int32),
+        ("rounding", ActivationRounding),
+    ]
+
+
+def linear_weights(linear: CpuLinear | CpuQuantizedLinear) -> LinearWeights:
+    """What the C layer reads of a projection that ``FusedDecoderLayer.fusable`` accepts."""
+    if isinstance(linear, CpuQuantizedLinear):
+        packed = linear.packed
+        return LinearWeights(
+            tiles=packed.tiles.data_ptr(),
+            bias=None if linear.bias32 is None else linear.bias32.data_ptr(),
+            quantized=1,
+            kind=KIND_CODES[packed.kind],
+            group_size=packed.group_size,
+            has_offsets=int(packed.has_offsets),
+            rounding=activation_rounding(linear.activations),
+        )
+    assert linear.packed_tiles is not None
+    return LinearWeights(
+        tiles=linear.packed_tiles.data_ptr(),
+        bias=None if linear.bias_tiles is None else linear.bias_tiles.data_ptr(),
+        rounding=activation_rounding(None),
+    )
 
 
 class LayerWeights(ctypes.Structure):
@@ -29,11 +68,10 @@ class LayerWeights(ctypes.Structure):
     _fields_ = [
         ("input_norm", ctypes.c_void_p),
         ("post_attention_norm", ctypes.c_void_p),
-        ("qkv_tiles", ctypes.c_void_p),
-        ("qkv_bias", ctypes.c_void_p),
-        ("o_tiles", ctypes.c_void_p),
-        ("gate_up_tiles", ctypes.c_void_p),
-        ("down_tiles", ctypes.c_void_p),
+        ("qkv", LinearWeights),
+        ("o", LinearWeights),
+        ("gate_up", LinearWeights),
+        ("down", LinearWeights),
         ("query_turn_tiles", ctypes.c_void_p),
         ("kv_turn_tiles", ctypes.c_void_p),
         ("key_cache", ctypes.c_void_p),
@@ -70,17 +108,15 @@ class FusedDecoderLayer:
         attention, mlp = layer.self_attn, layer.mlp
         # Kept here so the pointers below outlive any swap of the layer's modules.
         self._keep = (layer.input_layernorm, layer.post_attention_layernorm, attention, mlp, cache)
-        qkv = attention.qkv_proj
         key_scale, value_scale = cache.key_scale, cache.value_scale
         scale_strides = (0, 0, 0) if key_scale is None else key_scale.stride()
         self.weights = LayerWeights(
             input_norm=layer.input_layernorm.weight.data_ptr(),
             post_attention_norm=layer.post_attention_layernorm.weight.data_ptr(),
-            qkv_tiles=qkv.packed_tiles.data_ptr(),
-            qkv_bias=None if qkv.bias_tiles is None else qkv.bias_tiles.data_ptr(),
-            o_tiles=attention.o_proj.packed_tiles.data_ptr(),
-            gate_up_tiles=mlp.gate_up_proj.packed_tiles.data_ptr(),
-            down_tiles=mlp.down_proj.packed_tiles.data_ptr(),
+            qkv=linear_weights(attention.qkv_proj),
+            o=linear_weights(attention.o_proj),
+            gate_up=linear_weights(mlp.gate_up_proj),
+            down=linear_weights(mlp.down_proj),
             query_turn_tiles=_tiles_pointer(attention.query_turn),
             kv_turn_tiles=_tiles_pointer(attention.kv_turn),
             key_cache=cache.key.data_ptr(),
@@ -112,13 +148,8 @@ class FusedDecoderLayer:
         attention, mlp = layer.self_attn, layer.mlp
         linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
         return (
-            all(
-                isinstance(linear, CpuLinear)
-                and linear.dtype == torch.bfloat16
-                and linear.packed_tiles is not None
-                for linear in linears
-            )
-            and all(linear.bias_tiles is None for linear in linears[1:])
+            all(FusedDecoderLayer._projection_fits(linear) for linear in linears)
+            and all(_bias_of(linear) is None for linear in linears[1:])
             and isinstance(layer.input_layernorm, CpuRMSNorm)
             and isinstance(layer.post_attention_layernorm, CpuRMSNorm)
             and layer.input_layernorm.eps == layer.post_attention_layernorm.eps
@@ -131,6 +162,17 @@ class FusedDecoderLayer:
             and (not cache.is_quantized or FusedDecoderLayer._scales_fit(cache))
             # int8 pages hold turned heads, and only int8 pages do.
             and FusedDecoderLayer._turns_fit(attention) == cache.is_int8
+        )
+
+    @staticmethod
+    def _projection_fits(linear) -> bool:
+        """Whether ``linear`` is bf16 in and out over tiles the C layer multiplies."""
+        if isinstance(linear, CpuQuantizedLinear):
+            return linear.dtype == torch.bfloat16
+        return (
+            isinstance(linear, CpuLinear)
+            and linear.dtype == torch.bfloat16
+            and linear.packed_tiles is not None
         )
 
     @staticmethod
@@ -184,6 +226,10 @@ class FusedDecoderLayer:
         )
         if status != 0:
             raise MemoryError("the C decoder layer could not allocate its scratch memory")
+
+
+def _bias_of(linear: CpuLinear | CpuQuantizedLinear) -> torch.Tensor | None:
+    return linear.bias32 if isinstance(linear, CpuQuantizedLinear) else linear.bias_tiles
 
 
 def _tiles_pointer(turn) -> int | None:

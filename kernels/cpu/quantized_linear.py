@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.cpu import library as cpu_library
+from kernels.cpu.activation_rounding import activation_rounding, round_activations
 from kernels.cpu.backend import KV_DTYPE_CODES
 from kernels.cpu.features import has_amx_bf16
 from kernels.cpu.linear import BF16_BLAS, FLOAT32_BLAS, TILE, TILE_DTYPES, StepShape
@@ -153,6 +154,7 @@ class CpuQuantizedLinear(nn.Module):
         self.dtype = dtype
         self.step = step or StepShape()
         self.activations = activations
+        self.rounding = activation_rounding(activations)
         self.tiles_only = tiles_only
         self.scratch = scratch
         self.packed = pack_quantized_tiles(weight.to(torch.device("cpu")))
@@ -163,7 +165,8 @@ class CpuQuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activations is not None:
-            x = self.activations.apply(x)
+            self._check_input(x)
+            x = round_activations(self.rounding, x if x.stride(-1) == 1 else x.contiguous())
         short = x.shape[0] <= TILE_MAX_ROWS[self.blas_dtype] or self.step.short_runs_only
         if self.tiles_only or short:
             return self.forward_tiles(x)
