@@ -162,7 +162,7 @@ def _group(config: dict) -> dict:
 
 REFUSED = {
     "format": (lambda c: _group(c).update(format="marlin-24"), "format is 'marlin-24'"),
-    "method": (lambda c: c.update(quant_method="awq"), "quant_method 'awq'"),
+    "method": (lambda c: c.update(quant_method="bitsandbytes"), "quant_method 'bitsandbytes'"),
     "strategy": (
         lambda c: _group(c)["weights"].update(strategy="tensor_group"),
         "weights.strategy is 'tensor_group'",
