@@ -38,9 +38,10 @@ def _answers_equal_one_process(folder, log, *flags: str) -> None:
             assert result.usage.completion_tokens == len(expected)
 
 
-def test_compressed_tensors_w4a16_through_the_cluster(tmp_path):
+@pytest.mark.parametrize("scheme", ["W4A16", "FP8_DYNAMIC", "W8A8"])
+def test_compressed_tensors_through_the_cluster(tmp_path, scheme):
     base = build_tiny_chat_model(tmp_path / "tiny-chat")
-    folder = write_compressed_tensors(base, tmp_path / "tiny-chat-w4a16", "W4A16", group_size=32)
+    folder = write_compressed_tensors(base, tmp_path / f"tiny-{scheme}", scheme, group_size=32)
     _answers_equal_one_process(folder, tmp_path / "up.log", "--quantization", "compressed-tensors")
 
 
