@@ -24,9 +24,10 @@ FLAGS = ("--max-model-len", "512", "--remote-prefill-min-tokens", "16", "--kv-ca
          "64MiB", "--dtype", "float32")  # fmt: skip
 
 
-def _answers_equal_one_process(folder, log, *flags: str) -> None:
+def _answers_equal_one_process(folder, log, *flags: str, model=None) -> None:
+    """``model``: what `pdserve up --model` is given (default ``folder``)."""
     generate, tokenizer = greedy_reference(folder)
-    with running_cluster(folder, log, *FLAGS, *flags) as base:
+    with running_cluster(model or folder, log, *FLAGS, *flags) as base:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
         for prompt in PROMPTS:
             prompt_ids = tokenizer.encode(prompt)
@@ -46,6 +47,8 @@ def test_compressed_tensors_through_the_cluster(tmp_path, scheme):
 
 
 def test_gguf_file_through_the_cluster(tmp_path):
+    """`pdserve up --model FILE.gguf`: the launcher writes the file's metadata folder (without
+    loading torch) and every process serves it."""
     path = write_tiny_llama_gguf(tmp_path / "tiny.Q4_K.gguf", GGMLQuantizationType.Q4_K)
     folder = resolve_model_path(path)
-    _answers_equal_one_process(folder, tmp_path / "up.log")
+    _answers_equal_one_process(folder, tmp_path / "up.log", model=path)
