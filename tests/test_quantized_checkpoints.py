@@ -236,3 +236,28 @@ def test_cuda_engine_gives_the_greedy_tokens_of_transformers(base_model, tmp_pat
     tie = WEIGHT_ONLY_TIE if SCHEMES[scheme].inputs is None else ROUNDED_INPUTS_TIE
     assert_greedy_equal_up_to_near_ties(folder, prompts, got, expected, max(tie, 1e-2))
     engine.close()
+
+
+@pytest.mark.parametrize("scheme", ["W4A16", "FP8_DYNAMIC"])
+def test_deterministic_answers_of_a_quantized_model_do_not_depend_on_the_batch(
+    base_model, tmp_path_factory, scheme
+):
+    """--enable-deterministic-inference: the quantized layers take the tile kernel at every row
+    count, whose sums do not depend on the batch (W8A8 rounding is per token)."""
+    from determinism import assert_answers_are_invariant
+
+    folder = _quantized(base_model, tmp_path_factory, scheme)
+    assert_answers_are_invariant(folder, dtype="bfloat16", kv_cache_dtype="auto")
+
+
+def test_deterministic_mode_refuses_inputs_scaled_per_tensor_at_run_time(
+    base_model, tmp_path_factory, tmp_path
+):
+    folder = _edited(
+        _quantized(base_model, tmp_path_factory, "W8A8"),
+        tmp_path,
+        lambda c: _group(c)["input_activations"].update(strategy="tensor"),
+    )
+    with pytest.raises(ValueError, match="scales its inputs per tensor at run time"):
+        build_engine(folder, deterministic=True)
+    build_engine(folder).close()  # served where answers may depend on the batch

@@ -60,6 +60,7 @@ from common.startup_objects import startup_objects_frozen
 from kernels.cpu.huge_pages import huge_page_bytes
 from kernels.interface import FP8_DTYPE, INT8_DTYPE
 from kernels.layer_kernels import CpuKernels, CudaKernels, CudaQuantizedKernels, InvariantKernels
+from kernels.quantized import DYNAMIC_PER_TENSOR, QuantizedLinear
 from kernels.registry import get_attention_backend
 from kernels.triton.elementwise import cuda_ops_apply
 
@@ -155,6 +156,8 @@ class LLMEngine:
             self.tp,
             config.quantization,
         )
+        if deterministic:
+            _check_batch_invariant_rounding(self.model)
         if kv_dtype == INT8_DTYPE:
             self.model.turn_kv_heads()
         self._prepare_kernels(self.model, log=True)
@@ -515,3 +518,16 @@ def _serve_as_rank(
     engine = LLMEngine(config, role, tp_rank=rank, tp_port=port)
     with startup_objects_frozen():  # a collection's stall here stalls the whole group's step
         serve_steps(pipe, engine.runner.run_forward, FollowerRank(rank, engine.pool, pipe))
+
+
+def _check_batch_invariant_rounding(model: LlamaForCausalLM) -> None:
+    """Deterministic inference cannot serve inputs scaled per tensor at run time: one scale
+    over the whole step's rows makes a request's rounding depend on the rows beside it."""
+    for name, module in model.named_modules():
+        if not isinstance(module, QuantizedLinear) or module.activations is None:
+            continue
+        if module.activations.strategy == DYNAMIC_PER_TENSOR:
+            raise ValueError(
+                f"--enable-deterministic-inference: {name} scales its inputs per tensor at "
+                "run time, over the whole batch, so its answers depend on the batch"
+            )
