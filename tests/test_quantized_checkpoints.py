@@ -261,3 +261,18 @@ def test_deterministic_mode_refuses_inputs_scaled_per_tensor_at_run_time(
     with pytest.raises(ValueError, match="scales its inputs per tensor at run time"):
         build_engine(folder, deterministic=True)
     build_engine(folder).close()  # served where answers may depend on the batch
+
+
+def test_pdserve_quantize_writes_a_checkpoint_pdserve_serves(base_model, tmp_path, capsys):
+    from pdserve.cli import main as pdserve
+
+    target = tmp_path / "w8a16"
+    assert pdserve(["quantize", str(base_model), str(target), "--scheme", "W8A16"]) == 0
+    assert capsys.readouterr().out.strip() == str(target)
+    config = ModelConfig.from_pretrained(target)
+    assert config.quantization_config["format"] == "pack-quantized"
+    engine = build_engine(target)
+    assert engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0.0))
+    engine.close()
+    with pytest.raises(ValueError, match="do not divide"):
+        write_compressed_tensors(base_model, tmp_path / "bad", "W4A16", group_size=48)
