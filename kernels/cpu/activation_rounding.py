@@ -17,6 +17,7 @@ from kernels.quantized import (
     FP8_E4M3,
     INT8,
     STATIC,
+    UINT4,
     ActivationQuantization,
 )
 
@@ -28,8 +29,8 @@ STRATEGY_CODES = {
     DYNAMIC_PER_TENSOR: 3,
     STATIC: 4,
 }
-# exports.h's quantized_code, for the two kinds activations round to.
-ROUNDED_KIND_CODES = {INT8: 0, FP8_E4M3: 2}
+# exports.h's quantized_code: the kinds of code weights hold, and inputs round to (int8, FP8).
+KIND_CODES = {INT8: 0, UINT4: 1, FP8_E4M3: 2}
 
 
 class ActivationRounding(ctypes.Structure):
@@ -49,7 +50,7 @@ def activation_rounding(activations: ActivationQuantization | None) -> Activatio
         return ActivationRounding(strategy=ROUND_NONE)
     return ActivationRounding(
         strategy=STRATEGY_CODES[activations.strategy],
-        kind=ROUNDED_KIND_CODES[activations.kind],
+        kind=KIND_CODES[activations.kind],
         group_size=activations.group_size or 0,
         static_scale=activations.static_scale or 0.0,
     )

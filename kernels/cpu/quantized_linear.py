@@ -26,15 +26,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.cpu import library as cpu_library
-from kernels.cpu.activation_rounding import activation_rounding, round_activations
+from kernels.cpu.activation_rounding import KIND_CODES, activation_rounding, round_activations
 from kernels.cpu.backend import KV_DTYPE_CODES
 from kernels.cpu.features import has_amx_bf16
 from kernels.cpu.linear import BF16_BLAS, FLOAT32_BLAS, TILE, TILE_DTYPES, StepShape
-from kernels.quantized import FP8_E4M3, INT8, UINT4, ActivationQuantization, QuantizedWeight
+from kernels.quantized import FP8_E4M3, UINT4, ActivationQuantization, QuantizedWeight
 from kernels.sizes import ceil_div
 
-# exports.h's quantized_code.
-KIND_CODES = {INT8: 0, UINT4: 1, FP8_E4M3: 2}
 # The tile kernel decodes an e4m3 code as an fp16 of 1/256 its value (exact); its scale holds
 # the 256.
 FP8_DECODE_SCALE = 256.0
