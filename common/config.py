@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 
 from common.context_window import DEFAULT_MAX_POSITIONS, exact_context_length
+from common.moe_config import MoEConfig, moe_config
+from common.unimplemented_fields import refuse_unimplemented_fields
 from kernels.cpu.features import has_amx_bf16
 
 SUPPORTED_ARCHITECTURES = {
@@ -16,6 +18,20 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
+}
+
+# Where a family normalises queries and keys before RoPE: each head vector (Qwen3), or the
+# whole projection, all heads at once (OLMoE).
+QK_NORM_PER_HEAD = "head"
+QK_NORM_PER_PROJECTION = "projection"
+_QK_NORMS = {
+    "qwen3": QK_NORM_PER_HEAD,
+    "qwen3_moe": QK_NORM_PER_HEAD,
+    "olmoe": QK_NORM_PER_PROJECTION,
 }
 
 DTYPES = {
@@ -27,13 +43,14 @@ DTYPES = {
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """The shape of a Llama-family model, as read from its ``config.json``."""
+    """The shape of a Llama-family model, its experts included, as read from its
+    ``config.json``."""
 
     path: Path
     architecture: str
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
+    intermediate_size: int  # the dense MLPs' width (a MoE model's experts: ``moe``)
     num_layers: int
     num_heads: int
     num_kv_heads: int
@@ -46,12 +63,15 @@ class ModelConfig:
     exact_context_length: int
     tie_word_embeddings: bool
     attention_bias: bool  # Qwen2: biases on q/k/v projections
-    qk_norm: bool  # Qwen3: RMSNorm on each head of q and k before RoPE
+    # RMSNorm on q and k before RoPE: QK_NORM_PER_HEAD, QK_NORM_PER_PROJECTION or None.
+    qk_norm: str | None
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     checkpoint_dtype: torch.dtype
     # The checkpoint's own ``quantization_config`` (common/model/quantization/), None if none.
     quantization_config: dict | None = None
+    moe: MoEConfig | None = None  # the experts (common/moe_config.py); None: a dense model
+    clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip, clip]
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
@@ -75,6 +95,7 @@ class ModelConfig:
                 f"pdserve supports {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
             )
         family = SUPPORTED_ARCHITECTURES[supported[0]]
+        refuse_unimplemented_fields(raw, family)
         num_heads = raw["num_attention_heads"]
         hidden = raw["hidden_size"]
         head_dim = raw.get("head_dim") or hidden // num_heads
@@ -98,13 +119,25 @@ class ModelConfig:
             max_position_embeddings=raw.get("max_position_embeddings", DEFAULT_MAX_POSITIONS),
             exact_context_length=exact_context_length(raw),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            attention_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
-            qk_norm=family == "qwen3",
+            attention_bias=_attention_bias(raw, family),
+            qk_norm=_QK_NORMS.get(family),
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
             checkpoint_dtype=DTYPES.get(str(dtype_name), torch.float32),
             quantization_config=raw.get("quantization_config"),
+            moe=moe_config(raw, family, raw["num_hidden_layers"]),
+            clip_qkv=raw.get("clip_qkv") if family == "olmoe" else None,
         )
+
+
+def _attention_bias(raw: dict, family: str) -> bool:
+    """Whether q, k and v have biases: Qwen2's always, Qwen2-MoE's where ``qkv_bias`` (its
+    default); other families' ``attention_bias`` also puts one on o, which they refuse."""
+    if family == "qwen2":
+        return True
+    if family == "qwen2_moe":
+        return bool(raw.get("qkv_bias", True))
+    return bool(raw.get("attention_bias", False))
 
 
 def _rope_settings(raw: dict) -> tuple[float, dict | None]:
@@ -275,6 +308,9 @@ class EngineConfig:
     # Ranks the model is split over (Megatron-style, common/model/parallel.py), one process
     # each; rank 0 is the engine, the others it spawns.
     tensor_parallel_size: int = 1
+    # A mixture's experts spread whole over the tensor-parallel ranks instead of each split
+    # (vLLM's --enable-expert-parallel; common/model/parallel.py).
+    enable_expert_parallel: bool = False
     # The quantization method the checkpoint must hold (vLLM's --quantization); None: whatever
     # it holds (common/model/quantization).
     quantization: str | None = None

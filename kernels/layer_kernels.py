@@ -12,7 +12,7 @@ is the engine's choice (``LLMEngine._prepare_kernels``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -63,6 +63,15 @@ class LayerKernels:
 
     def activation(self) -> nn.Module | None:
         """silu(gate) * up over a fused gate_up projection (``SiluAndMul``'s role)."""
+        return None
+
+    def experts(
+        self, experts: Sequence[nn.Module], first_expert: int, num_experts: int
+    ) -> nn.Module | None:
+        """One module for all of a mixture's ``experts`` (MLPs, experts ``first_expert`` on of
+        ``num_experts``; ``common/model/moe.py``), called as ``(hidden [N, H], chosen [N, k]
+        expert ids, weights [N, k] float32)`` and returning the weighted sum over these experts,
+        ``[N, H]`` float32. None: the experts run one by one, each on its own kernels."""
         return None
 
 

@@ -43,11 +43,15 @@ def running_cluster(folder: Path, log_path: Path, *flags: str) -> Iterator[str]:
 
 
 @contextmanager
-def tiny_chat_cluster(tmp_path_factory, *flags: str) -> Iterator[tuple[openai.OpenAI, Path, str]]:
-    """`pdserve up` over a tiny model with the default model's tokenizer, CPU-sized: yields an
-    `openai` client, the model folder and the router's base URL. ``{model}`` in a flag is
-    replaced by the model's folder."""
-    folder = build_tiny_chat_model(tmp_path_factory.mktemp("chat-model") / "tiny-chat")
+def tiny_chat_cluster(
+    tmp_path_factory, *flags: str, family: str | None = None
+) -> Iterator[tuple[openai.OpenAI, Path, str]]:
+    """`pdserve up` over a tiny model (the tiny Llama, or of ``family``) with the default
+    model's tokenizer, CPU-sized: yields an `openai` client, the model folder and the router's
+    base URL. ``{model}`` in a flag is replaced by the model's folder."""
+    folder = build_tiny_chat_model(
+        tmp_path_factory.mktemp("chat-model") / "tiny-chat", family=family
+    )
     log = tmp_path_factory.mktemp("logs") / "up.log"
     flags = tuple(flag.replace("{model}", str(folder)) for flag in flags)
     with running_cluster(folder, log, *flags) as base:

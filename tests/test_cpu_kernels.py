@@ -27,7 +27,8 @@ from kernel_twins import (
 )
 from test_kernels import FP8_DTYPE, Pool, assert_matches_reference, dtype_id, make_batch
 
-from common.model.llama import RMSNorm, RotaryApply, SiluAndMul
+from common.model.llama import RMSNorm, RotaryApply
+from common.model.mlp import SiluAndMul
 from kernels import timing
 from kernels.argmax import argmax_rows
 from kernels.cpu import library as cpu_library

@@ -11,7 +11,8 @@ from engines import build_engine
 from tiny_models import assert_greedy_equal_up_to_near_ties, build_tiny_model, random_prompts
 
 import kernels.triton.backend as triton_backend
-from common.model.llama import RMSNorm, RotaryApply, SiluAndMul
+from common.model.llama import RMSNorm, RotaryApply
+from common.model.mlp import SiluAndMul
 from common.sampling_params import SamplingParams
 from kernels.interface import AttentionBackend
 from kernels.layer_kernels import CudaKernels

@@ -14,8 +14,9 @@ from tiny_models import build_tiny_model
 from torch import nn
 
 from common.config import ModelConfig
-from common.model.llama import RMSNorm, RotaryApply, SiluAndMul
+from common.model.llama import RMSNorm, RotaryApply
 from common.model.loader import load_model
+from common.model.mlp import SiluAndMul
 from kernels.cpu.linear import CpuLinear, StepShape
 from kernels.layer_kernels import CpuKernels, LayerKernels
 

@@ -17,9 +17,13 @@ from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
+    OlmoeConfig,
     PretrainedConfig,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 VOCAB_SIZE = 384
@@ -65,7 +69,9 @@ def save_tiny_model(config: PretrainedConfig, folder: Path, seed: int = 0) -> Pa
 
 
 # name -> config factory (keyword overrides welcome). Between them: head_dim 32/64/80, GQA ratios
-# 1/3/4, tied and untied embeddings, llama3 RoPE scaling, Qwen2's qkv bias, Qwen3's q/k norm.
+# 1/3/4, tied and untied embeddings, llama3 RoPE scaling, Qwen2's qkv bias, Qwen3's q/k norm,
+# and the mixtures of experts: Mixtral's renormalised top-2 of 8, Qwen3-MoE's top-4 of 8 with
+# a dense first layer, Qwen2-MoE's shared expert, OLMoE's whole-projection q/k norms and clip.
 FAMILIES = {
     "llama3-rope": partial(
         tiny_llama_config,
@@ -111,7 +117,61 @@ FAMILIES = {
         sliding_window=None,
         tie_word_embeddings=True,
     ),
+    "mixtral": partial(
+        tiny_config,
+        MixtralConfig,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=None,
+        tie_word_embeddings=False,
+    ),
+    "qwen3-moe": partial(
+        tiny_config,
+        Qwen3MoeConfig,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=128,
+        moe_intermediate_size=48,
+        num_experts=8,
+        num_experts_per_tok=4,
+        norm_topk_prob=True,
+        mlp_only_layers=[0],
+        tie_word_embeddings=True,
+    ),
+    "qwen2-moe": partial(
+        tiny_config,
+        Qwen2MoeConfig,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=96,
+        num_experts=6,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        tie_word_embeddings=False,
+    ),
+    "olmoe": partial(
+        tiny_config,
+        OlmoeConfig,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        clip_qkv=4.0,
+        tie_word_embeddings=False,
+    ),
 }
+MOE_FAMILIES = ("mixtral", "qwen3-moe", "qwen2-moe", "olmoe")
 
 
 def build_tiny_model(family: str, folder: Path, seed: int = 0, **overrides: Any) -> Path:
@@ -145,21 +205,21 @@ def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int) -> li
     return outputs
 
 
-def build_tiny_chat_model(folder: Path, seed: int = 0) -> Path:
-    """A tiny random Llama that speaks the default model's tokenizer and chat template, so the
-    whole HTTP path (templates, detokenization, stop strings) runs at the speed of a toy."""
-    import shutil
-
+def build_tiny_chat_model(folder: Path, seed: int = 0, family: str | None = None) -> Path:
+    """A tiny random model (the tiny Llama, or ``FAMILIES[family]``) that speaks the default
+    model's tokenizer and chat template, so the whole HTTP path (templates, detokenization, stop
+    strings) runs at the speed of a toy."""
     from common.model.default_model import ensure_default_model
 
     source = ensure_default_model(progress=False)
-    config = tiny_llama_config(
-        vocab_size=49152,
-        max_position_embeddings=1024,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-    )
+    fields: dict[str, Any] = {
+        "vocab_size": 49152,
+        "max_position_embeddings": 1024,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 2,
+    }
+    config = tiny_llama_config(**fields) if family is None else FAMILIES[family](**fields)
     save_tiny_model(config, folder, seed)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(source / name, folder / name)

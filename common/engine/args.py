@@ -102,6 +102,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "rank 0 schedules and samples, and alone speaks to the router",
     )
     group.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="a mixture of experts' experts spread whole over the tensor-parallel ranks, "
+        "instead of each expert split over all of them",
+    )
+    group.add_argument(
         "--enable-deterministic-inference",
         action="store_true",
         help="batch-invariant kernels: a request's tokens and logprobs do not depend on the "
@@ -156,6 +162,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_deterministic_inference=args.enable_deterministic_inference,
         load_format=args.load_format,
         tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
         quantization=args.quantization,
     )
     config.validate()

@@ -104,7 +104,7 @@ class LLMEngine:
         self.model_path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_pretrained(self.model_path)
         tp_size = config.tensor_parallel_size
-        check_shardable(self.model_config, tp_size)
+        check_shardable(self.model_config, tp_size, config.enable_expert_parallel)
         # Rank 0 spawns the others before the rendezvous, which waits for all of them.
         self.followers: FollowerRanks | None = None
         if tp_size > 1 and tp_rank == 0:
@@ -134,7 +134,14 @@ class LLMEngine:
         self.tp = TensorParallel()
         if tp_size > 1:
             assert tp_port is not None, "a rank other than 0 is given rank 0's port"
-            self.tp = connect(tp_rank, tp_size, tp_port, self.device, deterministic)
+            self.tp = connect(
+                tp_rank,
+                tp_size,
+                tp_port,
+                self.device,
+                deterministic,
+                config.enable_expert_parallel,
+            )
         self.dtype = resolve_dtype(config.dtype, self.model_config.checkpoint_dtype, self.device)
         if config.scheduler.max_num_batched_tokens is None:
             budget = default_token_budget(self.device, self.dtype)

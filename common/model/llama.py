@@ -1,4 +1,5 @@
-"""One implementation for the Llama family: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
+"""One implementation for the Llama family: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm),
+and their mixtures of experts: Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (``common/model/moe.py``).
 
 The model computes over a flattened batch of new tokens; where each token sits is given by
 explicit ``AttentionMetadata``, and keys and values live in the paged ``KVPool``. Under tensor
@@ -11,7 +12,6 @@ tokens in float32 are identical.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, cast
 
@@ -19,8 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.config import ModelConfig
+from common.config import QK_NORM_PER_HEAD, QK_NORM_PER_PROJECTION, ModelConfig
 from common.engine.kv_pool import KVPool
+from common.model.mlp import MLP, kept_if_none, swapped_linear, swapped_norm
+from common.model.moe import SparseMoE
 from common.model.parallel import TensorParallel
 from common.model.quantized_layers import QuantizedEmbedding
 from kernels.cpu.backend import SHORT_QUERY_MAX, CpuAttentionBackend, CpuAttentionPlan
@@ -101,14 +103,6 @@ class RotaryApply(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
-class SiluAndMul(nn.Module):
-    """silu(gate) * up over the two halves of a fused gate_up projection."""
-
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int, tp: TensorParallel) -> None:
         super().__init__()
@@ -126,12 +120,24 @@ class Attention(nn.Module):
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
         self.o_proj: nn.Module = nn.Linear(self.q_size, config.hidden_size, bias=False)
-        self.q_norm: nn.Module | None = (
-            RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        )
-        self.k_norm: nn.Module | None = (
-            RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        )
+        # Qwen3's norm each head vector; OLMoE's whole projections, before the heads are split.
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
+        self.q_projection_norm: ProjectionRMSNorm | None = None
+        self.k_projection_norm: ProjectionRMSNorm | None = None
+        if config.qk_norm == QK_NORM_PER_HEAD:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        elif config.qk_norm == QK_NORM_PER_PROJECTION:
+            # Each KV head is held by as many ranks where there are fewer heads than ranks.
+            kv_replicas = max(1, tp.size // config.num_kv_heads)
+            self.q_projection_norm = ProjectionRMSNorm(
+                self.q_size, config.num_heads * config.head_dim, 1, config, tp
+            )
+            self.k_projection_norm = ProjectionRMSNorm(
+                self.kv_size, config.num_kv_heads * config.head_dim, kv_replicas, config, tp
+            )
+        self.clip_qkv = config.clip_qkv
         # use_kernels swaps in the device's twins of these modules.
         self.rotary: nn.Module = RotaryApply()
         self.softmax_scale = config.head_dim**-0.5
@@ -147,6 +153,10 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_projection_norm is not None and self.k_projection_norm is not None:
+            q, k = self.q_projection_norm(q), self.k_projection_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
@@ -191,29 +201,29 @@ class Attention(nn.Module):
         return turn(heads.reshape(-1, self.head_dim).float()).view(heads.shape)
 
 
-class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
+class ProjectionRMSNorm(nn.Module):
+    """RMSNorm over a whole projection, all heads at once (OLMoE's q and k norms), of which
+    this rank holds ``local_size`` columns (its heads; the loader gives it their weights). Under
+    tensor parallelism the sum of squares is all-reduced, divided by ``replicas``, the ranks
+    holding each column (KV heads fewer than ranks are held by several)."""
+
+    def __init__(
+        self, local_size: int, size: int, replicas: int, config: ModelConfig, tp: TensorParallel
+    ) -> None:
         super().__init__()
-        self.tp = tp
-        # This rank's slice of the width: gate/up split by columns, down by rows (one all-reduce).
-        self.intermediate_size = len(tp.part(config.intermediate_size))
-        # nn.Linear until use_kernels swaps in the device's twins.
-        self.gate_up_proj: nn.Module = nn.Linear(
-            config.hidden_size, 2 * self.intermediate_size, bias=False
-        )
-        self.down_proj: nn.Module = nn.Linear(
-            self.intermediate_size, config.hidden_size, bias=False
-        )
-        self.act: nn.Module = SiluAndMul()
+        self.weight = nn.Parameter(torch.ones(local_size))
+        self.size, self.replicas, self.tp = size, replicas, tp
+        self.eps = config.rms_norm_eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(self.act(self.gate_up_proj(x))))
-
-    def use_kernels(self, kernels: LayerKernels) -> None:
-        """Take ``kernels``' twins of the projections and SiLU-and-multiply."""
-        self.gate_up_proj = swapped_linear(kernels, self.gate_up_proj)
-        self.down_proj = swapped_linear(kernels, self.down_proj)
-        self.act = kept_if_none(kernels.activation(), self.act)
+        dtype = x.dtype
+        x32 = x.float()
+        if self.tp.size == 1:
+            mean_square = x32.pow(2).mean(-1, keepdim=True)  # RMSNorm's bits, unsharded
+        else:
+            squares = self.tp.all_reduce(x32.pow(2).sum(-1, keepdim=True))
+            mean_square = squares / (self.replicas * self.size)
+        return self.weight * (x32 * torch.rsqrt(mean_square + self.eps)).to(dtype)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -240,7 +250,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm: nn.Module = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_index, tp)
         self.post_attention_layernorm: nn.Module = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, tp)
+        moe = config.moe
+        # nn.Module for the type checker: the loader may swap either for its quantized twin.
+        self.mlp: MLP | SparseMoE = (
+            SparseMoE(config.hidden_size, moe, tp)
+            if moe is not None and moe.is_sparse(layer_index)
+            else MLP(config.hidden_size, len(tp.part(config.intermediate_size)), tp)
+        )
 
     def forward(
         self,
@@ -280,26 +296,6 @@ def add_and_norm(
         return fused(norm, hidden, delta)
     hidden = hidden + delta
     return hidden, norm(hidden)
-
-
-def swapped_linear(kernels: LayerKernels, linear: nn.Module) -> nn.Module:
-    """``kernels``' twin of ``linear`` (an ``nn.Linear`` or a ``QuantizedLinear``), or
-    ``linear`` where it has none."""
-    if isinstance(linear, QuantizedLinear):
-        return kept_if_none(kernels.quantized_linear(linear), linear)
-    weight, bias = cast(torch.Tensor, linear.weight), cast("torch.Tensor | None", linear.bias)
-    return kept_if_none(kernels.linear(weight, bias), linear)
-
-
-def swapped_norm(
-    make: Callable[[torch.Tensor, float], nn.Module | None], norm: nn.Module
-) -> nn.Module:
-    """``make``'s twin of ``norm`` (an RMSNorm, its weight shared), or ``norm`` where none."""
-    return kept_if_none(make(cast(torch.Tensor, norm.weight), cast(float, norm.eps)), norm)
-
-
-def kept_if_none(twin: nn.Module | None, module: nn.Module) -> nn.Module:
-    return module if twin is None else twin
 
 
 class LayerThreads(Protocol):
@@ -368,11 +364,13 @@ class LlamaForCausalLM(nn.Module):
         """Build ``fused_layers`` for the bound pool, if every layer qualifies (after the
         layers took their kernels, and whenever another pool is bound)."""
         self.fused_layers = None
-        # The C layer runs O and down to the residual add with no all-reduce between.
+        # The C layer runs O and down to the residual add with no all-reduce between, and a
+        # dense MLP.
         if (
             self.kv is None
             or not isinstance(self.kv.backend, CpuAttentionBackend)
             or self.tp.size > 1
+            or any(isinstance(layer.mlp, SparseMoE) for layer in self.decoder_layers())
         ):
             return
         pairs = list(zip(self.decoder_layers(), self.kv.layers, strict=True))
@@ -410,15 +408,15 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
 
     def linear_shapes(self) -> list[tuple[int, int]]:
-        """``(out, in)`` of one decoder layer's linear layers, for choosing GEMM kernels."""
+        """``(out, in)`` of one decoder layer's linear layers, for choosing GEMM kernels (of a
+        mixture, one expert's and the router's)."""
         attention, mlp = self.decoder_layers()[0].self_attn, self.decoder_layers()[0].mlp
         hidden, q_size, kv_size = self.config.hidden_size, attention.q_size, attention.kv_size
-        return [
-            (q_size + 2 * kv_size, hidden),
-            (hidden, q_size),
-            (2 * mlp.intermediate_size, hidden),
-            (hidden, mlp.intermediate_size),
-        ]
+        attention_shapes = [(q_size + 2 * kv_size, hidden), (hidden, q_size)]
+        if isinstance(mlp, SparseMoE):
+            return attention_shapes + mlp.linear_shapes()
+        width = mlp.intermediate_size
+        return [*attention_shapes, (2 * width, hidden), (hidden, width)]
 
     def forward(
         self,

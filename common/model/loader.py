@@ -14,7 +14,7 @@ import re
 import torch
 from torch import nn
 
-from common.config import LOAD_FORMATS, ModelConfig
+from common.config import LOAD_FORMATS, QK_NORM_PER_PROJECTION, ModelConfig
 from common.model.checkpoint_files import TensorSlice, checkpoint_tensors
 from common.model.llama import LlamaForCausalLM, rope_inverse_frequencies
 from common.model.parallel import TensorParallel
@@ -36,9 +36,20 @@ _FUSED = {
     "self_attn.q_proj": ("self_attn.qkv_proj", 0),
     "self_attn.k_proj": ("self_attn.qkv_proj", 1),
     "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
+# An MLP's projections (a dense layer's, an expert's, a shared expert's) by their checkpoint
+# names, Mixtral's experts' w1/w3/w2 included: (pdserve's name, shard of gate_up or None).
+_MLP_PROJECTIONS = {
+    "gate_proj": ("gate_up_proj", 0),
+    "w1": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "w3": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", None),
+    "w2": ("down_proj", None),
+}
+# Where an MLP's projections live: a dense layer's, the shared expert's, or expert N's (Mixtral's
+# under block_sparse_moe).
+_MLP_OWNER = re.compile(r"^(mlp|mlp\.shared_expert|(?:mlp|block_sparse_moe)\.experts\.(\d+))$")
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 
 
@@ -88,8 +99,9 @@ def load_model(
     loaded: set[str] = set()
     fused_parts: dict[str, dict[int, torch.Tensor]] = {}
     quantized_parts: dict[str, dict[int, QuantizedLinearTensors]] = {}
+    held_experts = tp.experts(config.moe.num_experts) if config.moe is not None else range(0)
     for name, value in checkpoint_tensors(config, method, lambda n: _rank_slice(n, config, tp)):
-        target, shard = _target_name(name)
+        target, shard = _target_name(name, held_experts, config.qk_norm == QK_NORM_PER_PROJECTION)
         if target is None or (name == "lm_head.weight" and config.tie_word_embeddings):
             continue
         if target not in params:
@@ -185,8 +197,13 @@ def _fill_randomly(model: LlamaForCausalLM) -> LlamaForCausalLM:
     return model
 
 
-def _target_name(name: str) -> tuple[str | None, int | None]:
-    """Map a checkpoint tensor name to (our parameter name, fused shard index or None)."""
+def _target_name(
+    name: str, experts: range, projection_norms: bool = False
+) -> tuple[str | None, int | None]:
+    """Map a checkpoint tensor name to (our parameter name, fused shard index or None); the name
+    is None for tensors pdserve does not hold: derived buffers, and experts other than
+    ``experts`` (this rank's). ``projection_norms``: q_norm and k_norm weigh whole projections
+    (OLMoE's), which pdserve names apart from per-head ones."""
     if name == "model.embed_tokens.weight":
         return "embed_tokens.weight", None
     if name == "model.norm.weight":
@@ -200,7 +217,22 @@ def _target_name(name: str) -> tuple[str | None, int | None]:
     if module in _FUSED:
         fused, shard = _FUSED[module]
         return f"layers.{layer}.{fused}.{kind}", shard
-    return f"layers.{layer}.{module}.{kind}", None
+    if projection_norms and module in ("self_attn.q_norm", "self_attn.k_norm"):
+        which = module.removeprefix("self_attn.").removesuffix("_norm")  # q or k
+        return f"layers.{layer}.self_attn.{which}_projection_norm.{kind}", None
+    if module == "block_sparse_moe.gate":  # Mixtral's router
+        return f"layers.{layer}.mlp.gate.{kind}", None
+    owner, _, projection = module.rpartition(".")
+    owner_match = _MLP_OWNER.match(owner)
+    if owner_match is None or projection not in _MLP_PROJECTIONS:
+        return f"layers.{layer}.{module}.{kind}", None
+    ours, part = _MLP_PROJECTIONS[projection]
+    expert = owner_match.group(2)
+    if expert is None:
+        return f"layers.{layer}.{owner}.{ours}.{kind}", part
+    if int(expert) not in experts:
+        return None, None  # another rank's expert
+    return f"layers.{layer}.mlp.experts.{int(expert) - experts.start}.{ours}.{kind}", part
 
 
 # Checkpoint tensors split by rows of the vocabulary.
@@ -220,19 +252,46 @@ def _rank_slice(name: str, config: ModelConfig, tp: TensorParallel) -> TensorSli
     module, head_dim = match.group(2), config.head_dim
     heads = tp.heads(config.num_heads)
     kv_heads = tp.kv_heads(config.num_kv_heads)
-    width = tp.part(config.intermediate_size)
+    q_columns = (0, heads.start * head_dim, heads.stop * head_dim)
+    kv_columns = (0, kv_heads.start * head_dim, kv_heads.stop * head_dim)
     split = {
         # Column-parallel: this rank's output rows (weights and biases alike).
-        "self_attn.q_proj": (0, heads.start * head_dim, heads.stop * head_dim),
-        "self_attn.k_proj": (0, kv_heads.start * head_dim, kv_heads.stop * head_dim),
-        "self_attn.v_proj": (0, kv_heads.start * head_dim, kv_heads.stop * head_dim),
-        "mlp.gate_proj": (0, width.start, width.stop),
-        "mlp.up_proj": (0, width.start, width.stop),
+        "self_attn.q_proj": q_columns,
+        "self_attn.k_proj": kv_columns,
+        "self_attn.v_proj": kv_columns,
         # Row-parallel: this rank's input columns.
         "self_attn.o_proj": (1, heads.start * head_dim, heads.stop * head_dim),
-        "mlp.down_proj": (1, width.start, width.stop),
     }
-    return split.get(module)
+    if config.qk_norm == QK_NORM_PER_PROJECTION:  # OLMoE's norms weigh each head's columns
+        split |= {"self_attn.q_norm": q_columns, "self_attn.k_norm": kv_columns}
+    if module in split:
+        return split[module]
+    return _mlp_slice(module, config, tp)
+
+
+def _mlp_slice(module: str, config: ModelConfig, tp: TensorParallel) -> TensorSlice:
+    """This rank's part of an MLP projection ``module`` (a dense layer's, an expert's or the
+    shared expert's): gate/up's rows and down's columns of its slice of the width. Another
+    rank's expert (expert parallelism) is read as nothing: an empty part."""
+    owner, _, projection = module.rpartition(".")
+    owner_match = _MLP_OWNER.match(owner)
+    if owner_match is None or projection not in _MLP_PROJECTIONS:
+        return None
+    moe = config.moe
+    expert = owner_match.group(2)
+    if owner == "mlp":
+        width = tp.part(config.intermediate_size)
+    elif expert is None:
+        assert moe is not None, "a shared expert belongs to a mixture"
+        width = tp.part(moe.shared_expert_intermediate_size)
+    else:
+        assert moe is not None, "an expert belongs to a mixture"
+        if int(expert) not in tp.experts(moe.num_experts):
+            return 0, 0, 0
+        width = tp.expert_part(moe.expert_intermediate_size)
+    if _MLP_PROJECTIONS[projection][0] == "down_proj":
+        return 1, width.start, width.stop
+    return 0, width.start, width.stop
 
 
 def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:

@@ -8,6 +8,11 @@ With ``size`` ranks, rank ``r`` holds
   there are fewer KV heads than ranks, each KV head is held (replicated) by ``size /
   num_kv_heads`` neighbouring ranks, whose query heads all read it;
 - the slice ``part(intermediate_size)`` of gate/up's columns and down's input rows;
+- of a mixture of experts, every expert's slice ``expert_part(width)`` of its width, as a dense
+  MLP's; or, with expert parallelism (``--enable-expert-parallel``), the whole experts
+  ``experts(num_experts)``, a contiguous share of them. Every rank holds every token's hidden
+  state, so each computes its experts' share for the tokens that chose them and the MLP's one
+  all-reduce is the exchange: no expert's weights are split, and a rank reads only its own;
 - the rows ``vocab_rows(vocab_size)`` of the embedding and the output head, each rank
   ``ceil(vocab / size)`` rows, the last one padded with zero rows.
 
@@ -49,6 +54,8 @@ class TensorParallel:
     deterministic: bool = False
     # The rendezvous the group was made through; rank 0's serves the others, so it lives on.
     store: dist.Store | None = None
+    # Experts held whole, a share per rank, instead of each split over the ranks.
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -70,6 +77,15 @@ class TensorParallel:
     def part(self, total: int) -> range:
         per_rank = total // self.size
         return range(self.rank * per_rank, (self.rank + 1) * per_rank)
+
+    def experts(self, num_experts: int) -> range:
+        """The experts this rank holds: all of them, each in part, or with expert parallelism
+        its share of them whole."""
+        return self.part(num_experts) if self.expert_parallel else range(num_experts)
+
+    def expert_part(self, width: int) -> range:
+        """This rank's slice of each expert's MLP width (all of it with expert parallelism)."""
+        return range(width) if self.expert_parallel else self.part(width)
 
     def vocab_rows(self, vocab_size: int) -> range:
         """This rank's rows of the embedding and head, padded: ``ceil(vocab / size)`` of them,
@@ -120,10 +136,13 @@ class TensorParallel:
         return parts
 
 
-def check_shardable(config: ModelConfig, size: int) -> None:
-    """Raise ``ValueError`` saying why ``config``'s model cannot be split ``size`` ways."""
+def check_shardable(config: ModelConfig, size: int, expert_parallel: bool = False) -> None:
+    """Raise ``ValueError`` saying why ``config``'s model cannot be split ``size`` ways (its
+    experts whole where ``expert_parallel``)."""
     if size < 1:
         raise ValueError(f"--tensor-parallel-size must be >= 1, got {size}")
+    if expert_parallel and config.moe is None:
+        raise ValueError(f"--enable-expert-parallel: {config.path} has no experts")
     if size == 1:
         return
     problems = []
@@ -132,8 +151,16 @@ def check_shardable(config: ModelConfig, size: int) -> None:
     kv = config.num_kv_heads
     if kv % size and size % kv:
         problems.append(f"its {kv} KV heads (nor does the size divide by them)")
-    if config.intermediate_size % size:
+    moe = config.moe
+    dense_layers = config.num_layers if moe is None else config.num_layers - len(moe.sparse_layers)
+    if dense_layers and config.intermediate_size % size:
         problems.append(f"its MLP width {config.intermediate_size}")
+    if moe is not None and expert_parallel and moe.num_experts % size:
+        problems.append(f"its {moe.num_experts} experts")
+    if moe is not None and not expert_parallel and moe.expert_intermediate_size % size:
+        problems.append(f"its experts' width {moe.expert_intermediate_size}")
+    if moe is not None and moe.shared_expert_intermediate_size % size:
+        problems.append(f"its shared expert's width {moe.shared_expert_intermediate_size}")
     if problems:
         raise ValueError(
             f"--tensor-parallel-size {size} does not divide {' or '.join(problems)} ({config.path})"
@@ -141,7 +168,12 @@ def check_shardable(config: ModelConfig, size: int) -> None:
 
 
 def connect(
-    rank: int, size: int, port: int, device: torch.device, deterministic: bool
+    rank: int,
+    size: int,
+    port: int,
+    device: torch.device,
+    deterministic: bool,
+    expert_parallel: bool = False,
 ) -> TensorParallel:
     """Join the group of ``size`` ranks whose rank 0 hosts the rendezvous on loopback ``port``
     (every rank calls this; rank 0's call serves the others)."""
@@ -155,4 +187,4 @@ def connect(
     else:
         gloo = dist.ProcessGroupGloo(dist.PrefixStore("tp", store), rank, size, COLLECTIVE_TIMEOUT)
         group = cast(dist.ProcessGroup, gloo)
-    return TensorParallel(rank, size, group, deterministic, store)
+    return TensorParallel(rank, size, group, deterministic, store, expert_parallel)

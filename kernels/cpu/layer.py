@@ -156,6 +156,8 @@ class FusedDecoderLayer:
             and isinstance(attention.rotary, CpuRotaryApply)
             and isinstance(mlp.act, CpuSiluAndMul)
             and attention.q_norm is None
+            and attention.q_projection_norm is None
+            and attention.clip_qkv is None
             and cache.key.dtype in _PAGE_DTYPES
             and cache.key.stride(-1) == 1
             and cache.key.stride() == cache.value.stride()
