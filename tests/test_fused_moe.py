@@ -10,6 +10,9 @@ projection); float32 runs only by sum order.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -287,6 +290,70 @@ def test_fused_moe_runs_inside_a_cuda_graph_without_syncing():
         graph.replay()
         expected = torch_moe_reference(hidden, w13, w2, ids, weights)
         torch.testing.assert_close(out.float(), expected.float(), **TOLERANCE[dtype])
+
+
+# Compiles both kernels at every tile tier for an H100/H200 (sm_90) in bf16, in a process of its
+# own (Triton chooses between the interpreter and the compiler when the kernels are decorated),
+# and prints each one's registers line and shared memory. Every pointer and integer but the pair
+# count and k is taken as 16-divisible, as the JIT specialises them in a model's launches (a
+# model's sizes are multiples of 16): without that no load is asynchronous, and the 64-row
+# gate/up kernel spills.
+_COMPILE_SCRIPT = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from benchmarks.step.compiled_kernels import _disassemble
+from kernels.triton.fused_moe import MOE_TILE_TIERS, _down_kernel, _gate_up_kernel
+
+INDEXES = ("sorted_ids_ptr", "expert_of_block_ptr", "rows_in_use_ptr")
+for _, tiles in MOE_TILE_TIERS:
+    for fn in (_gate_up_kernel, _down_kernel):
+        constexprs = {"BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k}
+        signature, attrs = {}, {}
+        for index, name in enumerate(fn.arg_names):
+            if name in constexprs:
+                signature[name] = "constexpr"
+                continue
+            if name.endswith("_ptr"):
+                kind = "i32" if name in INDEXES else "fp32" if name == "routing_ptr" else "bf16"
+                signature[name] = "*" + kind
+            else:
+                signature[name] = "i32"
+            if name not in ("num_pairs", "top_k"):
+                attrs[(index,)] = [["tt.divisibility", 16]]
+        kernel = triton.compile(
+            ASTSource(fn, signature, constexprs, attrs),
+            target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages},
+        )
+        _, resources = _disassemble(kernel.asm["cubin"])
+        print(fn.__name__, tiles, resources.split(" SHARED")[0], kernel.metadata.shared, sep="|")
+"""
+
+
+@pytest.mark.slow
+def test_every_tile_tier_compiles_for_a_gpu_within_its_limits():
+    """Checked without a GPU: each tier's kernels compile for sm_90, keep their registers (no
+    stack, which is spills), and take at most 99 KiB of shared memory, what an sm_89 GPU gives
+    a program (a tier past it would not launch there)."""
+    nvidia = pytest.importorskip("triton.backends.nvidia")
+    if not (Path(nvidia.__file__).parent / "bin" / "cuobjdump").exists():
+        pytest.skip("this Triton has no NVIDIA toolchain to compile with")
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SCRIPT],
+        cwd=Path(__file__).parent.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line.split("|") for line in result.stdout.splitlines()]
+    assert len(lines) == 2 * len(MOE_TILE_TIERS)
+    for name, tiles, registers, shared in lines:
+        assert "STACK:0" in registers, (name, tiles, registers)
+        assert int(shared) <= 99 * 1024, (name, tiles, shared)
 
 
 def test_tiles_print_and_refuse_sizes_tl_dot_cannot_take():
