@@ -15,12 +15,15 @@
 #            time goes in the decode steps of batch 1 and 8 and a 512-token prefill, by kernel;
 #   serving  pdserve up with one prefill and one decode worker sharing the GPU, each given
 #            --gpu-memory-utilization 0.4 of it, then W1 of benchmarks.serving.load against it.
-# and four more that the default run leaves out (all of them do not fit in one 10-minute
+# and five more that the default run leaves out (all of them do not fit in one 10-minute
 # command):
 #   bench    python -m benchmarks.step.triton_kernels: prefill TFLOP/s beside SDPA, decode GB/s
 #            beside a copy;
 #   quantized  python -m benchmarks.step.quantized_triton: the Triton GEMM over FP8, block-FP8,
 #            int8 and 4-bit codes beside bf16's on Llama-3.1-8B's shapes at 1 to 4096 rows;
+#   moe      python -m benchmarks.step.fused_moe: the fused MoE kernels on Qwen3-30B-A3B's and
+#            Mixtral-8x7B's expert shapes at 1 to 2048 tokens, beside a dense bf16 GEMM of the
+#            same FLOPs and beside their torch twin;
 #   realserving  W1 as in serving, on Llama-3.1-8B's layers (SmolLM2's vocabulary, the carried
 #            tokenizer's), each worker given 0.45 of the GPU and drawing its weights there;
 #   tune     python -m benchmarks.step.triton_kernels --tune: every tile candidate on the bench's
@@ -31,9 +34,9 @@
 # Logs go to $OUT where it is set (else /tmp/gpu-check); a summary table ends the output, and the
 # exit status is 1 if any step did not pass.
 #
-#   bash scripts/gpu_check.sh [setup|kernels|engine|graphs|realshape|serving|bench|quantized|realserving|tune ...]
+#   bash scripts/gpu_check.sh [setup|kernels|engine|graphs|realshape|serving|bench|quantized|moe|realserving|tune ...]
 #       # default: kernels+engine graphs realshape serving (about 470 s on an H200); then, as a
-#       #   second command: bench quantized realserving; and where tiles are to be tuned, a
+#       #   second command: bench quantized moe realserving; and where tiles are to be tuned, a
 #       #   third: tune
 #
 # It first installs what `make gpu-carry` put in .gpu-carry/ (the wheels the image lacks, and
@@ -72,6 +75,7 @@ declare -A LIMIT_S=(
     [realshape]=${GPU_CHECK_REALSHAPE_S:-120}
     [realserving]=${GPU_CHECK_REALSERVING_S:-200}
     [quantized]=${GPU_CHECK_QUANTIZED_S:-120}
+    [moe]=${GPU_CHECK_MOE_S:-120}
 )
 SERVING_PORT=18000
 W1_ARGS=${GPU_CHECK_W1_ARGS:---isl 256 --osl 64 --num-prompts 64 --concurrency 8}
@@ -100,7 +104,7 @@ pytest_figures() {
 step_kernels() {
     # shellcheck disable=SC2046,SC2086
     OMP_NUM_THREADS=$TEST_THREADS "$PY" -m pytest tests/test_kernels.py tests/test_cuda_ops.py \
-        tests/test_quantized_triton.py -q -rfE \
+        tests/test_quantized_triton.py tests/test_fused_moe.py -q -rfE \
         -p no:cacheprovider $(xdist_flags 8) ${GPU_CHECK_KERNELS_ARGS:-}
 }
 
@@ -129,6 +133,10 @@ step_bench() {
 
 step_quantized() {
     "$PY" -m benchmarks.step.quantized_triton
+}
+
+step_moe() {
+    "$PY" -m benchmarks.step.fused_moe
 }
 
 step_tune() {
@@ -314,7 +322,7 @@ for item in "${steps[@]}"; do
     IFS=+ read -ra group <<<"$item"
     for step in "${group[@]}"; do
         if [[ $step != setup && -z ${LIMIT_S[$step]:-} ]]; then
-            echo "unknown step $step; choose from setup kernels engine bench serving tune graphs realshape realserving" >&2
+            echo "unknown step $step; choose from setup kernels engine bench quantized moe serving tune graphs realshape realserving" >&2
             exit 2
         fi
     done
@@ -364,6 +372,14 @@ figures_of() {
             figures=$(awk 'NF >= 6 && $(NF - 4) ~ /^(1|4096)$/ && $1 != "bf16" {
                 name = $1; for (i = 2; i <= NF - 5; i++) name = name " " $i
                 printf "%s @%s %s, ", name, $(NF - 4), $(NF - 2) }' "$LOGS/quantized.log")
+            figures="${figures%, }"
+            ;;
+        moe)
+            # Lines "MODEL TOKENS HIT us TFLOP/s GB/s dense-us dense-TFLOP/s ...": each model's
+            # weight rate at 1 token and its TFLOP/s (and the dense GEMM's) at 2048.
+            figures=$(awk '$2 == 1 && NF >= 12 { printf "%s @1 %s GB/s, ", $1, $6 }
+                $2 == 2048 && NF >= 12 { printf "%s @2048 %s TFLOP/s (dense %s), ", $1, $5, $8 }' \
+                "$LOGS/moe.log")
             figures="${figures%, }"
             ;;
         realshape)
