@@ -30,6 +30,7 @@ from kernels.cpu.ops import CpuRMSNorm, CpuRotaryApply, CpuSiluAndMul, cpu_ops_a
 from kernels.cpu.quantized_linear import CpuQuantizedLinear
 from kernels.quantized import QuantizedLinear, RoundedInputs
 from kernels.triton.elementwise import CudaRotaryApply, CudaSiluAndMul
+from kernels.triton.fused_moe import MOE_TILE_TIERS, MoETiles, TritonFusedMoE
 from kernels.triton.invariant import InvariantLinear, InvariantRMSNorm
 from kernels.triton.quantized_gemm import TritonQuantizedLinear
 
@@ -71,7 +72,8 @@ class LayerKernels:
         """One module for all of a mixture's ``experts`` (MLPs, experts ``first_expert`` on of
         ``num_experts``; ``common/model/moe.py``), called as ``(hidden [N, H], chosen [N, k]
         expert ids, weights [N, k] float32)`` and returning the weighted sum over these experts,
-        ``[N, H]`` float32. None: the experts run one by one, each on its own kernels."""
+        ``[N, H]`` (float32, or rounded to the hidden dtype once). None: the experts run one by
+        one, each on its own kernels."""
         return None
 
 
@@ -151,13 +153,38 @@ class InvariantKernels(LayerKernels):
     def head_norm(self, weight, eps) -> nn.Module:
         return InvariantRMSNorm(weight, eps)
 
+    def experts(self, experts, first_expert, num_experts) -> nn.Module | None:
+        """The fused Triton experts with one set of tiles at every batch size: a token's sums
+        then run in one order whatever the batch (``kernels/triton/fused_moe.py``)."""
+        return fused_triton_experts(experts, first_expert, tiles=MOE_TILE_TIERS[0][1])
+
 
 class CudaQuantizedKernels(LayerKernels):
     """Any model on CUDA: quantized linear layers read their codes in a Triton GEMM
-    (``kernels/triton/quantized_gemm.py``); every other role keeps torch's module."""
+    (``kernels/triton/quantized_gemm.py``), a mixture's 16-bit experts run as one fused Triton
+    kernel; every other role keeps torch's module."""
 
     def quantized_linear(self, linear: QuantizedLinear) -> nn.Module:
         return TritonQuantizedLinear(linear)
+
+    def experts(self, experts, first_expert, num_experts) -> nn.Module | None:
+        return fused_triton_experts(experts, first_expert)
+
+
+def fused_triton_experts(
+    experts: Sequence[nn.Module], first_expert: int, tiles: MoETiles | None = None
+) -> nn.Module | None:
+    """``experts`` (MLPs of ``gate_up_proj`` and ``down_proj``) stacked for the fused Triton
+    kernel, or None where any projection is quantized: those keep their own GEMMs, one expert
+    after another."""
+    projections = [(expert.gate_up_proj, expert.down_proj) for expert in experts]
+    if not projections or not all(
+        isinstance(linear, nn.Linear) for pair in projections for linear in pair
+    ):
+        return None
+    w13 = torch.stack([gate_up.weight.detach() for gate_up, _ in projections])
+    w2 = torch.stack([down.weight.detach() for _, down in projections])
+    return TritonFusedMoE(w13, w2, first_expert, tiles)
 
 
 class CudaKernels(CudaQuantizedKernels):

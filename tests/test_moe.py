@@ -38,6 +38,9 @@ from common.model.loader import load_model
 from common.model.moe import SparseMoE, route
 from common.model.parallel import TensorParallel, check_shardable
 from common.sampling_params import SamplingParams
+from kernels.layer_kernels import CudaQuantizedKernels, fused_triton_experts
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 NEW_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
@@ -163,6 +166,25 @@ def test_a_layer_reads_only_the_experts_its_tokens_chose(mixtral):
             for slot in range(2)
         )
         assert torch.allclose(out[token], by_hand[0], atol=1e-6)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_the_fused_triton_experts_compute_the_layer_the_loop_does(mixtral, expert_parallel):
+    """The CUDA kernels' twin of a layer's experts (stacked weights, one Triton kernel; run by
+    the interpreter here) against the layer's own expert-by-expert loop, float32; with expert
+    parallelism, over rank 1's half of the experts only."""
+    tp = TensorParallel(1, 2, expert_parallel=True) if expert_parallel else None
+    model = load_model(ModelConfig.from_pretrained(mixtral), torch.float32, DEVICE, tp=tp)
+    layer = model.decoder_layers()[0].mlp
+    assert isinstance(layer, SparseMoE)
+    x = torch.randn(5, 64, device=DEVICE)
+    weights, chosen = route(layer.gate(x), 2, renormalize=True)
+    looped = layer.run_experts(x, chosen, weights)
+    fused = fused_triton_experts(list(layer.experts), layer.first_expert)
+    assert fused is not None
+    torch.testing.assert_close(fused(x, chosen, weights).float(), looped, atol=1e-5, rtol=1e-5)
+    layer.use_kernels(CudaQuantizedKernels())
+    assert layer.fused_experts is not None and len(layer.experts) == 0
 
 
 # -- the loader ----------------------------------------------------------------------------------

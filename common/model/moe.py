@@ -81,7 +81,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
         weights, chosen = route(self.gate(x), self.moe.top_k, self.moe.renormalize)
         if self.fused_experts is not None:
-            total = self.fused_experts(x, chosen, weights)
+            total = self.fused_experts(x, chosen, weights).float()
         else:
             total = self.run_experts(x, chosen, weights)
         if self.shared_expert is not None and self.shared_expert_gate is not None:

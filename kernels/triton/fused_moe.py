@@ -456,16 +456,26 @@ def torch_moe_reference(
 class TritonFusedMoE(nn.Module):
     """A mixture-of-experts layer's experts: holds the stacked weights, ``w13 [E_local, 2I, H]``
     (gate rows, then up rows) and ``w2 [E_local, H, I]``, of experts ``[expert_offset,
-    expert_offset + E_local)``, and runs ``fused_moe`` over them."""
+    expert_offset + E_local)``, and runs ``fused_moe`` over them; with ``tiles``, those at every
+    batch size (batch-invariant), else the batch's tier."""
 
-    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, expert_offset: int = 0) -> None:
+    def __init__(
+        self,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        expert_offset: int = 0,
+        tiles: MoETiles | None = None,
+    ) -> None:
         super().__init__()
         self.w13 = w13.detach().contiguous()
         self.w2 = w2.detach().contiguous()
         self.expert_offset = expert_offset
         self.num_experts = w13.shape[0]
+        self.tiles = tiles
 
     def forward(
         self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
-        return fused_moe(hidden, self.w13, self.w2, topk_ids, topk_weights, self.expert_offset)
+        return fused_moe(
+            hidden, self.w13, self.w2, topk_ids, topk_weights, self.expert_offset, self.tiles
+        )
