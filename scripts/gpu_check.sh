@@ -23,7 +23,10 @@
 #            int8 and 4-bit codes beside bf16's on Llama-3.1-8B's shapes at 1 to 4096 rows;
 #   moe      python -m benchmarks.step.fused_moe: the fused MoE kernels on Qwen3-30B-A3B's and
 #            Mixtral-8x7B's expert shapes at 1 to 2048 tokens, beside a dense bf16 GEMM of the
-#            same FLOPs and beside their torch twin;
+#            same FLOPs and beside their torch twin; then python -m benchmarks.step.moe: the
+#            decode step of Qwen3-30B-A3B's shape (random weights) at batch 1/8/32 beside its
+#            floor, the weights of the experts its tokens chose;
+#   moeserving  W1 as in realserving, on 24 of Qwen3-30B-A3B's 48 layers;
 #   realserving  W1 as in serving, on Llama-3.1-8B's layers (SmolLM2's vocabulary, the carried
 #            tokenizer's), each worker given 0.45 of the GPU and drawing its weights there;
 #   tune     python -m benchmarks.step.triton_kernels --tune: every tile candidate on the bench's
@@ -34,10 +37,10 @@
 # Logs go to $OUT where it is set (else /tmp/gpu-check); a summary table ends the output, and the
 # exit status is 1 if any step did not pass.
 #
-#   bash scripts/gpu_check.sh [setup|kernels|engine|graphs|realshape|serving|bench|quantized|moe|realserving|tune ...]
+#   bash scripts/gpu_check.sh [setup|kernels|engine|graphs|realshape|serving|bench|quantized|moe|moeserving|realserving|tune ...]
 #       # default: kernels+engine graphs realshape serving (about 470 s on an H200); then, as a
-#       #   second command: bench quantized moe realserving; and where tiles are to be tuned, a
-#       #   third: tune
+#       #   second command: bench quantized moe realserving; a third: moeserving, and where
+#       #   tiles are to be tuned: tune
 #
 # It first installs what `make gpu-carry` put in .gpu-carry/ (the wheels the image lacks, and
 # SmolLM2's config and tokenizer, served with random weights: the real ones do not fit) into
@@ -75,7 +78,8 @@ declare -A LIMIT_S=(
     [realshape]=${GPU_CHECK_REALSHAPE_S:-120}
     [realserving]=${GPU_CHECK_REALSERVING_S:-200}
     [quantized]=${GPU_CHECK_QUANTIZED_S:-120}
-    [moe]=${GPU_CHECK_MOE_S:-120}
+    [moe]=${GPU_CHECK_MOE_S:-240}
+    [moeserving]=${GPU_CHECK_MOESERVING_S:-200}
 )
 SERVING_PORT=18000
 W1_ARGS=${GPU_CHECK_W1_ARGS:---isl 256 --osl 64 --num-prompts 64 --concurrency 8}
@@ -136,7 +140,18 @@ step_quantized() {
 }
 
 step_moe() {
-    "$PY" -m benchmarks.step.fused_moe
+    local failed=0
+    "$PY" -m benchmarks.step.fused_moe || failed=1
+    # The decode step beside the weights of the experts its tokens chose, Qwen3-30B-A3B's shape.
+    "$PY" -m benchmarks.step.moe --device cuda --batch-sizes 1,8,32 || failed=1
+    return $failed
+}
+
+step_moeserving() {
+    local model
+    # Half of Qwen3-30B-A3B's 48 layers: two workers' weights and pages within the GPU.
+    model=$(real_shape_model benchmarks/shapes/Qwen3-30B-A3B/config.json 24) || return 1
+    serve_w1 "$model" "${GPU_CHECK_REAL_SHARE:-0.45}" --load-format dummy
 }
 
 step_tune() {
@@ -184,14 +199,17 @@ step_serving() {
 # tokens: the router must detokenize what the model samples), weights drawn on the device by
 # each worker (--load-format dummy): nothing is written or carried. Prints the folder.
 real_shape_model() {
-    local model="$WORK/Llama-3.1-8B-layers-SmolLM2-vocabulary"
+    local config=${1:-${GPU_CHECK_REAL_CONFIG:-benchmarks/shapes/Llama-3.1-8B/config.json}}
+    local model
+    model="$WORK/$(basename "$(dirname "$config")")-layers-SmolLM2-vocabulary"
     rm -rf "$model" && mkdir -p "$model" || return 1
     "$PY" -c 'import json, sys
 config = json.load(open(sys.argv[1]))
 config.update(vocab_size=49152, bos_token_id=1, eos_token_id=2)
+if sys.argv[3]:
+    config["num_hidden_layers"] = int(sys.argv[3])
 json.dump(config, open(sys.argv[2], "w"), indent=2)' \
-        "${GPU_CHECK_REAL_CONFIG:-benchmarks/shapes/Llama-3.1-8B/config.json}" "$model/config.json" ||
-        return 1
+        "$config" "$model/config.json" "${2:-}" || return 1
     cp "$CARRY"/SmolLM2-135M-Instruct/{tokenizer.json,tokenizer_config.json} "$model"/ || return 1
     cp "$CARRY"/SmolLM2-135M-Instruct/special_tokens_map.json "$model"/ 2>/dev/null
     echo "$model"
@@ -322,7 +340,7 @@ for item in "${steps[@]}"; do
     IFS=+ read -ra group <<<"$item"
     for step in "${group[@]}"; do
         if [[ $step != setup && -z ${LIMIT_S[$step]:-} ]]; then
-            echo "unknown step $step; choose from setup kernels engine bench quantized moe serving tune graphs realshape realserving" >&2
+            echo "unknown step $step; choose from setup kernels engine bench quantized moe moeserving serving tune graphs realshape realserving" >&2
             exit 2
         fi
     done
@@ -356,7 +374,7 @@ figures_of() {
                 sort -k2 -g | tail -n 1 | tr -s " ")
             figures="prefill bf16 best ${prefill:-?} TFLOP/s (SDPA ${sdpa:-?}); decode best ${decode:-?}"
             ;;
-        serving | realserving)
+        serving | realserving | moeserving)
             figures=$(awk '$1 ~ /^(output_tok_s|ttft_p50_ms|tpot_mean_ms|itl_p99_ms|decode_step_ms|tpot_over_step|errors)$/ {
                 printf "%s %s, ", $1, $2 }' "$LOGS/$step.log")
             pages=$(grep -aoE '^(prefill|decode) worker [^:]*: [0-9]+' "$LOGS/$step.log" |
@@ -378,7 +396,9 @@ figures_of() {
             # Lines "MODEL TOKENS HIT us TFLOP/s GB/s dense-us dense-TFLOP/s ...": each model's
             # weight rate at 1 token and its TFLOP/s (and the dense GEMM's) at 2048.
             figures=$(awk '$2 == 1 && NF >= 12 { printf "%s @1 %s GB/s, ", $1, $6 }
-                $2 == 2048 && NF >= 12 { printf "%s @2048 %s TFLOP/s (dense %s), ", $1, $5, $8 }' \
+                $2 == 2048 && NF >= 12 { printf "%s @2048 %s TFLOP/s (dense %s), ", $1, $5, $8 }
+                /^batch +[0-9]+: / { sub(":", "", $2); ratio = $NF; gsub(/[()]/, "", ratio)
+                    printf "step b%s %s (%s floor), ", $2, $3, ratio }' \
                 "$LOGS/moe.log")
             figures="${figures%, }"
             ;;

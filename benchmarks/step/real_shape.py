@@ -54,6 +54,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness import pin_to_cores, random_prompts
+from benchmarks.step.moe_weights import weight_bytes as moe_weight_bytes
 from common.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.engine.llm_engine import LLMEngine
 from common.sampling_params import SamplingParams
@@ -337,8 +338,12 @@ def prefill_flops(engine: LLMEngine, tokens: int) -> float:
     """Matmul FLOPs of a ``tokens``-token prompt (2 per weight per token, the embedding table
     excluded: it is a lookup) plus causal attention's (QK^T and PV over half the square)."""
     config = engine.model_config
-    weights = sum(p.numel() for p in engine.model.parameters())
-    weights -= engine.model.embed_tokens.weight.numel()
+    if config.moe is not None:  # each token multiplies its top-k experts' weights only
+        chosen = [float(config.moe.top_k)] * len(config.moe.sparse_layers)
+        weights = moe_weight_bytes(config, 1, chosen)
+    else:
+        weights = sum(p.numel() for p in engine.model.parameters())
+        weights -= engine.model.embed_tokens.weight.numel()
     attention = 2 * 2 * config.num_layers * config.num_heads * config.head_dim * tokens**2 / 2
     return 2 * weights * tokens + attention
 
@@ -402,7 +407,13 @@ def main() -> int:
     )
 
     engine = build_engine(args, device)
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    config = engine.model_config
+    if config.moe is not None:
+        # Every expert: a step of a few tokens reads fewer (benchmarks.step.moe counts them).
+        every = [float(config.moe.num_experts)] * len(config.moe.sparse_layers)
+        weight_bytes = moe_weight_bytes(config, engine.dtype.itemsize, every)
+    else:
+        weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     layout = engine.kv_layout
     kv_bytes_per_token = layout.bytes_per_page / layout.page_size  # every layer, K and V
     floor_s = weight_bytes / bandwidth
