@@ -37,7 +37,9 @@ from common.model.default_model import ensure_default_model
 from common.model.loader import load_model
 from common.model.moe import SparseMoE, route
 from common.model.parallel import TensorParallel, check_shardable
+from common.model.quantization.writer import write_compressed_tensors
 from common.sampling_params import SamplingParams
+from kernels.cpu.quantized_linear import CpuQuantizedLinear
 from kernels.layer_kernels import CudaQuantizedKernels, fused_triton_experts
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -286,6 +288,28 @@ def test_8_bit_kv_serves_a_mixture_as_its_dense_twin(tmp_path, kv_cache_dtype):
     prompts = random_prompts(4, seed=11)
     expected = build_engine(dense, kv_cache_dtype=kv_cache_dtype).generate(prompts, GREEDY)
     engine = build_engine(folder, kv_cache_dtype=kv_cache_dtype)
+    assert engine.generate(prompts, GREEDY) == expected
+
+
+@pytest.mark.parametrize("scheme", ["W8A16", "W4A16", "FP8_DYNAMIC"])
+def test_quantized_experts_serve_as_their_dense_twin(tmp_path, scheme):
+    """``pdserve quantize`` quantizes every expert (the router stays 16-bit, as llm-compressor
+    leaves it), and the experts run on the quantized kernels: a mixture of identical experts
+    choosing one, quantized, holds the same codes as its quantized dense model, and must give its
+    tokens exactly."""
+    dense = save_tiny_model(tiny_llama_config(), tmp_path / "dense")
+    mixture = upcycled(dense, tmp_path / "upcycled", num_experts=4, top_k=1)
+    folders = [
+        write_compressed_tensors(source, tmp_path / f"{source.name}-{scheme}", scheme, 32)
+        for source in (dense, mixture)
+    ]
+    prompts = random_prompts(4, seed=13)
+    expected = build_engine(folders[0]).generate(prompts, GREEDY)
+    engine = build_engine(folders[1])
+    layer = engine.model.decoder_layers()[0].mlp
+    assert isinstance(layer, SparseMoE) and isinstance(
+        layer.experts[3].down_proj, CpuQuantizedLinear
+    )
     assert engine.generate(prompts, GREEDY) == expected
 
 

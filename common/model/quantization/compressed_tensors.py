@@ -56,7 +56,12 @@ TENSOR_SUFFIXES = (
 # The class name compressed-tensors targets every linear layer by, and the names of the
 # linear layers of the models pdserve serves.
 LINEAR_TARGET = "Linear"
-LINEAR_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Every linear layer of the supported families, by its last name: the "Linear" target.
+LINEAR_LAYERS = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+    "w1", "w2", "w3",  # Mixtral's experts
+    "gate", "shared_expert_gate",  # a mixture's routers (most checkpoints ignore them)
+)  # fmt: skip
 HEAD = "lm_head"
 
 

@@ -25,16 +25,14 @@ from common.model.checkpoint_files import checkpoint_tensors
 from kernels.quantized import FP8_E4M3_MAX
 from kernels.sizes import ceil_div
 
-# The layers a scheme quantizes: every decoder layer's linears.
-_LINEAR_SUFFIXES = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-)
+# The layers a scheme quantizes: every decoder layer's linears, a mixture's experts (Mixtral's
+# w1/w3/w2 among them) and shared expert included, by their last name.
+_QUANTIZED_LAYERS = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3",
+)  # fmt: skip
+# What stays 16-bit, as llm-compressor leaves it: the head, and a mixture's routers and shared
+# expert gate (a few columns each, whose rounding would move every token's choice of experts).
+_IGNORED = ["lm_head", r"re:.*\.gate$", r"re:.*\.shared_expert_gate$"]
 FP8_BLOCK = 128
 
 
@@ -124,7 +122,10 @@ def write_compressed_tensors(
     for name, value in checkpoint_tensors(config, None, lambda _: None):
         assert isinstance(value, torch.Tensor)
         layer = name.removesuffix(".weight")
-        if not (name.endswith(".weight") and layer.endswith(_LINEAR_SUFFIXES)):
+        quantized = (
+            layer.startswith("model.layers.") and layer.rpartition(".")[2] in _QUANTIZED_LAYERS
+        )
+        if not (name.endswith(".weight") and quantized):
             tensors[name] = value.contiguous()
             continue
         for suffix, tensor in _quantized(value, weights, scheme.storage).items():
@@ -149,7 +150,7 @@ def write_compressed_tensors(
                 "format": scheme.storage,
             }
         },
-        "ignore": ["lm_head"],
+        "ignore": _IGNORED,
         "kv_cache_scheme": None,
     }
     (target / "config.json").write_text(json.dumps(raw, indent=2))
