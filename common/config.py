@@ -290,6 +290,35 @@ class SpeculativeConfig:
 
 
 @dataclass(slots=True)
+class LoraConfig:
+    """LoRA adapters over the base model (vLLM's flags; common/engine/lora.py)."""
+
+    enable_lora: bool = False
+    # name -> folder of each adapter served from the start (--lora-modules).
+    modules: dict[str, str] = field(default_factory=dict)
+    max_loras: int = 1  # adapters one step computes (device slots); requests for more wait
+    max_cpu_loras: int | None = None  # adapters kept in host memory; None: max_loras
+    max_lora_rank: int = 16  # the largest rank served; the slots are this wide
+
+    @property
+    def host_capacity(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+    def validate(self) -> None:
+        if self.modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        if self.max_loras < 1:
+            raise ValueError(f"--max-loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"--max-lora-rank must be >= 1, got {self.max_lora_rank}")
+        if self.host_capacity < self.max_loras:
+            raise ValueError(
+                f"--max-cpu-loras ({self.host_capacity}) must be at least --max-loras "
+                f"({self.max_loras})"
+            )
+
+
+@dataclass(slots=True)
 class EngineConfig:
     model: str | None = None  # a Hugging Face folder; None: the default model
     dtype: str = "auto"
@@ -314,6 +343,7 @@ class EngineConfig:
     # The quantization method the checkpoint must hold (vLLM's --quantization); None: whatever
     # it holds (common/model/quantization).
     quantization: str | None = None
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def validate(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -327,6 +357,9 @@ class EngineConfig:
         self.cache.validate()
         self.scheduler.validate()
         self.speculative.validate()
+        self.lora.validate()
+        if self.lora.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("--enable-lora is not served with --tensor-parallel-size > 1 yet")
         if self.enable_deterministic_inference and self.enforce_eager:
             raise ValueError(
                 "--enable-deterministic-inference needs pdserve's own kernels; it cannot be "

@@ -12,7 +12,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from common.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from common.config import (
+    CacheConfig,
+    EngineConfig,
+    LoraConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from common.engine.llm_engine import LLMEngine
 
 
@@ -34,6 +40,7 @@ def build_engine(
     enforce_eager: bool = False,
     async_scheduling: bool | None = None,
     role: str | None = None,
+    lora: LoraConfig | None = None,
 ) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
@@ -56,6 +63,7 @@ def build_engine(
             speculative=speculative or SpeculativeConfig(),
             enforce_eager=enforce_eager,
             enable_deterministic_inference=deterministic,
+            lora=lora or LoraConfig(),
         ),
         role=role,
     )

@@ -10,10 +10,12 @@ from common.config import (
     SPECULATIVE_METHODS,
     CacheConfig,
     EngineConfig,
+    LoraConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
 from common.engine.memory import parse_memory_size
+from common.lora_adapters import parse_lora_module
 from common.model.quantization import QUANTIZATION_METHODS
 
 
@@ -113,6 +115,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="batch-invariant kernels: a request's tokens and logprobs do not depend on the "
         "batch, chunking, prefix cache or worker (C kernels on a CPU, Triton on CUDA)",
     )
+    add_lora_args(parser)
     spec = parser.add_argument_group("speculative decoding (decode side)")
     spec.add_argument(
         "--speculative-method",
@@ -134,6 +137,51 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="do not speculate while more sequences than this are decoding",
+    )
+
+
+def add_lora_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's LoRA flags (docs/lora.md); the router takes ``--enable-lora`` and
+    ``--lora-modules`` too, to list and route the adapters."""
+    lora = parser.add_argument_group("LoRA adapters (docs/lora.md)")
+    lora.add_argument(
+        "--enable-lora", action="store_true", help="serve LoRA adapters over the base model"
+    )
+    lora.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=parse_lora_module,
+        default=[],
+        metavar="NAME=PATH",
+        help="adapters served from the start, as name=path or vLLM's JSON form "
+        '{"name": ..., "path": ..., "base_model_name": ...}; a request names one as its model',
+    )
+    lora.add_argument(
+        "--max-loras",
+        type=int,
+        default=1,
+        help="adapters computed in one step (device slots); requests for more wait",
+    )
+    lora.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="adapters kept in host memory, least recently used out first (default: --max-loras)",
+    )
+    lora.add_argument("--max-lora-rank", type=int, default=16, help="the largest rank served")
+
+
+def lora_config_from_args(args: argparse.Namespace) -> LoraConfig:
+    names = [module.name for module in args.lora_modules]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ValueError(f"--lora-modules names {duplicates} more than once")
+    return LoraConfig(
+        enable_lora=args.enable_lora,
+        modules={module.name: module.path for module in args.lora_modules},
+        max_loras=args.max_loras,
+        max_cpu_loras=args.max_cpu_loras,
+        max_lora_rank=args.max_lora_rank,
     )
 
 
@@ -164,6 +212,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
         quantization=args.quantization,
+        lora=lora_config_from_args(args),
     )
     config.validate()
     return config

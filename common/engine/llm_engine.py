@@ -32,6 +32,7 @@ from common.config import (
 from common.engine.batch import ScheduledSequence, SequenceOutput
 from common.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from common.engine.kv_pool import KVPool, dtype_name, kv_layout
+from common.engine.lora import LoraManager
 from common.engine.memory import plan_num_pages, warm_up, warms_up
 from common.engine.model_runner import AroundForward, LaunchedDecodes, ModelRunner
 from common.engine.page_manager import PageManager
@@ -54,6 +55,7 @@ from common.metrics import STEPS_LAUNCHED_AHEAD
 from common.model.default_model import resolve_model_path
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
+from common.model.lora import attach_lora
 from common.model.parallel import TensorParallel, check_shardable, connect
 from common.sampling_params import SamplingParams
 from common.startup_objects import startup_objects_frozen
@@ -168,6 +170,7 @@ class LLMEngine:
         if kv_dtype == INT8_DTYPE:
             self.model.turn_kv_heads()
         self._prepare_kernels(self.model, log=True)
+        self.lora = self._serve_adapters(config)
         exact = self.model_config.exact_context_length
         if exact < self.model_config.max_position_embeddings:
             logger.warning(
@@ -244,6 +247,9 @@ class LLMEngine:
             )
         self.runner = ModelRunner(self.model, self.pool, self.sampler, self.speculator)
         self.runner.followers = self.followers
+        if self.lora is not None:
+            self.runner.lora = self.lora
+            self.scheduler.max_adapters = self.lora.max_loras
         if graph_sizes:
             self.runner.graphs = self._capture_decode_graphs(graph_sizes)
         self.steps_ahead = self._steps_ahead_wanted(role)
@@ -267,6 +273,19 @@ class LLMEngine:
             f", tensor-parallel rank {tp_rank} of {tp_size}" if tp_size > 1 else "",
             ", decode steps launched ahead" if self.steps_ahead else "",
         )
+
+    def _serve_adapters(self, config: EngineConfig) -> LoraManager | None:
+        """With ``--enable-lora``: the adapter slots on every layer, and ``--lora-modules``
+        read and checked (``ValueError`` naming a bad one)."""
+        if not config.lora.enable_lora:
+            return None
+        slots = attach_lora(
+            self.model, config.lora.max_loras, config.lora.max_lora_rank, self.dtype
+        )
+        manager = LoraManager(config.lora, self.model_config, slots)
+        for name, path in config.lora.modules.items():
+            manager.add(name, path)
+        return manager
 
     def _steps_ahead_wanted(self, role: str | None) -> bool:
         """Whether decode steps are launched before the last one's tokens are read
@@ -413,14 +432,29 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         request_id: str | None = None,
+        lora_name: str | None = None,
     ) -> str:
+        """Queue a prompt; ``lora_name``: the adapter it computes under (None: the base)."""
         params.check_token_ids(self.model_config.vocab_size)
         bad = [t for t in prompt_token_ids if not 0 <= t < self.model_config.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids out of the vocabulary: {bad[:5]}")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        self.scheduler.add(Sequence.from_prompt(request_id, prompt_token_ids, params))
+        seq = Sequence.from_prompt(request_id, prompt_token_ids, params)
+        if lora_name is not None:
+            seq.lora_name, seq.cache_namespace = lora_name, self.adapter_namespace(lora_name)
+        self.scheduler.add(seq)
         return request_id
+
+    def adapter_namespace(self, lora_name: str) -> str:
+        """The prefix-cache namespace of adapter ``lora_name`` (``ValueError`` if this engine
+        does not serve it)."""
+        if self.lora is None:
+            raise ValueError(
+                f"the LoRA adapter {lora_name!r} does not exist: this engine serves none "
+                "(--enable-lora)"
+            )
+        return self.lora.namespace(lora_name)
 
     def abort(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id) is not None
@@ -493,12 +527,20 @@ class LLMEngine:
         ]
 
     def generate(
-        self, prompts: Iterable[list[int]], params: SamplingParams | list[SamplingParams]
+        self,
+        prompts: Iterable[list[int]],
+        params: SamplingParams | list[SamplingParams],
+        lora_names: list[str | None] | None = None,
     ) -> list[list[int]]:
-        """Run prompts to completion together; returns each one's generated token ids."""
+        """Run prompts to completion together; returns each one's generated token ids.
+        ``lora_names``: each prompt's adapter (None: the base model's)."""
         prompts = list(prompts)
         all_params = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, all_params, strict=True)]
+        adapters = lora_names if lora_names is not None else [None] * len(prompts)
+        ids = [
+            self.add_request(p, sp, lora_name=name)
+            for p, sp, name in zip(prompts, all_params, adapters, strict=True)
+        ]
         tokens: dict[str, list[int]] = {request_id: [] for request_id in ids}
         while self.has_unfinished:
             for output in self.step():

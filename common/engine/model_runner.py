@@ -30,6 +30,7 @@ from common.engine.batch import (
 )
 from common.engine.cuda_graphs import DecodeGraphs
 from common.engine.kv_pool import KVPool
+from common.engine.lora import LoraManager
 from common.engine.sampler import (
     SampledToken,
     Sampler,
@@ -44,6 +45,7 @@ from common.engine.structured.masks import fill_masks
 from common.engine.structured.state import GrammarState
 from common.engine.tp_group import FollowerRanks
 from common.model.llama import LlamaForCausalLM
+from kernels.lora import LoraSegments
 
 
 class AroundForward(AbstractContextManager[object], Protocol):
@@ -86,6 +88,8 @@ class ModelRunner:
         self.page_tables = PageTables()
         # Set by a tensor-parallel group's rank 0: the ranks that run each step beside it.
         self.followers: FollowerRanks | None = None
+        # Set by an engine serving LoRA adapters: the slots each step's adapters compute in.
+        self.lora: LoraManager | None = None
         # The last batch whose rows were all a plain argmax: the same rows stay so (a row's
         # output only grows, and only min_tokens depends on it), so they are not asked again.
         self._plain_rows: list[ScheduledSequence] = []
@@ -116,12 +120,14 @@ class ModelRunner:
             runs = self.token_runs(batch, proposals)
             self.followers.send_step(runs)
         inputs = self._inputs(batch, proposals, decodes_alone, runs)
+        lora = self._lora_segments(batch, proposals)
         with around_forward if around_forward is not None else nullcontext():
             started = time.perf_counter()
-            logits = self.graphs.run(inputs) if self.graphs is not None else None
+            # The graphs are of the base model's steps.
+            logits = self.graphs.run(inputs) if self.graphs is not None and lora is None else None
             if logits is None:
                 logits = self.model(
-                    inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices
+                    inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices, lora
                 )
             if around_forward is not None:
                 around_forward.device_launched()
@@ -175,10 +181,11 @@ class ModelRunner:
             self.page_tables,
             after=None if after is None else after.token_ids,
         )
-        logits = self.graphs.run(inputs) if self.graphs is not None else None
+        lora = self._lora_segments(batch, [()] * len(batch))
+        logits = self.graphs.run(inputs) if self.graphs is not None and lora is None else None
         if logits is None:
             logits = self.model(
-                inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices
+                inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices, lora
             )
         if self._all_plain_argmax(batch):
             token_ids = self.sampler.argmax_ids(logits)
@@ -207,6 +214,23 @@ class ModelRunner:
         if launched.ready is not None:
             launched.ready.synchronize()
         return [[sample] for sample in plain_samples(launched.host_token_ids.tolist())]
+
+    def _lora_segments(
+        self, batch: list[ScheduledSequence], proposals: Seq[Seq[int]]
+    ) -> LoraSegments | None:
+        """The step's rows by adapter slot (each sequence's run: its known tokens, then its
+        proposals), the adapters written into slots first; None where no row has one."""
+        if self.lora is None:
+            return None
+        names = {item.seq.lora_name for item in batch if item.seq.lora_name is not None}
+        if not names:
+            return None
+        slots = self.lora.slots_for(names)
+        rows = [
+            (item.num_new_tokens + len(proposed), slots.get(item.seq.lora_name or ""))
+            for item, proposed in zip(batch, proposals, strict=True)
+        ]
+        return LoraSegments.of_rows(rows, self.device)
 
     def _all_plain_argmax(self, batch: list[ScheduledSequence]) -> bool:
         """Whether every row's next token is its logits' argmax and nothing else is asked of it

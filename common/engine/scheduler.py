@@ -77,6 +77,9 @@ class Scheduler:
         self.compiling: list[Sequence] = []
         self.failed: list[tuple[Sequence, str]] = []
         self.num_preemptions = 0
+        # With LoRA: the most adapters the running sequences may compute under at once (the
+        # device's slots); a waiting sequence of another adapter waits. None: no limit.
+        self.max_adapters: int | None = None
         self.num_prompt_tokens_computed = 0  # prompt tokens run through the model, cache hits not
         # The last step's batch when it was every running sequence decoding, in running order:
         # while that stays so, the next step is the same rows again (``_steady_decodes``).
@@ -300,7 +303,7 @@ class Scheduler:
             # A sequence whose prompt KV was shipped has one token left: it is a decode.
             decode_ready = seq.num_tokens - seq.num_computed_tokens == 1
             limit = budget if decode_ready else min(budget, prompt_budget)
-            if limit == 0:
+            if limit == 0 or not self._adapter_fits(seq):
                 break
             num_admitted = self._admit(seq, limit)
             if num_admitted is None:
@@ -315,6 +318,14 @@ class Scheduler:
             if not decode_ready:
                 prompt_budget -= num_admitted
         return batch
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """Whether ``seq`` may run beside the running sequences: its adapter is among theirs,
+        or they leave a device slot free (``max_adapters``)."""
+        if self.max_adapters is None or seq.lora_name is None:
+            return True
+        running = {s.lora_name for s in self.running if s.lora_name is not None}
+        return seq.lora_name in running or len(running) < self.max_adapters
 
     def _room_for_short_prompts(self, chunking: list[Sequence], prompt_budget: int) -> int:
         """Prompt tokens the running prompts leave this step to the waiting ones at the head of

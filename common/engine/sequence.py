@@ -44,6 +44,8 @@ class Sequence:
     # The prefix-cache namespace its pages are hashed under (common/hashing.py): "" for the base
     # model; sequences of different namespaces never share pages.
     cache_namespace: str = ""
+    # The LoRA adapter it computes under (common/engine/lora.py); None: the base model.
+    lora_name: str | None = None
     num_computed_tokens: int = 0  # leading tokens whose KV is in the pool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     status: SequenceStatus = SequenceStatus.WAITING

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +31,11 @@ from kernels.cpu.linear import StepShape
 from kernels.interface import AttentionBackend, AttentionMetadata, KVCacheView
 from kernels.kv_turn import hadamard_turns
 from kernels.layer_kernels import LayerKernels
+from kernels.lora import LoraSegments
 from kernels.quantized import QuantizedLinear
+
+if TYPE_CHECKING:
+    from common.model.lora import LoraProjection
 
 
 class RMSNorm(nn.Module):
@@ -144,6 +148,9 @@ class Attention(nn.Module):
         # Set by LlamaForCausalLM.turn_kv_heads for pools of int8 pages (kernels/kv_turn.py).
         self.query_turn: nn.Module | None = None
         self.kv_turn: nn.Module | None = None
+        # Adapter slots (common/model/lora.py's attach_lora); None: no LoRA served.
+        self.qkv_lora: LoraProjection | None = None
+        self.o_lora: LoraProjection | None = None
 
     def forward(
         self,
@@ -151,8 +158,12 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         kv: BoundKV,
         meta: AttentionMetadata,
+        lora: LoraSegments | None = None,
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)
+        if lora is not None and self.qkv_lora is not None:
+            self.qkv_lora.add(qkv, hidden, lora)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_projection_norm is not None and self.k_projection_norm is not None:
             q, k = self.q_projection_norm(q), self.k_projection_norm(k)
         if self.clip_qkv is not None:
@@ -178,7 +189,12 @@ class Attention(nn.Module):
         out = kv.backend.attention(q, cache, meta, self.softmax_scale)
         if query_turn is not None:
             out = self._turn(query_turn, out).to(hidden.dtype)
-        return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
+        out = out.reshape(-1, self.q_size)
+        projected = self.o_proj(out)
+        if lora is not None and self.o_lora is not None:
+            # Before the all-reduce: this rank's columns of A give a partial sum, as o's own.
+            self.o_lora.add(projected, out, lora)
+        return self.tp.all_reduce(projected)
 
     def use_kernels(self, kernels: LayerKernels) -> None:
         """Take ``kernels``' twins of the projections, the turns, the q/k norms and RoPE."""
@@ -265,6 +281,7 @@ class DecoderLayer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         kv: BoundKV,
         meta: AttentionMetadata,
+        lora: LoraSegments | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # the residual stream, this MLP's output
         """Each residual add is left to the norm after it (``add_and_norm``): the C norm adds
         and normalises in one pass. The last layer's MLP output is added by the caller."""
@@ -272,9 +289,12 @@ class DecoderLayer(nn.Module):
             normed = self.input_layernorm(hidden)
         else:
             hidden, normed = add_and_norm(self.input_layernorm, hidden, pending)
-        attended = self.self_attn(normed, rope, kv, meta)
+        attended = self.self_attn(normed, rope, kv, meta, lora)
         hidden, normed = add_and_norm(self.post_attention_layernorm, hidden, attended)
-        return hidden, self.mlp(normed)
+        if lora is None:
+            return hidden, self.mlp(normed)
+        assert isinstance(self.mlp, MLP), "adapters are attached to dense models only"
+        return hidden, self.mlp(normed, lora)
 
     def use_kernels(self, kernels: LayerKernels) -> None:
         """Take ``kernels``' twins of the norms, and of the attention's and MLP's parts."""
@@ -424,6 +444,7 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [N]
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # [M] rows of the batch whose next token is wanted
+        lora: LoraSegments | None = None,  # the rows computing under adapters; None: none
     ) -> torch.Tensor:  # [M, vocab] float32
         if self.kv is None:
             raise RuntimeError("bind_kv must attach a KV pool before the first forward")
@@ -435,7 +456,8 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rotary(positions, hidden.dtype)
         threads = self.layer_threads
         try:
-            if self._runs_fused(meta):
+            # The C layers compute the base model alone.
+            if lora is None and self._runs_fused(meta):
                 assert self.fused_layers is not None and isinstance(meta, CpuAttentionPlan)
                 hidden = hidden.contiguous()  # a fresh tensor: the layers update it in place
                 scratch = torch.empty(
@@ -451,7 +473,7 @@ class LlamaForCausalLM(nn.Module):
                 for layer in self.layers:
                     if threads is not None:
                         threads.before_layer()
-                    hidden, pending = layer(hidden, pending, rope, self.kv, meta)
+                    hidden, pending = layer(hidden, pending, rope, self.kv, meta, lora)
                 assert pending is not None  # a model has layers
                 # The last residual add, on the rows the head reads only.
                 last = hidden[logits_indices] + pending[logits_indices]

@@ -4,7 +4,7 @@ and how a module takes its kernels' twin of a part (``use_kernels``)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +12,11 @@ from torch import nn
 
 from common.model.parallel import TensorParallel
 from kernels.layer_kernels import LayerKernels
+from kernels.lora import LoraSegments
 from kernels.quantized import QuantizedLinear
+
+if TYPE_CHECKING:
+    from common.model.lora import LoraProjection
 
 
 class SiluAndMul(nn.Module):
@@ -37,9 +41,21 @@ class MLP(nn.Module):
         self.gate_up_proj: nn.Module = nn.Linear(hidden_size, 2 * width, bias=False)
         self.down_proj: nn.Module = nn.Linear(width, hidden_size, bias=False)
         self.act: nn.Module = SiluAndMul()
+        # Adapter slots (common/model/lora.py's attach_lora); None: no LoRA served.
+        self.gate_up_lora: LoraProjection | None = None
+        self.down_lora: LoraProjection | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(self.act(self.gate_up_proj(x))))
+    def forward(self, x: torch.Tensor, lora: LoraSegments | None = None) -> torch.Tensor:
+        """``lora``: the rows computing under an adapter, each projection's delta added to
+        its output (a row-parallel one's before the all-reduce: a partial sum like its own)."""
+        if lora is None or self.gate_up_lora is None or self.down_lora is None:
+            return self.tp.all_reduce(self.down_proj(self.act(self.gate_up_proj(x))))
+        gate_up = self.gate_up_proj(x)
+        self.gate_up_lora.add(gate_up, x, lora)
+        activated = self.act(gate_up)
+        down = self.down_proj(activated)
+        self.down_lora.add(down, activated, lora)
+        return self.tp.all_reduce(down)
 
     def use_kernels(self, kernels: LayerKernels) -> None:
         """Take ``kernels``' twins of the projections and SiLU-and-multiply."""
