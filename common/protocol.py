@@ -277,6 +277,7 @@ class PrefillRequest(Message):
     params: SamplingParams
     decode_worker_id: str
     handoff_endpoint: str
+    lora_name: str | None = None  # the LoRA adapter it computes under; None: the base model
 
 
 @message("router.decode")
@@ -290,6 +291,7 @@ class DecodeRequest(Message):
     prompt_token_ids: list[int]
     params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)
+    lora_name: str | None = None  # the LoRA adapter it computes under; None: the base model
 
 
 @message("router.abort")
@@ -334,3 +336,8 @@ class Handoff(Message):
     # rest. 0 and 0: it offers every page of the prompt.
     first_page: int = 0
     num_parts: int = 0
+    # The LoRA adapter the KV was computed under (None: the base model) and its prefix-cache
+    # namespace on the prefill worker (common/lora_adapters.py): the decode worker takes the
+    # pages only where it holds the same adapter, the same weights.
+    lora_name: str | None = None
+    cache_namespace: str = ""

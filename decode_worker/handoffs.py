@@ -98,6 +98,8 @@ class Handoffs:
     has been told they are bad. ``admit(seq)``: queue a prompt to prefill here (False once the
     router has been told it cannot be). ``fail(request_id, error, retryable)``: tell the router
     the request failed here. ``clock``: monotonic seconds, for the timeouts.
+    ``adapter_namespace(lora_name)``: the prefix-cache namespace of a LoRA adapter this worker
+    holds (``ValueError`` where it holds none of that name); None: it serves the base model alone.
     """
 
     def __init__(
@@ -110,8 +112,10 @@ class Handoffs:
         fail: Callable[[str, str, bool], None],
         fetch_timeout: float,
         clock: Callable[[], float] = time.monotonic,
+        adapter_namespace: Callable[[str], str] | None = None,
     ) -> None:
         self.receiver = receiver
+        self._adapter_namespace = adapter_namespace
         self.scheduler = scheduler
         self.fetch_timeout = fetch_timeout
         self._checked_params = checked_params
@@ -187,6 +191,24 @@ class Handoffs:
         else:
             self._discard(pending)
 
+    def _adapter_problem(self, handoff: Handoff) -> str | None:
+        """Why this worker cannot continue ``handoff``'s KV (a LoRA adapter it does not hold,
+        or holds with other weights), or None."""
+        name = handoff.lora_name
+        if name is None:
+            if handoff.cache_namespace:
+                return f"a base-model handoff in cache namespace {handoff.cache_namespace!r}"
+            return None
+        if self._adapter_namespace is None:
+            return f"this decode worker serves no LoRA adapters, and the KV is under {name!r}"
+        try:
+            namespace = self._adapter_namespace(name)
+        except ValueError as exc:
+            return f"this decode worker does not hold the KV's adapter: {exc}"
+        if namespace != handoff.cache_namespace:
+            return f"this decode worker holds LoRA adapter {name!r} with other weights"
+        return None
+
     def accept_handoff(self, handoff: Handoff) -> None:
         """The prefill worker's last word: fetch the pages no part brought and admit the prompt
         once every page is in, or prefill it here (or fail it) as the module docstring says."""
@@ -202,7 +224,16 @@ class Handoffs:
             if pending is not None:
                 self._discard(pending)
             return
+        adapter_problem = self._adapter_problem(handoff)
+        if adapter_problem is not None:
+            # Never computed on under other weights: the router hears why.
+            logger.warning("refusing the handoff of %s: %s", request_id, adapter_problem)
+            if pending is not None:
+                self._discard(pending)
+            self._fail(request_id, adapter_problem, False)
+            return
         seq = Sequence.from_prompt(request_id, handoff.prompt_token_ids, params)
+        seq.lora_name, seq.cache_namespace = handoff.lora_name, handoff.cache_namespace
         seq.token_ids.append(handoff.first_token.token_id)
         seq.num_cached_tokens = handoff.num_cached_tokens
         num_pages = pages_for(seq.num_prompt_tokens, self.scheduler.page_size)

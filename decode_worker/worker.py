@@ -107,6 +107,9 @@ class DecodeWorker(WorkerService):
             admit=self.admit,
             fail=self.fail,
             fetch_timeout=args.kv_fetch_timeout,
+            adapter_namespace=(
+                self.engine.adapter_namespace if self.engine.lora is not None else None
+            ),
         )
 
     def registration(self) -> RegisterWorker:
@@ -124,7 +127,8 @@ class DecodeWorker(WorkerService):
             self._drop_request(msg.request_id)
             seq = Sequence.from_prompt(msg.request_id, msg.prompt_token_ids, params)
             seq.token_ids.extend(msg.output_token_ids)  # a migrated request continues
-            self.admit(seq)
+            if self.under_adapter(seq, msg.lora_name):
+                self.admit(seq)
         elif isinstance(msg, AbortRequest):
             self.handoffs.remember_abort(msg.request_id)
             if self._drop_request(msg.request_id):

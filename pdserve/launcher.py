@@ -120,6 +120,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="the router's and every worker's: serve LoRA adapters (docs/lora.md)",
+    )
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="the router's and every worker's: adapters served from the start (name=path or "
+        "vLLM's JSON form); --max-loras, --max-cpu-loras and --max-lora-rank go to the workers",
+    )
+    parser.add_argument(
         "--heartbeat-timeout",
         type=float,
         default=None,
@@ -611,6 +624,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_model_len is not None:
         router_args += ["--max-model-len", str(args.max_model_len)]
         shared += ["--max-model-len", str(args.max_model_len)]
+    if args.enable_lora:
+        lora = ["--enable-lora"] + (
+            ["--lora-modules", *args.lora_modules] if args.lora_modules else []
+        )
+        router_args += lora
+        shared += lora
     roles = ["prefill"] * args.prefill + ["decode"] * args.decode
     try:
         placements = worker_placements(args, roles, on_gpu)

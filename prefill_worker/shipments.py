@@ -223,6 +223,8 @@ class Shipments:
             prefill_done_at=done_at,
             first_page=first_page,
             num_parts=num_parts,
+            lora_name=seq.lora_name,
+            cache_namespace=seq.cache_namespace,
         )
         if not self._push(target.handoff_endpoint, handoff):
             # The decode worker is not taking handoffs; the router will see it go silent.

@@ -76,7 +76,7 @@ class PrefillWorker(WorkerService):
             if params is None:
                 return
             seq = Sequence.from_prompt(msg.request_id, msg.prompt_token_ids, params)
-            if self.admit(seq):
+            if self.under_adapter(seq, msg.lora_name) and self.admit(seq):
                 self.shipments.expect(msg)
         elif isinstance(msg, AbortRequest):
             self._abort(msg.request_id)

@@ -95,6 +95,8 @@ class BeamSearchRun(Run):
                         index=index,
                         session_id=self.request.session_id,
                         arrived_at=time.monotonic(),
+                        lora_name=self.request.lora_name,
+                        cache_namespace=self.request.cache_namespace,
                     )
                 )
                 index += 1

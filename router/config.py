@@ -54,3 +54,18 @@ class RouterConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     slo: ServiceLevel = field(default_factory=ServiceLevel)  # what counts as goodput
     parsing: OutputParsing = field(default_factory=OutputParsing)
+    # LoRA adapters served over the model (--enable-lora, --lora-modules): name -> what the
+    # router knows of it. A request names one as its model.
+    lora_adapters: dict[str, RouterAdapter] = field(default_factory=dict)
+    enable_lora: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RouterAdapter:
+    """A LoRA adapter as the router lists and routes it."""
+
+    name: str
+    path: str
+    # Its prefix-cache namespace (common/lora_adapters.py): the workers file its pages under it,
+    # so the router hashes its prompts so too to find them.
+    cache_namespace: str

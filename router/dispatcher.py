@@ -88,6 +88,10 @@ class Generation:
     first_token_at: float | None = None
     last_token_at: float = 0.0
     prefill_s: float | None = None
+    # The LoRA adapter it computes under (None: the base model) and the namespace its prompt's
+    # pages are hashed in (common/lora_adapters.py).
+    lora_name: str | None = None
+    cache_namespace: str = ""
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
@@ -133,7 +137,7 @@ class Dispatcher:
         # (token ids, page size, their page hashes) of the last prompt hashed. The list itself
         # is kept, and compared by identity: an id() alone is reused once a list is freed, and
         # a new prompt would then get an old prompt's hashes (and be routed as if cached).
-        self._hash_cache: tuple[list[int], int, list[int]] | None = None
+        self._hash_cache: tuple[list[int], int, list[int], str] | None = None
         self._seq = itertools.count()
 
     # -- from the HTTP side --------------------------------------------------------------------
@@ -404,7 +408,9 @@ class Dispatcher:
         tokens = gen.prompt_token_ids + gen.token_ids if migrate else None
         request = RequestView(
             num_prompt_tokens=len(tokens if tokens is not None else gen.prompt_token_ids),
-            page_hashes=[] if migrate else self._hashes(gen.prompt_token_ids, page_size),
+            page_hashes=[]
+            if migrate
+            else self._hashes(gen.prompt_token_ids, page_size, gen.cache_namespace),
             page_size=page_size,
             num_new_tokens_max=gen.params.max_tokens,
             session_id=gen.session_id,
@@ -415,14 +421,19 @@ class Dispatcher:
             self.metrics.decision_count(decision.reason).inc()
         return decision
 
-    def _hashes(self, token_ids: list[int], page_size: int) -> list[int]:
+    def _hashes(self, token_ids: list[int], page_size: int, namespace: str) -> list[int]:
         # The n choices of one prompt are routed one after another, and a retry routes again:
         # keep the last prompt's hashes, keyed by its tokens' values (an id can be reused).
         cached = self._hash_cache
-        if cached is not None and cached[1] == page_size and cached[0] == token_ids:
+        if (
+            cached is not None
+            and cached[1] == page_size
+            and cached[3] == namespace
+            and cached[0] == token_ids
+        ):
             return cached[2]
-        hashes = page_hashes(token_ids, page_size)
-        self._hash_cache = (list(token_ids), page_size, hashes)
+        hashes = page_hashes(token_ids, page_size, namespace=namespace)
+        self._hash_cache = (list(token_ids), page_size, hashes, namespace)
         return hashes
 
     def _dispatch(self, gen: Generation, decision: Decision, migrate: bool = False) -> None:
@@ -440,7 +451,9 @@ class Dispatcher:
         total = len(gen.prompt_token_ids) + gen.params.max_tokens
         pages = pages_for(total, decode_state.page_size)
         if decision.prefill_worker_id is None:
-            msg: Message = DecodeRequest(gen.wire_id, gen.prompt_token_ids, params, output_ids)
+            msg: Message = DecodeRequest(
+                gen.wire_id, gen.prompt_token_ids, params, output_ids, gen.lora_name
+            )
             # Counted as queued prefill there until it reports it (the overflow rule reads it).
             local_tokens = len(gen.prompt_token_ids) + len(output_ids)
             self.registry.on_dispatch(
@@ -460,6 +473,7 @@ class Dispatcher:
                 params,
                 decision.decode_worker_id,
                 decode_state.handoff_endpoint,
+                gen.lora_name,
             ),
         )
 

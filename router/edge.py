@@ -21,7 +21,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from router.config import RouterConfig
+from router.config import RouterAdapter, RouterConfig
 from router.errors import APIError, BadRequest
 from router.metrics import RouterMetrics
 
@@ -132,7 +132,11 @@ class Edge:
             raise BadRequest(f"the body is not valid JSON: {first.get('msg')}")
         raise BadRequest(_schema_message(first, loc), loc[0] if loc else None)
 
-    def check_model(self, name: str | None) -> None:
+    def check_model(self, name: str | None) -> RouterAdapter | None:
+        """Refuse a model name this router does not serve (vLLM's 404); returns the LoRA
+        adapter the name is, None for the base model."""
+        if name is not None and name in self._config.lora_adapters:
+            return self._config.lora_adapters[name]
         if name is not None and name not in self._accepted_names:
             raise APIError(
                 404,
@@ -141,6 +145,7 @@ class Edge:
                 param="model",
                 code="model_not_found",
             )
+        return None
 
 
 async def off_the_loop_if_large(request: Request, work: Callable[..., T], *args, **kwargs) -> T:

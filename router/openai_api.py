@@ -209,6 +209,10 @@ class GenerationRequest:
     # The field that asked for the structured output in params.structured, for the compile
     # check's 400 to name (router/structured_request.py); None: free text.
     structured_field: str | None = None
+    # The LoRA adapter the request names as its model (None: the base model), and the
+    # prefix-cache namespace its prompts hash under (common/lora_adapters.py).
+    lora_name: str | None = None
+    cache_namespace: str = ""
 
     def params_for_choice(self, index: int) -> SamplingParams:
         """Choice ``index`` of a prompt: a seeded request uses seed + index per choice."""

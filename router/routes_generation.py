@@ -72,12 +72,14 @@ async def _generate_counted(
     rid = edge.request_id(request, kind)
     edge.authorize(request)
     body = await edge.read_body(request, body_model)
-    edge.check_model(body.model)
+    adapter = edge.check_model(body.model)
     gen_request = await off_the_loop_if_large(
         request, to_generation, body, state.codec, config.max_model_len,
         request.headers.get("x-session-id"), config.default_max_tokens,
         max_request_tokens=config.max_request_tokens, parsing=config.parsing,
     )  # fmt: skip
+    if adapter is not None:
+        gen_request.lora_name, gen_request.cache_namespace = adapter.name, adapter.cache_namespace
     spec = gen_request.params.structured
     if spec is not None:
         if state.grammar_check is not None and gen_request.structured_field is not None:
@@ -102,7 +104,9 @@ async def _generate_counted(
             code="rate_limit_exceeded",
             headers={"Retry-After": "1"},
         )
-    args = (gen_request, rid, config.served_model_name, dispatcher, state.token_text,
+    # Answers name the adapter as their model, as vLLM's do.
+    model_name = adapter.name if adapter is not None else config.served_model_name
+    args = (gen_request, rid, model_name, dispatcher, state.token_text,
             state.metrics, arrived)  # fmt: skip
     if gen_request.use_beam_search:
         run: Run = BeamSearchRun(*args, eos_token_ids=frozenset(state.codec.eos_token_ids))

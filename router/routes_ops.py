@@ -43,6 +43,20 @@ def add_routes(app: FastAPI, state: RouterState) -> None:
                     "deterministic_inference": registry.deterministic,
                 }
                 for name in listed_names
+            ]
+            # vLLM's entries for adapters: the adapter's folder as root, the model as parent.
+            + [
+                {
+                    "id": adapter.name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "pdserve",
+                    "root": adapter.path,
+                    "parent": config.served_model_name,
+                    "max_model_len": config.max_model_len,
+                    "deterministic_inference": registry.deterministic,
+                }
+                for adapter in config.lora_adapters.values()
             ],
         }
 

@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from common.cluster_auth import add_insecure_flag, secret_for_binding
+from common.lora_adapters import LoraModule, adapter_namespace, parse_lora_module
 from common.startup_objects import startup_objects_frozen
 from router.admission import AdmissionConfig
 from router.app import create_app
-from router.config import OutputParsing, RouterConfig
+from router.config import OutputParsing, RouterAdapter, RouterConfig
 from router.http_protocol import with_read_deadline
 from router.policy import RoutingConfig
 from router.reasoning import reasoning_parser_names
@@ -51,6 +52,20 @@ def build_parser() -> argparse.ArgumentParser:
         "model folder's name). The model's path is accepted as a name too, as vLLM serves it",
     )
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
+    p.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters (docs/lora.md): a request names one as its model",
+    )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=parse_lora_module,
+        default=[],
+        metavar="NAME=PATH",
+        help="the adapters the workers serve, as name=path or vLLM's JSON form: listed in "
+        "/v1/models with the model as their parent",
+    )
     p.add_argument(
         "--remote-prefill-min-tokens",
         type=int,
@@ -196,6 +211,8 @@ def config_from_args(args: argparse.Namespace, text: Tokenizer, model_path: Path
     if max_len < 2:
         raise ValueError("--max-model-len must be >= 2")
     names = args.served_model_name or [model_path.name]
+    if args.lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     path_names = {str(model_path), str(model_path.resolve()), *([args.model] if args.model else [])}
     return RouterConfig(
         served_model_name=names[0],
@@ -234,7 +251,21 @@ def config_from_args(args: argparse.Namespace, text: Tokenizer, model_path: Path
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
         ),
+        enable_lora=args.enable_lora,
+        lora_adapters=router_adapters(args.lora_modules, set(names)),
     )
+
+
+def router_adapters(modules: list[LoraModule], model_names: set[str]) -> dict[str, RouterAdapter]:
+    """``--lora-modules`` as the router keeps them: each adapter's namespace from its files."""
+    adapters: dict[str, RouterAdapter] = {}
+    for module in modules:
+        if module.name in adapters or module.name in model_names:
+            raise ValueError(f"--lora-modules: the name {module.name!r} is taken")
+        adapters[module.name] = RouterAdapter(
+            module.name, module.path, adapter_namespace(module.name, module.path)
+        )
+    return adapters
 
 
 def hide_torch() -> None:

@@ -112,6 +112,8 @@ class Run:
                     index=len(self.choices),
                     session_id=request.session_id,
                     arrived_at=arrived_at,
+                    lora_name=request.lora_name,
+                    cache_namespace=request.cache_namespace,
                 )
                 detok = IncrementalDetokenizer(
                     lambda ids: text.text(list(ids), request.skip_special_tokens),

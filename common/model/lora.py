@@ -23,13 +23,12 @@ from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError, safe_open
-from torch import nn
 
 from common.config import ModelConfig
 from common.lora_adapters import COVERED_TARGETS, WEIGHTS_FILE, read_adapter_config
+from common.model.lora_layers import LoraProjection
 from common.model.mlp import MLP
 from common.model.parallel import TensorParallel
-from kernels.lora import LoraSegments, lora_delta_reference
 
 if TYPE_CHECKING:
     from common.model.llama import LlamaForCausalLM
@@ -162,64 +161,6 @@ def check_lora_servable(config: ModelConfig) -> None:
             f"LoRA adapters are served over dense models only; {config.path} is a mixture "
             "of experts"
         )
-
-
-class LoraProjection(nn.Module):
-    """The adapter slots of one projection of one layer, this rank's slice of each.
-
-    ``a [slots, S * max_rank, in]`` stacks the ``S`` targets' A's (each zero-padded to
-    ``max_rank`` rows); ``b [slots, out, S * max_rank]`` places each target's B on its own
-    output rows and its own rank columns, zeros elsewhere; ``scales [slots]`` float32."""
-
-    def __init__(
-        self,
-        targets: tuple[str, ...],
-        in_features: int,
-        out_sizes: list[int],
-        max_loras: int,
-        max_rank: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        super().__init__()
-        self.targets = targets
-        self.max_rank = max_rank
-        self.out_sizes = out_sizes
-        total_rank = len(targets) * max_rank
-        self.a = torch.zeros(max_loras, total_rank, in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(max_loras, sum(out_sizes), total_rank, dtype=dtype, device=device)
-        self.scales = torch.zeros(max_loras, dtype=torch.float32, device=device)
-
-    def write(
-        self, slot: int, parts: list[tuple[torch.Tensor, torch.Tensor] | None], scale: float
-    ) -> None:
-        """Put one adapter's (A, B) per target (None: not targeted) in ``slot``, already
-        sliced for this rank."""
-        self.a[slot].zero_()
-        self.b[slot].zero_()
-        self.scales[slot] = scale
-        row = 0
-        for index, (part, out_size) in enumerate(zip(parts, self.out_sizes, strict=True)):
-            if part is not None:
-                a, b = part
-                rank, first = a.shape[0], index * self.max_rank
-                self.a[slot, first : first + rank] = a
-                self.b[slot, row : row + out_size, first : first + rank] = b
-            row += out_size
-
-    def clear(self, slot: int) -> None:
-        self.a[slot].zero_()
-        self.b[slot].zero_()
-        self.scales[slot] = 0.0
-
-    def add(self, out: torch.Tensor, x: torch.Tensor, segments: LoraSegments) -> None:
-        """Add each segment's delta to ``out`` (the base layer's output for ``x``), in place."""
-        if out.device.type == "cuda":
-            from kernels.triton.lora import lora_delta
-
-            lora_delta(out, x, self.a, self.b, self.scales, segments)
-        else:
-            lora_delta_reference(out, x, self.a, self.b, self.scales, segments)
 
 
 def _rank_part(

@@ -16,7 +16,7 @@ from kernels.lora import LoraSegments
 from kernels.quantized import QuantizedLinear
 
 if TYPE_CHECKING:
-    from common.model.lora import LoraProjection
+    from common.model.lora_layers import LoraProjection
 
 
 class SiluAndMul(nn.Module):

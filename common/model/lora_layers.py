@@ -1,0 +1,67 @@
+"""The adapter slots of one projection of one layer (``LoraProjection``), the part of LoRA a
+layer holds; ``common/model/lora.py`` reads adapters and fills the slots."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.lora import LoraSegments, lora_delta_reference
+
+
+class LoraProjection(nn.Module):
+    """The adapter slots of one projection of one layer, this rank's slice of each.
+
+    ``a [slots, S * max_rank, in]`` stacks the ``S`` targets' A's (each zero-padded to
+    ``max_rank`` rows); ``b [slots, out, S * max_rank]`` places each target's B on its own
+    output rows and its own rank columns, zeros elsewhere; ``scales [slots]`` float32."""
+
+    def __init__(
+        self,
+        targets: tuple[str, ...],
+        in_features: int,
+        out_sizes: list[int],
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.targets = targets
+        self.max_rank = max_rank
+        self.out_sizes = out_sizes
+        total_rank = len(targets) * max_rank
+        self.a = torch.zeros(max_loras, total_rank, in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(max_loras, sum(out_sizes), total_rank, dtype=dtype, device=device)
+        self.scales = torch.zeros(max_loras, dtype=torch.float32, device=device)
+
+    def write(
+        self, slot: int, parts: list[tuple[torch.Tensor, torch.Tensor] | None], scale: float
+    ) -> None:
+        """Put one adapter's (A, B) per target (None: not targeted) in ``slot``, already
+        sliced for this rank."""
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        self.scales[slot] = scale
+        row = 0
+        for index, (part, out_size) in enumerate(zip(parts, self.out_sizes, strict=True)):
+            if part is not None:
+                a, b = part
+                rank, first = a.shape[0], index * self.max_rank
+                self.a[slot, first : first + rank] = a
+                self.b[slot, row : row + out_size, first : first + rank] = b
+            row += out_size
+
+    def clear(self, slot: int) -> None:
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        self.scales[slot] = 0.0
+
+    def add(self, out: torch.Tensor, x: torch.Tensor, segments: LoraSegments) -> None:
+        """Add each segment's delta to ``out`` (the base layer's output for ``x``), in place."""
+        if out.device.type == "cuda":
+            from kernels.triton.lora import lora_delta
+
+            lora_delta(out, x, self.a, self.b, self.scales, segments)
+        else:
+            lora_delta_reference(out, x, self.a, self.b, self.scales, segments)

@@ -1,0 +1,134 @@
+"""LoRA adapters through the whole stack, as `pdserve up --enable-lora --lora-modules ...`
+starts it: requests name an adapter as their model; greedy answers of two adapters and the base,
+sent together, equal the one-process engine's (itself checked against PEFT in test_lora.py),
+over the prefill worker's handoff and over a decode worker's own prefill alike."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+from cluster_harness import running_cluster
+from tiny_loras import save_tiny_lora
+from tiny_models import build_tiny_chat_model
+
+from common.config import CacheConfig, EngineConfig, LoraConfig, SchedulerConfig
+from common.engine.llm_engine import LLMEngine
+from common.sampling_params import SamplingParams
+from common.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.slow  # starts `pdserve up`
+
+# Longer than --remote-prefill-min-tokens: these prompts take the prefill worker.
+LONG_PROMPT = " ".join(f"item{i} is followed by item{i + 1}." for i in range(12))
+SHORT_PROMPT = "Hello there"
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def lora_cluster(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora-cluster")
+    folder = build_tiny_chat_model(root / "tiny-chat")
+    adapters = {
+        "sql": save_tiny_lora(folder, root / "sql", seed=1, rank=8),
+        "chat": save_tiny_lora(
+            folder, root / "chat", seed=2, rank=4, use_rslora=True, targets=["q_proj", "v_proj"]
+        ),
+    }
+    modules = [
+        f"sql={adapters['sql']}",
+        json.dumps({"name": "chat", "path": str(adapters["chat"]), "base_model_name": "tiny"}),
+    ]
+    flags = ("--max-model-len", "512", "--remote-prefill-min-tokens", "32", "--kv-cache-memory",
+             "64MiB", "--dtype", "float32", "--enable-lora", "--lora-modules", *modules,
+             "--max-loras", "2")  # fmt: skip
+    with running_cluster(folder, root / "up.log", *flags) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+        yield client, folder, base, adapters
+
+
+def test_models_lists_the_adapters_with_the_model_as_parent(lora_cluster):
+    _, _, base, adapters = lora_cluster
+    with urllib.request.urlopen(f"{base}/v1/models", timeout=10) as response:
+        listing = {entry["id"]: entry for entry in json.loads(response.read())["data"]}
+    assert set(listing) == {"tiny-chat", "sql", "chat"}
+    for name, path in adapters.items():
+        assert listing[name]["parent"] == "tiny-chat"
+        assert listing[name]["root"] == str(path)
+    assert "parent" not in listing["tiny-chat"]
+
+
+def test_an_unknown_adapter_is_vllms_404(lora_cluster):
+    client = lora_cluster[0]
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.completions.create(model="nope", prompt="hi", max_tokens=2)
+    assert caught.value.body["code"] == "model_not_found"
+    assert "`nope` does not exist" in caught.value.body["message"]
+
+
+def test_two_adapters_and_the_base_at_once_equal_the_one_process_engine(lora_cluster):
+    client, folder, _, adapters = lora_cluster
+    reference = LLMEngine(
+        EngineConfig(
+            model=str(folder),
+            dtype="float32",
+            device="cpu",
+            cache=CacheConfig(num_pages=256),
+            scheduler=SchedulerConfig(max_model_len=512),
+            lora=LoraConfig(
+                enable_lora=True,
+                modules={name: str(path) for name, path in adapters.items()},
+                max_loras=2,
+            ),
+        )
+    )
+    tokenizer = Tokenizer(folder)
+    cases = [
+        (prompt, name) for prompt in (LONG_PROMPT, SHORT_PROMPT) for name in ("sql", "chat", None)
+    ]
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+    expected = reference.generate(
+        [tokenizer.encode(prompt) for prompt, _ in cases],
+        greedy,
+        lora_names=[name for _, name in cases],
+    )
+
+    def ask(case):
+        prompt, name = case
+        return client.completions.create(
+            model=name or "tiny-chat", prompt=prompt, max_tokens=NEW_TOKENS, temperature=0
+        )
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        results = list(pool.map(ask, cases))
+    for (prompt, name), result, tokens in zip(cases, results, expected, strict=True):
+        assert result.model == (name or "tiny-chat")
+        assert result.choices[0].text == tokenizer.decode(tokens), (prompt, name)
+        assert result.usage.completion_tokens == NEW_TOKENS
+    # Each adapter answers otherwise than the base.
+    by_name = {
+        name: tokens
+        for (prompt, name), tokens in zip(cases, expected, strict=True)
+        if prompt == LONG_PROMPT
+    }
+    assert by_name["sql"] != by_name[None] and by_name["chat"] != by_name[None]
+
+
+def test_the_same_prompt_under_an_adapter_reuses_only_its_own_pages(lora_cluster):
+    """The prefill worker's cache serves a prompt again under the same adapter, and never
+    under another adapter or the base."""
+    client = lora_cluster[0]
+    prompt = LONG_PROMPT + " And then the list ends."
+
+    def cached(model):
+        result = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0)
+        details = result.usage.prompt_tokens_details
+        return details.cached_tokens if details is not None else 0
+
+    assert cached("sql") == 0
+    assert cached("chat") == 0
+    assert cached("tiny-chat") == 0
+    assert cached("sql") > 0
