@@ -121,10 +121,12 @@ def test_the_same_prompt_under_an_adapter_reuses_only_its_own_pages(lora_cluster
     """The prefill worker's cache serves a prompt again under the same adapter, and never
     under another adapter or the base."""
     client = lora_cluster[0]
-    prompt = LONG_PROMPT + " And then the list ends."
+    prompt = " ".join(f"zebra{i} stands before zebra{i + 1}." for i in range(12))
 
     def cached(model):
-        result = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0)
+        # More than one token: the handoff files the pages on the decode worker too, where the
+        # router sends the prompt's short uncached rest the next time.
+        result = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0)
         details = result.usage.prompt_tokens_details
         return details.cached_tokens if details is not None else 0
 
