@@ -1,0 +1,84 @@
+"""A decode worker takes a handoff's KV only under the adapter it was computed under: one it
+does not hold, or holds with other weights, is refused, logged and failed to the router, its
+pages given back and nothing computed (decode_worker/handoffs.py, driven as in
+test_handoffs.py)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from engines import build_engine
+from fake_transfer import FakeReceiver
+from test_handoffs import NUM_PAGES, Clock, WorkerSide, handoff
+from tiny_loras import save_tiny_lora
+from tiny_models import save_tiny_model, tiny_llama_config
+
+from common.config import LoraConfig
+from common.lora_adapters import adapter_namespace
+from decode_worker.handoffs import Handoffs
+
+
+@pytest.fixture(scope="module")
+def lora_model(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora-handoff")
+    base = save_tiny_model(tiny_llama_config(), root / "base")
+    return base, save_tiny_lora(base, root / "sql", seed=1, rank=4)
+
+
+def decode_side(base, modules):
+    lora = LoraConfig(enable_lora=True, modules=modules) if modules is not None else None
+    engine = build_engine(base, num_pages=NUM_PAGES, max_model_len=256, role="decode", lora=lora)
+    receiver, worker = FakeReceiver(engine.pool), WorkerSide(engine)
+    handoffs = Handoffs(
+        receiver,
+        engine.scheduler,
+        checked_params=worker.checked_params,
+        admit=worker.admit,
+        fail=worker.fail,
+        fetch_timeout=10.0,
+        clock=Clock(),
+        adapter_namespace=engine.adapter_namespace if engine.lora is not None else None,
+    )
+    return engine, receiver, worker, handoffs
+
+
+def test_a_handoff_under_a_held_adapter_is_fetched_and_filed_in_its_namespace(lora_model):
+    base, sql = lora_model
+    engine, receiver, worker, handoffs = decode_side(base, {"sql": str(sql)})
+    namespace = adapter_namespace("sql", sql)
+    handoffs.accept_handoff(replace(handoff("r"), lora_name="sql", cache_namespace=namespace))
+    assert not worker.failures and len(receiver.started) == 1
+    receiver.complete("r")
+    handoffs.poll()
+    [seq] = [s for s in engine.scheduler.waiting if s.request_id == "r"]
+    assert (seq.lora_name, seq.cache_namespace) == ("sql", namespace)
+    # Its shipped pages are filed under the adapter's namespace, and it decodes under it.
+    [output] = engine.step()
+    assert output.request_id == "r" and len(output.new_samples) == 1
+    assert engine.lora.on_device() == ["sql"]
+    assert engine.page_manager.match_prefix(seq.prompt_token_ids, None, namespace)
+    assert not engine.page_manager.match_prefix(seq.prompt_token_ids, None, "")
+
+
+@pytest.mark.parametrize(
+    "modules, lora_name, namespace, message",
+    [
+        (None, "sql", "lora:sql:x", "serves no LoRA adapters"),
+        ({}, "sql", "lora:sql:x", "'sql' does not exist"),
+        ("held", "sql", "lora:sql:0000", "with other weights"),
+        ("held", None, "lora:sql:x", "a base-model handoff in cache namespace"),
+    ],
+)
+def test_a_handoff_under_an_adapter_not_held_is_refused(
+    lora_model, modules, lora_name, namespace, message
+):
+    base, sql = lora_model
+    held = {"sql": str(sql)} if modules == "held" else modules
+    engine, receiver, worker, handoffs = decode_side(base, held)
+    handoffs.accept_handoff(replace(handoff("r"), lora_name=lora_name, cache_namespace=namespace))
+    [failure] = worker.failures
+    assert failure.request_id == "r" and not failure.retryable and message in failure.error
+    assert not receiver.started and handoffs.num_pending() == 0
+    assert engine.page_manager.num_free_pages == NUM_PAGES
+    assert not engine.scheduler.holds("r")
