@@ -145,10 +145,25 @@ class Heartbeat(Message):
     # per second of step (a moving average; 0 until measured), and requests finished per second.
     prefill_tokens_per_s: float = 0.0
     finished_per_s: float = 0.0
+    # LoRA adapters (common/engine/lora.py): those this worker serves, those whose tensors it
+    # holds in host memory, and those in its device's slots; the router routes by them.
+    lora_adapters: list[str] = field(default_factory=list)
+    loras_on_host: list[str] = field(default_factory=list)
+    loras_on_device: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if len(self.held_request_ids) != len(self.held_progress):
             raise ValueError("held_request_ids and held_progress differ in length")
+
+
+@message("worker.adapter_result")
+@dataclass(slots=True)
+class AdapterResult(Message):
+    """A worker's answer to ``LoadAdapter`` or ``UnloadAdapter``: done, or why not."""
+
+    worker_id: str
+    operation_id: str
+    error: str | None = None
 
 
 @message("worker.cache_events")
@@ -292,6 +307,27 @@ class DecodeRequest(Message):
     params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)
     lora_name: str | None = None  # the LoRA adapter it computes under; None: the base model
+
+
+@message("router.load_adapter")
+@dataclass(slots=True)
+class LoadAdapter(Message):
+    """Serve LoRA adapter ``lora_name`` from ``lora_path`` (a runtime load); answered by an
+    ``AdapterResult``. Loading a name already served from the same path is done already."""
+
+    operation_id: str
+    lora_name: str
+    lora_path: str
+
+
+@message("router.unload_adapter")
+@dataclass(slots=True)
+class UnloadAdapter(Message):
+    """Stop serving LoRA adapter ``lora_name``; answered by an ``AdapterResult``, an error
+    while a request this worker holds still computes under it."""
+
+    operation_id: str
+    lora_name: str
 
 
 @message("router.abort")

@@ -421,7 +421,7 @@ class Dispatcher:
             self.metrics.decision_count(decision.reason).inc()
         return decision
 
-    def _hashes(self, token_ids: list[int], page_size: int, namespace: str) -> list[int]:
+    def _hashes(self, token_ids: list[int], page_size: int, namespace: str = "") -> list[int]:
         # The n choices of one prompt are routed one after another, and a retry routes again:
         # keep the last prompt's hashes, keyed by its tokens' values (an id can be reused).
         cached = self._hash_cache

@@ -47,8 +47,10 @@ from common.metrics import (
 )
 from common.protocol import (
     REREGISTER,
+    AdapterResult,
     CacheEvents,
     Heartbeat,
+    LoadAdapter,
     PromptTokenLogprob,
     RegisterAck,
     RegisterWorker,
@@ -57,6 +59,7 @@ from common.protocol import (
     TokenDelta,
     TokenDeltas,
     TokenSample,
+    UnloadAdapter,
 )
 from common.sampling_params import SamplingParams
 from common.service.core_loan import CoreLoan, add_core_loan_args
@@ -305,6 +308,8 @@ class WorkerService(ABC):
         for msg in self.link.receive():
             if isinstance(msg, RegisterAck):
                 self._on_register_ack(msg)
+            elif isinstance(msg, LoadAdapter | UnloadAdapter):
+                self.link.send(AdapterResult(self.worker_id, msg.operation_id, self._update(msg)))
             else:
                 self.handle(msg)
         self.poll_io()
@@ -432,7 +437,18 @@ class WorkerService(ABC):
             held_progress=list(held.values()),
             prefill_tokens_per_s=self.prefill_rate.per_busy_second(),
             finished_per_s=self.finish_rate.per_second(),
+            **self._adapters_held(),
         )
+
+    def _adapters_held(self) -> dict[str, list[str]]:
+        lora = self.engine.lora
+        if lora is None:
+            return {}
+        return {
+            "lora_adapters": lora.names,
+            "loras_on_host": lora.on_host(),
+            "loras_on_device": lora.on_device(),
+        }
 
     # -- shared helpers -------------------------------------------------------------------------
 
@@ -445,6 +461,35 @@ class WorkerService(ABC):
             self.fail(request_id, f"bad sampling params: {exc}", retryable=False)
             return None
         return params
+
+    def _update(self, msg: LoadAdapter | UnloadAdapter) -> str | None:
+        """Load or unload a LoRA adapter as the router asks; None, or why it was not done."""
+        lora = self.engine.lora
+        if lora is None:
+            return f"worker {self.worker_id} serves no LoRA adapters (--enable-lora)"
+        name = msg.lora_name
+        try:
+            if isinstance(msg, LoadAdapter):
+                if lora.paths.get(name) == msg.lora_path:
+                    return None
+                lora.add(name, msg.lora_path)
+                return None
+            in_use = self.adapter_users(name)
+            if in_use:
+                return f"LoRA adapter {name!r} is in use by {in_use} requests on {self.worker_id}"
+            lora.remove(name)
+        except ValueError as exc:
+            return f"worker {self.worker_id}: {exc}"
+        return None
+
+    def adapter_users(self, lora_name: str) -> int:
+        """Requests this worker holds that compute under ``lora_name``."""
+        scheduler = self.scheduler
+        return sum(
+            1
+            for seq in (*scheduler.compiling, *scheduler.waiting, *scheduler.running)
+            if seq.lora_name == lora_name
+        )
 
     def under_adapter(self, seq: Sequence, lora_name: str | None) -> bool:
         """Put ``seq`` under LoRA adapter ``lora_name`` (None: the base model), or tell the
