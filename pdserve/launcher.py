@@ -133,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
         "vLLM's JSON form); --max-loras, --max-cpu-loras and --max-lora-rank go to the workers",
     )
     parser.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="the router's: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter",
+    )
+    parser.add_argument(
         "--heartbeat-timeout",
         type=float,
         default=None,
@@ -630,6 +635,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         router_args += lora
         shared += lora
+    if args.allow_runtime_lora_updating:
+        router_args.append("--allow-runtime-lora-updating")
     roles = ["prefill"] * args.prefill + ["decode"] * args.decode
     try:
         placements = worker_placements(args, roles, on_gpu)

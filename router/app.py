@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 
 from common.cluster_auth import ClusterAuth
-from router import routes_generation, routes_ops
+from router import lora_routes, routes_generation, routes_ops
 from router.config import RouterConfig
 from router.control import ControlServer
 from router.dispatcher import Dispatcher
@@ -94,4 +94,5 @@ def create_app(config: RouterConfig, codec: TextCodec) -> FastAPI:
     app.add_middleware(ReleaseFreedMemory, min_body_bytes=OFFLOAD_BODY_BYTES)
     routes_generation.add_routes(app, state)
     routes_ops.add_routes(app, state)
+    lora_routes.add_routes(app, state)
     return app

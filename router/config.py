@@ -58,6 +58,8 @@ class RouterConfig:
     # router knows of it. A request names one as its model.
     lora_adapters: dict[str, RouterAdapter] = field(default_factory=dict)
     enable_lora: bool = False
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (router/lora_routes.py).
+    allow_runtime_lora_updating: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ from common.protocol import (
     REREGISTER,
     ROLE_DECODE,
     AbortRequest,
+    AdapterResult,
     CacheEvents,
     DecodeRequest,
     Heartbeat,
@@ -139,6 +140,10 @@ class Dispatcher:
         # a new prompt would then get an old prompt's hashes (and be routed as if cached).
         self._hash_cache: tuple[list[int], int, list[int], str] | None = None
         self._seq = itertools.count()
+        # Set by the runtime LoRA routes (router/lora_routes.py): a worker's answer to a load or
+        # unload, and a worker just registered (sent the adapters loaded at runtime).
+        self.on_adapter_result: Callable[[str, AdapterResult], None] | None = None
+        self.on_registered: Callable[[str], None] | None = None
 
     # -- from the HTTP side --------------------------------------------------------------------
 
@@ -225,8 +230,16 @@ class Dispatcher:
         elif isinstance(msg, WorkerDraining):
             self._check_sender(sender, msg.worker_id)
             self._on_draining(msg, now)
+        elif isinstance(msg, AdapterResult):
+            self._check_sender(sender, msg.worker_id)
+            if self.on_adapter_result is not None:
+                self.on_adapter_result(sender, msg)
         else:
             raise ValueError(f"a worker may not send {type(msg).__name__}")
+
+    def adapter_users(self, lora_name: str) -> int:
+        """Requests in flight or queued here under LoRA adapter ``lora_name``."""
+        return sum(1 for gen in self.generations.values() if gen.lora_name == lora_name)
 
     def remove_worker(self, worker_id: str, cause: str) -> None:
         state = self.registry.remove(worker_id)
@@ -325,6 +338,8 @@ class Dispatcher:
         else:
             logger.warning("worker %s refused: %s", sender, reason)
         self.send(sender, RegisterAck(reason is None, reason, self.heartbeat_interval))
+        if reason is None and self.on_registered is not None:
+            self.on_registered(sender)
         self._count_workers()
         self._dispatch_waiting()  # room for what waits
 

@@ -69,6 +69,11 @@ class Edge:
         )
         self._new_request_id = new_request_id  # unique per call, given a prefix
 
+    @property
+    def model_names(self) -> frozenset[str]:
+        """The names of the base model requests may give."""
+        return self._accepted_names
+
     def authorize(self, request: Request) -> None:
         api_key = self._config.api_key
         if api_key is None:

@@ -57,6 +57,10 @@ class WorkerState:
     # request id -> what its dispatch added before a heartbeat could report it
     unreported: dict[str, _Dispatch] = field(default_factory=dict)
     inflight: set[str] = field(default_factory=set)  # request ids this worker holds
+    # LoRA adapters it serves, holds in host memory and in device slots (its heartbeats).
+    lora_adapters: list[str] = field(default_factory=list)
+    loras_on_host: list[str] = field(default_factory=list)
+    loras_on_device: list[str] = field(default_factory=list)
 
     @property
     def load_tokens(self) -> int:
@@ -93,6 +97,11 @@ class WorkerState:
             },
             "kv_usage": self.kv_usage,
             "num_free_pages": self.num_free_pages,
+            "lora_adapters": {
+                "served": self.lora_adapters,
+                "on_host": self.loras_on_host,
+                "on_device": self.loras_on_device,
+            },
         }
 
 
@@ -202,6 +211,9 @@ class WorkerRegistry:
         state.num_steps = msg.num_steps
         state.prefill_tokens_per_s = msg.prefill_tokens_per_s
         state.finished_per_s = msg.finished_per_s
+        state.lora_adapters = msg.lora_adapters
+        state.loras_on_host = msg.loras_on_host
+        state.loras_on_device = msg.loras_on_device
         if previous is not None:
             # Dispatched before the previous heartbeat arrived: this one has surely counted it.
             stale = [rid for rid, d in state.unreported.items() if d.at <= previous]

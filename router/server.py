@@ -67,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
         "/v1/models with the model as their parent",
     )
     p.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING), behind --api-key like every route",
+    )
+    p.add_argument(
         "--remote-prefill-min-tokens",
         type=int,
         default=64,
@@ -211,8 +217,8 @@ def config_from_args(args: argparse.Namespace, text: Tokenizer, model_path: Path
     if max_len < 2:
         raise ValueError("--max-model-len must be >= 2")
     names = args.served_model_name or [model_path.name]
-    if args.lora_modules and not args.enable_lora:
-        raise ValueError("--lora-modules needs --enable-lora")
+    if (args.lora_modules or args.allow_runtime_lora_updating) and not args.enable_lora:
+        raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
     path_names = {str(model_path), str(model_path.resolve()), *([args.model] if args.model else [])}
     return RouterConfig(
         served_model_name=names[0],
@@ -252,6 +258,7 @@ def config_from_args(args: argparse.Namespace, text: Tokenizer, model_path: Path
             reasoning_parser=args.reasoning_parser,
         ),
         enable_lora=args.enable_lora,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         lora_adapters=router_adapters(args.lora_modules, set(names)),
     )
 
