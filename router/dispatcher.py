@@ -430,6 +430,7 @@ class Dispatcher:
             num_new_tokens_max=gen.params.max_tokens,
             session_id=gen.session_id,
             decode_only=migrate,
+            lora_name=gen.lora_name,
         )
         decision = route(request, view, self.routing)
         if count:

@@ -34,6 +34,13 @@ Decode worker::
 
 over the workers with room for the request (all of them if none has room); the highest score
 wins, ties by fewer running, then by worker id.
+
+LoRA adapters: a request under an adapter costs a worker more where the adapter is not in its
+device's slots (it must be written there, perhaps displacing another adapter's requests, which
+then wait): ``lora_miss_tokens`` more on a prefill worker's cost (half of it where the adapter
+is in the worker's host memory, read from its folder otherwise), ``lora_miss_pages`` off a
+decode worker's score (half where in host memory). Each worker reports what it holds in its
+heartbeats, so the router weighs residency, not the traffic it sent.
 """
 
 from __future__ import annotations
@@ -83,6 +90,8 @@ class RoutingConfig:
     session_vnodes: int = 64
     running_weight_pages: float = 4.0
     local_prefill_overflow_tokens: int | None = None  # None: never overflow to a decode worker
+    lora_miss_tokens: float = 256.0  # a prefill worker without the adapter in a device slot
+    lora_miss_pages: float = 16.0  # a decode worker without the adapter in a device slot
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +102,22 @@ class RequestView:
     num_new_tokens_max: int = 0  # max_tokens: the decode worker's room check
     session_id: str | None = None
     decode_only: bool = False  # a migration: the tokens so far are prefilled on a decode worker
+    lora_name: str | None = None  # the LoRA adapter it computes under; None: the base model
+
+
+@dataclass(frozen=True, slots=True)
+class AdaptersHeld:
+    """The LoRA adapters a worker holds in its device's slots and in its host memory."""
+
+    on_device: frozenset[str] = frozenset()
+    on_host: frozenset[str] = frozenset()
+
+    def miss(self, lora_name: str | None) -> float:
+        """0 where ``lora_name`` (None: the base model) is in a slot, 0.5 in host memory, 1
+        where it must be read from its folder."""
+        if lora_name is None or lora_name in self.on_device:
+            return 0.0
+        return 0.5 if lora_name in self.on_host else 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +126,7 @@ class PrefillView:
     load_tokens: int  # queued prefill tokens, dispatched-but-unreported included
     num_inflight: int  # requests dispatched and not finished
     cached_hashes: frozenset[int] | set[int] = field(default_factory=frozenset)
+    adapters: AdaptersHeld = field(default_factory=AdaptersHeld)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +135,7 @@ class DecodeView:
     free_pages: int  # heartbeat's free pages minus pages reserved by later dispatches
     num_running: int  # running + waiting + dispatched-but-unreported
     load_tokens: int = 0  # its own queued prefill tokens (local prefills), as for PrefillView
+    adapters: AdaptersHeld = field(default_factory=AdaptersHeld)
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +218,11 @@ def choose_prefill(
     allowed = [w for w in candidates if w.load_tokens <= bound]
 
     def key(w: PrefillView) -> tuple[float, int, str]:
-        cost = request.num_prompt_tokens - overlaps[w.worker_id]
+        cost = (
+            request.num_prompt_tokens
+            - overlaps[w.worker_id]
+            + config.lora_miss_tokens * (w.adapters.miss(request.lora_name))
+        )
         return (cost + config.load_weight * w.load_tokens, w.load_tokens, w.worker_id)
 
     chosen = min(allowed, key=key)
@@ -233,6 +264,7 @@ def choose_decode(
 
     def key(w: DecodeView) -> tuple[float, int, str]:
         score = w.free_pages - config.running_weight_pages * w.num_running
+        score -= config.lora_miss_pages * w.adapters.miss(request.lora_name)
         return (-score, w.num_running, w.worker_id)
 
     return min(fitting, key=key).worker_id

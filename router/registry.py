@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from common.messages import PROTOCOL_VERSION
 from common.protocol import ROLE_DECODE, ROLE_PREFILL, CacheEvents, Heartbeat, RegisterWorker
-from router.policy import DecodeView, PrefillView, WorkersView
+from router.policy import AdaptersHeld, DecodeView, PrefillView, WorkersView
 
 
 @dataclass(slots=True)
@@ -61,6 +61,7 @@ class WorkerState:
     lora_adapters: list[str] = field(default_factory=list)
     loras_on_host: list[str] = field(default_factory=list)
     loras_on_device: list[str] = field(default_factory=list)
+    adapters_held: AdaptersHeld = field(default_factory=AdaptersHeld)  # the two above, for routing
 
     @property
     def load_tokens(self) -> int:
@@ -212,8 +213,12 @@ class WorkerRegistry:
         state.prefill_tokens_per_s = msg.prefill_tokens_per_s
         state.finished_per_s = msg.finished_per_s
         state.lora_adapters = msg.lora_adapters
-        state.loras_on_host = msg.loras_on_host
-        state.loras_on_device = msg.loras_on_device
+        if (msg.loras_on_host, msg.loras_on_device) != (state.loras_on_host, state.loras_on_device):
+            state.loras_on_host = msg.loras_on_host
+            state.loras_on_device = msg.loras_on_device
+            state.adapters_held = AdaptersHeld(
+                frozenset(msg.loras_on_device), frozenset(msg.loras_on_host)
+            )
         if previous is not None:
             # Dispatched before the previous heartbeat arrived: this one has surely counted it.
             stale = [rid for rid, d in state.unreported.items() if d.at <= previous]
@@ -283,13 +288,21 @@ class WorkerRegistry:
             if w.role == ROLE_PREFILL:
                 prefill.append(
                     PrefillView(
-                        w.worker_id, w.load_tokens, len(w.inflight), self._held[w.worker_id]
+                        w.worker_id,
+                        w.load_tokens,
+                        len(w.inflight),
+                        self._held[w.worker_id],
+                        w.adapters_held,
                     )
                 )
             else:
                 decode.append(
                     DecodeView(
-                        w.worker_id, w.free_pages_estimate, w.running_estimate, w.load_tokens
+                        w.worker_id,
+                        w.free_pages_estimate,
+                        w.running_estimate,
+                        w.load_tokens,
+                        w.adapters_held,
                     )
                 )
         return WorkersView(prefill, decode)
