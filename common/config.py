@@ -358,8 +358,6 @@ class EngineConfig:
         self.scheduler.validate()
         self.speculative.validate()
         self.lora.validate()
-        if self.lora.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError("--enable-lora is not served with --tensor-parallel-size > 1 yet")
         if self.enable_deterministic_inference and self.enforce_eager:
             raise ValueError(
                 "--enable-deterministic-inference needs pdserve's own kernels; it cannot be "

@@ -54,6 +54,7 @@ class TokenRun:
     start: int
     page_ids: Seq[int]
     num_logits: int
+    lora_name: str | None = None  # the LoRA adapter it computes under; None: the base model
 
 
 @dataclass(frozen=True, slots=True)

@@ -220,17 +220,24 @@ class ModelRunner:
     ) -> LoraSegments | None:
         """The step's rows by adapter slot (each sequence's run: its known tokens, then its
         proposals), the adapters written into slots first; None where no row has one."""
+        return self._segments_of(
+            [
+                (item.num_new_tokens + len(proposed), item.seq.lora_name)
+                for item, proposed in zip(batch, proposals, strict=True)
+            ]
+        )
+
+    def _segments_of(self, rows: list[tuple[int, str | None]]) -> LoraSegments | None:
+        """Segments of ``(row count, adapter)`` per sequence, in batch order."""
         if self.lora is None:
             return None
-        names = {item.seq.lora_name for item in batch if item.seq.lora_name is not None}
+        names = {name for _, name in rows if name is not None}
         if not names:
             return None
         slots = self.lora.slots_for(names)
-        rows = [
-            (item.num_new_tokens + len(proposed), slots.get(item.seq.lora_name or ""))
-            for item, proposed in zip(batch, proposals, strict=True)
-        ]
-        return LoraSegments.of_rows(rows, self.device)
+        return LoraSegments.of_rows(
+            [(count, None if name is None else slots[name]) for count, name in rows], self.device
+        )
 
     def _all_plain_argmax(self, batch: list[ScheduledSequence]) -> bool:
         """Whether every row's next token is its logits' argmax and nothing else is asked of it
@@ -274,7 +281,9 @@ class ModelRunner:
         """A tensor-parallel rank other than 0: the forward rank 0 runs over ``runs``, for its
         collectives and this rank's KV pages; the logits are rank 0's to sample."""
         inputs = flatten_runs(runs, self.page_size, self.device, self.staging, self.page_tables)
-        self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices)
+        # Every rank writes a step's adapters into the same slots: the same calls, in order.
+        lora = self._segments_of([(len(run.token_ids), run.lora_name) for run in runs])
+        self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices, lora)
 
     def prepare(self, batch: list[ScheduledSequence], proposals: Seq[Seq[int]]) -> ForwardInputs:
         """The forward's inputs: each sequence's next known tokens, then its proposals, with
@@ -314,7 +323,9 @@ class ModelRunner:
             known = seq.token_ids[start : start + item.num_new_tokens]
             num_logits = _prompt_positions_to_score(item)[1]
             num_logits += 1 + len(proposed) if item.will_sample else 0
-            runs.append(TokenRun(known + list(proposed), start, seq.page_ids, num_logits))
+            runs.append(
+                TokenRun(known + list(proposed), start, seq.page_ids, num_logits, seq.lora_name)
+            )
         return runs
 
     def _score_prompts(

@@ -468,6 +468,12 @@ class WorkerService(ABC):
         if lora is None:
             return f"worker {self.worker_id} serves no LoRA adapters (--enable-lora)"
         name = msg.lora_name
+        if self.engine.tp.size > 1:
+            # Each rank holds its own slices; only the adapters given at start reach them all.
+            return (
+                f"worker {self.worker_id}: LoRA adapters are loaded at runtime only without "
+                "tensor parallelism"
+            )
         try:
             if isinstance(msg, LoadAdapter):
                 if lora.paths.get(name) == msg.lora_path:
