@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.lora import LoraSegments, lora_delta_reference
+from kernels.lora import LoraSegments, lora_delta_dense, lora_delta_reference
 from kernels.triton.lora import lora_delta
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -42,7 +42,7 @@ def test_shrink_and_expand_equal_the_twin(rows, in_features, out_features, rank,
     x, a, b = (
         draw(num_rows, in_features),
         draw(slots, rank, in_features),
-        draw(slots, out_features, rank),
+        draw(slots, rank, out_features),
     )
     scales = torch.tensor([0.5, 2.0, 0.25], device=DEVICE)
     base = draw(num_rows, out_features)
@@ -59,9 +59,27 @@ def test_shrink_and_expand_equal_the_twin(rows, in_features, out_features, rank,
     assert torch.equal(got[base_rows], base[base_rows])
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_the_cpus_dense_sum_equals_the_twin_and_leaves_base_rows_alone(out_dtype):
+    """Every row against every slot, weighed by its own slot's scale: the twin's delta."""
+    generator = torch.Generator().manual_seed(1)
+    rows = [(3, 1), (2, None), (1, 0), (4, 3), (1, 1)]
+    segments = LoraSegments.of_rows(rows, torch.device("cpu"))
+    x = torch.randn(11, 40, generator=generator).to(out_dtype)
+    a, b = torch.randn(4, 12, 40, generator=generator), torch.randn(4, 12, 56, generator=generator)
+    scales = torch.tensor([0.5, 2.0, 1.0, 0.125])
+    base = torch.randn(11, 56, generator=generator).to(out_dtype)
+    expected, got = base.clone(), base.clone()
+    lora_delta_reference(expected, x, a, b, scales, segments)
+    lora_delta_dense(got, x, a, b, scales, segments)
+    tolerance = 1e-5 if out_dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance * 8, rtol=tolerance)
+    assert torch.equal(got[3:5], base[3:5])  # the base model's rows
+
+
 def test_bad_shapes_and_dtypes_are_refused():
     x = torch.zeros(2, 16, device=DEVICE)
-    a, b = torch.zeros(1, 4, 16, device=DEVICE), torch.zeros(1, 8, 4, device=DEVICE)
+    a, b = torch.zeros(1, 4, 16, device=DEVICE), torch.zeros(1, 4, 8, device=DEVICE)
     segments = LoraSegments.of_rows([(2, 0)], DEVICE)
     out = torch.zeros(2, 8, device=DEVICE)
     with pytest.raises(ValueError, match="float32"):

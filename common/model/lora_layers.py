@@ -6,15 +6,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.lora import LoraSegments, lora_delta_reference
+from kernels.lora import (
+    DENSE_MAX_COLUMNS,
+    LoraSegments,
+    lora_delta_dense,
+    lora_delta_reference,
+)
 
 
 class LoraProjection(nn.Module):
     """The adapter slots of one projection of one layer, this rank's slice of each.
 
     ``a [slots, S * max_rank, in]`` stacks the ``S`` targets' A's (each zero-padded to
-    ``max_rank`` rows); ``b [slots, out, S * max_rank]`` places each target's B on its own
-    output rows and its own rank columns, zeros elsewhere; ``scales [slots]`` float32."""
+    ``max_rank`` rows); ``b [slots, S * max_rank, out]`` places each target's B (transposed) on
+    its own rank rows and its own output columns, zeros elsewhere; ``scales [slots]`` float32."""
 
     def __init__(
         self,
@@ -32,7 +37,7 @@ class LoraProjection(nn.Module):
         self.out_sizes = out_sizes
         total_rank = len(targets) * max_rank
         self.a = torch.zeros(max_loras, total_rank, in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(max_loras, sum(out_sizes), total_rank, dtype=dtype, device=device)
+        self.b = torch.zeros(max_loras, total_rank, sum(out_sizes), dtype=dtype, device=device)
         self.scales = torch.zeros(max_loras, dtype=torch.float32, device=device)
 
     def write(
@@ -49,7 +54,7 @@ class LoraProjection(nn.Module):
                 a, b = part
                 rank, first = a.shape[0], index * self.max_rank
                 self.a[slot, first : first + rank] = a
-                self.b[slot, row : row + out_size, first : first + rank] = b
+                self.b[slot, first : first + rank, row : row + out_size] = b.t()
             row += out_size
 
     def clear(self, slot: int) -> None:
@@ -63,5 +68,7 @@ class LoraProjection(nn.Module):
             from kernels.triton.lora import lora_delta
 
             lora_delta(out, x, self.a, self.b, self.scales, segments)
+        elif self.a.shape[0] * self.a.shape[1] <= DENSE_MAX_COLUMNS:
+            lora_delta_dense(out, x, self.a, self.b, self.scales, segments)
         else:
             lora_delta_reference(out, x, self.a, self.b, self.scales, segments)

@@ -4,7 +4,7 @@ by adapter (``kernels/lora.py`` has the layout and the torch twin, ``lora_delta_
 - ``_shrink_kernel``: one program per (segment, block of its rows); ``x[rows] @ a[slot].T``
   summed over ``in`` in ``BLOCK_K`` steps, in float32, into ``shrunk [N, R]`` (float32).
 - ``_expand_kernel``: one program per (segment, block of its rows, block of output columns);
-  ``shrunk[rows] @ b[slot].T`` over the whole of ``R`` at once (a rank is small), times the
+  ``shrunk[rows] @ b[slot]`` over the whole of ``R`` at once (a rank is small), times the
   slot's scale, added to ``out[rows]`` and rounded to its dtype once.
 
 Rows of no segment are never read nor written. The grid is sized by the longest segment; a
@@ -77,7 +77,7 @@ def _shrink_kernel(
 @triton.jit
 def _expand_kernel(
     shrunk_ptr,  # [N, R] float32, contiguous
-    b_ptr,  # [slots, M_out, R], contiguous
+    b_ptr,  # [slots, R, M_out], contiguous
     scale_ptr,  # [slots] float32
     out_ptr,  # [N, M_out], unit stride along M_out
     start_ptr,  # [G] int32
@@ -109,10 +109,10 @@ def _expand_kernel(
         other=0.0,
     )
     b = tl.load(
-        b_ptr + slot * M_out * R + cols[None, :].to(tl.int64) * R + ranks[:, None],
-        mask=col_mask[None, :] & rank_mask[:, None],
+        b_ptr + slot * R * M_out + ranks[:, None].to(tl.int64) * M_out + cols[None, :],
+        mask=rank_mask[:, None] & col_mask[None, :],
         other=0.0,
-    )  # [BLOCK_R, BLOCK_N]: B's rows as columns
+    )  # [BLOCK_R, BLOCK_N]
     delta = tl.dot(shrunk, b.to(tl.float32)) * tl.load(scale_ptr + slot)
     out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :]
     mask = row_mask[:, None] & col_mask[None, :]
@@ -124,7 +124,7 @@ def lora_delta(
     out: torch.Tensor,  # [N, out_features], updated in place
     x: torch.Tensor,  # [N, in_features]
     a: torch.Tensor,  # [slots, R, in_features]
-    b: torch.Tensor,  # [slots, out_features, R]
+    b: torch.Tensor,  # [slots, R, out_features]
     scales: torch.Tensor,  # [slots] float32
     segments: LoraSegments,
     block_m: int = 16,
@@ -138,9 +138,9 @@ def lora_delta(
     if scales.dtype != torch.float32:
         raise ValueError(f"lora_delta's scales are float32, not {scales.dtype}")
     slots, rank, in_features = a.shape
-    if b.shape[0] != slots or b.shape[2] != rank or scales.shape != (slots,):
+    if b.shape[0] != slots or b.shape[1] != rank or scales.shape != (slots,):
         raise ValueError(f"lora_delta: a {tuple(a.shape)}, b {tuple(b.shape)} do not agree")
-    if x.shape[1] != in_features or out.shape[1] != b.shape[1] or x.shape[0] != out.shape[0]:
+    if x.shape[1] != in_features or out.shape[1] != b.shape[2] or x.shape[0] != out.shape[0]:
         raise ValueError(
             f"lora_delta: x {tuple(x.shape)} and out {tuple(out.shape)} do not fit a "
             f"{tuple(a.shape)}, b {tuple(b.shape)}"
