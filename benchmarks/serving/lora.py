@@ -7,11 +7,14 @@ temporary folder). W1 (random prompts of ``--isl`` tokens, ``--osl`` output toke
 ignore_eos, streamed, ``--concurrency`` at a time) runs once with every request naming the base
 model, then with the requests dealt round-robin over 1, 4 and 16 adapters; each case is run
 ``--rounds`` times, keeping its best output tok/s (and that run's TTFT). ``--max-loras`` is the
-concurrency, so no request waits for a slot: the figures are the batched adapters' arithmetic.
-One line per case, e.g.::
+concurrency, so up to that many adapters no request waits for a slot (16 adapters do). One
+line per case, e.g. SmolLM2-135M in bf16 on the 2-core AVX-512 Xeon (``--num-prompts 32
+--rounds 2``, the box shared with other work)::
 
-    base        out 212.4 tok/s  TTFT p50 402 ms  p99 1210 ms
-    1 adapter   out 187.0 tok/s (0.88x)  TTFT p50 431 ms  p99 1302 ms
+    base        out 94.9 tok/s  TTFT p50 1852 ms  p99 6225 ms
+    1 adapter   out 49.1 tok/s (0.52x)  TTFT p50 2000 ms  p99 7843 ms
+    4 adapters  out 44.3 tok/s (0.47x)  TTFT p50 2461 ms  p99 9351 ms
+    16 adapters out 41.1 tok/s (0.43x)  TTFT p50 3271 ms  p99 9478 ms
 
     python -m benchmarks.serving.lora [--model FOLDER] [--rank 16] [--isl 256] [--osl 64]
         [--num-prompts 64] [--concurrency 8] [--rounds 1] [pdserve up flags]
