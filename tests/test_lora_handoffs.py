@@ -1,11 +1,12 @@
 """A decode worker takes a handoff's KV only under the adapter it was computed under: one it
 does not hold, or holds with other weights, is refused, logged and failed to the router, its
 pages given back and nothing computed (decode_worker/handoffs.py, driven as in
-test_handoffs.py)."""
+test_handoffs.py); and a worker loads and unloads adapters as the router asks, refusing to
+unload one a request it holds computes under."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import pytest
 from engines import build_engine
@@ -15,7 +16,11 @@ from tiny_loras import save_tiny_lora
 from tiny_models import save_tiny_model, tiny_llama_config
 
 from common.config import LoraConfig
+from common.engine.llm_engine import LLMEngine
 from common.lora_adapters import adapter_namespace
+from common.protocol import LoadAdapter, UnloadAdapter
+from common.sampling_params import SamplingParams
+from common.service.worker_base import WorkerService
 from decode_worker.handoffs import Handoffs
 
 
@@ -82,3 +87,38 @@ def test_a_handoff_under_an_adapter_not_held_is_refused(
     assert not receiver.started and handoffs.num_pending() == 0
     assert engine.page_manager.num_free_pages == NUM_PAGES
     assert not engine.scheduler.holds("r")
+
+
+@dataclass
+class AdapterSide:
+    """What a worker's LoadAdapter and UnloadAdapter handling reaches: WorkerService's own."""
+
+    engine: LLMEngine
+    worker_id: str = "decode-0"
+
+    _update = WorkerService._update
+    adapter_users = WorkerService.adapter_users
+
+    @property
+    def scheduler(self):
+        return self.engine.scheduler
+
+
+def test_a_worker_loads_refuses_and_unloads_adapters_as_the_router_asks(lora_model, tmp_path):
+    base, sql = lora_model
+    engine = build_engine(
+        base, num_pages=NUM_PAGES, max_model_len=256, lora=LoraConfig(enable_lora=True)
+    )
+    side = AdapterSide(engine)
+    assert side._update(LoadAdapter("op1", "sql", str(sql))) is None
+    assert side._update(LoadAdapter("op2", "sql", str(sql))) is None  # the same: done already
+    assert "already loaded" in side._update(LoadAdapter("op3", "sql", str(tmp_path)))
+    assert "no such folder" in side._update(LoadAdapter("op4", "x", str(tmp_path / "gone")))
+    engine.add_request(list(range(1, 20)), SamplingParams(max_tokens=2), lora_name="sql")
+    assert "in use by 1 requests" in side._update(UnloadAdapter("op5", "sql"))
+    while engine.has_unfinished:
+        engine.step()
+    assert side._update(UnloadAdapter("op6", "sql")) is None
+    assert engine.lora.names == [] and "is not loaded" in side._update(UnloadAdapter("o7", "sql"))
+    plain = AdapterSide(build_engine(base, num_pages=NUM_PAGES, max_model_len=256))
+    assert "serves no LoRA adapters" in plain._update(LoadAdapter("op8", "sql", str(sql)))
