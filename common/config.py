@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from common.context_window import DEFAULT_MAX_POSITIONS, exact_context_length
+from common.context_window import DEFAULT_MAX_POSITIONS, layer_windows
 from kernels.cpu.features import has_amx_bf16
 
 SUPPORTED_ARCHITECTURES = {
@@ -42,8 +42,8 @@ class ModelConfig:
     rope_theta: float
     rope_scaling: dict | None
     max_position_embeddings: int
-    # At most the sliding window, where the config has one (common/context_window.py).
-    exact_context_length: int
+    # Each layer's sliding window; None: all earlier positions (common/context_window.py).
+    layer_windows: tuple[int | None, ...]
     tie_word_embeddings: bool
     attention_bias: bool  # Qwen2: biases on q/k/v projections
     qk_norm: bool  # Qwen3: RMSNorm on each head of q and k before RoPE
@@ -96,7 +96,7 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=raw.get("max_position_embeddings", DEFAULT_MAX_POSITIONS),
-            exact_context_length=exact_context_length(raw),
+            layer_windows=layer_windows(raw),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             attention_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
             qk_norm=family == "qwen3",

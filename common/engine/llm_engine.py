@@ -161,15 +161,10 @@ class LLMEngine:
         if kv_dtype == INT8_DTYPE:
             self.model.turn_kv_heads()
         self._prepare_kernels(self.model, log=True)
-        exact = self.model_config.exact_context_length
-        if exact < self.model_config.max_position_embeddings:
-            logger.warning(
-                "the model's sliding window of %d tokens caps its context (of %d positions): "
-                "longer requests are refused",
-                exact,
-                self.model_config.max_position_embeddings,
-            )
-        self.max_model_len = min(config.scheduler.max_model_len or exact, exact)
+        self.max_model_len = min(
+            config.scheduler.max_model_len or self.model_config.max_position_embeddings,
+            self.model_config.max_position_embeddings,
+        )
         self.kv_layout = kv_layout(
             kv_dtype,
             config.cache.page_size,
