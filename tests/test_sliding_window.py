@@ -129,8 +129,10 @@ def test_the_pool_recovers_the_pages_behind_the_window(mistral) -> None:
     assert engine.page_manager.num_free_pages == 16
 
 
-def test_speculative_verification_through_the_window(mistral) -> None:
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+def test_speculative_verification_through_the_window(mistral, monkeypatch, backend) -> None:
     """n-gram proposals verified in runs of several rows, over pages given back behind them."""
+    monkeypatch.setenv("PDSERVE_ATTENTION_BACKEND", backend)
     engine = build_engine(mistral, speculative=SpeculativeConfig("ngram", 3))
     prompts = [p + p for p in random_prompts(3, seed=4, min_len=20, max_len=30)]
     accepted = metrics.SPEC_ACCEPTED._value.get()

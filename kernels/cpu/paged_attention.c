@@ -799,7 +799,8 @@ static inline __attribute__((always_inline)) void attend_sequence(
                             const int head = kv_head * group + g + v;
                             vectors[v] = (const uint16_t *)query +
                                          j * query_row_stride + head * head_dim;
-                            outputs[v] = scores + (size_t)(j * num_heads + head) * span + first - base;
+                            outputs[v] =
+                                scores + (size_t)(j * num_heads + head) * span + first - base;
                         }
                         bf16_pair_score_set(vectors, n, keys, cache->token_stride, count,
                                             head_dim, softmax_scale, outputs);
@@ -809,8 +810,9 @@ static inline __attribute__((always_inline)) void attend_sequence(
 #endif
 #ifdef HAVE_BF16_ROW_SETS
             if (bf16_rows) {
-                lines_ahead ahead = lines_ahead_of(cache, &key_run, &value_run,
-                                                   (first - base) / page_size, kv_head, num_kv_heads);
+                lines_ahead ahead =
+                    lines_ahead_of(cache, &key_run, &value_run, (first - base) / page_size,
+                                   kv_head, num_kv_heads);
                 const uint16_t *keys = kv_address(cache, cache->key, page, 0, kv_head);
                 for (int j = 0; j < q_len; j++)
                     for (int g = 0; g < group; g += ROW_SET) {
@@ -829,7 +831,8 @@ static inline __attribute__((always_inline)) void attend_sequence(
                 continue;
             }
 #endif
-            prefetch_ahead(cache, &key_run, &value_run, (first - base) / page_size, kv_head, num_kv_heads);
+            prefetch_ahead(cache, &key_run, &value_run, (first - base) / page_size, kv_head,
+                           num_kv_heads);
             load_page_rows(cache, cache->key, cache->key_scale, page, count, kv_head, head_dim,
                            rows);
             /* The head's vectors (row i / group, query head i % group of this KV head), by twos. */
@@ -878,8 +881,9 @@ static inline __attribute__((always_inline)) void attend_sequence(
         for (int kv_head = 0; kv_head < num_kv_heads; kv_head++) {
 #ifdef HAVE_BF16_ROW_SETS
             if (bf16_rows) {
-                lines_ahead ahead = lines_ahead_of(cache, &value_run, next_keys,
-                                                   (first - base) / page_size, kv_head, num_kv_heads);
+                lines_ahead ahead =
+                    lines_ahead_of(cache, &value_run, next_keys, (first - base) / page_size,
+                                   kv_head, num_kv_heads);
                 const uint16_t *values = kv_address(cache, cache->value, page, 0, kv_head);
                 for (int j = 0; j < q_len; j++) {
                     const int seen = seq_len - q_len + j + 1 - first;
@@ -902,7 +906,8 @@ static inline __attribute__((always_inline)) void attend_sequence(
                 continue;
             }
 #endif
-            prefetch_ahead(cache, &value_run, next_keys, (first - base) / page_size, kv_head, num_kv_heads);
+            prefetch_ahead(cache, &value_run, next_keys, (first - base) / page_size, kv_head,
+                           num_kv_heads);
             load_page_rows(cache, cache->value, cache->value_scale, page, count, kv_head,
                            head_dim, rows);
             /* As in pass 1, by twos; each vector takes the page's rows up to its own position. */
