@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from common.context_window import DEFAULT_MAX_POSITIONS, exact_context_length
+from common.context_window import DEFAULT_MAX_POSITIONS, layer_windows
 from common.moe_config import MoEConfig, moe_config
 from common.unimplemented_fields import refuse_unimplemented_fields
 from kernels.cpu.features import has_amx_bf16
@@ -59,8 +59,8 @@ class ModelConfig:
     rope_theta: float
     rope_scaling: dict | None
     max_position_embeddings: int
-    # At most the sliding window, where the config has one (common/context_window.py).
-    exact_context_length: int
+    # Each layer's sliding window; None: all earlier positions (common/context_window.py).
+    layer_windows: tuple[int | None, ...]
     tie_word_embeddings: bool
     attention_bias: bool  # Qwen2: biases on q/k/v projections
     # RMSNorm on q and k before RoPE: QK_NORM_PER_HEAD, QK_NORM_PER_PROJECTION or None.
@@ -117,7 +117,7 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=raw.get("max_position_embeddings", DEFAULT_MAX_POSITIONS),
-            exact_context_length=exact_context_length(raw),
+            layer_windows=layer_windows(raw),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             attention_bias=_attention_bias(raw, family),
             qk_norm=_QK_NORMS.get(family),

@@ -94,6 +94,11 @@ PROMPT_TOKENS_QUEUED = Gauge(
 NUM_PREEMPTIONS = Counter(
     "pdserve_num_preemptions", "Sequences preempted (their KV freed, recomputed later)"
 )
+KV_PAGES_RELEASED = Counter(
+    "pdserve_kv_pages_released",
+    "KV pages running sequences gave back to the pool, every position in them behind every "
+    "layer's sliding window",
+)
 STEP_SECONDS = Histogram(
     "pdserve_step_seconds",
     "One engine step: schedule, forward, sample, postprocess",

@@ -12,7 +12,7 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from common.context_window import exact_context_length
+from common.context_window import max_positions
 
 # Texts longer than this are encoded by a call that releases the GIL.
 LONG_TEXT_CHARS = 16_384
@@ -27,8 +27,7 @@ class Tokenizer:
             raise ValueError(f"cannot load a tokenizer from {path}: {exc}") from exc
         config = _optional_json(path / "config.json")
         self.vocab_size = int(config.get("vocab_size") or len(self._tokenizer))
-        # The context the model answers exactly: its positions, at most its sliding window.
-        self.exact_context_length = exact_context_length(config)
+        self.max_position_embeddings = max_positions(config)
         self.eos_token_ids = eos_token_ids(path, config, self._tokenizer.eos_token_id)
         # The router encodes every prompt and decodes every token on its event loop: call the
         # Rust tokenizer directly where that gives transformers' own result.

@@ -13,6 +13,11 @@ query rows ``query_start_loc[i]:query_start_loc[i + 1]``; with ``q`` new tokens 
 seq_lens[i]`` tokens of context after this step, its query row ``j`` sits at position
 ``L - q + j`` and attends causally to positions ``0 .. L - q + j``. A decode token is simply a
 sequence with ``q == 1``; a prefill chunk over a cached prefix is one with ``q < L``.
+
+A sliding-window layer passes its ``window``: a row at position ``p`` then attends to positions
+``p - window < j <= p`` only (``transformers``' convention, ``common/context_window.py``), and
+the backends read no page that holds none of those positions. Such pages may already be back in
+the pool (``Sequence.num_released_pages``): their page-table entries are stale and never read.
 """
 
 from __future__ import annotations
@@ -91,6 +96,17 @@ class KVCacheView:
         return self.is_fp8 or self.is_int8
 
 
+def check_window(window: int | None) -> None:
+    """``ValueError`` unless ``window`` is None or a positive number of positions."""
+    if window is not None and (isinstance(window, bool) or window < 1):
+        raise ValueError(f"a sliding window must be a positive number of positions, got {window}")
+
+
+def window_start(position: int, window: int | None) -> int:
+    """The first position a query at ``position`` attends to."""
+    return 0 if window is None else max(0, position - window + 1)
+
+
 class AttentionBackend(ABC):
     """Paged attention over the page-major KV pool. Implementations hold no per-step state:
     what a backend derives from a step's metadata lives in the plan it returns."""
@@ -151,8 +167,10 @@ class AttentionBackend(ABC):
         cache: KVCacheView,
         meta: AttentionMetadata,
         softmax_scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:  # [N, num_heads, head_dim], query's dtype
-        """Causal attention of every new token over its sequence's context in ``cache``.
+        """Causal attention of every new token over its sequence's context in ``cache``, or
+        over the last ``window`` positions up to its own (a sliding-window layer).
 
         ``num_heads`` must be a multiple of ``num_kv_heads`` (grouped-query attention). The
         step's own keys and values must already be stored. Does not modify the cache.

@@ -14,7 +14,13 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from kernels.interface import AttentionBackend, AttentionMetadata, KVCacheView
+from kernels.interface import (
+    AttentionBackend,
+    AttentionMetadata,
+    KVCacheView,
+    check_window,
+    window_start,
+)
 from kernels.kv_formats import dequantize_fp8, dequantize_int8, quantize_fp8, quantize_int8
 from kernels.sizes import ceil_div
 
@@ -70,7 +76,9 @@ def paged_attention(
     cache: KVCacheView,
     meta: AttentionMetadata,
     softmax_scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:  # [N, num_heads, head_dim]
+    check_window(window)
     page_size = cache.page_size
     out = torch.empty_like(query)
     starts = meta.query_start_loc.tolist()
@@ -82,16 +90,31 @@ def paged_attention(
     decode = [i for i, q_len in enumerate(query_lens) if q_len == 1]
     if decode:
         rows = torch.tensor([starts[i] for i in decode], device=query.device)
-        lens = torch.tensor([seq_lens[i] for i in decode], device=query.device)
-        num_pages = ceil_div(max(seq_lens[i] for i in decode), page_size)
-        tables = meta.page_tables[torch.tensor(decode, device=query.device), :num_pages]
-        key, value = gather_context(cache, tables.long(), query.dtype)
+        # Each row's pages from the first that holds a position of its window: gathered
+        # position t of row i is position t + first_pages[i] * page_size of its sequence.
+        first_pages = [window_start(seq_lens[i] - 1, window) // page_size for i in decode]
+        ends = [
+            seq_lens[i] - first * page_size for i, first in zip(decode, first_pages, strict=True)
+        ]
+        num_pages = ceil_div(max(ends), page_size)
+        tables = _page_table_rows(meta.page_tables, decode, first_pages, num_pages)
+        key, value = gather_context(cache, tables, query.dtype)
         positions = torch.arange(key.shape[1], device=query.device)
+        lens = torch.tensor(ends, device=query.device)
         valid = positions[None, :] < lens[:, None]
+        if window is not None:
+            firsts = torch.tensor(
+                [
+                    seq_lens[i] - window - p * page_size
+                    for i, p in zip(decode, first_pages, strict=True)
+                ],
+                device=query.device,
+            )
+            valid &= positions[None, :] >= firsts[:, None]
         # Slots past a sequence's end were never written and may hold NaN, which neither a
         # masked score nor a zero probability cancels (NaN - inf and 0 * NaN are NaN). Only
         # positions past the shortest sequence can be such slots.
-        tail = min(seq_lens[i] for i in decode)
+        tail = min(ends)
         outside = ~valid[:, tail:, None, None]
         key[:, tail:].masked_fill_(outside, 0.0)
         value[:, tail:].masked_fill_(outside, 0.0)
@@ -114,9 +137,26 @@ def paged_attention(
             continue
         rows = slice(starts[i], starts[i + 1])
         out[rows] = chunk_attention(
-            query[rows], cache, meta.page_tables[i], seq_lens[i], softmax_scale
+            query[rows], cache, meta.page_tables[i], seq_lens[i], softmax_scale, window
         )
     return out
+
+
+def _page_table_rows(
+    page_tables: torch.Tensor,  # [S, max_pages_per_seq] int32
+    seqs: list[int],
+    first_pages: list[int],
+    num_pages: int,
+) -> torch.Tensor:  # [len(seqs), num_pages] int64
+    """Rows ``seqs`` of the page tables, each from its own first page on, ``num_pages`` wide.
+    Columns past a table's width repeat its last entry: they lie past the sequence's end, whose
+    slots the caller masks."""
+    device = page_tables.device
+    columns = torch.tensor(first_pages, device=device)[:, None] + torch.arange(
+        num_pages, device=device
+    )
+    columns = columns.clamp_(max=page_tables.shape[1] - 1)
+    return torch.gather(page_tables[torch.tensor(seqs, device=device)].long(), 1, columns)
 
 
 def chunk_attention(
@@ -125,8 +165,20 @@ def chunk_attention(
     page_table: torch.Tensor,  # [max_pages_per_seq] int32
     seq_len: int,
     softmax_scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:  # [q_len, num_heads, head_dim]
-    """One sequence's chunk of queries over its context: SDPA over its gathered pages."""
+    """One sequence's chunk of queries over its context: SDPA over its gathered pages (with a
+    window, over the pages from the first that its first query attends to)."""
+    if window is not None:
+        first_page = window_start(seq_len - query.shape[0], window) // cache.page_size
+        queries, keys, values = sequence_context(query, cache, page_table, seq_len, first_page)
+        mask = sliding_causal_mask(
+            query.shape[0], seq_len, first_page * cache.page_size, window, query.device
+        )
+        attended = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=mask, scale=softmax_scale, enable_gqa=True
+        )
+        return attended[0].transpose(0, 1)
     # Imported here: the module imports torch._dynamo, seconds of every worker's start-up that
     # only this path needs.
     from torch.nn.attention.bias import causal_lower_right
@@ -144,20 +196,34 @@ def chunk_attention(
     return attended[0].transpose(0, 1)
 
 
+def sliding_causal_mask(
+    q_len: int, seq_len: int, first_key: int, window: int, device: torch.device
+) -> torch.Tensor:  # [q_len, seq_len - first_key] bool
+    """Which keys, positions ``first_key ..`` of the context, each of its last ``q_len``
+    positions attends to through a sliding ``window``."""
+    queries = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
+    keys = torch.arange(first_key, seq_len, device=device)[None, :]
+    return (keys <= queries) & (keys > queries - window)
+
+
 def sequence_context(
     query: torch.Tensor,  # [q_len, num_heads, head_dim]
     cache: KVCacheView,
     page_table: torch.Tensor,  # [max_pages_per_seq] int
     seq_len: int,
+    first_page: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One sequence's queries and its ``seq_len`` keys and values gathered from its pages (in the
-    query's dtype), in SDPA's layout: [1, heads, length, head_dim] each."""
+    """One sequence's queries and its keys and values gathered from its pages (in the query's
+    dtype), those of positions ``first_page * page_size .. seq_len - 1``, in SDPA's layout:
+    [1, heads, length, head_dim] each."""
     num_pages = ceil_div(seq_len, cache.page_size)
-    key, value = gather_context(cache, page_table[None, :num_pages].long(), query.dtype)
+    length = seq_len - first_page * cache.page_size
+    tables = page_table[None, first_page:num_pages].long()
+    key, value = gather_context(cache, tables, query.dtype)
     return (
         query.transpose(0, 1)[None],
-        key[0, :seq_len].transpose(0, 1)[None],
-        value[0, :seq_len].transpose(0, 1)[None],
+        key[0, :length].transpose(0, 1)[None],
+        value[0, :length].transpose(0, 1)[None],
     )
 
 
@@ -167,5 +233,5 @@ class TorchAttentionBackend(AttentionBackend):
     def store_kv(self, key, value, cache, slot_mapping) -> None:
         store_kv(key, value, cache, slot_mapping)
 
-    def attention(self, query, cache, meta, softmax_scale) -> torch.Tensor:
-        return paged_attention(query, cache, meta, softmax_scale)
+    def attention(self, query, cache, meta, softmax_scale, window=None) -> torch.Tensor:
+        return paged_attention(query, cache, meta, softmax_scale, window)

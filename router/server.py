@@ -213,7 +213,7 @@ def config_from_args(args: argparse.Namespace, text: Tokenizer, model_path: Path
             raise ValueError(f"--{name.replace('_', '-')} must be a positive number of ms")
     if args.enable_auto_tool_choice and not args.tool_call_parser:  # vLLM's words
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
-    max_len = min(args.max_model_len or text.exact_context_length, text.exact_context_length)
+    max_len = min(args.max_model_len or text.max_position_embeddings, text.max_position_embeddings)
     if max_len < 2:
         raise ValueError("--max-model-len must be >= 2")
     names = args.served_model_name or [model_path.name]

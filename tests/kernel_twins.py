@@ -41,12 +41,17 @@ def store_kv_twin(
 
 
 def context_twin(
-    cache: KVCacheView, page_table: torch.Tensor, seq_len: int, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [seq_len, num_kv_heads, head_dim]
-    """A sequence's keys and values, read position by position through its page table."""
+    cache: KVCacheView,
+    page_table: torch.Tensor,
+    seq_len: int,
+    dtype: torch.dtype,
+    first: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [seq_len - first, num_kv_heads, head_dim]
+    """A sequence's keys and values from position ``first`` on, read position by position
+    through its page table."""
     pages = page_table.tolist()
     keys, values = [], []
-    for position in range(seq_len):
+    for position in range(first, seq_len):
         page, offset = pages[position // cache.page_size], position % cache.page_size
         for stored, scales, out in (
             (cache.key, cache.key_scale, keys),
@@ -66,26 +71,35 @@ def paged_attention_twin(
     cache: KVCacheView,
     meta: AttentionMetadata,
     softmax_scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:  # [N, num_heads, head_dim]
-    """Each sequence's queries, the last rows of its context, attend causally to it."""
+    """Each sequence's queries, the last rows of its context, attend causally to it: with a
+    sliding ``window``, the query at position p to positions p - window < j <= p only, read
+    from the first of them on (so pages before it are never read)."""
     out = torch.empty_like(query)
     starts = meta.query_start_loc.tolist()
     for i, seq_len in enumerate(meta.seq_lens.tolist()):
         rows = slice(starts[i], starts[i + 1])
-        key, value = context_twin(cache, meta.page_tables[i], seq_len, query.dtype)
-        out[rows] = attend_twin(query[rows], key, value, softmax_scale)
+        q_len = starts[i + 1] - starts[i]
+        first = 0 if window is None else max(0, seq_len - q_len - window + 1)
+        key, value = context_twin(cache, meta.page_tables[i], seq_len, query.dtype, first)
+        out[rows] = attend_twin(query[rows], key, value, softmax_scale, window)
     return out
 
 
 def attend_twin(
     query: torch.Tensor,  # [q_len, num_heads, head_dim], the context's last q_len positions
-    key: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
-    value: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
+    key: torch.Tensor,  # [length, num_kv_heads, head_dim], the context's last positions
+    value: torch.Tensor,  # [length, num_kv_heads, head_dim]
     softmax_scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:  # [q_len, num_heads, head_dim]
-    q_len, seq_len = query.shape[0], key.shape[0]
-    positions = torch.arange(seq_len - q_len, seq_len, device=query.device)
-    seen = torch.arange(seq_len, device=query.device)[None, :] <= positions[:, None]
+    q_len, length = query.shape[0], key.shape[0]
+    positions = torch.arange(length - q_len, length, device=query.device)
+    keys = torch.arange(length, device=query.device)[None, :]
+    seen = keys <= positions[:, None]
+    if window is not None:
+        seen &= keys > positions[:, None] - window
     group = query.shape[1] // key.shape[1]
     attended = F.scaled_dot_product_attention(
         query.transpose(0, 1),

@@ -77,6 +77,27 @@ def test_fused_layers_give_the_module_paths_bits(tmp_path, monkeypatch, family, 
     assert serve(engine, prompts) == fused
 
 
+@pytest.mark.parametrize("speculating", [False, True], ids=["decode", "verification"])
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_fused_layers_attend_through_a_sliding_window(tmp_path, speculating, kv):
+    """The module path's bits, the window passed to the C layer's attention: prompts and
+    answers run past a window of 12, and the pages behind it go back to the pool."""
+    folder = build_tiny_model("mistral", tmp_path, sliding_window=12)
+    speculative = (
+        SpeculativeConfig(method="ngram", num_speculative_tokens=3) if speculating else None
+    )
+    engine = build_engine(
+        folder, dtype="bfloat16", kv_cache_dtype=kv, prefix_caching=False, speculative=speculative
+    )
+    assert engine.model.fused_layers is not None
+    assert all(fused.weights.window == 12 for fused in engine.model.fused_layers)
+    prompts = [p + p for p in random_prompts(6, seed=4)]
+    fused = serve(engine, prompts)
+    assert engine.scheduler.num_released_pages > 0
+    engine.model.fused_layers = None
+    assert serve(engine, prompts) == fused
+
+
 @pytest.mark.parametrize(
     "family, dtype, kv",
     [

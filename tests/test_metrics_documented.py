@@ -46,8 +46,11 @@ def documented() -> dict[str, list[tuple[str, bool]]]:
     for line in METRICS_DOC.read_text().splitlines():
         row = re.match(r"\| `(pdserve_\w+)` \|", line)
         if row:
-            # Rows marked *on faults* move on failures alone, *on a GPU* by default only there.
-            quiet_here = "*on faults*" in line or "*on a GPU*" in line
+            # Rows marked *on faults* move on failures alone, *on a GPU* by default only there,
+            # *with sliding windows* only for a model whose every layer has one.
+            quiet_here = any(
+                mark in line for mark in ("*on faults*", "*on a GPU*", "*with sliding windows*")
+            )
             tables.setdefault(heading, []).append((row.group(1), not quiet_here))
         elif line.startswith("## "):
             heading = line[3:]

@@ -273,6 +273,14 @@ def test_the_default_model_upcycled_into_identical_experts_answers_as_the_dense_
     assert build_engine(folder, **knobs).generate(prompts, GREEDY) == expected
 
 
+def test_a_mixtral_window_shorter_than_the_prompt_answers_as_transformers(tmp_path):
+    """Mixtral slides on every layer, as Mistral: prompts and answers past a 16-token window."""
+    folder = build_tiny_model("mixtral", tmp_path / "mixtral-window", sliding_window=16)
+    prompts = random_prompts(3, seed=21, min_len=30, max_len=50)
+    expected = hf_greedy(folder, prompts, NEW_TOKENS)
+    assert build_engine(folder).generate(prompts, GREEDY) == expected
+
+
 def test_deterministic_mode_and_speculation_hold_with_experts(qwen2_moe):
     """Alone, batched, chunked, cached and speculated (n-gram): the same bits, in bf16."""
     assert_answers_are_invariant(qwen2_moe, dtype="bfloat16", max_tokens=8)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 
 import jsonschema
 import pytest
@@ -173,16 +174,30 @@ def test_a_choice_allows_only_its_words_and_ends_with_them(compiler, tokenizer):
     assert state.advance(EOS[0])  # the stop token: complete
 
 
-@pytest.mark.parametrize("timeout_s", [2.0, 0.0])  # 0: xgrammar never in time, llguidance's
+@pytest.mark.parametrize("xgrammar_in_time", [True, False])
 def test_speculative_rows_follow_the_proposals_and_leave_the_matcher_as_it_was(
-    tokenizer, timeout_s
+    tokenizer, monkeypatch, xgrammar_in_time
 ):
-    compiler = GrammarCompiler(MODEL, VOCAB, EOS, timeout_s=timeout_s)
+    """Under each library: xgrammar, and llguidance where xgrammar is held past the timeout (a
+    compile that waits on an event set only at the end: a timeout alone can lose the race to a
+    fast compile)."""
+    release = threading.Event()
+    if not xgrammar_in_time:
+        from common.engine.structured.xgrammar_backend import XGrammarBackend
+
+        compile_spec = XGrammarBackend.compile
+
+        def held(self, spec):
+            release.wait(30)
+            return compile_spec(self, spec)
+
+        monkeypatch.setattr(XGrammarBackend, "compile", held)
+    compiler = GrammarCompiler(MODEL, VOCAB, EOS, timeout_s=30.0 if xgrammar_in_time else 0.05)
     try:
         spec = StructuredSpec("regex", "[ab][0-9]{3}")
         state = started(compiler, spec)
         backend = compiler.submit(spec).result().backend.name
-        assert backend == ("xgrammar" if timeout_s else "llguidance")
+        assert backend == ("xgrammar" if xgrammar_in_time else "llguidance")
         a, seven, x, three = (
             tokenizer.encode(t, add_special_tokens=False)[0] for t in ("a", "7", "x", "3")
         )
@@ -195,6 +210,7 @@ def test_speculative_rows_follow_the_proposals_and_leave_the_matcher_as_it_was(
         state.fill_rows([], again, 0)
         assert allowed(again, 0) == allowed(bitmask, 0)  # rolled back to where it was
     finally:
+        release.set()
         compiler.close()
 
 

@@ -76,8 +76,8 @@ class NudgingBackend(AttentionBackend):
     def store_kv(self, key, value, cache, slot_mapping) -> None:
         self.inner.store_kv(self._nudged(key), self._nudged(value), cache, slot_mapping)
 
-    def attention(self, query, cache, meta, softmax_scale):
-        return self.inner.attention(query, cache, meta, softmax_scale)
+    def attention(self, query, cache, meta, softmax_scale, window=None):
+        return self.inner.attention(query, cache, meta, softmax_scale, window)
 
 
 def run(

@@ -1,5 +1,5 @@
-"""Attention of the CPU path (the C kernels over the paged pool) on one pinned core, in two parts,
-each a subcommand.
+"""Attention of the CPU path (the C kernels over the paged pool) on one pinned core, in three
+parts, each a subcommand.
 
 ``decode``: one decode step's attention, every layer. A decode step reads each layer's KV pages
 after that layer's weights have streamed through the caches, so the pages come from memory, not
@@ -11,6 +11,13 @@ at which this core reads a plain buffer (measured in the same run)::
 
     batch x context    ms/step (median, best)    KV read     GB/s   of read rate
         8 x   256        0.87 (    0.83)        6.3 MB     7.6      61.4%
+
+``window``: the decode step of ``decode`` at long contexts, attending the whole context against
+a sliding window's last ``--window`` positions (Mistral's layers): the pages before the window
+are not read at all. It prints both steps' milliseconds, the KV each reads, and the speed-up::
+
+    batch x context    full ms   KV read    window ms   KV read   speed-up
+        1 x  8192       ...
 
 ``prefill``: SDPA against the AMX kernel, one layer's call per shape. Long chunks of bf16
 queries over bf16 pages attend on AMX tiles where the processor has them
@@ -28,6 +35,7 @@ Shapes are SmolLM2-135M's (30 layers, 9 query heads over 3 KV heads of 64) unles
     python -m benchmarks.step.cpu_attention decode [--core 0] [--kv-cache-dtype bf16|int8|fp8]
         [--bf16-pair-scores]   # bf16 pages scored with vdpbf16ps (AVX512_BF16 processors)
         [--small-pages]   # the pool on 4 KB memory pages (the engine puts it on 2 MB ones)
+    python -m benchmarks.step.cpu_attention window [--core 0] [--window 1024]
     python -m benchmarks.step.cpu_attention prefill [--core 0] [--heads 9] [--kv-heads 3]
         [--head-dim 64] [--repeats 5]
 """
@@ -53,6 +61,8 @@ PAGE_SIZE = 16
 KV_DTYPES = {"bf16": torch.bfloat16, "int8": INT8_DTYPE, "fp8": FP8_DTYPE}
 # (batch, context) of a decode step
 DECODE_CASES = [(1, 256), (8, 256), (32, 256), (1, 1024), (8, 1024), (32, 1024)]
+# (batch, context) of a decode step at long contexts, with and without a window
+WINDOW_CASES = [(1, 4096), (8, 4096), (1, 16384), (4, 16384)]
 # (query rows of each chunk, its sequence's length, chunks side by side)
 PREFILL_CASES = [
     (256, 256, 1),
@@ -115,17 +125,47 @@ def layer_view(pages: torch.Tensor, scales: torch.Tensor | None, layer: int) -> 
     )
 
 
+class DecodeSteps:
+    """A pool of every layer's pages and a step of decodes over it, timed layer by layer with a
+    layer's share of the weights read between layers, as in a decode step."""
+
+    def __init__(self, cases: list[tuple[int, int]], args: argparse.Namespace) -> None:
+        self.backend = CpuAttentionBackend()
+        self.num_pages = max(b * ceil_div(c, PAGE_SIZE) for b, c in cases) + 1
+        pages, scales = make_pool(self.num_pages, args)
+        self.views = [layer_view(pages, scales, layer) for layer in range(args.layers)]
+        self.weights = torch.ones((args.weight_mb << 20) // args.layers // 4)
+        scale_bytes = 0 if scales is None else scales.element_size()
+        self.token_bytes = 2 * args.kv_heads * (args.head_dim * pages.element_size() + scale_bytes)
+        self.args = args
+
+    def seconds(self, batch: int, context: int, window: int | None = None) -> list[float]:
+        """Each pass's seconds of attention over every layer (the warm-up pass dropped)."""
+        args = self.args
+        meta = self.backend.plan(paged_metadata(1, context, batch, self.num_pages))
+        query = torch.randn(batch, args.heads, args.head_dim).to(torch.bfloat16)
+        scale = args.head_dim**-0.5
+        times = []
+        for _ in range(args.repeats + 1):
+            total = 0.0
+            for view in self.views:
+                self.weights.sum()
+                start = time.perf_counter()
+                self.backend.attention(query, view, meta, scale, window)
+                total += time.perf_counter() - start
+            times.append(total)
+        return times[1:]  # the first pass warms the allocator
+
+    def kv_bytes(self, batch: int, context: int, window: int | None = None) -> int:
+        """The bytes of the pages a step reads: from the page of the window's first position."""
+        first_page = 0 if window is None else max(0, context - window) // PAGE_SIZE
+        read = context - first_page * PAGE_SIZE
+        return self.args.layers * batch * read * self.token_bytes
+
+
 def run_decode(args: argparse.Namespace) -> None:
-    backend = CpuAttentionBackend()
-    num_pages = max(b * ceil_div(c, PAGE_SIZE) for b, c in DECODE_CASES) + 1
-    pages, scales = make_pool(num_pages, args)
-    views = [layer_view(pages, scales, layer) for layer in range(args.layers)]
-    # Between layers, a layer's share of the weights is read, as in a decode step.
-    weights = torch.ones((args.weight_mb << 20) // args.layers // 4)
+    steps = DecodeSteps(DECODE_CASES, args)
     memory_rate = (args.weight_mb << 20) / memory_read_seconds(args.weight_mb << 20, args.repeats)
-    scale = args.head_dim**-0.5
-    scale_bytes = 0 if scales is None else scales.element_size()
-    token_bytes = 2 * args.kv_heads * (args.head_dim * pages.element_size() + scale_bytes)
 
     print(
         f"{args.layers} layers, {args.heads} query heads over {args.kv_heads} KV heads of "
@@ -137,24 +177,32 @@ def run_decode(args: argparse.Namespace) -> None:
     print()
     print("batch x context    ms/step (median, best)    KV read     GB/s   of read rate")
     for batch, context in DECODE_CASES:
-        meta = backend.plan(paged_metadata(1, context, batch, num_pages))
-        query = torch.randn(batch, args.heads, args.head_dim).to(torch.bfloat16)
-        times = []
-        for _ in range(args.repeats + 1):
-            total = 0.0
-            for view in views:
-                weights.sum()
-                start = time.perf_counter()
-                backend.attention(query, view, meta, scale)
-                total += time.perf_counter() - start
-            times.append(total)
-        times = times[1:]  # the first pass warms the allocator
-        kv_bytes = args.layers * batch * context * token_bytes
+        times = steps.seconds(batch, context)
+        kv_bytes = steps.kv_bytes(batch, context)
         rate = kv_bytes / min(times)
         print(
             f"{batch:5d} x {context:5d}    {statistics.median(times) * 1e3:8.2f} "
             f"({min(times) * 1e3:8.2f})    {kv_bytes / 1e6:7.1f} MB  {rate / 1e9:6.1f}"
             f"   {rate / memory_rate:8.1%}"
+        )
+
+
+def run_window(args: argparse.Namespace) -> None:
+    steps = DecodeSteps(WINDOW_CASES, args)
+    print(
+        f"{args.layers} layers, {args.heads} query heads over {args.kv_heads} KV heads of "
+        f"{args.head_dim}, {args.kv_cache_dtype} pages of {PAGE_SIZE}; a window of "
+        f"{args.window} positions; one core (#{args.core}); medians of {args.repeats}"
+    )
+    print()
+    print("batch x context    full ms   KV read    window ms   KV read   speed-up")
+    for batch, context in WINDOW_CASES:
+        full = statistics.median(steps.seconds(batch, context)) * 1e3
+        windowed = statistics.median(steps.seconds(batch, context, args.window)) * 1e3
+        print(
+            f"{batch:5d} x {context:5d}  {full:8.2f} {steps.kv_bytes(batch, context) / 1e6:7.1f} MB"
+            f"  {windowed:9.2f} {steps.kv_bytes(batch, context, args.window) / 1e6:7.1f} MB"
+            f"  {full / windowed:7.1f}x"
         )
 
 
@@ -215,6 +263,17 @@ def main() -> None:
     decode.add_argument(
         "--small-pages", action="store_true", help="the pool on 4 KB pages, not 2 MB ones"
     )
+    window = parts.add_parser(
+        "window", parents=[shape], help="a decode step at long contexts, with a sliding window"
+    )
+    window.add_argument("--window", type=int, default=1024)
+    window.add_argument("--kv-cache-dtype", default="bf16", choices=sorted(KV_DTYPES))
+    window.add_argument("--layers", type=int, default=30)
+    window.add_argument("--weight-mb", type=int, default=270, help="weights streamed per step")
+    window.add_argument("--repeats", type=int, default=5)
+    window.add_argument(
+        "--small-pages", action="store_true", help="the pool on 4 KB pages, not 2 MB ones"
+    )
     prefill = parts.add_parser("prefill", parents=[shape], help="SDPA against the AMX kernel")
     prefill.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
@@ -222,6 +281,9 @@ def main() -> None:
     torch.manual_seed(0)
     if args.part == "prefill":
         run_prefill(args)
+        return
+    if args.part == "window":
+        run_window(args)
         return
     with cpu_library.running_bf16_pair_scores(args.bf16_pair_scores):
         run_decode(args)

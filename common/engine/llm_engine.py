@@ -29,6 +29,7 @@ from common.config import (
     default_token_budget,
     resolve_dtype,
 )
+from common.context_window import all_layers_slide
 from common.engine.batch import ScheduledSequence, SequenceOutput
 from common.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from common.engine.kv_pool import KVPool, dtype_name, kv_layout
@@ -171,15 +172,10 @@ class LLMEngine:
             self.model.turn_kv_heads()
         self._prepare_kernels(self.model, log=True)
         self.lora = self._serve_adapters(config)
-        exact = self.model_config.exact_context_length
-        if exact < self.model_config.max_position_embeddings:
-            logger.warning(
-                "the model's sliding window of %d tokens caps its context (of %d positions): "
-                "longer requests are refused",
-                exact,
-                self.model_config.max_position_embeddings,
-            )
-        self.max_model_len = min(config.scheduler.max_model_len or exact, exact)
+        self.max_model_len = min(
+            config.scheduler.max_model_len or self.model_config.max_position_embeddings,
+            self.model_config.max_position_embeddings,
+        )
         self.kv_layout = kv_layout(
             kv_dtype,
             config.cache.page_size,
@@ -243,7 +239,11 @@ class LLMEngine:
         else:
             scheduler_class = DecodeScheduler if role == "decode" else Scheduler
             self.scheduler = scheduler_class(
-                *scheduling, eos, self.speculator, grammars=self.grammars
+                *scheduling,
+                eos,
+                self.speculator,
+                grammars=self.grammars,
+                release_window=self._release_window(draft is not None),
             )
         self.runner = ModelRunner(self.model, self.pool, self.sampler, self.speculator)
         self.runner.followers = self.followers
@@ -286,6 +286,17 @@ class LLMEngine:
         for name, path in config.lora.modules.items():
             manager.add(name, path)
         return manager
+
+    def _release_window(self, has_draft: bool) -> int | None:
+        """The window behind which a running sequence's pages go back to the pool: the widest
+        of the layers', where every layer slides. A page holds every layer's KV of its
+        positions, so one full-attention layer keeps them all (a pool per group of layers, as
+        the sliding ones could use, is not built). A draft model keeps its own KV in the same
+        page ids, read from its own positions: with one, nothing goes back either."""
+        windows = self.model_config.layer_windows
+        if has_draft or not all_layers_slide(windows):
+            return None
+        return max(window for window in windows if window is not None)
 
     def _steps_ahead_wanted(self, role: str | None) -> bool:
         """Whether decode steps are launched before the last one's tokens are read

@@ -17,6 +17,10 @@ same forward, and ``postprocess`` appends the accepted run, checking every stop 
 by token. Only positions whose tokens were accepted count as computed, so the KV written for
 rejected proposals is simply overwritten later and never reaches the prefix cache.
 
+Where every layer of the model attends through a sliding window (``release_window``), a running
+sequence gives back each page that no later step reads, once all of its positions are behind the
+window of the first position still to compute (``Sequence.num_released_pages``).
+
 Beside a GPU the engine may launch a step before the last one's tokens are read
 (``schedule_ahead``, see ``common/engine/llm_engine.py``): the same decodes again, one position
 on, their input ids taken on the device from the step before. It is decided only where that is
@@ -59,7 +63,11 @@ class Scheduler:
         eos_token_ids: Seq[int],
         speculator: Speculator | None = None,
         grammars: GrammarCompiler | None = None,
+        release_window: int | None = None,
     ) -> None:
+        """``release_window``: the sliding window every layer of the model attends through,
+        behind which a running sequence's pages go back to the pool; None: a sequence keeps
+        all its pages until it ends."""
         self.token_budget = config.token_budget
         self.max_num_seqs = config.max_num_seqs
         self.max_prefill_tokens_while_decoding = config.max_prefill_tokens_while_decoding
@@ -80,6 +88,8 @@ class Scheduler:
         # With LoRA: the most adapters the running sequences may compute under at once (the
         # device's slots); a waiting sequence of another adapter waits. None: no limit.
         self.max_adapters: int | None = None
+        self.release_window = release_window
+        self.num_released_pages = 0  # pages given back from behind the window, in all
         self.num_prompt_tokens_computed = 0  # prompt tokens run through the model, cache hits not
         # The last step's batch when it was every running sequence decoding, in running order:
         # while that stays so, the next step is the same rows again (``_steady_decodes``).
@@ -373,6 +383,7 @@ class Scheduler:
             if computed >= (len(seq.page_hashes) + 1) * page_size:
                 self._cache_full_pages(seq)  # a page was completed
             if not item.will_sample:
+                self._release_pages_behind_window(seq)
                 continue
             reason = None
             for count, sample in enumerate(run, 1):
@@ -383,6 +394,8 @@ class Scheduler:
                     run = run[:count]
                     break
             leaves = self._after_sampling(seq, reason)
+            if not leaves:
+                self._release_pages_behind_window(seq)
             outputs.append(SequenceOutput(seq, list(run), leaves))
         assert next(sampled_runs, None) is None, "more sampled runs than sampling sequences"
         return outputs
@@ -409,6 +422,8 @@ class Scheduler:
             seq.samples.append(sample)
             reason = self._stop_reason(seq, sample.token_id)
             leaves = reason is not None and self._after_sampling(seq, reason)
+            if not leaves:
+                self._release_pages_behind_window(seq)
             outputs.append(SequenceOutput(seq, run, leaves))
         return outputs
 
@@ -509,12 +524,35 @@ class Scheduler:
             return FinishReason.LENGTH
         return FinishReason.LENGTH if num_tokens >= self.max_model_len else None
 
-    def _free_pages(self, seq: Sequence) -> None:
+    def _release_pages_behind_window(self, seq: Sequence) -> None:
+        """Give back the pages of ``seq`` that no later step reads. Every query from here on
+        sits at ``num_computed_tokens`` or later (a decode, a chunk, proposals to verify, a step
+        launched ahead alike) and reads back ``release_window`` positions, its own included, so
+        a page whose positions all lie before the first of those is read no more. Filed in the
+        prefix cache, it stays findable there until the pool reuses it."""
+        window = self.release_window
+        if window is None:
+            return
+        behind = max(0, seq.num_computed_tokens - window + 1) // self.page_size
+        behind = min(behind, len(seq.page_ids))
+        if behind <= seq.num_released_pages:
+            return
+        released = seq.page_ids[seq.num_released_pages : behind]
+        seq.num_released_pages = behind
+        self.num_released_pages += len(released)
+        self._give_back(released)
+
+    def _give_back(self, page_ids: list[int]) -> None:
+        """Drop the sequence's reference on ``page_ids``, once no step in flight writes them."""
         if self._holding_freed_pages:
-            self._held_pages.append(seq.page_ids)
+            self._held_pages.append(page_ids)
         else:
-            self.page_manager.free(seq.page_ids)
+            self.page_manager.free(page_ids)
+
+    def _free_pages(self, seq: Sequence) -> None:
+        self._give_back(seq.held_page_ids)
         seq.page_ids = []
+        seq.num_released_pages = 0
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -536,7 +574,12 @@ class Scheduler:
 class PrefillScheduler(Scheduler):
     """The prefill worker's scheduler: a sequence leaves the batch once its first token is
     sampled and, unless that token ended it (``finish_reason`` set), keeps its pages for the
-    transfer until the caller hands it to ``release``. It has nothing to speculate on."""
+    transfer until the caller hands it to ``release``. It has nothing to speculate on, and
+    gives back no page from behind a sliding window: the decode worker receives every page of
+    the prompt, and gives back those behind its window itself."""
+
+    def _release_pages_behind_window(self, seq: Sequence) -> None:
+        return
 
     def release(self, seq: Sequence) -> None:
         """Free the pages a prefilled sequence still holds, once they are shipped."""

@@ -39,7 +39,11 @@ class Sequence:
     num_prompt_tokens: int
     params: SamplingParams
     samples: list[SampledToken] = field(default_factory=list)  # one per generated token
+    # One page per page_size positions, in order; the first num_released_pages were given back
+    # to the pool (every position in them is behind every layer's sliding window): their ids
+    # only keep the others in place, and belong to the sequence no more.
     page_ids: list[int] = field(default_factory=list)
+    num_released_pages: int = 0
     page_hashes: list[int] = field(default_factory=list)  # chained hashes of full pages, in order
     # The prefix-cache namespace its pages are hashed under (common/hashing.py): "" for the base
     # model; sequences of different namespaces never share pages.
@@ -68,6 +72,11 @@ class Sequence:
         cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> Sequence:
         return cls(request_id, list(prompt_token_ids), len(prompt_token_ids), params)
+
+    @property
+    def held_page_ids(self) -> list[int]:
+        """The pages the sequence holds: all but the released ones."""
+        return self.page_ids[self.num_released_pages :]
 
     @property
     def num_tokens(self) -> int:

@@ -145,6 +145,8 @@ class Attention(nn.Module):
         # use_kernels swaps in the device's twins of these modules.
         self.rotary: nn.Module = RotaryApply()
         self.softmax_scale = config.head_dim**-0.5
+        # How many positions, its own included, a sliding-window layer reads; None: all.
+        self.window = config.layer_windows[layer_index]
         # Set by LlamaForCausalLM.turn_kv_heads for pools of int8 pages (kernels/kv_turn.py).
         self.query_turn: nn.Module | None = None
         self.kv_turn: nn.Module | None = None
@@ -186,7 +188,7 @@ class Attention(nn.Module):
         else:
             # The backend may rotate and store in one pass (the Triton store on CUDA).
             q = kv.backend.rotate_and_store_kv(self.rotary, q, k, v, rope, cache, meta.slot_mapping)
-        out = kv.backend.attention(q, cache, meta, self.softmax_scale)
+        out = kv.backend.attention(q, cache, meta, self.softmax_scale, self.window)
         if query_turn is not None:
             out = self._turn(query_turn, out).to(hidden.dtype)
         out = out.reshape(-1, self.q_size)

@@ -35,6 +35,7 @@ from common.metrics import (
     AUTH_FAILURES,
     GENERATED_TOKENS,
     ITERATION_TOKENS,
+    KV_PAGES_RELEASED,
     KV_USAGE,
     NUM_PREEMPTIONS,
     PREFIX_CACHE_HIT_TOKENS,
@@ -188,6 +189,7 @@ class WorkerService(ABC):
         self._last_heartbeat = 0.0
         self._prompt_tokens_seen = 0
         self._preemptions_seen = 0
+        self._released_pages_seen = 0
         # What the heartbeats report of this worker's progress and pace (see ``heartbeat``).
         self.num_steps = 0
         self.prefill_rate = Throughput()
@@ -393,6 +395,10 @@ class WorkerService(ABC):
         if preempted > self._preemptions_seen:
             NUM_PREEMPTIONS.inc(preempted - self._preemptions_seen)
             self._preemptions_seen = preempted
+        released = self.scheduler.num_released_pages
+        if released > self._released_pages_seen:
+            KV_PAGES_RELEASED.inc(released - self._released_pages_seen)
+            self._released_pages_seen = released
         self._heartbeat_if_due()
 
     def _pulse(self) -> None:

@@ -36,6 +36,7 @@ from kernels.interface import (
     AttentionBackend,
     AttentionMetadata,
     KVCacheView,
+    check_window,
 )
 from kernels.torch_backend import store_kv as torch_store_kv
 
@@ -183,19 +184,23 @@ class CpuAttentionBackend(AttentionBackend):
         cache: KVCacheView,
         meta: AttentionMetadata,
         softmax_scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:  # [N, num_heads, head_dim]
+        check_window(window)
         plan = meta if isinstance(meta, CpuAttentionPlan) else self.plan(meta)
         io_dtype = query.dtype if query.dtype in _IO_DTYPE_CODES else torch.float32
         out = torch.empty(query.shape, dtype=io_dtype)
         if len(plan.short_seq_ids):
-            self._attend_short(query.to(io_dtype), cache, plan, softmax_scale, out)
-        if plan.long_chunks and self._amx_takes(query, cache):
+            self._attend_short(query.to(io_dtype), cache, plan, softmax_scale, window, out)
+        # The AMX kernel attends every earlier key: a sliding-window layer's long chunks go
+        # to SDPA over the pages of their window.
+        if plan.long_chunks and window is None and self._amx_takes(query, cache):
             self._attend_long_on_amx(query, cache, plan, softmax_scale, out)
             return out
         for batch in plan.prompt_batches:
             rows = slice(batch.first_row, batch.end_row)
             out[rows] = whole_prompts_attention(
-                self._long_rows(query, rows), cache, batch, softmax_scale
+                self._long_rows(query, rows), cache, batch, softmax_scale, window
             )
         for seq, start, end, seq_len in plan.long_chunks:
             if seq in plan.batched_seqs:
@@ -206,6 +211,7 @@ class CpuAttentionBackend(AttentionBackend):
                 plan.page_tables[seq],
                 seq_len,
                 softmax_scale,
+                window,
             )
         return out.to(query.dtype)
 
@@ -277,6 +283,7 @@ class CpuAttentionBackend(AttentionBackend):
         cache: KVCacheView,
         plan: CpuAttentionPlan,
         softmax_scale: float,
+        window: int | None,
         out: torch.Tensor,  # [N, num_heads, head_dim], query's dtype
     ) -> None:
         num_heads, head_dim = query.shape[1], query.shape[2]
@@ -319,6 +326,7 @@ class CpuAttentionBackend(AttentionBackend):
             key.shape[2],
             head_dim,
             softmax_scale,
+            window or 0,  # the kernel's "none"
             _IO_DTYPE_CODES[query.dtype],
             torch.get_num_threads(),
         )

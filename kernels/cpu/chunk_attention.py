@@ -29,7 +29,12 @@ import torch.nn.functional as F
 
 from kernels.interface import KVCacheView
 from kernels.sizes import ceil_div
-from kernels.torch_backend import gather_context, sequence_context
+from kernels.torch_backend import (
+    chunk_attention,
+    gather_context,
+    sequence_context,
+    sliding_causal_mask,
+)
 
 
 def chunk_attention_after_prefix(
@@ -38,8 +43,12 @@ def chunk_attention_after_prefix(
     page_table: torch.Tensor,  # [max_pages_per_seq] int32
     seq_len: int,
     softmax_scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:  # [q_len, num_heads, head_dim]
-    """The torch backend's ``chunk_attention``, the cached prefix and the chunk attended apart."""
+    """The torch backend's ``chunk_attention``, the cached prefix and the chunk attended apart;
+    through a sliding window, that very call (one SDPA over the window's pages, masked)."""
+    if window is not None:
+        return chunk_attention(query, cache, page_table, seq_len, softmax_scale, window)
     prefix = seq_len - query.shape[0]
     queries, keys, values = sequence_context(query, cache, page_table, seq_len)
     if prefix == 0:
@@ -112,17 +121,23 @@ def whole_prompts_attention(
     cache: KVCacheView,
     prompts: WholePrompts,
     softmax_scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:  # [num_prompts * length, num_heads, head_dim]
-    """Each prompt's causal attention over its own keys, the prompts as one SDPA batch."""
+    """Each prompt's causal attention over its own keys (through a sliding ``window``, where
+    given), the prompts as one SDPA batch."""
     count, length = prompts.num_prompts, prompts.length
     tables = prompts.page_tables[:, : ceil_div(length, cache.page_size)]
     key, value = gather_context(cache, tables, query.dtype)
     queries = query.view(count, length, *query.shape[1:]).transpose(1, 2)
+    mask = None
+    if window is not None:
+        mask = sliding_causal_mask(length, length, 0, window, query.device)
     attended = F.scaled_dot_product_attention(
         queries,
         key[:, :length].transpose(1, 2),
         value[:, :length].transpose(1, 2),
-        is_causal=True,
+        attn_mask=mask,
+        is_causal=mask is None,
         scale=softmax_scale,
         enable_gqa=True,
     )  # [count, num_heads, length, head_dim]

@@ -59,6 +59,7 @@ typedef struct {
     int32_t intermediate;
     int32_t page_size;
     int32_t kv_dtype; /* exports.h's kv_dtype: KV_BF16, KV_FP8_E4M3 or KV_INT8 */
+    int32_t window;   /* the attention's sliding window; 0 for none */
 } layer_weights;
 
 /* y [rows, N] = x [rows, K] W^T (+ bias), bf16 rows; x, scratch, is rounded in place first
@@ -132,7 +133,7 @@ static int attend_stored(const layer_weights *w, const uint16_t *qkv, int rows,
                                    w->scale_head_stride, w->kv_dtype, w->page_size, page_tables,
                                    page_table_stride, query_start_loc, seq_lens, seq_ids,
                                    num_listed, w->num_heads, w->num_kv_heads, head_dim,
-                                   w->softmax_scale, KV_BF16, num_threads);
+                                   w->softmax_scale, w->window, KV_BF16, num_threads);
 }
 
 /* `heads` head vectors of `head_dim` bf16 values, rows `row_stride` apart with `per_row` heads
@@ -185,7 +186,7 @@ static int attend_turned(const layer_weights *w, const uint16_t *qkv, int rows,
                                 w->scale_head_stride, KV_INT8, w->page_size, page_tables,
                                 page_table_stride, query_start_loc, seq_lens, seq_ids,
                                 num_listed, w->num_heads, w->num_kv_heads, head_dim,
-                                w->softmax_scale, KV_F32, num_threads))
+                                w->softmax_scale, w->window, KV_F32, num_threads))
         return -1;
     /* Turned back into the queries' buffer (they are spent), then rounded to bf16. */
     if (pdserve_linear_f32(out, head_dim, w->query_turn_tiles, NULL, queries, head_dim,

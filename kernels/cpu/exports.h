@@ -104,8 +104,8 @@ int pdserve_paged_attention(const void *query, int64_t query_row_stride, void *o
                             const int32_t *page_tables, int64_t page_table_stride,
                             const int32_t *query_start_loc, const int32_t *seq_lens,
                             const int32_t *seq_ids, int num_listed, int num_heads,
-                            int num_kv_heads, int head_dim, float softmax_scale, int io_dtype,
-                            int num_threads);
+                            int num_kv_heads, int head_dim, float softmax_scale, int window,
+                            int io_dtype, int num_threads);
 
 /* A prefill chunk's causal attention on AMX tiles (prefill_attention.c). */
 int pdserve_prefill_attention_fits(int num_heads, int num_kv_heads, int head_dim);

@@ -9,7 +9,8 @@ part would take the C kernels anyway: bf16 weights in tiles or quantized weights
 (``kernels/cpu/quantized_linear.py``, W8A8 inputs rounded in C as the module path rounds them),
 in any mix, bf16 rows, bf16, FP8 or int8 pages (int8 with
 its Hadamard turns in float32 tiles, ``kernels/kv_turn.py``), C norms and RoPE, no query/key
-norms, a step of short runs; the module path keeps everything else.
+norms, a step of short runs (through a sliding window or not); the module path keeps
+everything else.
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ class LayerWeights(ctypes.Structure):
         ("intermediate", ctypes.c_int32),
         ("page_size", ctypes.c_int32),
         ("kv_dtype", ctypes.c_int32),
+        ("window", ctypes.c_int32),
     ]
 
 
@@ -138,6 +140,7 @@ class FusedDecoderLayer:
             intermediate=mlp.intermediate_size,
             page_size=cache.page_size,
             kv_dtype=KV_DTYPE_CODES[cache.key.dtype],
+            window=attention.window or 0,  # the C kernels' "none"
         )
         self._pointer = ctypes.addressof(self.weights)
         self._library = cpu_library.load()

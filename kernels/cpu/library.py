@@ -192,7 +192,7 @@ def _declare(library: ctypes.CDLL) -> None:
         ptr, i64,  # page tables, their row stride
         ptr, ptr, ptr, i32,  # query_start_loc, seq_lens, seq_ids, how many ids
         i32, i32, i32,  # num_heads, num_kv_heads, head_dim
-        f32, i32, i32,  # softmax scale, query/output dtype, threads
+        f32, i32, i32, i32,  # softmax scale, sliding window (0: none), query/output dtype, threads
     ]  # fmt: skip
     library.pdserve_paged_attention.restype = ctypes.c_int
     library.pdserve_linear_bf16.argtypes = [

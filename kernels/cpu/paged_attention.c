@@ -16,7 +16,11 @@
  *
  * Layout (see kernels/interface.py): query rows of sequence s are
  * query_start_loc[s] .. query_start_loc[s + 1]; with q rows and L = seq_lens[s], row j sits at
- * position L - q + j and sees positions 0 .. L - q + j.
+ * position L - q + j and sees positions 0 .. L - q + j; through a sliding window (window > 0),
+ * only positions L - q + j - window + 1 .. L - q + j. The pages before the first position a
+ * run's first row sees are not read at all (they may be back in the pool): its page table is
+ * read from that page on. Positions a row does not see in the pages read get a weight of exact
+ * zero, so a row's sums are still fixed by its own position alone.
  */
 #include <math.h>
 #include <stdint.h>
@@ -52,6 +56,13 @@
 #else
 #define KEY_GROUP 8
 #endif
+
+/* The first page a run of q_len query rows ending at seq_len reads: the one holding the first
+ * position its first row sees (0 without a window). */
+static inline int first_page_read(int seq_len, int q_len, int window, int page_size) {
+    const int first_seen = seq_len - q_len - window + 1;
+    return window > 0 && first_seen > 0 ? first_seen / page_size : 0;
+}
 
 /* Rows of the widened-page buffer: a page rounded up to whole key groups. */
 static inline int page_rows(int page_size) {
@@ -716,9 +727,9 @@ static inline __attribute__((always_inline)) void load_page_rows(const kv_cache 
  * vector of that head goes over it. */
 static inline __attribute__((always_inline)) void attend_sequence(
     const char *query, int64_t query_row_stride, char *out, int64_t out_row_stride, int io_dtype,
-    const kv_cache *cache, const int32_t *page_table, int seq_len, int q_len, int num_heads,
-    int num_kv_heads, int head_dim, float softmax_scale, const page_run *next_keys,
-    int first_pages_requested, float *scratch) {
+    const kv_cache *cache, const int32_t *page_table, int seq_len, int q_len, int window,
+    int num_heads, int num_kv_heads, int head_dim, float softmax_scale,
+    const page_run *next_keys, int first_pages_requested, float *scratch) {
     const size_t io_size = element_size(io_dtype);
     const int group = num_heads / num_kv_heads;
     const int num_vectors = q_len * num_heads; /* vector v: row v / num_heads, head v % num_heads */
@@ -726,7 +737,10 @@ static inline __attribute__((always_inline)) void attend_sequence(
     float *restrict queries = scratch;                              /* [num_vectors, head_dim] */
     float *restrict acc = queries + (size_t)num_vectors * head_dim; /* [num_vectors, head_dim] */
     float *restrict rows = acc + (size_t)num_vectors * head_dim; /* [page_rows(), head_dim] */
-    float *restrict scores = rows + (size_t)page_rows(page_size) * head_dim; /* [vectors, len] */
+    /* Positions base .. seq_len - 1 are read: the pages before base hold none a row sees. */
+    const int skipped = first_page_read(seq_len, q_len, window, page_size);
+    const int base = skipped * page_size, span = seq_len - base;
+    float *restrict scores = rows + (size_t)page_rows(page_size) * head_dim; /* [vectors, span] */
 #ifdef HAVE_BF16_PAIR_SCORES
     /* bf16 queries over bf16 pages: scored in pairs, for every run length alike. */
     const int pair_scores = bf16_pair_scores_on && cache->dtype == KV_BF16 &&
@@ -752,9 +766,9 @@ static inline __attribute__((always_inline)) void attend_sequence(
         }
 
     /* Pass 1: scores of every vector over the whole context (causality is applied below). */
-    const int num_pages = (seq_len + page_size - 1) / page_size;
-    const page_run key_run = {cache->key, page_table, num_pages};
-    const page_run value_run = {cache->value, page_table, num_pages};
+    const int num_pages = (seq_len + page_size - 1) / page_size - skipped;
+    const page_run key_run = {cache->key, page_table + skipped, num_pages};
+    const page_run value_run = {cache->value, page_table + skipped, num_pages};
     if (!first_pages_requested)
         for (int index = 0; index < PAGES_TO_L2; index++) {
             /* The first pages whole: those up to PAGES_TO_L1 into L1, the rest into L2. */
@@ -767,13 +781,13 @@ static inline __attribute__((always_inline)) void attend_sequence(
                                                 &whole.left_l2);
             request_rest(&whole);
         }
-    for (int first = 0; first < seq_len; first += page_size) {
+    for (int first = base; first < seq_len; first += page_size) {
         const int64_t page = page_table[first / page_size];
         const int count = seq_len - first < page_size ? seq_len - first : page_size;
         for (int kv_head = 0; kv_head < num_kv_heads; kv_head++) {
 #ifdef HAVE_BF16_PAIR_SCORES
             if (pair_scores) {
-                prefetch_ahead(cache, &key_run, &value_run, first / page_size, kv_head,
+                prefetch_ahead(cache, &key_run, &value_run, (first - base) / page_size, kv_head,
                                num_kv_heads);
                 const uint16_t *keys = kv_address(cache, cache->key, page, 0, kv_head);
                 for (int j = 0; j < q_len; j++)
@@ -785,7 +799,8 @@ static inline __attribute__((always_inline)) void attend_sequence(
                             const int head = kv_head * group + g + v;
                             vectors[v] = (const uint16_t *)query +
                                          j * query_row_stride + head * head_dim;
-                            outputs[v] = scores + (size_t)(j * num_heads + head) * seq_len + first;
+                            outputs[v] =
+                                scores + (size_t)(j * num_heads + head) * span + first - base;
                         }
                         bf16_pair_score_set(vectors, n, keys, cache->token_stride, count,
                                             head_dim, softmax_scale, outputs);
@@ -795,8 +810,9 @@ static inline __attribute__((always_inline)) void attend_sequence(
 #endif
 #ifdef HAVE_BF16_ROW_SETS
             if (bf16_rows) {
-                lines_ahead ahead = lines_ahead_of(cache, &key_run, &value_run,
-                                                   first / page_size, kv_head, num_kv_heads);
+                lines_ahead ahead =
+                    lines_ahead_of(cache, &key_run, &value_run, (first - base) / page_size,
+                                   kv_head, num_kv_heads);
                 const uint16_t *keys = kv_address(cache, cache->key, page, 0, kv_head);
                 for (int j = 0; j < q_len; j++)
                     for (int g = 0; g < group; g += ROW_SET) {
@@ -806,7 +822,7 @@ static inline __attribute__((always_inline)) void attend_sequence(
                         for (int v = 0; v < n; v++) {
                             const int a = j * num_heads + kv_head * group + g + v;
                             vectors[v] = queries + (size_t)a * head_dim;
-                            outputs[v] = scores + (size_t)a * seq_len + first;
+                            outputs[v] = scores + (size_t)a * span + first - base;
                         }
                         bf16_row_set(vectors, n, keys, cache->token_stride, count, head_dim, 0,
                                      outputs, &ahead);
@@ -815,7 +831,8 @@ static inline __attribute__((always_inline)) void attend_sequence(
                 continue;
             }
 #endif
-            prefetch_ahead(cache, &key_run, &value_run, first / page_size, kv_head, num_kv_heads);
+            prefetch_ahead(cache, &key_run, &value_run, (first - base) / page_size, kv_head,
+                           num_kv_heads);
             load_page_rows(cache, cache->key, cache->key_scale, page, count, kv_head, head_dim,
                            rows);
             /* The head's vectors (row i / group, query head i % group of this KV head), by twos. */
@@ -823,22 +840,27 @@ static inline __attribute__((always_inline)) void attend_sequence(
                 const int a = (i / group) * num_heads + kv_head * group + i % group;
                 if (i + 1 == q_len * group) {
                     dot_rows(queries + (size_t)a * head_dim, rows, count, head_dim,
-                             scores + (size_t)a * seq_len + first);
+                             scores + (size_t)a * span + first - base);
                     break;
                 }
                 const int b = ((i + 1) / group) * num_heads + kv_head * group + (i + 1) % group;
                 dot_rows_pair(queries + (size_t)a * head_dim, queries + (size_t)b * head_dim, rows,
-                              count, head_dim, scores + (size_t)a * seq_len + first,
-                              scores + (size_t)b * seq_len + first);
+                              count, head_dim, scores + (size_t)a * span + first - base,
+                              scores + (size_t)b * span + first - base);
             }
         }
     }
 
     /* Softmax of each vector over the positions its row may see (the maximum is exact in any
-     * order; the denominator is summed in fixed lanes). */
+     * order; the denominator is summed in fixed lanes from the first of them). Positions before
+     * a window weigh an exact zero in pass 2. */
     for (int v = 0; v < num_vectors; v++) {
-        const int visible = seq_len - q_len + v / num_heads + 1;
-        float *s = scores + (size_t)v * seq_len;
+        const int position = seq_len - q_len + v / num_heads;
+        const int first_seen =
+            window > 0 && position - window + 1 > base ? position - window + 1 : base;
+        const int visible = position + 1 - first_seen;
+        memset(scores + (size_t)v * span, 0, (size_t)(first_seen - base) * sizeof(float));
+        float *s = scores + (size_t)v * span + first_seen - base;
         float max = -INFINITY;
 #pragma omp simd reduction(max : max)
         for (int t = 0; t < visible; t++) max = s[t] > max ? s[t] : max;
@@ -853,14 +875,15 @@ static inline __attribute__((always_inline)) void attend_sequence(
      * position order, up to the vector's own position (its first pages were requested by pass
      * 1's last ones). */
     memset(acc, 0, (size_t)num_vectors * head_dim * sizeof(float));
-    for (int first = 0; first < seq_len; first += page_size) {
+    for (int first = base; first < seq_len; first += page_size) {
         const int64_t page = page_table[first / page_size];
         const int count = seq_len - first < page_size ? seq_len - first : page_size;
         for (int kv_head = 0; kv_head < num_kv_heads; kv_head++) {
 #ifdef HAVE_BF16_ROW_SETS
             if (bf16_rows) {
-                lines_ahead ahead = lines_ahead_of(cache, &value_run, next_keys,
-                                                   first / page_size, kv_head, num_kv_heads);
+                lines_ahead ahead =
+                    lines_ahead_of(cache, &value_run, next_keys, (first - base) / page_size,
+                                   kv_head, num_kv_heads);
                 const uint16_t *values = kv_address(cache, cache->value, page, 0, kv_head);
                 for (int j = 0; j < q_len; j++) {
                     const int seen = seq_len - q_len + j + 1 - first;
@@ -871,7 +894,7 @@ static inline __attribute__((always_inline)) void attend_sequence(
                         float *outputs[ROW_SET];
                         for (int v = 0; v < n; v++) {
                             const int a = j * num_heads + kv_head * group + g + v;
-                            weights[v] = scores + (size_t)a * seq_len + first;
+                            weights[v] = scores + (size_t)a * span + first - base;
                             outputs[v] = acc + (size_t)a * head_dim;
                         }
                         bf16_row_set(weights, n, values, cache->token_stride,
@@ -883,7 +906,8 @@ static inline __attribute__((always_inline)) void attend_sequence(
                 continue;
             }
 #endif
-            prefetch_ahead(cache, &value_run, next_keys, first / page_size, kv_head, num_kv_heads);
+            prefetch_ahead(cache, &value_run, next_keys, (first - base) / page_size, kv_head,
+                           num_kv_heads);
             load_page_rows(cache, cache->value, cache->value_scale, page, count, kv_head,
                            head_dim, rows);
             /* As in pass 1, by twos; each vector takes the page's rows up to its own position. */
@@ -893,8 +917,8 @@ static inline __attribute__((always_inline)) void attend_sequence(
                 const int b = (second / group) * num_heads + kv_head * group + second % group;
                 const int seen_a = seq_len - q_len + i / group + 1 - first;
                 const int seen_b = second == i ? 0 : seq_len - q_len + second / group + 1 - first;
-                weighted_rows_pair(scores + (size_t)a * seq_len + first,
-                                   scores + (size_t)b * seq_len + first, rows,
+                weighted_rows_pair(scores + (size_t)a * span + first - base,
+                                   scores + (size_t)b * span + first - base, rows,
                                    seen_a <= 0 ? 0 : seen_a < count ? seen_a : count,
                                    seen_b <= 0 ? 0 : seen_b < count ? seen_b : count, head_dim,
                                    acc + (size_t)a * head_dim, acc + (size_t)b * head_dim);
@@ -911,14 +935,14 @@ static inline __attribute__((always_inline)) void attend_sequence(
  * unroll into whole vector registers. */
 static void attend_sequence_any(const char *query, int64_t query_row_stride, char *out,
                                 int64_t out_row_stride, int io_dtype, const kv_cache *cache,
-                                const int32_t *page_table, int seq_len, int q_len, int num_heads,
-                                int num_kv_heads, int head_dim, float softmax_scale,
-                                const page_run *next_keys, int first_pages_requested,
-                                float *scratch) {
+                                const int32_t *page_table, int seq_len, int q_len, int window,
+                                int num_heads, int num_kv_heads, int head_dim,
+                                float softmax_scale, const page_run *next_keys,
+                                int first_pages_requested, float *scratch) {
 #define HEAD_DIM_CASE(dim)                                                                     \
     case dim:                                                                                  \
         attend_sequence(query, query_row_stride, out, out_row_stride, io_dtype, cache,         \
-                        page_table, seq_len, q_len, num_heads, num_kv_heads, dim,             \
+                        page_table, seq_len, q_len, window, num_heads, num_kv_heads, dim,     \
                         softmax_scale, next_keys, first_pages_requested, scratch);            \
         return;
     switch (head_dim) {
@@ -927,18 +951,23 @@ static void attend_sequence_any(const char *query, int64_t query_row_stride, cha
     }
 #undef HEAD_DIM_CASE
     attend_sequence(query, query_row_stride, out, out_row_stride, io_dtype, cache, page_table,
-                    seq_len, q_len, num_heads, num_kv_heads, head_dim, softmax_scale, next_keys,
-                    first_pages_requested, scratch);
+                    seq_len, q_len, window, num_heads, num_kv_heads, head_dim, softmax_scale,
+                    next_keys, first_pages_requested, scratch);
 }
 
 /* The context a work item (a sequence, the first of its rows) attends: its tile of ROW_TILE
  * rows (or fewer, at the run's end) sees up to the tile's last row and no further. */
+static inline int item_rows(const int32_t item[2], const int32_t *query_start_loc) {
+    const int s = item[0], row = item[1];
+    const int q_len = query_start_loc[s + 1] - query_start_loc[s];
+    return q_len - row < ROW_TILE ? q_len - row : ROW_TILE;
+}
+
 static inline int item_len(const int32_t item[2], const int32_t *query_start_loc,
                            const int32_t *seq_lens) {
     const int s = item[0], row = item[1];
     const int q_len = query_start_loc[s + 1] - query_start_loc[s];
-    const int rows = q_len - row < ROW_TILE ? q_len - row : ROW_TILE;
-    return seq_lens[s] - q_len + row + rows;
+    return seq_lens[s] - q_len + row + item_rows(item, query_start_loc);
 }
 
 /* Attend the query rows of sequences `seq_ids[0 .. num_listed)`.
@@ -947,7 +976,8 @@ static inline int item_len(const int32_t item[2], const int32_t *query_start_loc
  *        elements apart
  * out:   [N, num_heads, head_dim] of io_dtype, rows `out_row_stride` elements apart
  * page_tables: [num_seqs, page_table_stride] int32; query_start_loc: [num_seqs + 1] int32;
- * seq_lens: [num_seqs] int32. Returns 0, or -1 if scratch memory could not be had.
+ * seq_lens: [num_seqs] int32; window: the sliding window, 0 for none. Returns 0, or -1 if
+ * scratch memory could not be had.
  */
 int pdserve_paged_attention(const void *query, int64_t query_row_stride, void *out,
                             int64_t out_row_stride, const void *key, const void *value,
@@ -958,8 +988,8 @@ int pdserve_paged_attention(const void *query, int64_t query_row_stride, void *o
                             const int32_t *page_tables, int64_t page_table_stride,
                             const int32_t *query_start_loc, const int32_t *seq_lens,
                             const int32_t *seq_ids, int num_listed, int num_heads,
-                            int num_kv_heads, int head_dim, float softmax_scale, int io_dtype,
-                            int num_threads) {
+                            int num_kv_heads, int head_dim, float softmax_scale, int window,
+                            int io_dtype, int num_threads) {
     const kv_cache cache = {key,          value,        key_scale,          value_scale,
                             page_stride, token_stride, head_stride,        scale_page_stride,
                             scale_token_stride,         scale_head_stride,  dtype,
@@ -1008,20 +1038,19 @@ int pdserve_paged_attention(const void *query, int64_t query_row_stride, void *o
             const int start = query_start_loc[s];
             page_run next_keys = {key, NULL, 0};
             if (n + 1 < num_items) {
-                const int next = items[2 * n + 2];
-                next_keys.page_table = page_tables + next * page_table_stride;
-                next_keys.num_pages =
-                    (item_len(items + 2 * n + 2, query_start_loc, seq_lens) + page_size - 1) /
-                    page_size;
+                const int32_t *next = items + 2 * n + 2;
+                const int next_len = item_len(next, query_start_loc, seq_lens);
+                const int skipped =
+                    first_page_read(next_len, item_rows(next, query_start_loc), window, page_size);
+                next_keys.page_table = page_tables + next[0] * page_table_stride + skipped;
+                next_keys.num_pages = (next_len + page_size - 1) / page_size - skipped;
             }
-            const int rows = query_start_loc[s + 1] - start - row < ROW_TILE
-                                 ? query_start_loc[s + 1] - start - row
-                                 : ROW_TILE;
+            const int rows = item_rows(items + 2 * n, query_start_loc);
             attend_sequence_any(
                 (const char *)query + (start + row) * query_row_stride * io_size,
                 query_row_stride, (char *)out + (start + row) * out_row_stride * io_size,
                 out_row_stride, io_dtype, &cache, page_tables + s * page_table_stride,
-                item_len(items + 2 * n, query_start_loc, seq_lens), rows, num_heads,
+                item_len(items + 2 * n, query_start_loc, seq_lens), rows, window, num_heads,
                 num_kv_heads, head_dim, softmax_scale, &next_keys, n == previous + 1, scratch);
             previous = n;
         }

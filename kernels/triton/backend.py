@@ -77,11 +77,14 @@ class TritonAttentionBackend(AttentionBackend):
         cache: KVCacheView,
         meta: AttentionMetadata,
         softmax_scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         decode_only = meta.max_query_len == 1 and query.shape[0] == meta.num_seqs
         if decode_only and not self.deterministic:
             if self._every_variant:
                 for num_splits in split_counts_to_compile(cache.key.shape[2], query.device):
-                    decode_attention(query, cache, meta, softmax_scale, num_splits=num_splits)
-            return decode_attention(query, cache, meta, softmax_scale)
-        return prefill_attention(query, cache, meta, softmax_scale)
+                    decode_attention(
+                        query, cache, meta, softmax_scale, window, num_splits=num_splits
+                    )
+            return decode_attention(query, cache, meta, softmax_scale, window)
+        return prefill_attention(query, cache, meta, softmax_scale, window)

@@ -27,6 +27,7 @@ from kernels.triton.paged import (
     check_query,
     check_softmax_scale,
     head_block,
+    kernel_window,
 )
 from kernels.triton.tiles import DecodeTiles, decode_tiles
 
@@ -41,8 +42,9 @@ _PROGRAMS_PER_MULTIPROCESSOR = 4
 
 
 # The split count follows the batch and its context, the page tables' width its longest
-# sequence; left unspecialised, so that a new count compiles nothing (see the prefill kernel).
-@triton.jit(do_not_specialize=["num_splits", "stride_table_seq"])
+# sequence, the window its layer; left unspecialised, so that a new count compiles nothing (see
+# the prefill kernel).
+@triton.jit(do_not_specialize=["num_splits", "stride_table_seq", "window"])
 def _decode_kernel(
     q_ptr,  # [S, num_heads, head_dim]
     k_cache_ptr,  # [num_pages, page_size, num_kv_heads, head_dim], strided
@@ -55,6 +57,7 @@ def _decode_kernel(
     lse_ptr,  # [S, num_heads, num_splits] float32, log2-domain log-sum-exp of each split
     num_splits,
     page_size,
+    window,  # a sliding window: keys from seq_len - window on (NO_WINDOW: all of them)
     qk_scale,
     stride_q_seq,
     stride_q_head,
@@ -80,9 +83,12 @@ def _decode_kernel(
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq)
-    # Splits start on a tile boundary; the last ones may be empty for a short sequence.
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    # The keys the query sees: the whole context, or its sliding window's (the pages before it
+    # are not read). Splits start a whole number of tiles after the first; the last ones may
+    # be empty for a short sequence.
+    first_key = tl.maximum(seq_len - window, 0)
+    split_len = tl.cdiv(tl.cdiv(seq_len - first_key, num_splits), BLOCK_N) * BLOCK_N
+    start = first_key + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -121,7 +127,9 @@ def _decode_kernel(
         start,
         full_end,
         end,
+        start,
         offs_g,  # not read: no causal mask
+        window,  # not read: no causal mask
         offs_d,
         d_mask,
         page_size,
@@ -227,11 +235,13 @@ def decode_attention(
     cache: KVCacheView,
     meta: AttentionMetadata,
     softmax_scale: float,
+    window: int | None = None,
     *,
     num_splits: int | None = None,
     tiles: DecodeTiles | None = None,
 ) -> torch.Tensor:  # [S, num_heads, head_dim], query's dtype
-    """Attention of each sequence's single new token over its whole context in ``cache``.
+    """Attention of each sequence's single new token over its whole context in ``cache``, or
+    over its last ``window`` positions (a sliding-window layer: earlier pages are not read).
 
     ``meta`` must describe one query token per sequence. ``num_splits`` overrides the split-K
     heuristic and ``tiles`` the device's tile sizes (``kernels.triton.tiles``) for tests, the
@@ -241,6 +251,7 @@ def decode_attention(
     group = check_query(query, args)
     check_metadata(meta, query.device)
     check_softmax_scale(softmax_scale)
+    kernel_window_arg = kernel_window(window)
     num_seqs, num_heads, head_dim = query.shape
     if num_seqs != meta.num_seqs or meta.max_query_len != 1:
         raise ValueError(
@@ -251,7 +262,8 @@ def decode_attention(
     if num_seqs == 0:
         return out
     if num_splits is None:
-        num_splits = default_num_splits(num_seqs, args.num_kv_heads, meta.max_seq_len, query.device)
+        longest = meta.max_seq_len if window is None else min(meta.max_seq_len, window)
+        num_splits = default_num_splits(num_seqs, args.num_kv_heads, longest, query.device)
     if not 1 <= num_splits <= _MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{_MAX_SPLITS}, got {num_splits}")
 
@@ -277,6 +289,7 @@ def decode_attention(
         lse,
         num_splits,
         args.page_size,
+        kernel_window_arg,
         softmax_scale * LOG2E,
         query.stride(0),
         query.stride(1),

@@ -22,6 +22,7 @@ from kernels.interface import (
     INT8_SCALE_DTYPE,
     AttentionMetadata,
     KVCacheView,
+    check_window,
 )
 from kernels.sizes import next_power_of_2
 
@@ -35,6 +36,15 @@ CACHE_DTYPES = (*ACTIVATION_DTYPES, *QUANTIZED)
 LOG2E = 1.4426950408889634
 # Globals read inside a kernel must be constexpr.
 _INT8_SCALE_BITS_BASE = tl.constexpr(INT8_SCALE_BITS_BASE)
+# The window the kernels take for a layer without one: wider than any context, so that
+# ``position - window`` is below every key and still an int32.
+NO_WINDOW = 2**31 - 1
+
+
+def kernel_window(window: int | None) -> int:
+    """A layer's sliding window as the kernels take it (``NO_WINDOW`` for none)."""
+    check_window(window)
+    return NO_WINDOW if window is None else window
 
 
 @dataclass(frozen=True)
@@ -274,9 +284,10 @@ def attend_tile(
     masked ones), and the two round differently (float32 queries showed it on an H200).
     ``benchmarks.step.compiled_kernels --contraction`` checks that no such pair is left.
 
-    A row must see a key in the first tile it folds (both kernels see to it: prefill tiles start
-    at key 0, which every row sees, and a decode split's rows see every key it holds). A row that
-    had seen none would have ``m_new = -inf`` and turn NaN: ``exp2(fma(-inf, s, inf))``.
+    A row may see no key of a tile and none before it (the rows of a prefill tile through a
+    sliding window start at different keys): its max stays -inf, and ``0`` stands in for it in
+    the exponents, so the tile adds exact zeros instead of ``exp2(fma(-inf, s, inf))``, NaN.
+    A row with a finite max computes with that max itself, bit for bit.
     """
     kv_offsets = page * stride_kv_page + slot * stride_kv_slot
     tile_mask = kv_mask[:, None] & d_mask[None, :] if MASKED else d_mask[None, :]
@@ -295,8 +306,9 @@ def attend_tile(
     # qk_scale > 0 and rounding is monotonic, so scaling the row's max scales its largest score
     # exactly as scaling every score would: one multiply per row instead of one per score.
     m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(tl.fma(scores, qk_scale, -m_new[:, None]))
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_sub)
+    p = tl.exp2(tl.fma(scores, qk_scale, -m_sub[:, None]))
     l_i = tl.fma(l_i, alpha, tl.sum(p, 1))
 
     v = tl.load(v_cache_ptr + kv_offsets[:, None] + offs_d[None, :], mask=tile_mask, other=0.0)
@@ -328,7 +340,9 @@ def attend_span(
     first,  # the span's first key
     unmasked_end,  # first + a multiple of BLOCK_N: the tiles before it need no mask
     end,  # one past the span's last key
+    begin,  # the first key the masked tiles read: keys before it are never loaded
     query_pos,  # [M] context position of each query row (read when CAUSAL)
+    window,  # a row sees keys past query_pos - window only (read when CAUSAL; NO_WINDOW: all)
     offs_d,  # [BLOCK_D]
     d_mask,  # [BLOCK_D]
     page_size,
@@ -342,9 +356,10 @@ def attend_span(
     CAUSAL: tl.constexpr,  # mask keys past each row's query position
 ):
     """Fold keys ``[first, end)`` of one sequence into the softmax state, ``BLOCK_N`` at a time
-    from ``first``. The tiles before ``unmasked_end`` skip the masks; the rest mask keys at or
-    past ``end`` and, when ``CAUSAL``, past each row's query. The tiles and their order do not
-    depend on where the unmasked ones end, so neither do the sums.
+    from ``first``. The tiles before ``unmasked_end`` skip the masks; the rest mask keys before
+    ``begin`` or at or past ``end`` (never loading them: their pages may be gone) and, when
+    ``CAUSAL``, those past each row's query or not past its ``query_pos - window``. The tiles
+    and their order do not depend on where the unmasked ones end, so neither do the sums.
 
     Each iteration reads the page ids of the next tile, not its own: its K/V loads take their
     addresses from the iteration before. Where a tile's K/V loads wait on a page-table load of
@@ -386,10 +401,11 @@ def attend_span(
     # tile: then unmasked_end == first).
     for start in range(unmasked_end, end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
-        kv_mask = pos < end
+        kv_mask = (pos < end) & (pos >= begin)
         next_pos = pos + BLOCK_N
         next_page, next_slot = page_slots(page_table_ptr, next_pos, next_pos < end, page_size)
         causal = pos[None, :] <= query_pos[:, None]
+        causal &= pos[None, :] > query_pos[:, None] - window
         allowed = causal & kv_mask[None, :] if CAUSAL else kv_mask[None, :]
         acc, m_i, l_i = attend_tile(
             q,

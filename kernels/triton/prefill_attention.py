@@ -31,6 +31,7 @@ from kernels.triton.paged import (
     check_query,
     check_softmax_scale,
     head_block,
+    kernel_window,
 )
 from kernels.triton.tiles import PrefillTiles, prefill_tiles
 
@@ -57,7 +58,7 @@ def _find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
 # A batch's sequence count changes from call to call, and so does its page tables' width (the
 # longest sequence's pages): specialised, a count of 1 or a multiple of 16 would compile the
 # kernel again (seconds, in front of a request) the first time it came.
-@triton.jit(do_not_specialize=["num_seqs", "stride_table_seq"])
+@triton.jit(do_not_specialize=["num_seqs", "stride_table_seq", "window"])
 def _prefill_kernel(
     q_ptr,  # [N, num_heads, head_dim]
     k_cache_ptr,  # [num_pages, page_size, num_kv_heads, head_dim], strided
@@ -70,6 +71,7 @@ def _prefill_kernel(
     out_ptr,  # [N, num_heads, head_dim]
     num_seqs,
     page_size,
+    window,  # a sliding window: keys past each query's position - window (NO_WINDOW: all)
     qk_scale,
     stride_q_token,
     stride_q_head,
@@ -130,9 +132,15 @@ def _prefill_kernel(
     # Keys at or before the tile's first query are visible to every row: those tiles skip the
     # masks. Keys past the tile's last query are masked for every row: the span stops there.
     # The tiles start at key 0 in one size whatever the chunk (deterministic inference relies
-    # on that order).
+    # on that order). Through a sliding window, they start at the tile holding the first key
+    # the tile's first row sees (the tiles before it would add exact zeros), and those before
+    # the first key that its last row sees are masked as well: the head of the span.
     kv_end = tl.minimum(prefix_len + first + BLOCK_Q, seq_len)
-    unmasked_end = (prefix_len + first + 1) // BLOCK_N * BLOCK_N
+    seen_from = tl.maximum(prefix_len + first - window + 1, 0)
+    seen_by_all_from = tl.maximum(kv_end - window, 0)
+    kv_start = seen_from // BLOCK_N * BLOCK_N
+    head_end = tl.minimum(tl.cdiv(seen_by_all_from, BLOCK_N) * BLOCK_N, kv_end)
+    unmasked_end = tl.maximum((prefix_len + first + 1) // BLOCK_N * BLOCK_N, head_end)
     acc, m_i, l_i = attend_span(
         q,
         acc,
@@ -143,10 +151,40 @@ def _prefill_kernel(
         k_scale_ptr,
         v_scale_ptr,
         page_table_ptr,
-        0,
+        kv_start,
+        kv_start,
+        head_end,
+        seen_from,
+        query_pos,
+        window,
+        offs_d,
+        d_mask,
+        page_size,
+        stride_kv_page,
+        stride_kv_slot,
+        stride_scale_page,
+        stride_scale_slot,
+        qk_scale,
+        BLOCK_N,
+        KV_QUANT,
+        CAUSAL=True,
+    )
+    acc, m_i, l_i = attend_span(
+        q,
+        acc,
+        m_i,
+        l_i,
+        k_cache_ptr,
+        v_cache_ptr,
+        k_scale_ptr,
+        v_scale_ptr,
+        page_table_ptr,
+        head_end,
         unmasked_end,
         kv_end,
+        seen_from,
         query_pos,
+        window,
         offs_d,
         d_mask,
         page_size,
@@ -160,8 +198,9 @@ def _prefill_kernel(
         CAUSAL=True,
     )
 
-    # Every real row sees key 0, so l_i > 0 there; padding rows are not stored.
-    out = acc / l_i[:, None]
+    # Every real row sees its own key, so l_i > 0 there; padding rows are not stored (through
+    # a window they may have seen no key at all: they divide by 1, not 0).
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
         out_ptr
         + q_row[:, None] * stride_out_token
@@ -177,10 +216,12 @@ def prefill_attention(
     cache: KVCacheView,
     meta: AttentionMetadata,
     softmax_scale: float,
+    window: int | None = None,
     *,
     tiles: PrefillTiles | None = None,
 ) -> torch.Tensor:  # [N, num_heads, head_dim], query's dtype
-    """Causal attention of every query token over its sequence's context in ``cache``.
+    """Causal attention of every query token over its sequence's context in ``cache``, or over
+    its last ``window`` positions up to its own (a sliding-window layer).
 
     Any mix of query lengths (including one) is allowed; the step's keys and values must
     already be stored. ``tiles`` overrides the device's tile sizes (``kernels.triton.tiles``;
@@ -190,6 +231,7 @@ def prefill_attention(
     group = check_query(query, args)
     check_metadata(meta, query.device)
     check_softmax_scale(softmax_scale)
+    kernel_window_arg = kernel_window(window)
     num_tokens, _, head_dim = query.shape
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_tokens == 0:
@@ -213,6 +255,7 @@ def prefill_attention(
         out,
         meta.num_seqs,
         args.page_size,
+        kernel_window_arg,
         softmax_scale * LOG2E,
         query.stride(0),
         query.stride(1),
