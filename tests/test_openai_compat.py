@@ -423,7 +423,9 @@ def test_load_counts_requests_being_answered(cluster):
     client, _, base = cluster
     with httpx.Client(base_url=base, timeout=60) as http:
         assert wait_for_load(http, 0) == 0
-        stream = complete(client, stream=True, max_tokens=64)
+        # Long enough that it is still being answered when /load is read (64 tokens of the tiny
+        # model could all be sent before a loaded machine ran that request).
+        stream = complete(client, stream=True, max_tokens=480)
         first = next(iter(stream))  # the request is being answered now
         assert first.choices
         during = http.get("/load").json()["server_load"]
