@@ -131,7 +131,7 @@ class NoOpForward:
         self.argmax = argmax_rows(self.logits)  # each row's token, for KnownArgmax
         self.device: SimulatedDevice | None = None  # set by attach_device: launch there
 
-    def __call__(self, input_ids, positions, meta, logits_indices) -> torch.Tensor:
+    def __call__(self, input_ids, positions, meta, logits_indices, lora=None) -> torch.Tensor:
         if self.device is not None:
             self.device.launch()
         elif self.seconds:
