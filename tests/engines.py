@@ -10,6 +10,7 @@ A test passes only what it changes.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from common.config import (
@@ -67,3 +68,18 @@ def build_engine(
         ),
         role=role,
     )
+
+
+def tp_engine_config(folder: str | Path, tp: int, **changes) -> EngineConfig:
+    """The config of a tensor-parallel group's engine over ``tp`` ranks: float32 on the CPU, a
+    fixed pool of 64 pages, small steps (the prompts arrive in several chunks, decodes ride
+    beside prefills); ``changes`` over it, by field."""
+    config = EngineConfig(
+        model=str(folder),
+        dtype="float32",
+        device="cpu",
+        cache=CacheConfig(num_pages=64),
+        scheduler=SchedulerConfig(max_num_batched_tokens=48, max_model_len=256),
+        tensor_parallel_size=tp,
+    )
+    return dataclasses.replace(config, **changes)

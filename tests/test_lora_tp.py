@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engines import tp_engine_config
 from peft import PeftModel
 from tiny_loras import peft_greedy, save_tiny_lora
 from tiny_models import random_prompts, save_tiny_model, tiny_llama_config
 from transformers import AutoModelForCausalLM
 
-from common.config import CacheConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig
+from common.config import LoraConfig, ModelConfig
 from common.engine.llm_engine import LLMEngine
 from common.model.lora import _rank_part, load_adapter
 from common.model.parallel import TensorParallel
@@ -72,21 +73,10 @@ def test_tp2_batch_of_adapters_and_the_base_equals_peft(case):
     prompts = random_prompts(3, seed=13)
     names = [*adapters, None]
     batch = [(p, n) for p in prompts for n in names]
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(base),
-            dtype="float32",
-            device="cpu",
-            cache=CacheConfig(num_pages=64),
-            scheduler=SchedulerConfig(max_num_batched_tokens=48, max_model_len=256),
-            tensor_parallel_size=2,
-            lora=LoraConfig(
-                enable_lora=True,
-                modules={n: str(p) for n, p in adapters.items()},
-                max_loras=2,
-            ),
-        )
+    lora = LoraConfig(
+        enable_lora=True, modules={n: str(p) for n, p in adapters.items()}, max_loras=2
     )
+    engine = LLMEngine(tp_engine_config(base, 2, lora=lora))
     try:
         got = engine.generate([p for p, _ in batch], GREEDY, lora_names=[n for _, n in batch])
     finally:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from determinism import assert_answers_are_invariant
-from engines import build_engine
+from engines import build_engine, tp_engine_config
 from safetensors.torch import load_file, save_file
 from tiny_models import (
     assert_greedy_equal_up_to_near_ties,
@@ -30,7 +30,7 @@ from tiny_models import (
     tiny_llama_config,
 )
 
-from common.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from common.config import ModelConfig
 from common.engine.args import add_engine_args, engine_config_from_args
 from common.engine.llm_engine import LLMEngine
 from common.model.default_model import ensure_default_model
@@ -321,18 +321,6 @@ def test_quantized_experts_serve_as_their_dense_twin(tmp_path, scheme):
     assert engine.generate(prompts, GREEDY) == expected
 
 
-def tp_engine_config(folder: Path, tp: int, expert_parallel: bool) -> EngineConfig:
-    return EngineConfig(
-        model=str(folder),
-        dtype="float32",
-        device="cpu",
-        cache=CacheConfig(num_pages=64),
-        scheduler=SchedulerConfig(max_num_batched_tokens=48, max_model_len=256),
-        tensor_parallel_size=tp,
-        enable_expert_parallel=expert_parallel,
-    )
-
-
 @pytest.mark.slow  # two engines of two processes each
 @pytest.mark.parametrize("family", ["qwen2-moe", "olmoe"])
 def test_tensor_and_expert_parallel_engines_answer_as_transformers(tmp_path, family):
@@ -344,7 +332,7 @@ def test_tensor_and_expert_parallel_engines_answer_as_transformers(tmp_path, fam
     prompts = random_prompts(4, seed=3)
     expected = hf_greedy(folder, prompts, NEW_TOKENS)
     for expert_parallel in (False, True):
-        engine = LLMEngine(tp_engine_config(folder, 2, expert_parallel))
+        engine = LLMEngine(tp_engine_config(folder, 2, enable_expert_parallel=expert_parallel))
         try:
             got = engine.generate(prompts, GREEDY)
         finally:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engines import tp_engine_config
 from tiny_models import (
     VOCAB_SIZE,
     assert_greedy_equal_up_to_near_ties,
@@ -33,7 +34,6 @@ from common.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
-    SchedulerConfig,
     SpeculativeConfig,
 )
 from common.engine.llm_engine import LLMEngine
@@ -46,19 +46,6 @@ from common.sampling_params import SamplingParams
 REPO = Path(__file__).resolve().parent.parent
 NEW_TOKENS = 16
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
-
-
-def engine_config(folder: Path, tp: int, **changes) -> EngineConfig:
-    config = EngineConfig(
-        model=str(folder),
-        dtype="float32",
-        device="cpu",
-        cache=CacheConfig(num_pages=64),
-        # Small steps: the prompts arrive in several chunks, decodes ride beside prefills.
-        scheduler=SchedulerConfig(max_num_batched_tokens=48, max_model_len=256),
-        tensor_parallel_size=tp,
-    )
-    return dataclasses.replace(config, **changes)
 
 
 def greedy(config: EngineConfig, prompts: list[list[int]]) -> list[list[int]]:
@@ -109,7 +96,7 @@ def test_a_size_that_does_not_divide_the_model_is_refused(four_heads):
     with pytest.raises(ValueError, match="does not divide its 4 attention heads"):
         check_shardable(config, 3)
     with pytest.raises(ValueError, match="does not divide its 4 attention heads"):
-        LLMEngine(engine_config(four_heads, 8))
+        LLMEngine(tp_engine_config(four_heads, 8))
 
 
 @pytest.mark.parametrize("size", [2, 4])
@@ -176,8 +163,8 @@ def test_tp2_greedy_tokens_equal_one_process_with_int8_pages(two_kv_heads):
     every rank, gloo's own all-reduce). Float32 pages: the deterministic test below."""
     changes = {"cache": CacheConfig(num_pages=64, kv_cache_dtype="int8")}
     prompts = random_prompts(4, seed=5)
-    expected = greedy(engine_config(two_kv_heads, 1, **changes), prompts)
-    got = greedy(engine_config(two_kv_heads, 2, **changes), prompts)
+    expected = greedy(tp_engine_config(two_kv_heads, 1, **changes), prompts)
+    got = greedy(tp_engine_config(two_kv_heads, 2, **changes), prompts)
     assert_greedy_equal_up_to_near_ties(two_kv_heads, prompts, got, expected)
 
 
@@ -189,7 +176,7 @@ def test_tp2_deterministic_mode_gives_one_process_tokens_in_any_batch(two_kv_hea
     # 1 MiB for the pool: 64 float32 pages of all heads (16 KiB each) at TP 1, and as many at
     # TP 2, where the two ranks' pages of one head each share the host's MiB.
     cache = CacheConfig(kv_cache_memory=1 << 20)
-    config = engine_config(two_kv_heads, 2, cache=cache, enable_deterministic_inference=True)
+    config = tp_engine_config(two_kv_heads, 2, cache=cache, enable_deterministic_inference=True)
     engine = LLMEngine(config)
     try:
         assert engine.pool.num_pages == 64
@@ -198,7 +185,7 @@ def test_tp2_deterministic_mode_gives_one_process_tokens_in_any_batch(two_kv_hea
     finally:
         engine.close()
     assert alone == together[:2]
-    expected = greedy(engine_config(two_kv_heads, 1), prompts)
+    expected = greedy(tp_engine_config(two_kv_heads, 1), prompts)
     assert_greedy_equal_up_to_near_ties(two_kv_heads, prompts, together, expected)
 
 
@@ -212,9 +199,9 @@ def test_tp2_speculative_decoding_gives_one_process_tokens(two_kv_heads, method)
     model = str(two_kv_heads) if method == "draft" else None
     speculative = SpeculativeConfig(method=method, model=model, num_speculative_tokens=3)
     accepted = metrics.SPEC_ACCEPTED._value.get()
-    got = greedy(engine_config(two_kv_heads, 2, speculative=speculative), prompts)
+    got = greedy(tp_engine_config(two_kv_heads, 2, speculative=speculative), prompts)
     assert metrics.SPEC_ACCEPTED._value.get() > accepted
-    expected = greedy(engine_config(two_kv_heads, 1), prompts)
+    expected = greedy(tp_engine_config(two_kv_heads, 1), prompts)
     assert_greedy_equal_up_to_near_ties(two_kv_heads, prompts, got, expected)
 
 
@@ -222,8 +209,8 @@ def test_tp2_speculative_decoding_gives_one_process_tokens(two_kv_heads, method)
 def test_tp4_with_replicated_kv_heads_equals_one_process(four_heads):
     """Four ranks over two KV heads (each held by two ranks), a padded vocabulary, tied head."""
     prompts = random_prompts(3, seed=7)
-    expected = greedy(engine_config(four_heads, 1), prompts)
-    got = greedy(engine_config(four_heads, 4), prompts)
+    expected = greedy(tp_engine_config(four_heads, 1), prompts)
+    got = greedy(tp_engine_config(four_heads, 4), prompts)
     assert_greedy_equal_up_to_near_ties(four_heads, prompts, got, expected)
 
 
