@@ -249,7 +249,16 @@ def _rank_slice(name: str, config: ModelConfig, tp: TensorParallel) -> TensorSli
     match = _LAYER_NAME.match(name)
     if match is None:
         return None
-    module, head_dim = match.group(2), config.head_dim
+    return module_slice(match.group(2), config, tp)
+
+
+def module_slice(module: str, config: ModelConfig, tp: TensorParallel) -> TensorSlice:
+    """The part rank ``tp.rank`` holds of a decoder layer's ``module`` (its checkpoint name
+    within the layer, e.g. ``self_attn.q_proj``): (0, rows) of a column-parallel layer's
+    output, (1, columns) of a row-parallel layer's input, None for all of it."""
+    if tp.size == 1:
+        return None
+    head_dim = config.head_dim
     heads = tp.heads(config.num_heads)
     kv_heads = tp.kv_heads(config.num_kv_heads)
     q_columns = (0, heads.start * head_dim, heads.stop * head_dim)

@@ -26,6 +26,7 @@ from safetensors import SafetensorError, safe_open
 
 from common.config import ModelConfig
 from common.lora_adapters import COVERED_TARGETS, WEIGHTS_FILE, read_adapter_config
+from common.model.loader import module_slice
 from common.model.lora_layers import LoraProjection
 from common.model.mlp import MLP
 from common.model.parallel import TensorParallel
@@ -166,23 +167,13 @@ def check_lora_servable(config: ModelConfig) -> None:
 def _rank_part(
     target: str, a: torch.Tensor, b: torch.Tensor, config: ModelConfig, tp: TensorParallel
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's (A, B) of ``target``, sliced as the base layer is."""
-    if tp.size == 1:
+    """This rank's (A, B) of ``target``, sliced as the base layer is (``module_slice``): B's
+    rows where the layer's output rows are split, A's columns where its input columns are."""
+    part = module_slice(f"{_OWNER[target]}.{target}", config, tp)
+    if part is None:
         return a, b
-    head_dim = config.head_dim
-    heads = tp.heads(config.num_heads)
-    kv_heads = tp.kv_heads(config.num_kv_heads)
-    width = tp.part(config.intermediate_size)
-    if target == "q_proj":
-        return a, b[heads.start * head_dim : heads.stop * head_dim]
-    if target in ("k_proj", "v_proj"):
-        return a, b[kv_heads.start * head_dim : kv_heads.stop * head_dim]
-    if target in ("gate_proj", "up_proj"):
-        return a, b[width.start : width.stop]
-    if target == "o_proj":
-        return a[:, heads.start * head_dim : heads.stop * head_dim], b
-    assert target == "down_proj", target
-    return a[:, width.start : width.stop], b
+    dim, start, stop = part
+    return (a, b[start:stop]) if dim == 0 else (a[:, start:stop], b)
 
 
 class LoraSlots:
