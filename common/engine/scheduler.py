@@ -574,12 +574,9 @@ class Scheduler:
 class PrefillScheduler(Scheduler):
     """The prefill worker's scheduler: a sequence leaves the batch once its first token is
     sampled and, unless that token ended it (``finish_reason`` set), keeps its pages for the
-    transfer until the caller hands it to ``release``. It has nothing to speculate on, and
-    gives back no page from behind a sliding window: the decode worker receives every page of
-    the prompt, and gives back those behind its window itself."""
-
-    def _release_pages_behind_window(self, seq: Sequence) -> None:
-        return
+    transfer until the caller hands it to ``release``. It has nothing to speculate on, and is
+    built with no ``release_window``: the decode worker receives every page of the prompt, and
+    gives back those behind its window itself."""
 
     def release(self, seq: Sequence) -> None:
         """Free the pages a prefilled sequence still holds, once they are shipped."""
