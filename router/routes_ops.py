@@ -26,36 +26,31 @@ def add_routes(app: FastAPI, state: RouterState) -> None:
     config, codec, edge, registry = state.config, state.codec, state.edge, state.registry
     listed_names = list(dict.fromkeys([config.served_model_name, *config.model_aliases]))
 
+    def model_card(model_id: str, root: str, parent: str | None = None) -> dict:
+        card = {
+            "id": model_id,
+            "object": "model",
+            "created": 0,
+            "owned_by": "pdserve",
+            "root": root,
+            "max_model_len": config.max_model_len,
+            # None until a worker has registered and said.
+            "deterministic_inference": registry.deterministic,
+        }
+        if parent is not None:
+            card["parent"] = parent
+        return card
+
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         edge.authorize(request)
+        root = config.worker_model or config.served_model_name
         return {
             "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "pdserve",
-                    "root": config.worker_model or config.served_model_name,
-                    "max_model_len": config.max_model_len,
-                    # None until a worker has registered and said.
-                    "deterministic_inference": registry.deterministic,
-                }
-                for name in listed_names
-            ]
+            "data": [model_card(name, root) for name in listed_names]
             # vLLM's entries for adapters: the adapter's folder as root, the model as parent.
             + [
-                {
-                    "id": adapter.name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "pdserve",
-                    "root": adapter.path,
-                    "parent": config.served_model_name,
-                    "max_model_len": config.max_model_len,
-                    "deterministic_inference": registry.deterministic,
-                }
+                model_card(adapter.name, adapter.path, config.served_model_name)
                 for adapter in config.lora_adapters.values()
             ],
         }
