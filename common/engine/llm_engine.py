@@ -452,10 +452,17 @@ class LLMEngine:
             raise ValueError(f"prompt token ids out of the vocabulary: {bad[:5]}")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         seq = Sequence.from_prompt(request_id, prompt_token_ids, params)
-        if lora_name is not None:
-            seq.lora_name, seq.cache_namespace = lora_name, self.adapter_namespace(lora_name)
+        self.put_under_adapter(seq, lora_name)
         self.scheduler.add(seq)
         return request_id
+
+    def put_under_adapter(self, seq: Sequence, lora_name: str | None) -> None:
+        """Make ``seq`` compute under LoRA adapter ``lora_name`` (None: the base model), its
+        pages hashed in the adapter's namespace (``ValueError`` if this engine does not serve
+        it)."""
+        if lora_name is not None:
+            seq.cache_namespace = self.adapter_namespace(lora_name)
+            seq.lora_name = lora_name
 
     def adapter_namespace(self, lora_name: str) -> str:
         """The prefix-cache namespace of adapter ``lora_name`` (``ValueError`` if this engine

@@ -506,14 +506,11 @@ class WorkerService(ABC):
     def under_adapter(self, seq: Sequence, lora_name: str | None) -> bool:
         """Put ``seq`` under LoRA adapter ``lora_name`` (None: the base model), or tell the
         router this worker does not hold it and return False."""
-        if lora_name is None:
-            return True
         try:
-            seq.cache_namespace = self.engine.adapter_namespace(lora_name)
+            self.engine.put_under_adapter(seq, lora_name)
         except ValueError as exc:
             self.fail(seq.request_id, str(exc), retryable=False)
             return False
-        seq.lora_name = lora_name
         return True
 
     def admit(self, seq: Sequence) -> bool:
