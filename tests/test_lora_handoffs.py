@@ -6,7 +6,9 @@ unload one a request it holds computes under."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import threading
+import time
+from dataclasses import dataclass, field, replace
 
 import pytest
 from engines import build_engine
@@ -16,9 +18,10 @@ from tiny_loras import save_tiny_lora
 from tiny_models import save_tiny_model, tiny_llama_config
 
 from common.config import LoraConfig
+from common.engine import lora as lora_manager_module
 from common.engine.llm_engine import LLMEngine
 from common.lora_adapters import adapter_namespace
-from common.protocol import LoadAdapter, UnloadAdapter
+from common.protocol import AdapterResult, LoadAdapter, UnloadAdapter
 from common.sampling_params import SamplingParams
 from common.service.worker_base import WorkerService
 from decode_worker.handoffs import Handoffs
@@ -90,18 +93,42 @@ def test_a_handoff_under_an_adapter_not_held_is_refused(
 
 
 @dataclass
+class SentMessages:
+    sent: list = field(default_factory=list)
+
+    def send(self, msg) -> None:
+        self.sent.append(msg)
+
+
+@dataclass
 class AdapterSide:
     """What a worker's LoadAdapter and UnloadAdapter handling reaches: WorkerService's own."""
 
     engine: LLMEngine
     worker_id: str = "decode-0"
+    link: SentMessages = field(default_factory=SentMessages)
 
     _update = WorkerService._update
+    _refuse_update = WorkerService._refuse_update
+    _answer_adapter_loads = WorkerService._answer_adapter_loads
     adapter_users = WorkerService.adapter_users
 
     @property
     def scheduler(self):
         return self.engine.scheduler
+
+    def ask(self, msg: LoadAdapter | UnloadAdapter) -> str | None:
+        """Send ``msg`` and wait (bounded) for its answer, as the worker's loop would."""
+        self._update(msg)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            for answer in self.link.sent:
+                if answer.operation_id == msg.operation_id:
+                    assert isinstance(answer, AdapterResult)
+                    return answer.error
+            self._answer_adapter_loads()
+            time.sleep(0.001)
+        raise AssertionError(f"{msg.operation_id} was never answered")
 
 
 def test_a_worker_loads_refuses_and_unloads_adapters_as_the_router_asks(lora_model, tmp_path):
@@ -110,15 +137,52 @@ def test_a_worker_loads_refuses_and_unloads_adapters_as_the_router_asks(lora_mod
         base, num_pages=NUM_PAGES, max_model_len=256, lora=LoraConfig(enable_lora=True)
     )
     side = AdapterSide(engine)
-    assert side._update(LoadAdapter("op1", "sql", str(sql))) is None
-    assert side._update(LoadAdapter("op2", "sql", str(sql))) is None  # the same: done already
-    assert "already loaded" in side._update(LoadAdapter("op3", "sql", str(tmp_path)))
-    assert "no such folder" in side._update(LoadAdapter("op4", "x", str(tmp_path / "gone")))
+    assert side.ask(LoadAdapter("op1", "sql", str(sql))) is None
+    assert side.ask(LoadAdapter("op2", "sql", str(sql))) is None  # the same: done already
+    assert "already loaded" in side.ask(LoadAdapter("op3", "sql", str(tmp_path)))
+    assert "no such folder" in side.ask(LoadAdapter("op4", "x", str(tmp_path / "gone")))
+    assert engine.lora.names == ["sql"]
     engine.add_request(list(range(1, 20)), SamplingParams(max_tokens=2), lora_name="sql")
-    assert "in use by 1 requests" in side._update(UnloadAdapter("op5", "sql"))
+    assert "in use by 1 requests" in side.ask(UnloadAdapter("op5", "sql"))
     while engine.has_unfinished:
         engine.step()
-    assert side._update(UnloadAdapter("op6", "sql")) is None
-    assert engine.lora.names == [] and "is not loaded" in side._update(UnloadAdapter("o7", "sql"))
+    assert side.ask(UnloadAdapter("op6", "sql")) is None
+    assert engine.lora.names == [] and "is not loaded" in side.ask(UnloadAdapter("o7", "sql"))
     plain = AdapterSide(build_engine(base, num_pages=NUM_PAGES, max_model_len=256))
-    assert "serves no LoRA adapters" in plain._update(LoadAdapter("op8", "sql", str(sql)))
+    assert "serves no LoRA adapters" in plain.ask(LoadAdapter("op8", "sql", str(sql)))
+
+
+def test_a_runtime_load_is_read_while_the_engine_steps(lora_model, monkeypatch):
+    """The load's files are read on the reader thread (held there until the test lets it go):
+    the base model's request steps to its end meanwhile, and the load is answered after."""
+    base, sql = lora_model
+    engine = build_engine(
+        base, num_pages=NUM_PAGES, max_model_len=256, lora=LoraConfig(enable_lora=True)
+    )
+    side = AdapterSide(engine)
+    let_go = threading.Event()
+    real_load = lora_manager_module.load_adapter
+
+    def held_load(*args, **kwargs):
+        assert let_go.wait(timeout=60), "the test never let the read go"
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(lora_manager_module, "load_adapter", held_load)
+    side._update(LoadAdapter("op1", "sql", str(sql)))
+    side._update(LoadAdapter("op2", "sql", str(sql)))  # the same load, asked again meanwhile
+    assert "being loaded" in side.ask(LoadAdapter("op3", "sql", "/elsewhere"))
+    engine.add_request(list(range(1, 20)), SamplingParams(max_tokens=4, ignore_eos=True))
+    steps = 0
+    while engine.has_unfinished and steps < 100:
+        engine.step()
+        side._answer_adapter_loads()
+        steps += 1
+    assert not engine.has_unfinished
+    assert [m.operation_id for m in side.link.sent] == ["op3"] and engine.lora.names == []
+    let_go.set()
+    deadline = time.monotonic() + 60
+    while len(side.link.sent) < 3 and time.monotonic() < deadline:
+        side._answer_adapter_loads()
+        time.sleep(0.001)
+    assert [(m.operation_id, m.error) for m in side.link.sent[1:]] == [("op1", None), ("op2", None)]
+    assert engine.lora.names == ["sql"]

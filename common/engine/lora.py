@@ -8,9 +8,10 @@ slots, least recently used out first, written when a step needs an adapter that 
 scheduler lets at most ``--max-loras`` adapters run at once (``Scheduler.max_adapters``), so
 every step's adapters fit.
 
-An adapter that is wanted again after host memory let it go is read off the engine's thread
-(``ready``): the scheduler sets its requests aside until it is in, and the steps of everyone
-else go on meanwhile.
+A runtime load (``start_add``) and an adapter wanted again after host memory let it go
+(``ready``) are read off the engine's thread: the load is answered, or the requests under the
+adapter set aside by the scheduler go on, once the files are in, and the steps of everyone else
+go on meanwhile.
 
 The engine's own thread alone calls a ``LoraManager``; its reader thread only reads files.
 """
@@ -21,12 +22,22 @@ import logging
 from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 from common.config import LoraConfig, ModelConfig
 from common.lora_adapters import adapter_namespace, check_adapter_name
 from common.model.lora import LoraAdapter, LoraSlots, load_adapter
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _PendingAdd:
+    """A runtime load being read: its folder, the read, and the operations it answers."""
+
+    path: str
+    read: Future[LoraAdapter]
+    operation_ids: list[str]
 
 
 class LoraManager:
@@ -42,8 +53,11 @@ class LoraManager:
         self._slot_order: OrderedDict[int, None] = OrderedDict(
             (i, None) for i in range(len(self.slot_names))
         )
-        # Reads of adapters wanted again after host memory let them go (``ready``).
+        # Reads of adapters wanted again after host memory let them go (``ready``), and of
+        # runtime loads (``start_add``), on one reader thread made at the first.
         self._reads: dict[str, Future[LoraAdapter]] = {}
+        self._adds: dict[str, _PendingAdd] = {}
+        self._answered: list[tuple[str, str | None]] = []
         self._reader: ThreadPoolExecutor | None = None
 
     @property
@@ -56,11 +70,60 @@ class LoraManager:
 
     def add(self, name: str, path: str) -> None:
         """Serve adapter ``name`` from ``path``: read and checked now (``ValueError`` naming
-        the problem, or that the name is taken)."""
+        the problem, or that the name is taken). For adapters given at start."""
+        self._check_free(name)
+        self._serve(name, path, load_adapter(name, path, self.model_config, self.max_rank))
+
+    def start_add(self, name: str, path: str, operation_id: str) -> None:
+        """Serve adapter ``name`` from ``path`` once its files, read on the reader thread, are
+        taken in by ``finish_adds``, which then answers ``operation_id``. A runtime load: the
+        engine's steps go on meanwhile. ``ValueError`` at once for a bad name, or one taken or
+        being loaded from another folder; the same folder again is done already."""
+        if self.paths.get(name) == path:
+            self._answered.append((operation_id, None))
+            return
+        pending = self._adds.get(name)
+        if pending is not None:
+            if pending.path != path:
+                raise ValueError(f"LoRA adapter {name!r} is being loaded from {pending.path}")
+            pending.operation_ids.append(operation_id)
+            return
+        self._check_free(name)
+        read = self._read(name, path)
+        self._adds[name] = _PendingAdd(path, read, [operation_id])
+
+    def finish_adds(self) -> list[tuple[str, str | None]]:
+        """``(operation_id, None or why it failed)`` of each runtime load finished since the
+        last call; those whose files were read are served from now on."""
+        answers, self._answered = self._answered, []
+        for name, pending in list(self._adds.items()):
+            if not pending.read.done():
+                continue
+            del self._adds[name]
+            try:
+                self._serve(name, pending.path, pending.read.result())
+                error = None
+            except Exception as exc:  # a bad file is refused, whatever the reader raised
+                error = str(exc) or type(exc).__name__
+            answers += [(operation_id, error) for operation_id in pending.operation_ids]
+        return answers
+
+    @property
+    def adding(self) -> bool:
+        """Whether a runtime load is being read."""
+        return bool(self._adds)
+
+    def _check_free(self, name: str) -> None:
         check_adapter_name(name)
         if name in self.paths:
             raise ValueError(f"LoRA adapter {name!r} is already loaded (from {self.paths[name]})")
-        adapter = load_adapter(name, path, self.model_config, self.max_rank)
+
+    def _read(self, name: str, path: str) -> Future[LoraAdapter]:
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix="lora-read")
+        return self._reader.submit(load_adapter, name, path, self.model_config, self.max_rank)
+
+    def _serve(self, name: str, path: str, adapter: LoraAdapter) -> None:
         self.namespaces[name] = adapter_namespace(name, path)
         self.paths[name] = path
         self._keep_on_host(adapter)
@@ -102,11 +165,7 @@ class LoraManager:
             return True
         read = self._reads.get(name)
         if read is None:
-            if self._reader is None:
-                self._reader = ThreadPoolExecutor(1, thread_name_prefix="lora-read")
-            self._reads[name] = self._reader.submit(
-                load_adapter, name, self.paths[name], self.model_config, self.max_rank
-            )
+            self._reads[name] = self._read(name, self.paths[name])
             return False
         if not read.done():
             return False

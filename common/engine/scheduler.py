@@ -166,7 +166,8 @@ class Scheduler:
 
     def drain_failed(self) -> list[tuple[Sequence, str]]:
         """The sequences given up since the last call, each with why (a grammar that could
-        not be compiled, or that refuses the output the sequence came with)."""
+        not be compiled, or that refuses the output the sequence came with; an adapter that
+        could not be read again)."""
         failed, self.failed = self.failed, []
         return failed
 
@@ -183,11 +184,11 @@ class Scheduler:
                 complete = grammar.start(seq.output_token_ids)
             except GrammarError as exc:
                 self._finish(seq, FinishReason.ABORT)
-                self.failed.append((seq, str(exc)))
+                self.failed.append((seq, f"structured output: {exc}"))
                 continue
             if complete:  # migrated with its answer already whole: nothing is left to sample
                 self._finish(seq, FinishReason.STOP)
-                self.failed.append((seq, "its structured output was complete already"))
+                self.failed.append((seq, "structured output: it was complete already"))
                 continue
             self._queue(seq)
         self.compiling = still

@@ -309,7 +309,7 @@ class WorkerService(ABC):
             if isinstance(msg, RegisterAck):
                 self._on_register_ack(msg)
             elif isinstance(msg, LoadAdapter | UnloadAdapter):
-                self.link.send(AdapterResult(self.worker_id, msg.operation_id, self._update(msg)))
+                self._update(msg)
             else:
                 self.handle(msg)
         self.poll_io()
@@ -374,14 +374,16 @@ class WorkerService(ABC):
         poller = zmq.Poller()
         for sock in (self.link.socket, *self.extra_sockets()):
             poller.register(sock, zmq.POLLIN)
-        poller.poll(_IN_FLIGHT_POLL_MS if self.io_in_flight() else _IDLE_POLL_MS)
+        busy = self.io_in_flight() or (self.engine.lora is not None and self.engine.lora.adding)
+        poller.poll(_IN_FLIGHT_POLL_MS if busy else _IDLE_POLL_MS)
 
     def _report(self) -> None:
         for seq, error in self.scheduler.drain_failed():
             # Its grammar could not be compiled here (the router checks each one first, so
-            # this is rare): no other worker would do better.
-            self.fail(seq.request_id, f"structured output: {error}", retryable=False)
+            # this is rare), or its adapter's files went: no other worker would do better.
+            self.fail(seq.request_id, error, retryable=False)
             self.forget(seq.request_id)
+        self._answer_adapter_loads()
         events = self.page_manager.drain_events()
         if events:
             self._send_output(CacheEvents(self.worker_id, events.stored, events.removed))
@@ -466,8 +468,22 @@ class WorkerService(ABC):
             return None
         return params
 
-    def _update(self, msg: LoadAdapter | UnloadAdapter) -> str | None:
-        """Load or unload a LoRA adapter as the router asks; None, or why it was not done."""
+    def _update(self, msg: LoadAdapter | UnloadAdapter) -> None:
+        """Load or unload a LoRA adapter as the router asks, and answer: an unload at once, a
+        load once its files are read off this thread (``_answer_adapter_loads``)."""
+        error = self._refuse_update(msg)
+        if error is None and isinstance(msg, LoadAdapter):
+            lora = self.engine.lora
+            assert lora is not None
+            try:
+                lora.start_add(msg.lora_name, msg.lora_path, msg.operation_id)
+                return
+            except ValueError as exc:
+                error = f"worker {self.worker_id}: {exc}"
+        self.link.send(AdapterResult(self.worker_id, msg.operation_id, error))
+
+    def _refuse_update(self, msg: LoadAdapter | UnloadAdapter) -> str | None:
+        """Why the update cannot be made (an unload is made here); None to go on."""
         lora = self.engine.lora
         if lora is None:
             return f"worker {self.worker_id} serves no LoRA adapters (--enable-lora)"
@@ -478,19 +494,27 @@ class WorkerService(ABC):
                 f"worker {self.worker_id}: LoRA adapters are loaded at runtime only without "
                 "tensor parallelism"
             )
+        if isinstance(msg, LoadAdapter):
+            return None
+        in_use = self.adapter_users(name)
+        if in_use:
+            return f"LoRA adapter {name!r} is in use by {in_use} requests on {self.worker_id}"
         try:
-            if isinstance(msg, LoadAdapter):
-                if lora.paths.get(name) == msg.lora_path:
-                    return None
-                lora.add(name, msg.lora_path)
-                return None
-            in_use = self.adapter_users(name)
-            if in_use:
-                return f"LoRA adapter {name!r} is in use by {in_use} requests on {self.worker_id}"
             lora.remove(name)
         except ValueError as exc:
             return f"worker {self.worker_id}: {exc}"
         return None
+
+    def _answer_adapter_loads(self) -> None:
+        """Answer each runtime load whose files have been read (served from now on) or could
+        not be."""
+        lora = self.engine.lora
+        if lora is None:
+            return
+        for operation_id, error in lora.finish_adds():
+            if error is not None:
+                error = f"worker {self.worker_id}: {error}"
+            self.link.send(AdapterResult(self.worker_id, operation_id, error))
 
     def adapter_users(self, lora_name: str) -> int:
         """Requests this worker holds that compute under ``lora_name``."""
