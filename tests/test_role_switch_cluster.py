@@ -1,0 +1,194 @@
+"""Live role switches on real worker processes (the tiny model): under a stream of requests
+through the router, a prefill worker becomes a decode worker and a decode worker a prefill
+worker while each holds requests (another worker of each role stays up, so the cluster keeps
+serving); every request is answered with the one-process engine's greedy tokens, the switched
+workers serve in their new roles, and every page of every pool is free afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+import pytest
+from cluster_harness import reference_engine
+from test_drain import PROMPT, Cluster
+from tiny_models import build_tiny_chat_model
+
+from common.sampling_params import SamplingParams
+from common.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.slow  # starts a router and four workers
+
+MAX_JOBS = 120
+SWITCHES = (("prefill-1", "decode"), ("decode-1", "prefill"))
+
+
+def worker_metric(cluster: Cluster, worker_id: str, name: str) -> float:
+    """A sum of ``name``'s samples on the worker's own /metrics page."""
+    listing = cluster.workers()
+    [url] = [w["metrics_url"] for role in listing.values() for w in role if w["id"] == worker_id]
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+class Switcher(threading.Thread):
+    """Switches each worker of SWITCHES once it is busy (a prefill worker just sent a prompt or
+    with prompt tokens queued; a decode worker holding a request, by the router's books), one
+    after the other, each waited for through ``POST /v1/workers/{id}/role``."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        super().__init__(name="role-switcher", daemon=True)
+        self.cluster = cluster
+        self.answers: dict[str, httpx.Response] = {}
+        self.served_at_switch: dict[str, float] = {}
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            for worker_id, role in SWITCHES:
+                self._wait_busy(worker_id)
+                self.answers[worker_id] = httpx.post(
+                    f"{self.cluster.base}/v1/workers/{worker_id}/role",
+                    json={"role": role, "drain_timeout_s": 120},
+                    timeout=200,
+                )
+                self.served_at_switch[worker_id] = served(self.cluster, worker_id, role)
+        except BaseException as exc:  # reported by the test
+            self.error = exc
+
+    def _wait_busy(self, worker_id: str, deadline_s: float = 120) -> None:
+        deadline = time.monotonic() + deadline_s
+        while time.monotonic() < deadline:
+            listing = self.cluster.workers()
+            entry = [w for role in listing.values() for w in role if w["id"] == worker_id]
+            load = entry[0]["load"] if entry else None
+            if load and (
+                load["dispatched_unreported"] + load["queued_prefill_tokens"]
+                if entry[0]["role"] == "prefill"
+                else load["inflight"]
+            ):
+                return
+            time.sleep(0.01)
+        raise AssertionError(f"{worker_id} never got a request")
+
+
+def switch_report(cluster: Cluster, worker_id: str) -> int:
+    """From the worker's log: the requests it held when told to switch."""
+    found = re.search(r"switching from \w+ to \w+: (\d+) requests", cluster.log(worker_id))
+    assert found, cluster.log(worker_id)
+    return int(found.group(1))
+
+
+def served(cluster: Cluster, worker_id: str, role: str) -> float:
+    """What grows as the worker serves ``role``: requests decoded to their end there (a
+    decode worker), or prompt tokens it computed (a prefill worker)."""
+    if role == "decode":
+        return worker_metric(cluster, worker_id, "pdserve_requests_total")
+    return worker_metric(cluster, worker_id, "pdserve_prompt_tokens_computed_total")
+
+
+def test_workers_switch_roles_both_ways_under_a_stream_of_requests(tmp_path: Path):
+    folder = build_tiny_chat_model(tmp_path / "tiny-chat")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    cluster = Cluster(folder, logs)
+    with ExitStack() as stack:
+        stack.callback(cluster.stop)
+        for index in range(2):
+            cluster.start_worker(f"prefill-{index}", "prefill", "--max-num-batched-tokens", "8")
+            cluster.start_worker(f"decode-{index}", "decode")
+        cluster.wait_for(prefill=2, decode=2)
+        tokenizer = Tokenizer(folder)
+
+        def job(i: int) -> tuple[str, int]:
+            """(prompt, max_tokens): every fifth a longer generation, the rest short."""
+            if i % 5 == 0:
+                return f"request {i}: {PROMPT}", 160
+            return f"request {i}: {PROMPT * (1 + i % 3)}", 16
+
+        def complete(job: tuple[str, int]) -> dict:
+            prompt, max_tokens = job
+            body = {"model": "tiny-chat", "prompt": prompt, "max_tokens": max_tokens,
+                    "temperature": 0, "ignore_eos": True}  # fmt: skip
+            response = httpx.post(f"{cluster.base}/v1/completions", json=body, timeout=300)
+            assert response.status_code == 200, response.text
+            return response.json()["choices"][0]
+
+        switcher = Switcher(cluster)
+        jobs: list[tuple[str, int]] = []
+        after_switches = 0
+        with ThreadPoolExecutor(max_workers=MAX_JOBS) as pool:
+            futures = []
+            # Eight requests a second until both switches are done and twelve more have come
+            # after them, for the workers in their new roles.
+            while after_switches < 12:
+                assert len(jobs) < MAX_JOBS, "the switches did not end"
+                jobs.append(job(len(jobs)))
+                futures.append(pool.submit(complete, jobs[-1]))
+                time.sleep(0.125)
+                if len(jobs) == 4:
+                    switcher.start()
+                if len(jobs) > 4 and not switcher.is_alive():
+                    after_switches += 1
+            results = [future.result(timeout=300) for future in futures]
+        switcher.join(timeout=10)
+        assert switcher.error is None, switcher.error
+
+        for worker_id, role in SWITCHES:
+            answer = switcher.answers[worker_id]
+            assert answer.status_code == 200, (answer.text, cluster.log(worker_id))
+            body = answer.json()
+            assert (body["status"], body["to"]) == ("switched", role), body
+        listing = cluster.workers()
+        pools = {role: {w["id"] for w in listing[role]} for role in ("prefill", "decode")}
+        assert pools == {"prefill": {"prefill-0", "decode-1"}, "decode": {"decode-0", "prefill-1"}}
+
+        # Every answer is the one-process engine's.
+        engine = reference_engine(folder, max_model_len=1024)
+        expected: list[list[int]] = [[] for _ in jobs]
+        for max_tokens in {max_tokens for _, max_tokens in jobs}:
+            picked = [i for i, job in enumerate(jobs) if job[1] == max_tokens]
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            outputs = engine.generate([tokenizer.encode(jobs[i][0]) for i in picked], params)
+            for i, tokens in zip(picked, outputs, strict=True):
+                expected[i] = tokens
+        assert [r["finish_reason"] for r in results] == ["length"] * len(jobs)
+        for i, (result, tokens) in enumerate(zip(results, expected, strict=True)):
+            assert result["text"] == tokenizer.decode(tokens), i
+
+        # The switched workers served in their new roles.
+        for worker_id, role in SWITCHES:
+            now = served(cluster, worker_id, role)
+            assert now > switcher.served_at_switch[worker_id], (worker_id, role)
+        # And every page of every pool is free again (their heartbeats say so within a second).
+        deadline = time.monotonic() + 60
+        while True:
+            listing = cluster.workers()
+            busy = {w["id"]: w["num_pages"] - w["num_free_pages"]
+                    for role in listing.values() for w in role}  # fmt: skip
+            if not any(busy.values()):
+                break
+            assert time.monotonic() < deadline, f"pages still in use: {busy}"
+            time.sleep(0.2)
+        metrics = httpx.get(f"{cluster.base}/metrics", timeout=10).text
+        for direction in ("prefill_to_decode", "decode_to_prefill"):
+            line = (
+                f'pdserve_router_role_switches_total{{direction="{direction}",'
+                f'outcome="switched"}} 1.0'
+            )
+            assert line in metrics, metrics
+        for name, process in cluster.processes.items():
+            assert process.poll() is None, f"{name} exited:\n{cluster.log(name)}"
+        took = {wid: json.loads(switcher.answers[wid].text)["duration_s"] for wid, _ in SWITCHES}
+        # How many requests each held when told to switch: timing decides (a decode worker is
+        # told once the router has nothing on it, so it usually holds none by then).
+        held = {wid: switch_report(cluster, wid) for wid, _ in SWITCHES}
+        print(f"{len(jobs)} requests; switch durations (s): {took}; held when told: {held}")
