@@ -777,7 +777,8 @@ def run_worker(
     except ValueError as exc:
         logging.getLogger(prog).error("%s", exc)
         return 2
-    worker.roles = {**(roles or {}), worker.role: service_class}
+    if roles is not None:
+        worker.roles = {**roles, worker.role: service_class}
     try:
         with startup_objects_frozen():  # the imports and the model: no collection walks them
             current: WorkerService | None = worker
