@@ -2,7 +2,8 @@
 through the router, a prefill worker becomes a decode worker and a decode worker a prefill
 worker while each holds requests (another worker of each role stays up, so the cluster keeps
 serving); every request is answered with the one-process engine's greedy tokens, the switched
-workers serve in their new roles, and every page of every pool is free afterwards.
+workers serve in their new roles, and every page of every pool is free afterwards. A worker
+started with ``--no-role-switch`` refuses its switch and serves on in its role.
 """
 
 from __future__ import annotations
@@ -103,7 +104,10 @@ def test_workers_switch_roles_both_ways_under_a_stream_of_requests(tmp_path: Pat
     with ExitStack() as stack:
         stack.callback(cluster.stop)
         for index in range(2):
-            cluster.start_worker(f"prefill-{index}", "prefill", "--max-num-batched-tokens", "8")
+            # prefill-0 may not change role: a switch of it is refused, and it serves on.
+            keep = ["--no-role-switch"] if index == 0 else []
+            cluster.start_worker(f"prefill-{index}", "prefill", "--max-num-batched-tokens", "8",
+                                 *keep)  # fmt: skip
             cluster.start_worker(f"decode-{index}", "decode")
         cluster.wait_for(prefill=2, decode=2)
         tokenizer = Tokenizer(folder)
@@ -111,7 +115,7 @@ def test_workers_switch_roles_both_ways_under_a_stream_of_requests(tmp_path: Pat
         def job(i: int) -> tuple[str, int]:
             """(prompt, max_tokens): every fifth a longer generation, the rest short."""
             if i % 5 == 0:
-                return f"request {i}: {PROMPT}", 160
+                return f"request {i}: {PROMPT}", 128
             return f"request {i}: {PROMPT * (1 + i % 3)}", 16
 
         def complete(job: tuple[str, int]) -> dict:
@@ -127,9 +131,9 @@ def test_workers_switch_roles_both_ways_under_a_stream_of_requests(tmp_path: Pat
         after_switches = 0
         with ThreadPoolExecutor(max_workers=MAX_JOBS) as pool:
             futures = []
-            # Eight requests a second until both switches are done and twelve more have come
+            # Eight requests a second until both switches are done and eight more have come
             # after them, for the workers in their new roles.
-            while after_switches < 12:
+            while after_switches < 8:
                 assert len(jobs) < MAX_JOBS, "the switches did not end"
                 jobs.append(job(len(jobs)))
                 futures.append(pool.submit(complete, jobs[-1]))
@@ -137,6 +141,9 @@ def test_workers_switch_roles_both_ways_under_a_stream_of_requests(tmp_path: Pat
                 if len(jobs) == 4:
                     switcher.start()
                 if len(jobs) > 4 and not switcher.is_alive():
+                    if not after_switches:
+                        refused = httpx.post(f"{cluster.base}/v1/workers/prefill-0/role",
+                                             json={"role": "decode"}, timeout=60)  # fmt: skip
                     after_switches += 1
             results = [future.result(timeout=300) for future in futures]
         switcher.join(timeout=10)
@@ -147,6 +154,9 @@ def test_workers_switch_roles_both_ways_under_a_stream_of_requests(tmp_path: Pat
             assert answer.status_code == 200, (answer.text, cluster.log(worker_id))
             body = answer.json()
             assert (body["status"], body["to"]) == ("switched", role), body
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["code"] == "role_switch_refused"
+        assert "--no-role-switch" in refused.json()["error"]["message"]
         listing = cluster.workers()
         pools = {role: {w["id"] for w in listing[role]} for role in ("prefill", "decode")}
         assert pools == {"prefill": {"prefill-0", "decode-1"}, "decode": {"decode-0", "prefill-1"}}
