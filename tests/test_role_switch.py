@@ -21,6 +21,7 @@ from router_fakes import DEADLINE_S, ControlSocket, register_worker, router_serv
 from test_drain import Sent, delta, submit, two_of_each
 from test_router_registry import reg
 
+from common.cluster_auth import ClusterAuth
 from common.messages import decode, encode
 from common.model.default_model import resolve_model_path
 from common.protocol import (
@@ -34,6 +35,8 @@ from common.protocol import (
     RoleSwitchResult,
     SwitchRole,
 )
+from common.sampling_params import SamplingParams
+from common.service.router_link import RouterLink
 from router.dispatcher import Dispatcher, Generation
 from router.errors import APIError
 from router.role_switch import STATUS_SWITCHED, RoleSwitches, SwitchOutcome
@@ -350,3 +353,44 @@ def test_a_decode_drain_past_its_timeout_with_migrate_moves_the_requests_and_swi
     state = switches.registry.workers[holder]
     assert state.role == "prefill" and state.serving and not state.inflight
     assert state.last_role_switch["status"] == SWITCH_SWITCHED
+
+
+def test_what_the_router_sends_right_after_a_registration_ack_is_not_lost():
+    """A worker registering again in its new role is sent requests at once: those read in the
+    same batch as the acknowledgement come out of the link's next ``receive``."""
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a peer not connected yet raises
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    link = RouterLink(context, f"tcp://127.0.0.1:{port}", "w-1", ClusterAuth(None, lambda _: None))
+    params = SamplingParams(max_tokens=2)
+    try:
+        # All three wait on the worker's socket before it registers: its first read takes them
+        # in one batch.
+        deadline = time.monotonic() + DEADLINE_S
+        while True:
+            try:
+                router.send_multipart([b"w-1", encode(RegisterAck(True, None, 0.5))])
+                break
+            except zmq.ZMQError:
+                assert time.monotonic() < deadline, "the worker's link never connected"
+                time.sleep(0.01)
+        for msg in (DecodeRequest("r-1", [1, 2, 3], params), AbortRequest("r-0")):
+            router.send_multipart([b"w-1", encode(msg)])
+        # Time to cross the loopback, so they come in one batch (what could lose them); the
+        # assertions hold however they come.
+        time.sleep(0.2)
+        link.register(reg("w-1", "decode"), timeout=DEADLINE_S)
+        assert link.heartbeat_interval == 0.5
+        received: list = []
+        deadline = time.monotonic() + DEADLINE_S
+        while len(received) < 2 and time.monotonic() < deadline:
+            received += link.receive()
+            link.socket.poll(10)
+        assert [type(m) for m in received] == [DecodeRequest, AbortRequest]
+        assert not link.has_input()
+    finally:
+        link.close()
+        router.close()
+        context.term()

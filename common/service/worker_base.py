@@ -500,6 +500,8 @@ class WorkerService(ABC):
         self.link.send(CacheEvents(self.worker_id, stored, [], reset=True))
 
     def _wait(self) -> None:
+        if self.link.has_input():
+            return  # read with the registration's acknowledgement: no need to sleep for it
         poller = zmq.Poller()
         for sock in (self.link.socket, *self.extra_sockets()):
             poller.register(sock, zmq.POLLIN)
