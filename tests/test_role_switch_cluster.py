@@ -197,6 +197,12 @@ def test_workers_switch_roles_both_ways_under_a_stream_of_requests(tmp_path: Pat
                 f'outcome="switched"}} {count:.1f}'
             )
             assert line in metrics, metrics
+        # Nothing was lost on the way and found again by the router's stall timeout, nor moved
+        # off a worker: every request finished where it was first sent.
+        for name in ("stalled_requests", "redispatches"):
+            pattern = rf"^pdserve_router_{name}_total(?:{{[^}}]*}})? (\S+)$"
+            found = re.findall(pattern, metrics, re.M)
+            assert sum(float(v) for v in found) == 0, (name, found)
         for name, process in cluster.processes.items():
             assert process.poll() is None, f"{name} exited:\n{cluster.log(name)}"
         took = [(wid, to, json.loads(a.text)["duration_s"])
