@@ -48,6 +48,9 @@ class LoraSegments:
     start_rows: torch.Tensor  # [G] int32
     end_rows: torch.Tensor  # [G] int32
     slot_ids: torch.Tensor  # [G] int32
+    # A CUDA graph's segments (``of_graph``): one per row of its batch, their bounds and slots
+    # rewritten on the device before each replay, the host lists above empty. None otherwise.
+    graph_rows: int | None = None
     # (slots, R) -> [N, slots * R] float32: lora_delta_dense's weights, made once per step.
     _row_weights: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
@@ -74,6 +77,30 @@ class LoraSegments:
             return None
         table = torch.tensor([starts, ends, slots], dtype=torch.int32).to(device)
         return cls(starts, ends, slots, row, table[0], table[1], table[2])
+
+    @classmethod
+    def of_graph(
+        cls,
+        start_rows: torch.Tensor,  # [B] int32, on the device
+        end_rows: torch.Tensor,  # [B] int32
+        slot_ids: torch.Tensor,  # [B] int32
+    ) -> LoraSegments:
+        """The segments a CUDA graph of a decode batch of ``B`` rows is captured with: row
+        ``i``'s segment is ``start_rows[i]:end_rows[i]`` (``i:i+1`` under an adapter, empty for
+        the base model's rows and padding), whatever the buffers hold at each replay. The
+        kernels launch one program per row, so the launch does not depend on the batch."""
+        size = start_rows.shape[0]
+        return cls([], [], [], size, start_rows, end_rows, slot_ids, graph_rows=size)
+
+    @property
+    def launch_segments(self) -> int:
+        """How many segments a kernel launch covers: the graph's rows, or the segments."""
+        return self.graph_rows if self.graph_rows is not None else len(self.slots)
+
+    @property
+    def launch_rows(self) -> int:
+        """The longest segment a kernel launch covers (a graph's: one row)."""
+        return 1 if self.graph_rows is not None else self.max_rows
 
     def row_weights(self, scales: torch.Tensor, rank: int) -> torch.Tensor:
         """``[N, slots * rank]`` float32: each row's slot's scale over that slot's ``rank``

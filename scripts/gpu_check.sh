@@ -108,7 +108,7 @@ pytest_figures() {
 step_kernels() {
     # shellcheck disable=SC2046,SC2086
     OMP_NUM_THREADS=$TEST_THREADS "$PY" -m pytest tests/test_kernels.py tests/test_cuda_ops.py \
-        tests/test_quantized_triton.py tests/test_fused_moe.py -q -rfE \
+        tests/test_quantized_triton.py tests/test_fused_moe.py tests/test_lora_kernels.py -q -rfE \
         -p no:cacheprovider $(xdist_flags 8) ${GPU_CHECK_KERNELS_ARGS:-}
 }
 

@@ -19,6 +19,7 @@ from common.engine import llm_engine
 from common.engine.batch import ForwardInputs, TokenRun, flatten_runs
 from common.engine.cuda_graphs import StaticDecodeBatch, capture_sizes
 from common.sampling_params import SamplingParams
+from kernels.lora import LoraSegments
 from kernels.registry import ENV_VAR
 
 PAGE_SIZE = 16
@@ -70,6 +71,55 @@ def test_load_pads_the_rows_behind_the_step() -> None:
     assert inputs.meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
     assert inputs.logits_indices.tolist() == [0, 1, 2, 3]
     assert inputs.meta.max_seq_len == 256
+
+
+def test_load_lora_gives_each_row_its_own_segment() -> None:
+    """A graph's LoRA segments: row i's own (i, i+1) under its adapter's slot, an empty one for
+    the base model's rows and the padding, whatever an earlier step left there."""
+    batch = StaticDecodeBatch(8, 256, PAGE_SIZE, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    earlier = LoraSegments.of_rows([(1, 1)] * 8, cpu)
+    assert earlier is not None
+    batch.load_lora(earlier, 8)
+    step = LoraSegments.of_rows([(1, 2), (1, 2), (1, None), (1, 0)], cpu)  # two share a segment
+    assert step is not None and step.starts == [0, 3]
+    batch.load_lora(step, 6)
+    segments = batch.lora_segments(6)
+    assert segments.start_rows.tolist() == [0, 1, 2, 3, 4, 5]
+    assert segments.end_rows.tolist() == [1, 2, 2, 4, 4, 5]
+    assert segments.slot_ids.tolist() == [2, 2, 0, 0, 0, 0]
+    assert (segments.launch_segments, segments.launch_rows) == (6, 1)
+    batch.pad(0, 8)
+    assert batch.lora_segments(8).end_rows.tolist() == list(range(8))
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton reads CPU tensors only in its interpreter; on CUDA the graphs themselves run",
+)
+def test_a_graphs_lora_segments_give_the_steps_deltas() -> None:
+    """The batched LoRA kernels launched as a graph launches them (one program per row of the
+    padded batch, the bounds read from the buffers) add what the step's own segments add."""
+    from kernels.lora import lora_delta_reference
+    from kernels.triton.lora import lora_delta
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 48, generator=generator)
+    a = torch.randn(3, 8, 48, generator=generator) / 7
+    b = torch.randn(3, 8, 40, generator=generator)
+    scales = torch.tensor([0.5, 2.0, 1.0])
+    step = LoraSegments.of_rows([(1, 1), (1, None), (1, 2), (1, 2), (1, 0)], torch.device("cpu"))
+    assert step is not None
+    base = torch.randn(8, 40, generator=generator)
+    expected = base.clone()
+    lora_delta_reference(expected[:5], x, a, b, scales, step)
+    batch = StaticDecodeBatch(8, 256, PAGE_SIZE, torch.device("cpu"))
+    batch.load_lora(step, 8)
+    got = base.clone()
+    padded_x = torch.cat([x, torch.randn(3, 48, generator=generator)])
+    lora_delta(got, padded_x, a, b, scales, batch.lora_segments(8))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[1], base[1]) and torch.equal(got[5:], base[5:])
 
 
 @pytest.mark.skipif(
@@ -144,12 +194,50 @@ def test_cuda_graphs_give_the_eager_tokens(tmp_path, monkeypatch, dtype, kv_cach
     assert_greedy_equal_up_to_near_ties(folder, prompts, results[1], results[0], tolerance)
 
 
+@pytest.mark.slow
+@pytest.mark.gpu
+def test_cuda_graphs_under_adapters_give_the_eager_tokens(tmp_path, monkeypatch) -> None:
+    """Decode steps mixing two LoRA adapters and the base model replay the adapter graphs and
+    give the greedy tokens of an engine that runs every step eagerly (up to near ties)."""
+    from tiny_loras import save_tiny_lora
+
+    from common.config import LoraConfig
+
+    monkeypatch.setenv(ENV_VAR, "triton")
+    folder = build_tiny_model("llama3-rope", tmp_path / "model")
+    adapters = {
+        name: str(save_tiny_lora(folder, tmp_path / name, seed=seed))
+        for name, seed in (("one", 1), ("two", 2))
+    }
+    lora = LoraConfig(enable_lora=True, modules=adapters, max_loras=2, max_lora_rank=8)
+    prompts = random_prompts(6, seed=12, min_len=5, max_len=60)
+    names = ["one", None, "two", "one", "two", None]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    results = []
+    for eager in (True, False):
+        engine = build_engine(
+            folder,
+            device="cuda",
+            num_pages=128,
+            max_num_seqs=6,
+            max_model_len=256,
+            enforce_eager=eager,
+            lora=lora,
+        )
+        results.append(engine.generate(prompts, params, lora_names=names))
+        graphs = engine.runner.graphs
+        assert (graphs is None) == eager
+        if graphs is not None:
+            assert graphs.adapters and graphs.replays > 0
+    assert_greedy_equal_up_to_near_ties(folder, prompts, results[1], results[0], 0.15)
+
+
 def test_a_failed_capture_leaves_the_engine_eager(tmp_path, monkeypatch, caplog) -> None:
     """A model or kernel that cannot be recorded costs the graphs, not the engine: it logs
     why, and decodes eagerly."""
 
     class UncapturableGraphs:
-        def __init__(self, *args) -> None:
+        def __init__(self, *args, **kwargs) -> None:
             pass
 
         def capture(self) -> None:

@@ -10,7 +10,13 @@ Triton store skips), and their logits are dropped.
 
 Graphed: pure decode steps (one token and one logits row per sequence) on CUDA with the Triton
 backend, up to the largest captured size. Anything else (prefill chunks, speculative
-verification, prompt logprobs) runs eagerly. ``StaticDecodeBatch`` (the buffers and the
+verification, prompt logprobs) runs eagerly.
+
+With LoRA adapters a second graph per size is captured with every projection's batched LoRA
+kernels in it, launched over one segment per row (``LoraSegments.of_graph``): a replay writes
+each row's slot and bounds (empty for the base model's rows and padding) into static buffers,
+so one graph serves any mix of adapters. A step with no adapter row replays the base graph,
+which has no LoRA launches at all. ``StaticDecodeBatch`` (the buffers and the
 padding) is device-neutral so that its behaviour is tested without a GPU; ``DecodeGraphs``
 captures and replays.
 """
@@ -25,6 +31,7 @@ import torch
 from common.engine.batch import ForwardInputs
 from common.model.llama import LlamaForCausalLM
 from kernels.interface import AttentionMetadata
+from kernels.lora import LoraSegments
 from kernels.sizes import ceil_div
 
 logger = logging.getLogger(__name__)
@@ -59,6 +66,8 @@ class StaticDecodeBatch:
         self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.long, device=device)
         self.query_start_loc = rows  # one token per sequence: row i starts at token i
         self.logits_indices = rows[:max_batch].long()
+        # Each row's LoRA segment: its first row, one past its last (itself, or empty), slot.
+        self.lora_rows = torch.zeros((3, max_batch), dtype=torch.int32, device=device)
 
     def fits(self, inputs: ForwardInputs) -> bool:
         """Whether ``inputs`` is a decode step these buffers can hold."""
@@ -90,6 +99,22 @@ class StaticDecodeBatch:
             self.input_ids[:size], self.positions[:size], meta, self.logits_indices[:size]
         )
 
+    def lora_segments(self, size: int) -> LoraSegments:
+        """The LoRA segments of a batch of ``size`` rows, views of the buffers as ``inputs``."""
+        starts, ends, slots = self.lora_rows[:, :size]
+        return LoraSegments.of_graph(starts, ends, slots)
+
+    def load_lora(self, segments: LoraSegments, size: int) -> None:
+        """Write each row's segment from a decode step's ``segments`` (one row a sequence),
+        every other row of the ``size`` an empty one."""
+        rows = list(range(size))
+        ends, slots = list(rows), [0] * size
+        for start, end, slot in zip(segments.starts, segments.ends, segments.slots, strict=True):
+            for row in range(start, end):
+                ends[row], slots[row] = row + 1, slot
+        table = torch.tensor([rows, ends, slots], dtype=torch.int32)
+        self.lora_rows[:, :size].copy_(table, non_blocking=True)
+
     def load(self, inputs: ForwardInputs, size: int) -> None:
         """Copy a decode step's rows in (on the device, no host sync) and pad up to ``size``."""
         meta = inputs.meta
@@ -104,12 +129,17 @@ class StaticDecodeBatch:
             self.pad(n, size)
 
     def pad(self, start: int, end: int) -> None:
-        """Rows ``start:end`` decode token 0 at position 0 over page 0 and store nothing."""
+        """Rows ``start:end`` decode token 0 at position 0 over page 0 and store nothing, under
+        no adapter."""
         self.input_ids[start:end] = 0
         self.positions[start:end] = 0
         self.seq_lens[start:end] = 1
         self.page_tables[start:end, 0] = 0
         self.slot_mapping[start:end] = -1
+        self.lora_rows[0, start:end] = self.lora_rows[1, start:end] = torch.arange(
+            start, end, dtype=torch.int32, device=self.lora_rows.device
+        )
+        self.lora_rows[2, start:end] = 0
 
 
 class DecodeGraphs:
@@ -123,13 +153,17 @@ class DecodeGraphs:
         max_model_len: int,
         page_size: int,
         device: torch.device,
+        adapters: bool = False,
     ) -> None:
+        """``adapters``: the model has LoRA slots, so each size gets an adapter graph too."""
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
         self.model = model
         self.sizes = sorted(sizes)
+        self.adapters = adapters
         self.batch = StaticDecodeBatch(self.sizes[-1], max_model_len, page_size, device)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (size, whether under adapters) -> the graph and its output.
+        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0
 
     @torch.inference_mode()
@@ -140,40 +174,51 @@ class DecodeGraphs:
         before = torch.cuda.memory_reserved()
         pool = torch.cuda.graph_pool_handle()
         self.batch.pad(0, self.batch.max_batch)
+        kinds = (False, True) if self.adapters else (False,)
         for size in reversed(self.sizes):
-            inputs = self.batch.inputs(size)
-            # Warm-up on a side stream, as capture requires: Triton compiles its kernels and
-            # cuBLAS sets up its workspaces outside the recording.
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._forward(inputs)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: a worker's other threads (KV transfer) may use the GPU meanwhile.
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                logits = self._forward(inputs)
-            self._graphs[size] = (graph, logits)
+            for under_adapters in kinds:
+                inputs = self.batch.inputs(size)
+                lora = self.batch.lora_segments(size) if under_adapters else None
+                # Warm-up on a side stream, as capture requires: Triton compiles its kernels
+                # and cuBLAS sets up its workspaces outside the recording.
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        self._forward(inputs, lora)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: a worker's other threads (KV transfer) may use the GPU.
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                    logits = self._forward(inputs, lora)
+                self._graphs[size, under_adapters] = (graph, logits)
         torch.cuda.synchronize()
         logger.info(
-            "CUDA graphs of decode batches of %s sequences, captured in %.1f s (%.0f MiB)",
+            "CUDA graphs of decode batches of %s sequences%s, captured in %.1f s (%.0f MiB)",
             ", ".join(map(str, self.sizes)),
+            ", each also under LoRA adapters" if self.adapters else "",
             time.monotonic() - started,
             (torch.cuda.memory_reserved() - before) / 2**20,
         )
 
-    def _forward(self, inputs: ForwardInputs) -> torch.Tensor:
-        return self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices)
+    def _forward(self, inputs: ForwardInputs, lora: LoraSegments | None) -> torch.Tensor:
+        return self.model(
+            inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices, lora
+        )
 
-    def run(self, inputs: ForwardInputs) -> torch.Tensor | None:
-        """The step's logits ``[num_seqs, vocab]`` from a replay, or None (run it eagerly)."""
+    def run(self, inputs: ForwardInputs, lora: LoraSegments | None = None) -> torch.Tensor | None:
+        """The step's logits ``[num_seqs, vocab]`` from a replay, or None (run it eagerly);
+        ``lora``: the step's rows under adapters (None: none)."""
         if not self._graphs or not self.batch.fits(inputs):
+            return None
+        if lora is not None and not self.adapters:
             return None
         num_seqs = inputs.meta.num_seqs
         size = next(size for size in self.sizes if size >= num_seqs)
         self.batch.load(inputs, size)
-        graph, logits = self._graphs[size]
+        if lora is not None:
+            self.batch.load_lora(lora, size)
+        graph, logits = self._graphs[size, lora is not None]
         graph.replay()
         self.replays += 1
         # A copy: the next replay overwrites the graph's output.

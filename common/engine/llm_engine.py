@@ -368,7 +368,12 @@ class LLMEngine:
         """The decode graphs, or None (every step eager) if capturing fails: a model or kernel
         that cannot be recorded costs speed, not the worker."""
         graphs = DecodeGraphs(
-            self.model, sizes, self.max_model_len, self.config.cache.page_size, self.device
+            self.model,
+            sizes,
+            self.max_model_len,
+            self.config.cache.page_size,
+            self.device,
+            adapters=self.lora is not None,
         )
         try:
             graphs.capture()

@@ -123,8 +123,7 @@ class ModelRunner:
         lora = self._lora_segments(batch, proposals)
         with around_forward if around_forward is not None else nullcontext():
             started = time.perf_counter()
-            # The graphs are of the base model's steps.
-            logits = self.graphs.run(inputs) if self.graphs is not None and lora is None else None
+            logits = self.graphs.run(inputs, lora) if self.graphs is not None else None
             if logits is None:
                 logits = self.model(
                     inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices, lora
@@ -182,7 +181,7 @@ class ModelRunner:
             after=None if after is None else after.token_ids,
         )
         lora = self._lora_segments(batch, [()] * len(batch))
-        logits = self.graphs.run(inputs) if self.graphs is not None and lora is None else None
+        logits = self.graphs.run(inputs, lora) if self.graphs is not None else None
         if logits is None:
             logits = self.model(
                 inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices, lora

@@ -92,7 +92,7 @@ def segment_args(segments: LoraSegments) -> tuple[int, int, int, int]:
         segments.start_rows.data_ptr(),
         segments.end_rows.data_ptr(),
         segments.slot_ids.data_ptr(),
-        len(segments.slots),
+        segments.launch_segments,
     )
 
 

@@ -148,8 +148,8 @@ def lora_delta(
     if x.stride(1) != 1 or out.stride(1) != 1:
         raise ValueError("lora_delta needs x and out with unit stride along their rows")
     a, b = a.contiguous(), b.contiguous()
-    num_segments = len(segments.slots)
-    row_blocks = ceil_div(segments.max_rows, block_m)
+    num_segments = segments.launch_segments
+    row_blocks = ceil_div(segments.launch_rows, block_m)
     block_r = max(_MIN_TILE, next_power_of_2(rank))
     shrunk = torch.empty(x.shape[0], rank, dtype=torch.float32, device=x.device)
     _shrink_kernel[(num_segments, row_blocks)](
