@@ -47,10 +47,10 @@ def documented() -> dict[str, list[tuple[str, bool]]]:
         row = re.match(r"\| `(pdserve_\w+)` \|", line)
         if row:
             # Rows marked *on faults* move on failures alone, *on a GPU* by default only there,
-            # *with sliding windows* only for a model whose every layer has one.
-            quiet_here = any(
-                mark in line for mark in ("*on faults*", "*on a GPU*", "*with sliding windows*")
-            )
+            # *with sliding windows* only for a model whose every layer has one, *with KV
+            # tiers* only in workers given a tier below the pool.
+            marks = ("*on faults*", "*on a GPU*", "*with sliding windows*", "*with KV tiers*")
+            quiet_here = any(mark in line for mark in marks)
             tables.setdefault(heading, []).append((row.group(1), not quiet_here))
         elif line.startswith("## "):
             heading = line[3:]

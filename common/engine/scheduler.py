@@ -29,6 +29,13 @@ stopped at the token before is computed for nothing and dropped in ``postprocess
 freed while such a step is in flight are held back until it is read (``release_held_pages``),
 since its forward still writes one slot in them.
 
+With KV tiers below the pool (``tiers``), a waiting sequence whose prompt continues past the
+pool's prefix match into pages a tier holds is set aside (``restoring``) with fresh pages while
+the mover copies those pages up; it is not scheduled until they land, and the step goes on
+without it. Once they have, it goes back to the head of the queue with them as its computed
+prefix, and the pages are filed in the prefix cache. An abort meanwhile gives back the pool hits
+at once and the pages being written once the mover is done with them.
+
 ``Scheduler`` serves whole requests (the one-process engine); ``DecodeScheduler`` also holds
 the pages of prompts whose KV is on its way from a prefill worker (``reserve``, then
 ``admit_prefilled`` or ``drop_reservation``); ``PrefillScheduler`` lets each request go after
@@ -43,6 +50,7 @@ from collections.abc import Sequence as Seq
 
 from common.config import SchedulerConfig
 from common.engine.batch import ScheduledSequence, SequenceOutput
+from common.engine.kv_tiers.tiers import KVTiers, Restore
 from common.engine.page_manager import PageManager
 from common.engine.sampler import SampledToken
 from common.engine.sequence import FinishReason, Sequence, SequenceStatus, SpeculationState
@@ -52,6 +60,9 @@ from common.engine.structured.matcher import GrammarError
 from common.engine.structured.state import GrammarState
 from common.hashing import page_hashes
 from kernels.sizes import ceil_div
+
+# How long a step with nothing to run waits for a restore to land before it returns.
+_RESTORE_WAIT_S = 0.05
 
 
 class Scheduler:
@@ -99,6 +110,11 @@ class Scheduler:
         # Pages freed while a step launched ahead may still write to them (schedule_ahead).
         self._holding_freed_pages = False
         self._held_pages: list[list[int]] = []
+        # KV tiers below the pool (set by the engine where configured): sequences whose pages
+        # are on their way up, and restores of aborted ones whose pages go back once done.
+        self.tiers: KVTiers | None = None
+        self.restoring: list[tuple[Sequence, Restore]] = []
+        self._abandoned: list[Restore] = []
 
     # -- admission ------------------------------------------------------------------------------
 
@@ -156,26 +172,40 @@ class Scheduler:
                     queue.remove(seq)
                     self._finish(seq, FinishReason.ABORT)
                     return seq
+        for seq, restore in self.restoring:
+            if seq.request_id == request_id:
+                self.restoring.remove((seq, restore))
+                self._abandon(seq, restore)
+                self._finish(seq, FinishReason.ABORT, free_pages=False)
+                return seq
         return None
 
     def holds(self, request_id: str) -> bool:
         return any(
             seq.request_id == request_id for seq in (*self.running, *self.waiting, *self.compiling)
-        )
+        ) or any(seq.request_id == request_id for seq, _ in self.restoring)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.compiling)
+        return bool(
+            self.waiting or self.running or self.compiling or self.restoring or self._abandoned
+        )
 
     # -- the step -------------------------------------------------------------------------------
 
     def schedule(self) -> list[ScheduledSequence]:
         if self.compiling:
             self._take_compiled()
+        if self.restoring or self._abandoned:
+            self._take_restored()
         steady = self._steady_batch = self._steady_decodes()
         if steady is not None:
             return steady
         batch = self._schedule_anew()
+        if not batch and (self.restoring or self._abandoned) and self.tiers is not None:
+            # Nothing to run but pages on their way up: wait for them here, not in a spin.
+            restores = [restore for _, restore in self.restoring] + self._abandoned
+            self.tiers.wait(restores, _RESTORE_WAIT_S)
         running = self.running
         if len(batch) == len(running) and all(
             item.seq is seq
@@ -315,6 +345,9 @@ class Scheduler:
             limit = budget if decode_ready else min(budget, prompt_budget)
             if limit == 0 or not self._adapter_fits(seq):
                 break
+            if self.tiers is not None and not seq.page_ids and self._restore_from_tiers(seq):
+                self.waiting.popleft()  # aside until its pages land; the next one may go
+                continue
             num_admitted = self._admit(seq, limit)
             if num_admitted is None:
                 break
@@ -480,6 +513,85 @@ class Scheduler:
             seq.num_cached_tokens = num_computed
         return num_new
 
+    def _restore_from_tiers(self, seq: Sequence) -> bool:
+        """Set ``seq`` aside with fresh pages for the pages of its prompt past the pool's prefix
+        match that the tiers hold, and start their restore; False (nothing taken) where the
+        tiers hold none of them or the pool lacks the pages."""
+        tiers = self.tiers
+        assert tiers is not None
+        if seq.num_prompt_logprobs_due:
+            return False  # scored prompts are computed whole
+        max_hit_pages = (seq.num_tokens - 1) // self.page_size
+        manager = self.page_manager
+        hits = manager.match_prefix(seq.token_ids, max_hit_pages, seq.cache_namespace)
+        if len(hits) >= max_hit_pages:
+            return False
+        parent = manager.page_hash(hits[-1]) if hits else None
+        found = tiers.lookup(seq.token_ids, len(hits), parent, seq.cache_namespace, max_hit_pages)
+        if not found:
+            return False
+        reclaimed = sum(1 for b in hits if manager.ref_count(b) == 0)
+        if len(found) > manager.num_free_pages - reclaimed:
+            return False
+        restore = tiers.start_restore(found)  # before allocating: that may evict host pages
+        manager.acquire(hits)
+        pages = manager.allocate(len(found))
+        tiers.submit(restore, pages)
+        seq.page_ids = hits + pages
+        seq.page_hashes = [manager.page_hash(b) for b in hits]
+        seq.num_computed_tokens = len(hits) * self.page_size
+        self.restoring.append((seq, restore))
+        return True
+
+    def _take_restored(self) -> None:
+        """Queue again, at the head, each sequence whose restore is done, its landed pages
+        filed in the prefix cache and counted as computed (those that did not land are given
+        back: they are computed); give back the pages of aborted sequences' done restores."""
+        tiers = self.tiers
+        assert tiers is not None
+        manager = self.page_manager
+        back: list[Sequence] = []
+        still: list[tuple[Sequence, Restore]] = []
+        for seq, restore in self.restoring:
+            if not restore.done:
+                still.append((seq, restore))
+                continue
+            landed = tiers.settle(restore)
+            num_hits = len(seq.page_ids) - len(restore.pool_pages)
+            kept = restore.pool_pages[:landed]
+            if landed < len(restore.pool_pages):
+                manager.free(restore.pool_pages[landed:])
+            seq.page_ids = seq.page_ids[:num_hits] + kept
+            for page_id, page in zip(kept, restore.pages, strict=False):
+                key = page.key
+                manager.cache_page(page_id, key.page_hash, key.token_ids, key.parent)
+                seq.page_hashes.append(key.page_hash)
+            seq.num_computed_tokens = len(seq.page_ids) * self.page_size
+            if seq.num_output_tokens == 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
+            back.append(seq)
+        self.restoring = still
+        for seq in reversed(back):
+            self.waiting.appendleft(seq)
+        abandoned: list[Restore] = []
+        for restore in self._abandoned:
+            if restore.done:
+                tiers.settle(restore)
+                manager.free(restore.pool_pages)
+            else:
+                abandoned.append(restore)
+        self._abandoned = abandoned
+
+    def _abandon(self, seq: Sequence, restore: Restore) -> None:
+        """``seq`` was aborted while its pages were on their way up: its pool hits go back now,
+        the pages being written once the mover is done with them (``_take_restored``)."""
+        assert restore.job is not None
+        restore.job.cancelled = True
+        num_hits = len(seq.page_ids) - len(restore.pool_pages)
+        self.page_manager.free(seq.page_ids[:num_hits])
+        seq.page_ids = []
+        self._abandoned.append(restore)
+
     def _admit_with_pages(self, seq: Sequence, budget: int) -> int | None:
         """Admit a sequence whose leading KV already sits in its own pages (shipped from a
         prefill worker): file those pages in the prefix cache and take the next chunk's pages."""
@@ -503,8 +615,9 @@ class Scheduler:
         for offset, page_hash in enumerate(new_hashes):
             index = len(seq.page_hashes)
             page_tokens = tokens[offset * self.page_size : (offset + 1) * self.page_size]
-            self.page_manager.cache_page(seq.page_ids[index], page_hash, page_tokens)
+            self.page_manager.cache_page(seq.page_ids[index], page_hash, page_tokens, parent)
             seq.page_hashes.append(page_hash)
+            parent = page_hash
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         params = seq.params
