@@ -186,6 +186,11 @@ class Scheduler:
         ) or any(seq.request_id == request_id for seq, _ in self.restoring)
 
     @property
+    def restoring_seqs(self) -> list[Sequence]:
+        """The sequences set aside while their pages come up from the tiers: waiting ones."""
+        return [seq for seq, _ in self.restoring]
+
+    @property
     def has_work(self) -> bool:
         return bool(
             self.waiting or self.running or self.compiling or self.restoring or self._abandoned

@@ -235,7 +235,7 @@ class WorkerService(ABC):
         ends when none are left."""
         scheduler = self.scheduler
         held = len(scheduler.running) + len(scheduler.waiting) + len(scheduler.compiling)
-        return held + self.num_pending()
+        return held + len(scheduler.restoring) + self.num_pending()
 
     def serve_during_step(
         self,
@@ -371,6 +371,12 @@ class WorkerService(ABC):
         self.page_manager.drain_events()
         stored = self.page_manager.cached_hashes()
         self.link.send(CacheEvents(self.worker_id, stored, [], reset=True))
+        tiers = self.page_manager.tiers
+        if tiers is not None:
+            for held in tiers.held_hashes():
+                self.link.send(
+                    CacheEvents(self.worker_id, held.stored, [], reset=True, tier=held.tier)
+                )
 
     def _wait(self) -> None:
         poller = zmq.Poller()
@@ -387,6 +393,17 @@ class WorkerService(ABC):
         events = self.page_manager.drain_events()
         if events:
             self._send_output(CacheEvents(self.worker_id, events.stored, events.removed))
+        tiers = self.page_manager.tiers
+        if tiers is not None:
+            for tier_events in tiers.drain_events():
+                self._send_output(
+                    CacheEvents(
+                        self.worker_id,
+                        tier_events.stored,
+                        tier_events.removed,
+                        tier=tier_events.tier,
+                    )
+                )
         computed = self.scheduler.num_prompt_tokens_computed
         if computed > self._prompt_tokens_seen:
             PROMPT_TOKENS_COMPUTED.inc(computed - self._prompt_tokens_seen)
@@ -419,16 +436,27 @@ class WorkerService(ABC):
         scheduler, pages = self.scheduler, self.page_manager
         queued = sum(
             max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
-            for seq in (*scheduler.compiling, *scheduler.waiting, *scheduler.running)
+            for seq in (
+                *scheduler.compiling,
+                *scheduler.waiting,
+                *scheduler.restoring_seqs,
+                *scheduler.running,
+            )
         )
         RUNNING.set(len(scheduler.running))
-        waiting = len(scheduler.compiling) + len(scheduler.waiting) + self.num_pending()
+        waiting = len(scheduler.compiling) + len(scheduler.waiting) + len(scheduler.restoring)
+        waiting += self.num_pending()
         WAITING.set(waiting)
         KV_USAGE.set(pages.usage)
         PROMPT_TOKENS_QUEUED.set(queued)
         held = {
             seq.request_id: seq.num_computed_tokens + seq.num_output_tokens
-            for seq in (*scheduler.compiling, *scheduler.waiting, *scheduler.running)
+            for seq in (
+                *scheduler.compiling,
+                *scheduler.waiting,
+                *scheduler.restoring_seqs,
+                *scheduler.running,
+            )
         }
         held.update(self.pending_progress())
         return Heartbeat(
@@ -499,7 +527,12 @@ class WorkerService(ABC):
         scheduler = self.scheduler
         return sum(
             1
-            for seq in (*scheduler.compiling, *scheduler.waiting, *scheduler.running)
+            for seq in (
+                *scheduler.compiling,
+                *scheduler.waiting,
+                *scheduler.restoring_seqs,
+                *scheduler.running,
+            )
             if seq.lora_name == lora_name
         )
 
