@@ -85,8 +85,8 @@ class NoWorkerError(RuntimeError):
 
 
 # Measured defaults of RoutingConfig's tier weights (docs/kv-tiers.md).
-HOST_HIT_WEIGHT = 0.95
-DISK_HIT_WEIGHT = 0.8
+HOST_HIT_WEIGHT = 0.99
+DISK_HIT_WEIGHT = 0.97
 
 
 @dataclass(frozen=True, slots=True)
