@@ -372,6 +372,12 @@ class EngineConfig:
                 f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}"
             )
         self.cache.validate()
+        if self.cache.has_kv_tiers and self.tensor_parallel_size > 1:
+            # Rank 0 schedules the restores, into its own pool: the other ranks' would miss them.
+            raise ValueError("KV tiers (--kv-offloading-*) serve one rank: not with -tp > 1")
+        if self.cache.has_kv_tiers and self.speculative.model is not None:
+            # A draft model keeps its KV in the target's page ids: the tiers keep the target's.
+            raise ValueError("KV tiers (--kv-offloading-*) do not keep a draft model's pages")
         self.scheduler.validate()
         self.speculative.validate()
         self.lora.validate()

@@ -32,9 +32,9 @@ since its forward still writes one slot in them.
 With KV tiers below the pool (``tiers``), a waiting sequence whose prompt continues past the
 pool's prefix match into pages a tier holds is set aside (``restoring``) with fresh pages while
 the mover copies those pages up; it is not scheduled until they land, and the step goes on
-without it. Once they have, it goes back to the head of the queue with them as its computed
-prefix, and the pages are filed in the prefix cache. An abort meanwhile gives back the pool hits
-at once and the pages being written once the mover is done with them.
+without it. Once they have, they are filed in the prefix cache and it goes back to the head of
+the queue, where its admission finds them as any prefix hit. An abort meanwhile gives back the
+pool hits at once and the pages being written once the mover is done with them.
 
 ``Scheduler`` serves whole requests (the one-process engine); ``DecodeScheduler`` also holds
 the pages of prompts whose KV is on its way from a prefill worker (``reserve``, then
@@ -549,9 +549,11 @@ class Scheduler:
         return True
 
     def _take_restored(self) -> None:
-        """Queue again, at the head, each sequence whose restore is done, its landed pages
-        filed in the prefix cache and counted as computed (those that did not land are given
-        back: they are computed); give back the pages of aborted sequences' done restores."""
+        """Queue again, at the head, each sequence whose restore is done: the pages that landed
+        whole are filed in the prefix cache, and every page it took is given back, so that its
+        admission finds them there as any prefix hit (those that did not land are computed).
+        Given back, not held: a sequence waiting with pages could hold those that the one
+        ahead of it needs. Then give back the pages of aborted sequences' done restores."""
         tiers = self.tiers
         assert tiers is not None
         manager = self.page_manager
@@ -562,18 +564,13 @@ class Scheduler:
                 still.append((seq, restore))
                 continue
             landed = tiers.settle(restore)
-            num_hits = len(seq.page_ids) - len(restore.pool_pages)
-            kept = restore.pool_pages[:landed]
-            if landed < len(restore.pool_pages):
-                manager.free(restore.pool_pages[landed:])
-            seq.page_ids = seq.page_ids[:num_hits] + kept
-            for page_id, page in zip(kept, restore.pages, strict=False):
+            for page_id, page in zip(restore.pool_pages[:landed], restore.pages, strict=False):
                 key = page.key
                 manager.cache_page(page_id, key.page_hash, key.token_ids, key.parent)
-                seq.page_hashes.append(key.page_hash)
-            seq.num_computed_tokens = len(seq.page_ids) * self.page_size
-            if seq.num_output_tokens == 0:
-                seq.num_cached_tokens = seq.num_computed_tokens
+            manager.free(seq.page_ids)
+            seq.page_ids = []
+            seq.page_hashes = []
+            seq.num_computed_tokens = 0
             back.append(seq)
         self.restoring = still
         for seq in reversed(back):

@@ -63,6 +63,9 @@ class DiskTier:
         self._removed: list[int] = []
         self.num_evicted = 0
         self.rejected: dict[str, int] = {}  # why blocks read were misses, by reason
+        # Hashes whose file is not a block this tier may read but is not its to remove (another
+        # page's, or another version's): no longer looked for, or a prompt would try it again.
+        self._unreadable: set[int] = set()
         self._scan()
 
     # -- step thread ----------------------------------------------------------------------------
@@ -76,6 +79,8 @@ class DiskTier:
         with self._lock:
             if page_hash in self._files:
                 return True
+            if page_hash in self._unreadable:
+                return False
         return self.path(page_hash).exists()
 
     def hashes(self) -> list[int]:
@@ -96,6 +101,8 @@ class DiskTier:
             if key.page_hash in self._files:
                 self._files.move_to_end(key.page_hash)
                 return 0
+        with self._lock:
+            self._unreadable.discard(key.page_hash)
         blob = encode_block(key, self.fingerprint, data, scales)
         final = self.path(key.page_hash)
         temporary = final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident()}.tmp")
@@ -126,10 +133,13 @@ class DiskTier:
             self._reject(decoded)
             if decoded in ("damaged", "truncated"):
                 self._remove_file(key.page_hash)
+            else:
+                self._set_aside(key.page_hash)
             return None
         found, data, scales = decoded
         if found != key:
             self._reject("other page")
+            self._set_aside(key.page_hash)
             return None
         with self._lock:
             if key.page_hash in self._files:
@@ -190,6 +200,11 @@ class DiskTier:
             if size is not None:
                 self._bytes -= size
                 self._removed.append(page_hash)
+
+    def _set_aside(self, page_hash: int) -> None:
+        self._forget(page_hash)
+        with self._lock:
+            self._unreadable.add(page_hash)
 
     def _remove_file(self, page_hash: int) -> None:
         self._forget(page_hash)
