@@ -9,6 +9,7 @@ import pytest
 from engines import build_engine
 from test_router_registry import beat, reg
 from tiny_models import build_tiny_model, random_prompts
+from worker_harness import FakeRouter
 
 from common.hashing import page_hashes
 from common.messages import decode, encode
@@ -110,3 +111,42 @@ def test_the_router_sends_a_prompt_to_the_worker_whose_host_tier_holds_it(tmp_pa
     decision = route(req, view, CONFIG)
     assert (decision.prefill_worker_id, decision.reason) == ("tiered", REASON_PREFIX)
     engine.close()
+
+
+@pytest.mark.skipif(not cpu_library.available(), reason="needs the C kernels")
+def test_a_worker_reports_its_host_tier_and_serves_from_it(tmp_path):
+    """A worker process with a host tier: the pages its pool evicts are reported to the router
+    as the host tier's, and the prompt that comes back is served from there, same tokens."""
+    folder = build_tiny_model("qwen2-bias", tmp_path / "model")
+    router = FakeRouter(tmp_path)
+    try:
+        # 12 pages of 8 KiB: the pool holds two of these prompts with their answers.
+        flags = ("--kv-cache-memory", "192KiB", "--max-model-len", "160")
+        router.start_worker("decode", folder, *flags, "--kv-offloading-size", "0.001")
+        (worker,) = router.wait_registered(1)
+        prompt, *fillers = random_prompts(4, seed=5, min_len=70, max_len=70)
+        greedy = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+        for request_id, tokens in (
+            ("first", prompt),
+            *((f"f{i}", f) for i, f in enumerate(fillers)),
+        ):
+            router.decode_locally(request_id, tokens, greedy)
+            router.wait_finished([request_id])
+        hashes = set(page_hashes(prompt, 16)[:4])
+
+        def in_host_tier() -> set[int]:
+            events = router.cache_events.get(worker.worker_id, [])
+            held: set[int] = set()
+            for msg in events:
+                if msg.tier == "host":
+                    held = (held | set(msg.stored)) - set(msg.removed)
+            return held
+
+        router.wait_for(lambda: hashes <= in_host_tier(), 60, "the host tier's events")
+        router.decode_locally("again", prompt, greedy)
+        router.wait_finished(["again"])
+        assert router.log("again").token_ids == router.log("first").token_ids
+        assert router.log("again").deltas[0].num_cached_tokens == 64
+        assert router.metrics("decode")['pdserve_kv_tier_hits_total{tier="host"}'] >= 4
+    finally:
+        router.stop()
