@@ -15,7 +15,8 @@ and p99 and where their prompt tokens came from (the pool's prefix cache, the ho
 disk tier, or computed), without tiers and with them, and the ratio of the two. Then the cost
 when nothing is reused: ``--no-reuse-prompts`` distinct prompts served together, every page
 they evict offloaded for nothing, out tok/s with the tiers against without. The figures are of
-one run each, side by side; the box is named, since they depend on it::
+one run each, side by side; the box is named, since they depend on it (a run's figures:
+docs/kv-tiers.md)::
 
     python -m benchmarks.serving.multiturn [--quick] [--tiers host|disk|host+disk]
         [--conversations 8] [--turns 4] [--system-tokens 1024] [--model DIR]
