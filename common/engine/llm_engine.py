@@ -255,6 +255,7 @@ class LLMEngine:
         if self.lora is not None:
             self.runner.lora = self.lora
             self.scheduler.max_adapters = self.lora.max_loras
+            self.scheduler.adapters = self.lora
         if graph_sizes:
             self.runner.graphs = self._capture_decode_graphs(graph_sizes)
         self.steps_ahead = self._steps_ahead_wanted(role)

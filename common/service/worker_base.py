@@ -233,9 +233,7 @@ class WorkerService(ABC):
     def num_held(self) -> int:
         """Requests this worker holds: running, waiting, or outside the scheduler. A drain
         ends when none are left."""
-        scheduler = self.scheduler
-        held = len(scheduler.running) + len(scheduler.waiting) + len(scheduler.compiling)
-        return held + len(scheduler.restoring) + self.num_pending()
+        return sum(1 for _ in self.scheduler.sequences()) + self.num_pending()
 
     def serve_during_step(
         self,
@@ -435,28 +433,17 @@ class WorkerService(ABC):
     def heartbeat(self) -> Heartbeat:
         scheduler, pages = self.scheduler, self.page_manager
         queued = sum(
-            max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
-            for seq in (
-                *scheduler.compiling,
-                *scheduler.waiting,
-                *scheduler.restoring_seqs,
-                *scheduler.running,
-            )
+            max(0, seq.num_prompt_tokens - seq.num_computed_tokens) for seq in scheduler.sequences()
         )
         RUNNING.set(len(scheduler.running))
-        waiting = len(scheduler.compiling) + len(scheduler.waiting) + len(scheduler.restoring)
-        waiting += self.num_pending()
+        held_by_scheduler = sum(1 for _ in scheduler.sequences())
+        waiting = held_by_scheduler - len(scheduler.running) + self.num_pending()
         WAITING.set(waiting)
         KV_USAGE.set(pages.usage)
         PROMPT_TOKENS_QUEUED.set(queued)
         held = {
             seq.request_id: seq.num_computed_tokens + seq.num_output_tokens
-            for seq in (
-                *scheduler.compiling,
-                *scheduler.waiting,
-                *scheduler.restoring_seqs,
-                *scheduler.running,
-            )
+            for seq in scheduler.sequences()
         }
         held.update(self.pending_progress())
         return Heartbeat(
@@ -524,17 +511,7 @@ class WorkerService(ABC):
 
     def adapter_users(self, lora_name: str) -> int:
         """Requests this worker holds that compute under ``lora_name``."""
-        scheduler = self.scheduler
-        return sum(
-            1
-            for seq in (
-                *scheduler.compiling,
-                *scheduler.waiting,
-                *scheduler.restoring_seqs,
-                *scheduler.running,
-            )
-            if seq.lora_name == lora_name
-        )
+        return sum(1 for seq in self.scheduler.sequences() if seq.lora_name == lora_name)
 
     def under_adapter(self, seq: Sequence, lora_name: str | None) -> bool:
         """Put ``seq`` under LoRA adapter ``lora_name`` (None: the base model), or tell the
