@@ -105,7 +105,8 @@ KV_TIER_HITS = Counter(
 )
 KV_TIER_MISSES = Counter(
     "pdserve_kv_tier_misses",
-    "Prompt chains the pool missed whose next page a tier lacked (or held damaged)",
+    "Lookups below the pool (at admission, again each step a sequence waits at the head of "
+    "the queue) whose next page a tier lacked, or held damaged",
     ["tier"],
 )
 KV_TIER_BYTES = Counter(
