@@ -5,6 +5,8 @@ up no one, and an abort during a restore leaks no page and no pinned slot."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import threading
 
 import pytest
@@ -13,6 +15,8 @@ from engines import build_engine
 from prometheus_client import REGISTRY
 from tiny_models import build_tiny_model, random_prompts
 
+from common.config import CacheConfig, EngineConfig, SpeculativeConfig
+from common.engine.args import add_engine_args, engine_config_from_args
 from common.engine.kv_tiers.mover import Job
 from common.sampling_params import SamplingParams
 from kernels.cpu import library as cpu_library
@@ -161,3 +165,24 @@ def test_an_abort_during_a_restore_leaks_nothing(folder):
     assert serve(eng, PROMPTS[:1], params[:1], False, cached_tokens=cached) == reference[:1]
     assert cached == [FULL_PAGES]
     eng.close()
+
+
+def test_the_flags_and_what_they_refuse():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    flags = "--kv-offloading-size 0.5 --kv-offloading-dir /tmp/x --kv-offloading-disk-size 2"
+    args = parser.parse_args(flags.split())
+    cache = engine_config_from_args(args).cache
+    assert (cache.kv_offloading_size, cache.kv_offloading_dir) == (512 << 20, "/tmp/x")
+    assert cache.kv_offloading_disk_size == 2 << 30
+    assert not engine_config_from_args(parser.parse_args([])).cache.has_kv_tiers
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-offloading-size", "-1"])
+    tiers = CacheConfig(kv_offloading_size=1 << 20)
+    with pytest.raises(ValueError, match="enable-prefix-caching"):
+        dataclasses.replace(tiers, enable_prefix_caching=False).validate()
+    with pytest.raises(ValueError, match="-tp"):
+        EngineConfig(cache=tiers, tensor_parallel_size=2).validate()
+    draft = SpeculativeConfig(method="draft", model="/some/draft")
+    with pytest.raises(ValueError, match="draft"):
+        EngineConfig(cache=tiers, speculative=draft).validate()
