@@ -167,6 +167,32 @@ def test_an_abort_during_a_restore_leaks_nothing(folder):
     eng.close()
 
 
+def test_two_sequences_wanting_the_same_pages_restore_them_once(folder):
+    params = sampling_params(len(PROMPTS))
+    eng = engine(folder, kv_offloading_size=1 << 20)
+    reference = serve(eng, PROMPTS, params, together=False)
+    gate = gate_the_mover(eng)
+    before = hits("host")
+    for request_id in ("a", "b"):
+        eng.add_request(PROMPTS[0], params[0], request_id=request_id)
+    eng.step()
+    assert [r.follows for _, r in eng.scheduler.restoring] == [False, True]
+    assert eng.page_manager.num_free_pages == NUM_PAGES - FULL_PAGES // 16  # one set of pages
+    gate.set()
+    samples: dict[str, list] = {"a": [], "b": []}
+    for _ in range(400):
+        if not eng.has_unfinished:
+            break
+        for out in eng.step():
+            samples[out.request_id].extend(out.new_samples)
+    for request_id in ("a", "b"):
+        assert tuple(s.token_id for s in samples[request_id]) == reference[0].tokens
+        assert tuple(s.logprob for s in samples[request_id]) == reference[0].logprobs
+    assert hits("host") - before == FULL_PAGES // 16
+    assert_nothing_held(eng)
+    eng.close()
+
+
 def test_the_flags_and_what_they_refuse():
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

@@ -587,6 +587,19 @@ class Scheduler:
         found = tiers.lookup(seq.token_ids, len(hits), parent, seq.cache_namespace, max_hit_pages)
         if not found:
             return False
+        # Pages another sequence's restore is bringing up already are not copied twice: with
+        # the first such page next, this one waits for that restore and finds them in the pool.
+        in_flight = {
+            page.key.page_hash: restore
+            for _, restore in self.restoring
+            if not restore.follows
+            for page in restore.pages
+        }
+        busy = next((i for i, page in enumerate(found) if page.key.page_hash in in_flight), None)
+        if busy == 0:
+            self.restoring.append((seq, tiers.follow(in_flight[found[0].key.page_hash])))
+            return True
+        found = found[:busy]
         reclaimed = sum(1 for b in hits if manager.ref_count(b) == 0)
         if len(found) > manager.num_free_pages - reclaimed:
             return False
@@ -640,6 +653,8 @@ class Scheduler:
         """``seq`` was aborted while its pages were on their way up: its pool hits go back now,
         the pages being written once the mover is done with them (``_take_restored``)."""
         assert restore.job is not None
+        if restore.follows:
+            return  # it holds no pages, and the restore it waits for is another's
         restore.job.cancelled = True
         num_hits = len(seq.page_ids) - len(restore.pool_pages)
         self.page_manager.free(seq.page_ids[:num_hits])

@@ -64,6 +64,7 @@ class Restore:
     job: Job | None = None
     num_landed: int = 0
     bytes_by_tier: dict[str, int] = field(default_factory=dict)
+    follows: bool = False  # only waits for another sequence's restore (``follow``)
 
     @property
     def done(self) -> bool:
@@ -225,6 +226,12 @@ class KVTiers:
         restore.pool_pages = pool_pages
         restore.job = self.mover.submit(Job(lambda job: self._restore(restore, job)))
 
+    def follow(self, restore: Restore) -> Restore:
+        """A restore of nothing that is done when ``restore`` is: for a sequence whose next
+        pages ``restore`` is bringing up for another."""
+        assert restore.job is not None
+        return Restore([], job=restore.job, follows=True)
+
     def _restore(self, restore: Restore, job: Job) -> None:
         """The mover's half of a restore: each page in order, stopping at the first that does
         not land whole (a disk block that fails its checks)."""
@@ -259,6 +266,8 @@ class KVTiers:
     def settle(self, restore: Restore) -> int:
         """A done restore's pages landed whole, from the first; unpins its host slots."""
         assert restore.done
+        if restore.follows:
+            return 0
         if self.host is not None:
             for page in restore.pages:
                 if page.host_slot is not None:
