@@ -185,6 +185,14 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     num_pages: int | None = None  # fixes the pool size outright (tests, benchmarks)
+    # KV tiers below the pool (docs/kv-tiers.md): host memory, and disk in a directory.
+    kv_offloading_size: int = 0  # bytes of host memory; 0: no host tier
+    kv_offloading_dir: str | None = None  # None: no disk tier
+    kv_offloading_disk_size: int = 16 << 30  # bytes of disk, with a directory
+
+    @property
+    def has_kv_tiers(self) -> bool:
+        return bool(self.kv_offloading_size or self.kv_offloading_dir)
 
     def validate(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -200,6 +208,15 @@ class CacheConfig:
             raise ValueError("--kv-cache-memory must be positive")
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError("num_pages must be >= 1")
+        if self.kv_offloading_size < 0:
+            raise ValueError("--kv-offloading-size must not be negative")
+        if self.kv_offloading_disk_size <= 0:
+            raise ValueError("--kv-offloading-disk-size must be positive")
+        if self.has_kv_tiers and not self.enable_prefix_caching:
+            raise ValueError(
+                "--kv-offloading-size and --kv-offloading-dir keep the prefix cache's pages: "
+                "they need --enable-prefix-caching"
+            )
 
 
 def default_token_budget(device: torch.device, dtype: torch.dtype = torch.float32) -> int:
@@ -355,6 +372,12 @@ class EngineConfig:
                 f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}"
             )
         self.cache.validate()
+        if self.cache.has_kv_tiers and self.tensor_parallel_size > 1:
+            # Rank 0 schedules the restores, into its own pool: the other ranks' would miss them.
+            raise ValueError("KV tiers (--kv-offloading-*) serve one rank: not with -tp > 1")
+        if self.cache.has_kv_tiers and self.speculative.model is not None:
+            # A draft model keeps its KV in the target's page ids: the tiers keep the target's.
+            raise ValueError("KV tiers (--kv-offloading-*) do not keep a draft model's pages")
         self.scheduler.validate()
         self.speculative.validate()
         self.lora.validate()

@@ -99,6 +99,39 @@ KV_PAGES_RELEASED = Counter(
     "KV pages running sequences gave back to the pool, every position in them behind every "
     "layer's sliding window",
 )
+# The KV tiers below the pool (common/engine/kv_tiers/): ``tier`` is host or disk.
+KV_TIER_HITS = Counter(
+    "pdserve_kv_tier_hits", "KV pages restored into the pool from a tier below it", ["tier"]
+)
+KV_TIER_MISSES = Counter(
+    "pdserve_kv_tier_misses",
+    "Lookups below the pool (at admission, again each step a sequence waits at the head of "
+    "the queue) whose next page a tier lacked, or held damaged",
+    ["tier"],
+)
+KV_TIER_BYTES = Counter(
+    "pdserve_kv_tier_bytes",
+    "Bytes moved between the pool and a tier, by tier and direction (offload, restore)",
+    ["tier", "direction"],
+)
+KV_TIER_RESTORE_SECONDS = Histogram(
+    "pdserve_kv_tier_restore_seconds",
+    "One sequence's restore of pages from the tiers, on the mover thread",
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+)
+KV_TIER_EVICTIONS = Counter(
+    "pdserve_kv_tier_evictions", "KV pages a tier dropped to make room", ["tier"]
+)
+KV_TIER_REJECTED = Counter(
+    "pdserve_kv_tier_disk_rejected",
+    "Disk blocks read as a miss, by reason (missing, truncated, damaged, other weights or "
+    "format, other page, other version)",
+    ["reason"],
+)
+KV_TIER_DROPPED_WRITES = Counter(
+    "pdserve_kv_tier_dropped_writes",
+    "KV pages not written to the disk tier because its writes were too far behind",
+)
 STEP_SECONDS = Histogram(
     "pdserve_step_seconds",
     "One engine step: schedule, forward, sample, postprocess",

@@ -212,7 +212,8 @@ class RoleSwitchResult(Message):
 @message("worker.cache_events")
 @dataclass(slots=True)
 class CacheEvents(Message):
-    """Prefix-cache page hashes filed and evicted, in order, since the last report."""
+    """Prefix-cache page hashes filed and evicted, in order, since the last report, in one
+    tier of the worker's KV cache."""
 
     worker_id: str
     stored: list[int]
@@ -220,6 +221,15 @@ class CacheEvents(Message):
     # True when this report replaces everything the router knew of this worker's cache
     # (sent at registration, so a router that restarted rebuilds an exact index).
     reset: bool = False
+    # Where the pages are: the pool (TIER_DEVICE), or a tier below it (TIER_HOST, TIER_DISK;
+    # common/engine/kv_tiers/). A frame without it is of the pool, as before tiers.
+    tier: str = "device"
+
+
+TIER_DEVICE = "device"
+TIER_HOST = "host"
+TIER_DISK = "disk"
+CACHE_TIERS = (TIER_DEVICE, TIER_HOST, TIER_DISK)
 
 
 @message("worker.token_delta")

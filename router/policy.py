@@ -7,8 +7,12 @@ Prefill worker (remote prefill)::
     cost(w) = uncached_tokens(w) + load_weight * load_tokens(w)
 
 ``uncached_tokens`` is the prompt minus the leading pages ``w`` already holds (exact, from its
-cache events); ``load_tokens`` is its queued prefill tokens, counting tokens dispatched but not
-yet reported by a heartbeat. The lowest cost wins; ties break by load, then by worker id.
+cache events), each page weighed by where it holds it: 1 in its pool, ``host_hit_weight`` in
+host memory and ``disk_hit_weight`` on disk below the pool (a restored page costs its copy, a
+fraction of computing it: the weights are 1 minus that fraction, measured on the box by
+``python -m benchmarks.kv_tier_weights``); ``load_tokens`` is its queued prefill tokens,
+counting tokens dispatched but not yet reported by a heartbeat. The lowest cost wins; ties
+break by load, then by worker id.
 
 Before scoring, the imbalance guard drops every candidate whose load exceeds
 ``imbalance_factor * min_load + imbalance_slack_tokens`` (the least-loaded worker always stays), so
@@ -80,6 +84,11 @@ class NoWorkerError(RuntimeError):
     """No decode worker can take the request (the HTTP edge answers 503)."""
 
 
+# Measured defaults of RoutingConfig's tier weights (docs/kv-tiers.md).
+HOST_HIT_WEIGHT = 0.99
+DISK_HIT_WEIGHT = 0.97
+
+
 @dataclass(frozen=True, slots=True)
 class RoutingConfig:
     remote_prefill_min_tokens: int = 64
@@ -92,6 +101,11 @@ class RoutingConfig:
     local_prefill_overflow_tokens: int | None = None  # None: never overflow to a decode worker
     lora_miss_tokens: float = 256.0  # a prefill worker without the adapter in a device slot
     lora_miss_pages: float = 16.0  # a decode worker without the adapter in a device slot
+    # What a page held below a worker's pool saves against computing it, per tier (1 - restore
+    # time / compute time, measured: benchmarks/kv_tier_weights.py; --kv-host-hit-weight,
+    # --kv-disk-hit-weight). A 2-core AVX-512 box, SmolLM2-135M bf16: see docs/kv-tiers.md.
+    host_hit_weight: float = HOST_HIT_WEIGHT
+    disk_hit_weight: float = DISK_HIT_WEIGHT
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +141,9 @@ class PrefillView:
     num_inflight: int  # requests dispatched and not finished
     cached_hashes: frozenset[int] | set[int] = field(default_factory=frozenset)
     adapters: AdaptersHeld = field(default_factory=AdaptersHeld)
+    # Page hashes held below its pool (its KV tiers), where the pool no longer holds them.
+    host_hashes: frozenset[int] | set[int] = field(default_factory=frozenset)
+    disk_hashes: frozenset[int] | set[int] = field(default_factory=frozenset)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +176,7 @@ def route(request: RequestView, workers: WorkersView, config: RoutingConfig) -> 
         return Decision(decode, None, REASON_MIGRATION)
     if not workers.prefill:
         return Decision(decode, None, REASON_NO_PREFILL)
-    overlaps = {w.worker_id: overlap_tokens(request, w) for w in workers.prefill}
+    overlaps = {w.worker_id: overlap_tokens(request, w, config) for w in workers.prefill}
     best_uncached = request.num_prompt_tokens - max(overlaps.values())
     if best_uncached < config.remote_prefill_min_tokens and not busy_prefilling(
         decode, workers, config
@@ -196,15 +213,25 @@ def overflows(prefill_id: str, decode_id: str, workers: WorkersView, config: Rou
     return queued >= threshold and own == 0
 
 
-def overlap_tokens(request: RequestView, worker: PrefillView) -> int:
-    """Tokens of the prompt's leading pages that ``worker`` holds (a chain stops at a miss)."""
-    held = 0
+def overlap_tokens(
+    request: RequestView, worker: PrefillView, config: RoutingConfig | None = None
+) -> int:
+    """Tokens of the prompt's leading pages that ``worker`` holds (a chain stops at a miss),
+    each page weighed by its tier (``config``'s weights; 1 in the pool)."""
+    host_weight = config.host_hit_weight if config is not None else HOST_HIT_WEIGHT
+    disk_weight = config.disk_hit_weight if config is not None else DISK_HIT_WEIGHT
+    held = 0.0
     for page_hash in request.page_hashes:
-        if page_hash not in worker.cached_hashes:
+        if page_hash in worker.cached_hashes:
+            held += 1.0
+        elif page_hash in worker.host_hashes:
+            held += host_weight
+        elif page_hash in worker.disk_hashes:
+            held += disk_weight
+        else:
             break
-        held += 1
     # The last prompt token is always recomputed to sample the first token.
-    return min(held * request.page_size, max(request.num_prompt_tokens - 1, 0))
+    return min(int(held * request.page_size), max(request.num_prompt_tokens - 1, 0))
 
 
 def choose_prefill(

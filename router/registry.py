@@ -14,7 +14,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.messages import PROTOCOL_VERSION
-from common.protocol import ROLE_DECODE, ROLE_PREFILL, CacheEvents, Heartbeat, RegisterWorker
+from common.protocol import (
+    ROLE_DECODE,
+    ROLE_PREFILL,
+    TIER_DEVICE,
+    TIER_DISK,
+    TIER_HOST,
+    CacheEvents,
+    Heartbeat,
+    RegisterWorker,
+)
 from router.policy import AdaptersHeld, DecodeView, PrefillView, WorkersView
 
 
@@ -131,8 +140,10 @@ class WorkerRegistry:
         self.heartbeat_timeout = heartbeat_timeout
         self.page_size = page_size  # fixed by the first worker; every later one must match
         self.workers: dict[str, WorkerState] = {}
-        # Exact prefix index: prefill worker -> page hashes it holds.
+        # Exact prefix index: prefill worker -> page hashes it holds in its pool, and in each
+        # tier below the pool (a page the pool evicted stays a prefix while a tier holds it).
         self._held: dict[str, set[int]] = {}
+        self._held_below: dict[str, dict[str, set[int]]] = {}
 
     @property
     def deterministic(self) -> bool | None:
@@ -189,6 +200,7 @@ class WorkerRegistry:
             num_free_pages=msg.num_pages,
         )
         self._held[msg.worker_id] = set()
+        self._held_below[msg.worker_id] = {TIER_HOST: set(), TIER_DISK: set()}
         return None
 
     def change_role(self, msg: RegisterWorker, now: float) -> str | None:
@@ -208,6 +220,7 @@ class WorkerRegistry:
         """Take a worker out; returns its state (its ``inflight`` requests need a new home)."""
         state = self.workers.pop(worker_id, None)
         self._held.pop(worker_id, None)
+        self._held_below.pop(worker_id, None)
         return state
 
     def expired(self, now: float) -> list[str]:
@@ -258,7 +271,12 @@ class WorkerRegistry:
         state.last_seen = now
         if state.role != ROLE_PREFILL:
             return  # only prefill workers are chosen by prefix
-        held = self._held[msg.worker_id]
+        if msg.tier == TIER_DEVICE:
+            held = self._held[msg.worker_id]
+        elif msg.tier in (TIER_HOST, TIER_DISK):
+            held = self._held_below[msg.worker_id][msg.tier]
+        else:
+            return  # a tier this router does not know: its pages are not counted
         if msg.reset:
             held.clear()
         held.update(msg.stored)
@@ -275,8 +293,10 @@ class WorkerRegistry:
         state.draining = True
         return news
 
-    def cached_hashes(self, worker_id: str) -> set[int]:
-        return self._held.get(worker_id, set())
+    def cached_hashes(self, worker_id: str, tier: str = TIER_DEVICE) -> set[int]:
+        if tier == TIER_DEVICE:
+            return self._held.get(worker_id, set())
+        return self._held_below.get(worker_id, {}).get(tier, set())
 
     # -- load accounting -----------------------------------------------------------------------
 
@@ -319,6 +339,8 @@ class WorkerRegistry:
                         len(w.inflight),
                         self._held[w.worker_id],
                         w.adapters_held,
+                        self._held_below[w.worker_id][TIER_HOST],
+                        self._held_below[w.worker_id][TIER_DISK],
                     )
                 )
             else:

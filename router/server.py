@@ -15,7 +15,7 @@ from router.admission import AdmissionConfig
 from router.app import create_app
 from router.config import OutputParsing, RouterAdapter, RouterConfig
 from router.http_protocol import with_read_deadline
-from router.policy import RoutingConfig
+from router.policy import DISK_HIT_WEIGHT, HOST_HIT_WEIGHT, RoutingConfig
 from router.reasoning import reasoning_parser_names
 from router.request_metrics import ServiceLevel
 from router.tool_parsers import tool_parser_names
@@ -78,6 +78,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=64,
         help="uncached prompt tokens below which a decode worker prefills locally (while it "
         "has less than twice this many of its own queued)",
+    )
+    p.add_argument(
+        "--kv-host-hit-weight",
+        type=float,
+        default=HOST_HIT_WEIGHT,
+        help="what a prompt page in a prefill worker's host-memory KV tier counts for against "
+        f"one in its pool, 0 to 1 (default {HOST_HIT_WEIGHT}, measured: "
+        "python -m benchmarks.kv_tier_weights)",
+    )
+    p.add_argument(
+        "--kv-disk-hit-weight",
+        type=float,
+        default=DISK_HIT_WEIGHT,
+        help="the same for a page in its disk KV tier "
+        f"(default {DISK_HIT_WEIGHT}, measured likewise)",
     )
     p.add_argument(
         "--local-prefill-overflow-tokens",
@@ -194,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace, text: Tokenizer, model_path: Path) -> RouterConfig:
     if args.local_prefill_overflow_tokens is not None and args.local_prefill_overflow_tokens < 1:
         raise ValueError("--local-prefill-overflow-tokens must be >= 1")
+    for name in ("kv_host_hit_weight", "kv_disk_hit_weight"):
+        if not 0.0 <= getattr(args, name) <= 1.0:
+            raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1]")
     for name in ("remote_prefill_min_tokens", "max_retries"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
@@ -251,6 +269,8 @@ def config_from_args(args: argparse.Namespace, text: Tokenizer, model_path: Path
         routing=RoutingConfig(
             remote_prefill_min_tokens=args.remote_prefill_min_tokens,
             local_prefill_overflow_tokens=args.local_prefill_overflow_tokens,
+            host_hit_weight=args.kv_host_hit_weight,
+            disk_hit_weight=args.kv_disk_hit_weight,
         ),
         parsing=OutputParsing(
             enable_auto_tool_choice=args.enable_auto_tool_choice,

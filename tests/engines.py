@@ -42,6 +42,9 @@ def build_engine(
     async_scheduling: bool | None = None,
     role: str | None = None,
     lora: LoraConfig | None = None,
+    kv_offloading_size: int = 0,
+    kv_offloading_dir: str | Path | None = None,
+    kv_offloading_disk_size: int = 1 << 30,
 ) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
@@ -54,6 +57,9 @@ def build_engine(
                 enable_prefix_caching=prefix_caching,
                 num_pages=num_pages,
                 kv_cache_memory=kv_cache_memory,
+                kv_offloading_size=kv_offloading_size,
+                kv_offloading_dir=str(kv_offloading_dir) if kv_offloading_dir else None,
+                kv_offloading_disk_size=kv_offloading_disk_size,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,

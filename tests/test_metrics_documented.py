@@ -48,16 +48,16 @@ def documented() -> dict[str, list[tuple[str, bool]]]:
         if row:
             # Rows marked *on faults* move on failures alone, *on a GPU* by default only there,
             # *with sliding windows* only for a model whose every layer has one, *on role
-            # switches* only when a worker changes role.
-            quiet_here = any(
-                mark in line
-                for mark in (
-                    "*on faults*",
-                    "*on a GPU*",
-                    "*with sliding windows*",
-                    "*on role switches*",
-                )
+            # switches* only when a worker changes role, *with KV tiers* only in workers given a
+            # tier below the pool.
+            marks = (
+                "*on faults*",
+                "*on a GPU*",
+                "*with sliding windows*",
+                "*on role switches*",
+                "*with KV tiers*",
             )
+            quiet_here = any(mark in line for mark in marks)
             tables.setdefault(heading, []).append((row.group(1), not quiet_here))
         elif line.startswith("## "):
             heading = line[3:]

@@ -51,6 +51,25 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
     )
     group.add_argument(
+        "--kv-offloading-size",
+        type=_gib,
+        default=0,
+        help="GiB of host memory for a KV tier below the pool: prefix-cache pages the pool "
+        "evicts are kept there and restored on a hit (default: 0, none; docs/kv-tiers.md)",
+    )
+    group.add_argument(
+        "--kv-offloading-dir",
+        default=None,
+        help="directory of a disk KV tier below the pool (and the host tier); workers on one "
+        "host may share it (default: none)",
+    )
+    group.add_argument(
+        "--kv-offloading-disk-size",
+        type=_gib,
+        default=16 << 30,
+        help="GiB of disk the disk KV tier may fill (default: 16)",
+    )
+    group.add_argument(
         "--max-num-batched-tokens",
         type=int,
         default=None,
@@ -196,6 +215,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=args.enable_prefix_caching,
+            kv_offloading_size=args.kv_offloading_size,
+            kv_offloading_dir=args.kv_offloading_dir,
+            kv_offloading_disk_size=args.kv_offloading_disk_size,
         ),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -230,3 +252,14 @@ def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig:
         model=args.speculative_model,
         disable_by_batch_size=args.speculative_disable_by_batch_size,
     )
+
+
+def _gib(text: str) -> int:
+    """A size in GiB (vLLM's unit for --kv-offloading-size), fractions allowed, as bytes."""
+    try:
+        gib = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of GiB: {text!r}") from None
+    if gib < 0:
+        raise argparse.ArgumentTypeError(f"a size in GiB must not be negative, got {text}")
+    return int(gib * (1 << 30))

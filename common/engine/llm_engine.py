@@ -33,6 +33,8 @@ from common.context_window import all_layers_slide
 from common.engine.batch import ScheduledSequence, SequenceOutput
 from common.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from common.engine.kv_pool import KVPool, dtype_name, kv_layout
+from common.engine.kv_tiers.block import kv_fingerprint
+from common.engine.kv_tiers.tiers import KVTiers
 from common.engine.lora import LoraManager
 from common.engine.memory import plan_num_pages, warm_up, warms_up
 from common.engine.model_runner import AroundForward, LaunchedDecodes, ModelRunner
@@ -227,6 +229,8 @@ class LLMEngine:
         self.page_manager = PageManager(
             num_pages, config.cache.page_size, config.cache.enable_prefix_caching
         )
+        self.tiers = self._build_tiers(config) if config.cache.has_kv_tiers else None
+        self.page_manager.tiers = self.tiers
         self.speculator = self._build_speculator(speculative, draft, num_pages)
         eos = self.model_config.eos_token_ids
         # Structured outputs: grammars compiled off the step thread, from the model's tokenizer
@@ -282,6 +286,7 @@ class LLMEngine:
         if self.lora is not None:
             scheduler.max_adapters = self.lora.max_loras
             scheduler.adapters = self.lora
+        scheduler.tiers = self.tiers
         return scheduler
 
     def set_role(self, role: str, scheduler: Scheduler | None = None) -> Scheduler:
@@ -303,6 +308,32 @@ class LLMEngine:
         self.role = role
         self.steps_ahead = self._steps_ahead_wanted(role)
         return previous
+
+    def _build_tiers(self, config: EngineConfig) -> KVTiers:
+        """The KV tiers below the pool, their disk blocks fingerprinted by the weights and the
+        page format (a block of other weights or another format is a miss)."""
+        cache = config.cache
+        weights = "|".join(
+            (
+                str(self.model_path),
+                str(self.dtype),
+                str(config.quantization),
+                str(config.load_format),
+            )
+        )
+        tiers = KVTiers(
+            self.pool,
+            host_bytes=cache.kv_offloading_size,
+            disk_dir=cache.kv_offloading_dir,
+            disk_bytes=cache.kv_offloading_disk_size,
+            fingerprint=kv_fingerprint(weights, self.kv_layout),
+        )
+        logger.info(
+            "KV tiers below the pool: %s%s",
+            f"host {tiers.host.num_slots} pages" if tiers.host is not None else "no host tier",
+            f", disk {cache.kv_offloading_dir}" if tiers.disk is not None else "",
+        )
+        return tiers
 
     def _serve_adapters(self, config: EngineConfig) -> LoraManager | None:
         """With ``--enable-lora``: the adapter slots on every layer, and ``--lora-modules``
@@ -470,6 +501,9 @@ class LLMEngine:
         grammars = getattr(self, "grammars", None)  # absent where the build failed before it
         if grammars is not None:
             grammars.close()
+        tiers = getattr(self, "tiers", None)
+        if tiers is not None:
+            tiers.close()
         if self.followers is not None:
             self.followers.close()
 

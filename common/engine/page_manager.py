@@ -6,6 +6,9 @@ request with the same prefix can share it. A cached page whose count drops to ze
 findable until the pool needs the memory; such pages are evicted least-recently-freed first,
 after every page that was never cached. Every page filed or evicted is reported as an event, so a
 router can keep an exact index of what each worker holds.
+
+With KV tiers below the pool (``tiers``, ``common/engine/kv_tiers/``), a cached page the pool
+reuses is handed to them first, with its hash, parent and token ids, instead of being lost.
 """
 
 from __future__ import annotations
@@ -13,8 +16,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from common import hashing
+from common.engine.kv_tiers.block import PageKey
+
+if TYPE_CHECKING:
+    from common.engine.kv_tiers.tiers import KVTiers
 
 
 @dataclass(slots=True)
@@ -22,6 +30,7 @@ class _Page:
     ref_count: int = 0
     page_hash: int | None = None
     token_ids: tuple[int, ...] | None = None
+    parent: int | None = None  # the hash of the page before it in its chain
 
 
 @dataclass(slots=True)
@@ -47,6 +56,7 @@ class PageManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_pages))
         self._by_hash: dict[int, int] = {}
         self._events = CacheEvents()
+        self.tiers: KVTiers | None = None  # set by the engine where tiers are configured
 
     # -- queries (never modify state) ----------------------------------------------------------
 
@@ -115,13 +125,20 @@ class PageManager:
         if count > len(self._free):
             raise MemoryError(f"asked for {count} KV pages, {len(self._free)} free")
         page_ids = []
+        evicted: list[tuple[int, PageKey]] = []
         for _ in range(count):
             page_id, _ = self._free.popitem(last=False)
             page = self._pages[page_id]
             if page.page_hash is not None:
+                if self.tiers is not None:
+                    assert page.token_ids is not None
+                    evicted.append((page_id, PageKey(page.page_hash, page.parent, page.token_ids)))
                 self._uncache(page_id)
             page.ref_count = 1
             page_ids.append(page_id)
+        if evicted:
+            assert self.tiers is not None
+            self.tiers.offload(evicted)  # returns once the bytes are out: the pages are free
         return page_ids
 
     def free(self, page_ids: Sequence[int]) -> None:
@@ -137,8 +154,15 @@ class PageManager:
                 if page.page_hash is None:
                     self._free.move_to_end(page_id, last=False)
 
-    def cache_page(self, page_id: int, page_hash: int, token_ids: Sequence[int]) -> int:
-        """File a full, computed page under its hash; returns the page now filed there.
+    def cache_page(
+        self,
+        page_id: int,
+        page_hash: int,
+        token_ids: Sequence[int],
+        parent: int | None = None,
+    ) -> int:
+        """File a full, computed page under its hash (``parent``: the hash of the page before
+        it, kept for the tiers below); returns the page now filed there.
 
         If an identical page is already filed (two requests computed the same prefix at once),
         the existing one stays the cached copy and this one is left uncached.
@@ -154,6 +178,7 @@ class PageManager:
             return page_id
         page.page_hash = page_hash
         page.token_ids = tuple(token_ids)
+        page.parent = parent
         self._by_hash[page_hash] = page_id
         self._events.stored.append(page_hash)
         return page_id
@@ -169,3 +194,4 @@ class PageManager:
         self._events.removed.append(page.page_hash)
         page.page_hash = None
         page.token_ids = None
+        page.parent = None

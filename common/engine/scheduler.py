@@ -33,6 +33,13 @@ A sequence under a LoRA adapter that is in neither host memory nor a device slot
 (``loading``) while the adapter is read off the step thread, as one whose grammar compiles is
 (``compiling``); both join the queue when ready, in the order they came.
 
+With KV tiers below the pool (``tiers``), a waiting sequence whose prompt continues past the
+pool's prefix match into pages a tier holds is set aside (``restoring``) with fresh pages while
+the mover copies those pages up; it is not scheduled until they land, and the step goes on
+without it. Once they have, they are filed in the prefix cache and it goes back to the head of
+the queue, where its admission finds them as any prefix hit. An abort meanwhile gives back the
+pool hits at once and the pages being written once the mover is done with them.
+
 ``Scheduler`` serves whole requests (the one-process engine); ``DecodeScheduler`` also holds
 the pages of prompts whose KV is on its way from a prefill worker (``reserve``, then
 ``admit_prefilled`` or ``drop_reservation``); ``PrefillScheduler`` lets each request go after
@@ -49,6 +56,7 @@ from typing import Protocol
 
 from common.config import SchedulerConfig
 from common.engine.batch import ScheduledSequence, SequenceOutput
+from common.engine.kv_tiers.tiers import KVTiers, Restore
 from common.engine.page_manager import PageManager
 from common.engine.sampler import SampledToken
 from common.engine.sequence import FinishReason, Sequence, SequenceStatus, SpeculationState
@@ -58,6 +66,9 @@ from common.engine.structured.matcher import GrammarError
 from common.engine.structured.state import GrammarState
 from common.hashing import page_hashes
 from kernels.sizes import ceil_div
+
+# How long a step with nothing to run waits for a restore to land before it returns.
+_RESTORE_WAIT_S = 0.05
 
 
 class AdapterSource(Protocol):
@@ -118,6 +129,11 @@ class Scheduler:
         # Pages freed while a step launched ahead may still write to them (schedule_ahead).
         self._holding_freed_pages = False
         self._held_pages: list[list[int]] = []
+        # KV tiers below the pool (set by the engine where configured): sequences whose pages
+        # are on their way up, and restores of aborted ones whose pages go back once done.
+        self.tiers: KVTiers | None = None
+        self.restoring: list[tuple[Sequence, Restore]] = []
+        self._abandoned: list[Restore] = []
 
     # -- admission ------------------------------------------------------------------------------
 
@@ -201,6 +217,12 @@ class Scheduler:
                     queue.remove(seq)
                     self._finish(seq, FinishReason.ABORT)
                     return seq
+        for seq, restore in self.restoring:
+            if seq.request_id == request_id:
+                self.restoring.remove((seq, restore))
+                self._abandon(seq, restore)
+                self._finish(seq, FinishReason.ABORT, free_pages=False)
+                return seq
         return None
 
     def sequences(self) -> Iterator[Sequence]:
@@ -209,13 +231,21 @@ class Scheduler:
         yield from self.waiting
         yield from self.compiling
         yield from self.loading
+        yield from (seq for seq, _ in self.restoring)
 
     def holds(self, request_id: str) -> bool:
         return any(seq.request_id == request_id for seq in self.sequences())
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.compiling or self.loading)
+        return bool(
+            self.waiting
+            or self.running
+            or self.compiling
+            or self.loading
+            or self.restoring
+            or self._abandoned
+        )
 
     # -- the step -------------------------------------------------------------------------------
 
@@ -224,10 +254,16 @@ class Scheduler:
             self._take_compiled()
         if self.loading:
             self._take_loaded()
+        if self.restoring or self._abandoned:
+            self._take_restored()
         steady = self._steady_batch = self._steady_decodes()
         if steady is not None:
             return steady
         batch = self._schedule_anew()
+        if not batch and (self.restoring or self._abandoned) and self.tiers is not None:
+            # Nothing to run but pages on their way up: wait for them here, not in a spin.
+            restores = [restore for _, restore in self.restoring] + self._abandoned
+            self.tiers.wait(restores, _RESTORE_WAIT_S)
         running = self.running
         if len(batch) == len(running) and all(
             item.seq is seq
@@ -367,6 +403,9 @@ class Scheduler:
             limit = budget if decode_ready else min(budget, prompt_budget)
             if limit == 0 or not self._adapter_fits(seq):
                 break
+            if self.tiers is not None and not seq.page_ids and self._restore_from_tiers(seq):
+                self.waiting.popleft()  # aside until its pages land; the next one may go
+                continue
             num_admitted = self._admit(seq, limit)
             if num_admitted is None:
                 break
@@ -532,6 +571,97 @@ class Scheduler:
             seq.num_cached_tokens = num_computed
         return num_new
 
+    def _restore_from_tiers(self, seq: Sequence) -> bool:
+        """Set ``seq`` aside with fresh pages for the pages of its prompt past the pool's prefix
+        match that the tiers hold, and start their restore; False (nothing taken) where the
+        tiers hold none of them or the pool lacks the pages."""
+        tiers = self.tiers
+        assert tiers is not None
+        if seq.num_prompt_logprobs_due:
+            return False  # scored prompts are computed whole
+        max_hit_pages = (seq.num_tokens - 1) // self.page_size
+        manager = self.page_manager
+        hits = manager.match_prefix(seq.token_ids, max_hit_pages, seq.cache_namespace)
+        if len(hits) >= max_hit_pages:
+            return False
+        parent = manager.page_hash(hits[-1]) if hits else None
+        found = tiers.lookup(seq.token_ids, len(hits), parent, seq.cache_namespace, max_hit_pages)
+        if not found:
+            return False
+        # Pages another sequence's restore is bringing up already are not copied twice: with
+        # the first such page next, this one waits for that restore and finds them in the pool.
+        in_flight = {
+            page.key.page_hash: restore
+            for _, restore in self.restoring
+            if not restore.follows
+            for page in restore.pages
+        }
+        busy = next((i for i, page in enumerate(found) if page.key.page_hash in in_flight), None)
+        if busy == 0:
+            self.restoring.append((seq, tiers.follow(in_flight[found[0].key.page_hash])))
+            return True
+        found = found[:busy]
+        reclaimed = sum(1 for b in hits if manager.ref_count(b) == 0)
+        if len(found) > manager.num_free_pages - reclaimed:
+            return False
+        restore = tiers.start_restore(found)  # before allocating: that may evict host pages
+        manager.acquire(hits)
+        pages = manager.allocate(len(found))
+        tiers.submit(restore, pages)
+        seq.page_ids = hits + pages
+        seq.page_hashes = [manager.page_hash(b) for b in hits]
+        seq.num_computed_tokens = len(hits) * self.page_size
+        self.restoring.append((seq, restore))
+        return True
+
+    def _take_restored(self) -> None:
+        """Queue again, at the head, each sequence whose restore is done: the pages that landed
+        whole are filed in the prefix cache, and every page it took is given back, so that its
+        admission finds them there as any prefix hit (those that did not land are computed).
+        Given back, not held: a sequence waiting with pages could hold those that the one
+        ahead of it needs. Then give back the pages of aborted sequences' done restores."""
+        tiers = self.tiers
+        assert tiers is not None
+        manager = self.page_manager
+        back: list[Sequence] = []
+        still: list[tuple[Sequence, Restore]] = []
+        for seq, restore in self.restoring:
+            if not restore.done:
+                still.append((seq, restore))
+                continue
+            landed = tiers.settle(restore)
+            for page_id, page in zip(restore.pool_pages[:landed], restore.pages, strict=False):
+                key = page.key
+                manager.cache_page(page_id, key.page_hash, key.token_ids, key.parent)
+            manager.free(seq.page_ids)
+            seq.page_ids = []
+            seq.page_hashes = []
+            seq.num_computed_tokens = 0
+            back.append(seq)
+        self.restoring = still
+        for seq in reversed(back):
+            self.waiting.appendleft(seq)
+        abandoned: list[Restore] = []
+        for restore in self._abandoned:
+            if restore.done:
+                tiers.settle(restore)
+                manager.free(restore.pool_pages)
+            else:
+                abandoned.append(restore)
+        self._abandoned = abandoned
+
+    def _abandon(self, seq: Sequence, restore: Restore) -> None:
+        """``seq`` was aborted while its pages were on their way up: its pool hits go back now,
+        the pages being written once the mover is done with them (``_take_restored``)."""
+        assert restore.job is not None
+        if restore.follows:
+            return  # it holds no pages, and the restore it waits for is another's
+        restore.job.cancelled = True
+        num_hits = len(seq.page_ids) - len(restore.pool_pages)
+        self.page_manager.free(seq.page_ids[:num_hits])
+        seq.page_ids = []
+        self._abandoned.append(restore)
+
     def _admit_with_pages(self, seq: Sequence, budget: int) -> int | None:
         """Admit a sequence whose leading KV already sits in its own pages (shipped from a
         prefill worker): file those pages in the prefix cache and take the next chunk's pages."""
@@ -555,8 +685,9 @@ class Scheduler:
         for offset, page_hash in enumerate(new_hashes):
             index = len(seq.page_hashes)
             page_tokens = tokens[offset * self.page_size : (offset + 1) * self.page_size]
-            self.page_manager.cache_page(seq.page_ids[index], page_hash, page_tokens)
+            self.page_manager.cache_page(seq.page_ids[index], page_hash, page_tokens, parent)
             seq.page_hashes.append(page_hash)
+            parent = page_hash
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         params = seq.params

@@ -496,6 +496,12 @@ class WorkerService(ABC):
         self.page_manager.drain_events()
         stored = self.page_manager.cached_hashes()
         self.link.send(CacheEvents(self.worker_id, stored, [], reset=True))
+        tiers = self.page_manager.tiers
+        if tiers is not None:
+            for held in tiers.held_hashes():
+                self.link.send(
+                    CacheEvents(self.worker_id, held.stored, [], reset=True, tier=held.tier)
+                )
 
     def _wait(self) -> None:
         if self.link.has_input():
@@ -516,6 +522,17 @@ class WorkerService(ABC):
         events = self.page_manager.drain_events()
         if events:
             self._send_output(CacheEvents(self.worker_id, events.stored, events.removed))
+        tiers = self.page_manager.tiers
+        if tiers is not None:
+            for tier_events in tiers.drain_events():
+                self._send_output(
+                    CacheEvents(
+                        self.worker_id,
+                        tier_events.stored,
+                        tier_events.removed,
+                        tier=tier_events.tier,
+                    )
+                )
         computed = self.scheduler.num_prompt_tokens_computed
         if computed > self._prompt_tokens_seen:
             PROMPT_TOKENS_COMPUTED.inc(computed - self._prompt_tokens_seen)
