@@ -11,10 +11,10 @@ concurrency, so up to that many adapters no request waits for a slot (16 adapter
 line per case, e.g. SmolLM2-135M in bf16 on the 2-core AVX-512 Xeon (``--num-prompts 32
 --rounds 2``, the box shared with other work)::
 
-    base        out 94.9 tok/s  TTFT p50 1852 ms  p99 6225 ms
-    1 adapter   out 49.1 tok/s (0.52x)  TTFT p50 2000 ms  p99 7843 ms
-    4 adapters  out 44.3 tok/s (0.47x)  TTFT p50 2461 ms  p99 9351 ms
-    16 adapters out 41.1 tok/s (0.43x)  TTFT p50 3271 ms  p99 9478 ms
+    base        out 135.5 tok/s  TTFT p50 1063 ms  p99 3815 ms
+    1 adapter   out 120.9 tok/s (0.89x)  TTFT p50 1130 ms  p99 4306 ms
+    4 adapters  out 114.7 tok/s (0.85x)  TTFT p50 1223 ms  p99 4464 ms
+    16 adapters out 106.1 tok/s (0.78x)  TTFT p50 1420 ms  p99 4590 ms
 
     python -m benchmarks.serving.lora [--model FOLDER] [--rank 16] [--isl 256] [--osl 64]
         [--num-prompts 64] [--concurrency 8] [--rounds 1] [pdserve up flags]
