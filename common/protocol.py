@@ -4,8 +4,9 @@ Sockets (all ZeroMQ, every frame one message from ``common.messages``)::
 
     router  ROUTER bind  (--control)  ◀──DEALER──  every worker, identity = worker id
         worker -> router: RegisterWorker, Heartbeat, CacheEvents, TokenDelta(s), RequestFailed,
-                          WorkerDraining
-        router -> worker: RegisterAck, PrefillRequest, DecodeRequest, AbortRequest, LeaveAck
+                          WorkerDraining, AdapterResult, RoleSwitchResult
+        router -> worker: RegisterAck, PrefillRequest, DecodeRequest, AbortRequest, LeaveAck,
+                          LoadAdapter, UnloadAdapter, SwitchRole
     decode  PULL   bind  (handoff)    ◀──PUSH────  prefill workers: HandoffPart, Handoff,
                                                    AbortRequest (withdraws shipped parts)
 
@@ -16,6 +17,12 @@ the decode worker that received the handoff.
 A worker that gets SIGTERM drains (``common/service/drain.py``): it sends ``WorkerDraining`` and
 the router routes nothing new to it; it serves what it holds, then sends ``WorkerDraining`` with
 ``leaving`` and waits for the router's ``LeaveAck`` before it closes its sockets.
+
+A worker changes role live (``common/service/role_switch.py``): the router routes nothing new
+to it and sends ``SwitchRole``; the worker serves what it holds, then builds the other role
+around the same engine (weights and KV pool kept), registers again under the same worker id
+and incarnation with the new role, and answers ``RoleSwitchResult``. A switch refused or failed
+leaves it serving in its old role, which the ``RoleSwitchResult`` names.
 
 A prompt prefilled in several chunks may be shipped as it goes: after each chunk the prefill
 worker publishes the prompt's newly completed pages and PUSHes a ``HandoffPart``, so the decode
@@ -36,6 +43,20 @@ ROLE_DECODE = "decode"
 # RegisterAck.reason of a router that hears from a worker it does not know (it restarted, or
 # dropped the worker as silent): the worker registers again and resends its prefix cache.
 REREGISTER = "unknown worker; register again"
+ROLES = (ROLE_PREFILL, ROLE_DECODE)
+# The longest a role switch may take to drain a worker (an hour: longer is a mistake).
+MAX_SWITCH_DRAIN_S = 3600.0
+# RoleSwitchResult.outcome: the worker serves the new role now; it would not start the switch
+# (it serves the role already, cannot serve the other one); it started and went back.
+SWITCH_SWITCHED = "switched"
+SWITCH_REFUSED = "refused"
+SWITCH_FAILED = "failed"
+SWITCH_OUTCOMES = (SWITCH_SWITCHED, SWITCH_REFUSED, SWITCH_FAILED)
+
+
+def check_role(role: str) -> None:
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; expected {ROLE_PREFILL!r} or {ROLE_DECODE!r}")
 
 
 @dataclass(slots=True)
@@ -170,6 +191,28 @@ class AdapterResult(Message):
     worker_id: str
     operation_id: str
     error: str | None = None
+
+
+@message("worker.role_switch_result")
+@dataclass(slots=True)
+class RoleSwitchResult(Message):
+    """A worker's answer to ``SwitchRole``: ``outcome`` (``SWITCH_*``) and ``role``, the role it
+    serves now (the new one once switched; the old one after a refusal or a failure, with
+    ``error`` saying why). Sent after the new role's ``RegisterWorker``, on the same socket, so
+    the router has re-registered the worker when it reads this."""
+
+    worker_id: str
+    operation_id: str
+    role: str
+    outcome: str
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        check_role(self.role)
+        if self.outcome not in SWITCH_OUTCOMES:
+            raise ValueError(f"unknown role switch outcome {self.outcome!r}")
+        if (self.outcome == SWITCH_SWITCHED) != (self.error is None):
+            raise ValueError("a role switch result has an error exactly when it did not switch")
 
 
 @message("worker.cache_events")
@@ -334,6 +377,26 @@ class UnloadAdapter(Message):
 
     operation_id: str
     lora_name: str
+
+
+@message("router.switch_role")
+@dataclass(slots=True)
+class SwitchRole(Message):
+    """Become a ``role`` worker: finish what this worker holds (the router routes it nothing
+    new meanwhile) within ``drain_timeout_s``, then serve ``role`` with the same engine;
+    answered by a ``RoleSwitchResult`` carrying ``operation_id``."""
+
+    operation_id: str
+    role: str
+    drain_timeout_s: float
+
+    def __post_init__(self) -> None:
+        check_role(self.role)
+        if not 0 < self.drain_timeout_s <= MAX_SWITCH_DRAIN_S:
+            raise ValueError(
+                f"drain_timeout_s must be in (0, {MAX_SWITCH_DRAIN_S:g}], "
+                f"not {self.drain_timeout_s}"
+            )
 
 
 @message("router.abort")

@@ -35,7 +35,7 @@ from common.protocol import (
     HandoffPart,
     RegisterWorker,
 )
-from common.service.worker_base import WorkerService, run_worker, worker_parser
+from common.service.worker_base import WorkerHost, WorkerService, worker_parser
 from decode_worker.handoffs import Handoffs
 from kvtransfer.tp_group import group_receiver
 
@@ -77,8 +77,8 @@ class DecodeWorker(WorkerService):
     role = "decode"
     output_beside_forward = True
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        super().__init__(args)
+    def __init__(self, args: argparse.Namespace, host: WorkerHost | None = None) -> None:
+        super().__init__(args, host)
         # Takes pages from prefill workers of any tensor-parallel size; at size > 1 here, every
         # rank fetches its own KV heads (kvtransfer/tp_group.py).
         self.receiver = group_receiver(
@@ -236,24 +236,10 @@ class DecodeWorker(WorkerService):
     def _drop(self, reason: str) -> None:
         self._dropped_handoffs.drop(reason)
 
-    def close(self) -> None:
+    def close_role(self) -> None:
         self.handoff_socket.close(linger=0)
         self.receiver.close()
-        super().close()
 
 
 def build_parser() -> argparse.ArgumentParser:
-    return worker_parser("pdserve decode", "Run a decode worker.", _add_decode_args)
-
-
-def main(argv: list[str] | None = None) -> int:
-    return run_worker(DecodeWorker, build_parser(), argv)
-
-
-def _add_decode_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--kv-fetch-timeout",
-        type=float,
-        default=10.0,
-        help="seconds to wait for a handoff's pages before prefilling the prompt here",
-    )
+    return worker_parser("pdserve decode", "Run a decode worker.")

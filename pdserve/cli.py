@@ -14,8 +14,8 @@ SUBCOMMANDS = {
         "common.model.quantization.writer",
         "write a model as a compressed-tensors checkpoint (FP8, int8, 4-bit)",
     ),
-    "prefill": ("prefill_worker.worker", "run a prefill worker"),
-    "decode": ("decode_worker.worker", "run a decode worker"),
+    "prefill": ("prefill_worker.main", "run a prefill worker"),
+    "decode": ("decode_worker.main", "run a decode worker"),
     "router": ("router.server", "run the OpenAI-compatible router"),
     "up": ("pdserve.launcher", "start a local cluster: router, prefill and decode workers"),
 }

@@ -1,5 +1,5 @@
 import sys
 
-from prefill_worker.worker import main
+from prefill_worker.main import main
 
 sys.exit(main())

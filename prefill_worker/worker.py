@@ -31,7 +31,7 @@ from common.engine.sequence import Sequence
 from common.messages import Message, encode
 from common.metrics import REQUESTS
 from common.protocol import AbortRequest, PrefillRequest, RegisterWorker
-from common.service.worker_base import WorkerService, run_worker, worker_parser
+from common.service.worker_base import WorkerHost, WorkerService, worker_parser
 from kvtransfer.tp_group import group_sender
 from prefill_worker.shipments import Shipments
 
@@ -43,8 +43,8 @@ class PrefillWorker(WorkerService):
 
     role = "prefill"
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        super().__init__(args)
+    def __init__(self, args: argparse.Namespace, host: WorkerHost | None = None) -> None:
+        super().__init__(args, host)
         # At tensor-parallel size > 1 every rank sends its own KV heads (kvtransfer/tp_group.py).
         self.sender = group_sender(
             args.kv_transfer,
@@ -141,31 +141,11 @@ class PrefillWorker(WorkerService):
         else:
             self.shipments.abort_handoff(request_id)  # its pages come back through poll()
 
-    def close(self) -> None:
+    def close_role(self) -> None:
         for sock in self._push.values():
             sock.close(linger=0)
         self.sender.close()
-        super().close()
 
 
 def build_parser() -> argparse.ArgumentParser:
-    return worker_parser("pdserve prefill", "Run a prefill worker.", _add_prefill_args)
-
-
-def main(argv: list[str] | None = None) -> int:
-    return run_worker(PrefillWorker, build_parser(), argv)
-
-
-def _add_prefill_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--kv-lease-seconds",
-        type=float,
-        default=30.0,
-        help="how long shipped pages stay pinned waiting for the decode worker",
-    )
-    parser.add_argument(
-        "--ship-chunks",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="ship a long prompt's pages after each chunk, while the next computes",
-    )
+    return worker_parser("pdserve prefill", "Run a prefill worker.")

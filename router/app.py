@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 
 from common.cluster_auth import ClusterAuth
-from router import lora_routes, routes_generation, routes_ops
+from router import lora_routes, role_switch, routes_generation, routes_ops
 from router.config import RouterConfig
 from router.control import ControlServer
 from router.dispatcher import Dispatcher
@@ -95,4 +95,11 @@ def create_app(config: RouterConfig, codec: TextCodec) -> FastAPI:
     routes_generation.add_routes(app, state)
     routes_ops.add_routes(app, state)
     lora_routes.add_routes(app, state)
+    # Role switches: by HTTP, and by whatever else in the router holds app.state.role_switches.
+    switches = role_switch.RoleSwitches(
+        registry, dispatcher.send, metrics, settled=dispatcher.dispatch_waiting
+    )
+    dispatcher.on_role_switch_result = switches.on_result
+    app.state.role_switches = switches
+    role_switch.add_routes(app, state, switches)
     return app

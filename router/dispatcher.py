@@ -31,6 +31,7 @@ from common.protocol import (
     RegisterAck,
     RegisterWorker,
     RequestFailed,
+    RoleSwitchResult,
     TokenDelta,
     TokenDeltas,
     TokenSample,
@@ -145,6 +146,8 @@ class Dispatcher:
         # unload, and a worker just registered (sent the adapters loaded at runtime).
         self.on_adapter_result: Callable[[str, AdapterResult], None] | None = None
         self.on_registered: Callable[[str], None] | None = None
+        # Set by the role switches (router/role_switch.py): a worker's RoleSwitchResult.
+        self.on_role_switch_result: Callable[[str, RoleSwitchResult], None] | None = None
 
     # -- from the HTTP side --------------------------------------------------------------------
 
@@ -235,6 +238,10 @@ class Dispatcher:
             self._check_sender(sender, msg.worker_id)
             if self.on_adapter_result is not None:
                 self.on_adapter_result(sender, msg)
+        elif isinstance(msg, RoleSwitchResult):
+            self._check_sender(sender, msg.worker_id)
+            if self.on_role_switch_result is not None:
+                self.on_role_switch_result(sender, msg)
         else:
             raise ValueError(f"a worker may not send {type(msg).__name__}")
 
@@ -320,10 +327,27 @@ class Dispatcher:
 
     def _on_register(self, sender: str, msg: RegisterWorker, now: float) -> None:
         known = self.registry.workers.get(msg.worker_id)
-        if msg.worker_id == sender and known is not None and known.incarnation == msg.incarnation:
+        same_process = (
+            msg.worker_id == sender and known is not None and known.incarnation == msg.incarnation
+        )
+        if same_process and known is not None and known.role == msg.role:
             # Sent again before our acknowledgement reached the worker (a busy router, a slow
             # start): it is the same process, holding what it held. Acknowledge again, no more.
             self.send(sender, RegisterAck(True, None, self.heartbeat_interval))
+            return
+        if same_process:
+            # The same process under a new role: it changed role live (router/role_switch.py),
+            # having served what it held first. Nothing of it is moved.
+            reason = self.registry.change_role(msg, now)
+            self.metrics.registrations.labels("accepted" if reason is None else "refused").inc()
+            if reason is None:
+                logger.info("worker %s changed role to %s", msg.worker_id, msg.role)
+            else:
+                # Its old registration stands; the refused worker stops, as any refused one.
+                logger.warning("worker %s refused in its new role: %s", sender, reason)
+            self.send(sender, RegisterAck(reason is None, reason, self.heartbeat_interval))
+            self._count_workers()
+            self.dispatch_waiting()
             return
         reason = None
         if msg.worker_id != sender:
@@ -342,7 +366,7 @@ class Dispatcher:
         if reason is None and self.on_registered is not None:
             self.on_registered(sender)
         self._count_workers()
-        self._dispatch_waiting()  # room for what waits
+        self.dispatch_waiting()  # room for what waits
 
     def _check_sender(self, sender: str, worker_id: str) -> None:
         if sender != worker_id:
@@ -391,7 +415,7 @@ class Dispatcher:
         self.metrics.decision_count(decision.reason).inc()
         return decision
 
-    def _dispatch_waiting(self) -> None:
+    def dispatch_waiting(self) -> None:
         """Dispatch the queue's head for as long as workers have room for it."""
         while self.waiting:
             try:
@@ -522,7 +546,7 @@ class Dispatcher:
         ):
             # The prompt is handed off: the prefill worker no longer holds the request.
             self.registry.on_released(gen.prefill_worker, gen.wire_id)
-            self._dispatch_waiting()
+            self.dispatch_waiting()
         self._settle(gen, now)
 
     def _on_token(
@@ -676,7 +700,7 @@ class Dispatcher:
             if worker_id is not None:
                 self.registry.on_released(worker_id, gen.wire_id)
         self.metrics.inflight.set(len(self.generations))
-        self._dispatch_waiting()
+        self.dispatch_waiting()
 
     def _count_workers(self) -> None:
         for role in ("prefill", "decode"):

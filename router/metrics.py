@@ -93,6 +93,22 @@ class RouterMetrics:
             ["reason"],
             registry=r,
         )
+        self.role_switches = Counter(
+            "pdserve_router_role_switches",
+            "Live worker role switches, by direction (prefill_to_decode, decode_to_prefill) and "
+            "outcome (switched; refused by the worker or as the last decode worker; failed: "
+            "the worker serves its old role)",
+            ["direction", "outcome"],
+            registry=r,
+        )
+        self.role_switch_seconds = Histogram(
+            "pdserve_router_role_switch_seconds",
+            "Role switches done, from the request to the worker serving its new role (its "
+            "drain included), by direction",
+            ["direction"],
+            buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300),
+            registry=r,
+        )
         self.overhead = Histogram(
             "pdserve_router_overhead_seconds",
             "The router's own time per request: arrival to dispatch, final token to response",

@@ -58,6 +58,12 @@ class WorkerState:
     step_rows: int = 0
     # Shutting down (WorkerDraining): it serves what it has, and nothing new is routed to it.
     draining: bool = False
+    # Changing role (router/role_switch.py): the role it becomes and since when (the router's
+    # clock); nothing new is routed to it meanwhile. None when not switching.
+    switching_to: str | None = None
+    switching_since: float | None = None
+    # The outcome of its latest role switch, as ``GET /v1/workers`` shows it (None: none yet).
+    last_role_switch: dict | None = None
     # request id -> what its dispatch added before a heartbeat could report it
     unreported: dict[str, _Dispatch] = field(default_factory=dict)
     inflight: set[str] = field(default_factory=set)  # request ids this worker holds
@@ -66,6 +72,11 @@ class WorkerState:
     loras_on_host: list[str] = field(default_factory=list)
     loras_on_device: list[str] = field(default_factory=list)
     adapters_held: AdaptersHeld = field(default_factory=AdaptersHeld)  # the two above, for routing
+
+    @property
+    def serving(self) -> bool:
+        """Whether new requests may be routed to it: neither draining nor changing role."""
+        return not self.draining and self.switching_to is None
 
     @property
     def load_tokens(self) -> int:
@@ -93,6 +104,8 @@ class WorkerState:
             "max_model_len": self.max_model_len,
             "deterministic_inference": self.deterministic,
             "draining": self.draining,
+            "switching": (None if self.switching_to is None else {"to": self.switching_to}),
+            "last_role_switch": self.last_role_switch,
             "load": {
                 "num_running": self.num_running,
                 "num_waiting": self.num_waiting,
@@ -188,6 +201,19 @@ class WorkerRegistry:
         )
         self._held[msg.worker_id] = set()
         return None
+
+    def change_role(self, msg: RegisterWorker, now: float) -> str | None:
+        """The worker changed role in place (the same process: ``msg`` has its incarnation) and
+        registers under its new one: its state starts afresh as for a new worker, but nothing
+        it had is moved (it served all of it before switching; what the books still list on it
+        are prefills whose decodes go on elsewhere). Its prefix index starts empty until its
+        cache report. Returns the refusal reason, as ``register`` does."""
+        known = self.workers.get(msg.worker_id)
+        last = known.last_role_switch if known is not None else None
+        reason = self.register(msg, now)  # checks, then replaces the old state
+        if reason is None:
+            self.workers[msg.worker_id].last_role_switch = last
+        return reason
 
     def remove(self, worker_id: str) -> WorkerState | None:
         """Take a worker out; returns its state (its ``inflight`` requests need a new home)."""
@@ -297,7 +323,7 @@ class WorkerRegistry:
         prefill = []
         decode = []
         for w in self.workers.values():
-            if w.worker_id in exclude or w.draining:
+            if w.worker_id in exclude or not w.serving:
                 continue
             if w.role == ROLE_PREFILL:
                 prefill.append(

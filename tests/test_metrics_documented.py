@@ -47,9 +47,16 @@ def documented() -> dict[str, list[tuple[str, bool]]]:
         row = re.match(r"\| `(pdserve_\w+)` \|", line)
         if row:
             # Rows marked *on faults* move on failures alone, *on a GPU* by default only there,
-            # *with sliding windows* only for a model whose every layer has one.
+            # *with sliding windows* only for a model whose every layer has one, *on role
+            # switches* only when a worker changes role.
             quiet_here = any(
-                mark in line for mark in ("*on faults*", "*on a GPU*", "*with sliding windows*")
+                mark in line
+                for mark in (
+                    "*on faults*",
+                    "*on a GPU*",
+                    "*with sliding windows*",
+                    "*on role switches*",
+                )
             )
             tables.setdefault(heading, []).append((row.group(1), not quiet_here))
         elif line.startswith("## "):

@@ -239,28 +239,17 @@ class LLMEngine:
             num_pages, config.cache.page_size, config.cache.enable_prefix_caching
         )
         self.speculator = self._build_speculator(speculative, draft, num_pages)
-        scheduling = (config.scheduler, self.page_manager, self.max_model_len)
         eos = self.model_config.eos_token_ids
         # Structured outputs: grammars compiled off the step thread, from the model's tokenizer
         # (loaded on the first one; a rank other than 0 samples nothing and compiles none).
         self.grammars = GrammarCompiler(self.model_path, self.model_config.vocab_size, list(eos))
-        self.scheduler: Scheduler
-        if role == "prefill":
-            self.scheduler = PrefillScheduler(*scheduling, eos, grammars=self.grammars)
-        else:
-            scheduler_class = DecodeScheduler if role == "decode" else Scheduler
-            self.scheduler = scheduler_class(
-                *scheduling,
-                eos,
-                self.speculator,
-                grammars=self.grammars,
-                release_window=self._release_window(draft is not None),
-            )
+        self.role = role
+        self._has_draft = draft is not None
+        self.scheduler: Scheduler = self._new_scheduler(role)
         self.runner = ModelRunner(self.model, self.pool, self.sampler, self.speculator)
         self.runner.followers = self.followers
         if self.lora is not None:
             self.runner.lora = self.lora
-            self.scheduler.max_adapters = self.lora.max_loras
         if graph_sizes:
             self.runner.graphs = self._capture_decode_graphs(graph_sizes)
         self.steps_ahead = self._steps_ahead_wanted(role)
@@ -315,14 +304,11 @@ class LLMEngine:
         num_pages = config.cache.num_pages or max(1, cost.kv_tokens // page_size)
         self.pool = KVPool(self.kv_layout, num_pages, self.device)
         self.page_manager = PageManager(num_pages, page_size, config.cache.enable_prefix_caching)
-        scheduling = (config.scheduler, self.page_manager, self.max_model_len)
         eos = self.model_config.eos_token_ids
         self.grammars = GrammarCompiler(self.model_path, self.model_config.vocab_size, list(eos))
-        if role == "prefill":
-            self.scheduler = PrefillScheduler(*scheduling, eos, grammars=self.grammars)
-        else:
-            scheduler_class = DecodeScheduler if role == "decode" else Scheduler
-            self.scheduler = scheduler_class(*scheduling, eos, None, grammars=self.grammars)
+        self.role = role
+        self._has_draft = False
+        self.scheduler = self._new_scheduler(role)
         self.runner = SimulatedRunner(cost, self.model_config.vocab_size, eos)  # type: ignore[assignment]
         self.steps_ahead = False
         self._ahead = None
@@ -337,6 +323,46 @@ class LLMEngine:
             budget,
             cost.source or config.simulated_engine,
         )
+
+    def _new_scheduler(self, role: str | None) -> Scheduler:
+        """An empty scheduler of ``role`` (see ``__init__``) over this engine's page manager."""
+        scheduling = (self.config.scheduler, self.page_manager, self.max_model_len)
+        eos = self.model_config.eos_token_ids
+        scheduler: Scheduler
+        if role == "prefill":
+            scheduler = PrefillScheduler(*scheduling, eos, grammars=self.grammars)
+        else:
+            scheduler_class = DecodeScheduler if role == "decode" else Scheduler
+            scheduler = scheduler_class(
+                *scheduling,
+                eos,
+                self.speculator,
+                grammars=self.grammars,
+                release_window=self._release_window(self._has_draft),
+            )
+        if self.lora is not None:
+            scheduler.max_adapters = self.lora.max_loras
+        return scheduler
+
+    def set_role(self, role: str, scheduler: Scheduler | None = None) -> Scheduler:
+        """Serve ``role`` ("prefill" or "decode") from now on, with the same weights, KV pool and
+        page manager (a worker's live role switch, common/service/role_switch.py): a new empty
+        scheduler of the role, or ``scheduler`` (the one this returned, to go back). Returns
+        the scheduler it replaces. Only between steps, with nothing left to step, and not over
+        tensor-parallel ranks (theirs would stay in the old role) nor with a speculator (a
+        prefill engine is built without one)."""
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"unknown engine role {role!r}")
+        if self.has_unfinished:
+            raise ValueError("the engine still has work: a role changes only when it has none")
+        if self.tp.size > 1 or self.speculator is not None:
+            raise ValueError("an engine over tensor-parallel ranks or with a speculator keeps "
+                             "its role")  # fmt: skip
+        previous = self.scheduler
+        self.scheduler = scheduler if scheduler is not None else self._new_scheduler(role)
+        self.role = role
+        self.steps_ahead = self._steps_ahead_wanted(role)
+        return previous
 
     def _serve_adapters(self, config: EngineConfig) -> LoraManager | None:
         """With ``--enable-lora``: the adapter slots on every layer, and ``--lora-modules``

@@ -19,7 +19,7 @@ import secrets
 import socket
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import zmq
 
@@ -48,6 +48,7 @@ from common.metrics import (
 )
 from common.protocol import (
     REREGISTER,
+    SWITCH_REFUSED,
     AdapterResult,
     CacheEvents,
     Heartbeat,
@@ -56,7 +57,9 @@ from common.protocol import (
     RegisterAck,
     RegisterWorker,
     RequestFailed,
+    RoleSwitchResult,
     StageTimes,
+    SwitchRole,
     TokenDelta,
     TokenDeltas,
     TokenSample,
@@ -66,6 +69,7 @@ from common.sampling_params import SamplingParams
 from common.service.core_loan import CoreLoan, add_core_loan_args
 from common.service.drain import Drain, add_drain_args
 from common.service.health import Probes, serve_worker_http
+from common.service.role_switch import RoleSwitch, switch_problem
 from common.service.router_link import RouterLink
 from common.service.step_io import StepIO
 from common.service.throughput import Throughput
@@ -153,25 +157,22 @@ def stage_times(seq: Sequence, num_new: int) -> StageTimes | None:
     return None
 
 
-class WorkerService(ABC):
-    role: str
-    # Whether a step's token deltas (and cache events) go out beside the next step's forward
-    # rather than at once: the decode worker's choice, whose device would otherwise wait for
-    # them every step. A prefill worker's first token is its request's TTFT, and must reach
-    # the router before the handoff does: it goes at once.
-    output_beside_forward = False
+class WorkerHost:
+    """What a worker process keeps for its whole life, whichever role it serves: its id and
+    incarnation, the engine (weights, KV pool, page manager), the router link and the
+    cluster's auth, the drain, the health and metrics server, the core loan. A role
+    (``WorkerService``) is built around it, and a live role switch builds the other role around
+    the same one."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
+    def __init__(self, args: argparse.Namespace, role: str) -> None:
         # Before the engine loads: a worker that must not start says so at once.
         secret = cluster_auth.secret_for_binding(
             args.cluster_secret_file, [args.host], args.insecure_no_auth
         )
-        self.worker_id = args.worker_id or f"{self.role}-{socket.gethostname()}-{os.getpid()}"
+        # The role it starts in names it; the name stays through role switches.
+        self.worker_id = args.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
         self.incarnation = secrets.token_hex(8)  # this process's: a restart gets a new one
-        self.engine = LLMEngine(engine_config_from_args(args), role=self.role)
-        self.scheduler = self.engine.scheduler
-        self.page_manager = self.engine.page_manager
+        self.engine = LLMEngine(engine_config_from_args(args), role=role)
         self.auth = ClusterAuth(
             secret,
             lambda name: AUTH_FAILURES.labels(socket=name).inc(),
@@ -183,6 +184,60 @@ class WorkerService(ABC):
         self.probes = Probes()
         self.metrics_url = serve_worker_http(args.host, args.metrics_port, self.probes)
         self.core_loan = self._take_core_loan(args)
+
+    def _take_core_loan(self, args: argparse.Namespace) -> CoreLoan | None:
+        """This worker's side of a core loan (``pdserve up`` pairs workers without a GPU): it
+        always lends its cores while it waits, and borrows its partner's for its forward while
+        that one waits, unless its ranks split the model (their steps go in lockstep)."""
+        loan = CoreLoan.from_args(args)
+        if loan is None:
+            return None
+        if self.engine.config.tensor_parallel_size == 1 and self.engine.device.type != "cuda":
+            self.engine.model.layer_threads = loan
+            logger.info("%s borrows %d idle cores of its pair", self.worker_id, args.lent_cores)
+        return loan
+
+    def close(self) -> None:
+        if self.core_loan is not None:
+            self.core_loan.mark_busy(False)  # gone: its cores are free for the paired worker
+            self.core_loan.close()
+        self.link.close()
+        self.auth.close()
+
+
+class WorkerService(ABC):
+    role: str
+    # Whether a step's token deltas (and cache events) go out beside the next step's forward
+    # rather than at once: the decode worker's choice, whose device would otherwise wait for
+    # them every step. A prefill worker's first token is its request's TTFT, and must reach
+    # the router before the handoff does: it goes at once.
+    output_beside_forward = False
+
+    def __init__(self, args: argparse.Namespace, host: WorkerHost | None = None) -> None:
+        """A new worker process (``host`` None), or the role that follows another in the same
+        process (a live role switch: ``host`` is what the earlier role ran on)."""
+        self.args = args
+        self.host = host if host is not None else WorkerHost(args, self.role)
+        self.worker_id = self.host.worker_id
+        self.incarnation = self.host.incarnation
+        self.engine = self.host.engine
+        self.scheduler = self.engine.scheduler
+        self.page_manager = self.engine.page_manager
+        self.auth = self.host.auth
+        self.context = self.host.context
+        self.link = self.host.link
+        self.drain = self.host.drain
+        self.probes = self.host.probes
+        self.metrics_url = self.host.metrics_url
+        self.core_loan = self.host.core_loan
+        # The worker classes this process can become, by role (``run_worker``'s ``roles``):
+        # its own, and the other one where a role switch may build it.
+        self.roles: dict[str, type[WorkerService]] = {self.role: type(self)}
+        self.role_switch: RoleSwitch | None = None  # a switch under way
+        # The role this one handed over to (the loop then continues in it), and what the
+        # new role tells the router once it has registered.
+        self.successor: WorkerService | None = None
+        self.switch_result: RoleSwitchResult | None = None
         self._stopping = False
         self._step_io: StepIO
         self.last_step_seconds = 0.0  # how long the latest step took, start to end
@@ -265,15 +320,22 @@ class WorkerService(ABC):
     # -- the loop -------------------------------------------------------------------------------
 
     def serve(self) -> None:
+        """Register and run the loop until the worker stops, leaves (a drain), or hands over
+        to another role (``successor``, whose ``serve`` the caller runs next)."""
         self.drain.install()  # SIGTERM: finish or hand off what this worker holds, then exit
         self.link.register(self.registration(), self.args.register_timeout)
         self._report_whole_cache()
         logger.info(
-            "%s registered with %s; metrics at %s",
+            "%s registered with %s as %s; metrics at %s",
             self.worker_id,
             self.args.router,
+            self.role,
             self.metrics_url,
         )
+        if self.switch_result is not None:
+            # After the registration, on the same socket: the router has taken the new role
+            # when it reads this.
+            self.link.send(self.switch_result)
         self.start_step_io()
         try:
             while not self._stopping:
@@ -281,9 +343,84 @@ class WorkerService(ABC):
                 self.probes.turned(self.drain.draining)
                 if self.drain.poll(self.link, self.num_held()):
                     break
+                if self.role_switch is not None and self._try_switch(self.role_switch):
+                    break
         finally:
             self._step_io.close()  # before the sockets it serves are closed
-            self.close()
+            if self.successor is not None:
+                self.close_role()
+            else:
+                self.close()
+
+    # -- a live role switch (common/service/role_switch.py) -------------------------------------
+
+    def _on_switch_role(self, order: SwitchRole) -> None:
+        problem = switch_problem(
+            order.role,
+            self.role,
+            allowed=self.args.role_switch,
+            buildable=order.role in self.roles,
+            tensor_parallel_size=self.engine.tp.size,
+            speculative=self.engine.config.speculative.enabled,
+            draining=self.drain.draining,
+            switching=self.role_switch is not None,
+        )
+        if problem is not None:
+            logger.warning("refusing to switch to %s: %s", order.role, problem)
+            self.link.send(
+                RoleSwitchResult(
+                    self.worker_id, order.operation_id, self.role, SWITCH_REFUSED, problem
+                )
+            )
+            return
+        self.role_switch = RoleSwitch(order, self.role)
+        logger.info(
+            "switching from %s to %s: %d requests to finish within %g s",
+            self.role,
+            order.role,
+            self.num_held(),
+            order.drain_timeout_s,
+        )
+
+    def _try_switch(self, switch: RoleSwitch) -> bool:
+        """Once the worker holds nothing, build the new role (then True: the loop ends and the
+        successor takes over); on a timeout or a failure, answer so and go on in this role."""
+        held = self.num_held()
+        if held or self.engine.has_unfinished:
+            if switch.timed_out():
+                self._switch_failed(switch, f"drain timeout: {held} requests still held")
+            return False
+        try:
+            self.successor = self._become(switch.role)
+        except Exception as exc:  # the old role is intact: it serves on, and says why
+            logger.exception("building the %s role failed", switch.role)
+            self._switch_failed(switch, f"building the {switch.role} role failed: {exc}")
+            return False
+        self.successor.roles = self.roles
+        self.successor.switch_result = switch.switched(self.worker_id)
+        self.role_switch = None
+        return True
+
+    def _become(self, role: str) -> WorkerService:
+        """The ``role`` worker around this engine; this role's scheduler is put back (and this
+        role stays whole) if building it raises."""
+        in_use = self.page_manager.num_pages - self.page_manager.num_free_pages
+        if in_use:
+            # Nothing is held, so these pages have no owner left: a leak, and not the new
+            # role's to inherit.
+            raise RuntimeError(f"{in_use} KV pages are still in use")
+        previous = self.engine.set_role(role)
+        try:
+            return self.roles[role](self.args, self.host)
+        except BaseException:
+            self.engine.set_role(self.role, previous)
+            raise
+
+    def _switch_failed(self, switch: RoleSwitch, error: str) -> None:
+        logger.warning("the switch to %s failed, serving as %s still: %s", switch.role,
+                       self.role, error)  # fmt: skip
+        self.link.send(switch.failed(self.worker_id, error))
+        self.role_switch = None
 
     def start_step_io(self, pulse_inline: bool | None = None) -> None:
         """Start the helper that serves peers while a step runs, and heartbeats and sends the
@@ -315,6 +452,8 @@ class WorkerService(ABC):
                 self._on_register_ack(msg)
             elif isinstance(msg, LoadAdapter | UnloadAdapter):
                 self.link.send(AdapterResult(self.worker_id, msg.operation_id, self._update(msg)))
+            elif isinstance(msg, SwitchRole):
+                self._on_switch_role(msg)
             else:
                 self.handle(msg)
         self.poll_io()
@@ -350,18 +489,6 @@ class WorkerService(ABC):
         ITERATION_TOKENS.observe(step_tokens)
         GENERATED_TOKENS.inc(sum(len(out.new_samples) for out in outputs))
         self.on_finished_step(batch, outputs)
-
-    def _take_core_loan(self, args: argparse.Namespace) -> CoreLoan | None:
-        """This worker's side of a core loan (``pdserve up`` pairs workers without a GPU): it
-        always lends its cores while it waits, and borrows its partner's for its forward while
-        that one waits, unless its ranks split the model (their steps go in lockstep)."""
-        loan = CoreLoan.from_args(args)
-        if loan is None:
-            return None
-        if self.engine.config.tensor_parallel_size == 1 and self.engine.device.type != "cuda":
-            self.engine.model.layer_threads = loan
-            logger.info("%s borrows %d idle cores of its pair", self.worker_id, args.lent_cores)
-        return loan
 
     def _on_register_ack(self, ack: RegisterAck) -> None:
         if ack.accepted:
@@ -594,17 +721,48 @@ class WorkerService(ABC):
             **extra,
         )
 
+    def close_role(self) -> None:  # noqa: B027 (a role without sockets of its own)
+        """Close the role's own sockets (not the host's): at exit, or once a role switch has
+        built the next role."""
+
     def close(self) -> None:
-        if self.core_loan is not None:
-            self.core_loan.mark_busy(False)  # gone: its cores are free for the paired worker
-            self.core_loan.close()
-        self.link.close()
-        self.auth.close()
+        self.close_role()
+        self.host.close()
 
 
-def worker_parser(
-    prog: str, description: str, add_role_args: Callable[[argparse.ArgumentParser], None]
-) -> argparse.ArgumentParser:
+def add_role_args(parser: argparse.ArgumentParser) -> None:
+    """Both roles' own flags, which every worker takes: the role it may switch to reads its
+    own from them."""
+    parser.add_argument(
+        "--role-switch",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="let the router switch this worker to the other role live, keeping its weights "
+        "and KV pool (POST /v1/workers/{id}/role)",
+    )
+    prefill = parser.add_argument_group("prefill role")
+    prefill.add_argument(
+        "--kv-lease-seconds",
+        type=float,
+        default=30.0,
+        help="how long shipped pages stay pinned waiting for the decode worker",
+    )
+    prefill.add_argument(
+        "--ship-chunks",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ship a long prompt's pages after each chunk, while the next computes",
+    )
+    decode = parser.add_argument_group("decode role")
+    decode.add_argument(
+        "--kv-fetch-timeout",
+        type=float,
+        default=10.0,
+        help="seconds to wait for a handoff's pages before prefilling the prompt here",
+    )
+
+
+def worker_parser(prog: str, description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=description)
     add_worker_args(parser)
     add_role_args(parser)
@@ -612,8 +770,13 @@ def worker_parser(
 
 
 def run_worker(
-    service_class: type[WorkerService], parser: argparse.ArgumentParser, argv: list[str] | None
+    service_class: type[WorkerService],
+    parser: argparse.ArgumentParser,
+    argv: list[str] | None,
+    roles: Mapping[str, type[WorkerService]] | None = None,
 ) -> int:
+    """Run a ``service_class`` worker until it exits; ``roles``: the worker class of each role
+    it may switch to live (its own included)."""
     prog = parser.prog
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -624,9 +787,13 @@ def run_worker(
     except ValueError as exc:
         logging.getLogger(prog).error("%s", exc)
         return 2
+    worker.roles = {**(roles or {}), worker.role: service_class}
     try:
         with startup_objects_frozen():  # the imports and the model: no collection walks them
-            worker.serve()
+            current: WorkerService | None = worker
+            while current is not None:
+                current.serve()
+                current = current.successor  # a role switch: the loop goes on in the new role
     except KeyboardInterrupt:
         pass
     except (ValueError, RuntimeError) as exc:
