@@ -5,8 +5,8 @@
   has.
 - ``LocalWorkers``: ``pdserve up --planner`` starts and stops worker processes through the
   launcher, which hands the planner its ``WorkerLauncher``.
-- ``KubernetesScale``: the replicas of the prefill and decode Deployments, through the
-  Kubernetes API's scale subresource (``deploy/kubernetes/overlays/planner``).
+- ``KubernetesScale``: the floors (``minReplicas``) of the prefill and decode pools'
+  HorizontalPodAutoscalers, through the Kubernetes API (``deploy/kubernetes/overlays/planner``).
 
 Contract: ``apply`` is called from the planner's loop alone, with the observation the decision
 was made on; it starts the change and returns at once, saying what it did, or raises
@@ -49,7 +49,9 @@ class Actuator(ABC):
         return {PREFILL: 0, DECODE: 0}
 
 
-def _spare(seen: Observation, role: str, skip: set[str] = frozenset()) -> WorkerView:  # type: ignore[assignment]
+def _spare(
+    seen: Observation, role: str, skip: frozenset[str] | set[str] = frozenset()
+) -> WorkerView:
     """The least loaded worker serving ``role`` that is neither switching nor draining."""
     candidates = [
         w
@@ -141,10 +143,14 @@ SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
 class KubernetesScale(Actuator):
-    """The prefill and decode Deployments' replicas, through ``PATCH
-    /apis/apps/v1/namespaces/{ns}/deployments/{name}/scale`` (RBAC: ``get`` and ``patch`` on
-    ``deployments/scale``; ``deploy/kubernetes/overlays/planner``). A replica asked for and not
-    yet registered with the router is pending."""
+    """The prefill and decode pools on Kubernetes, through their HorizontalPodAutoscalers: the
+    planner sets each one's ``minReplicas``, the floor it scales from (``PATCH
+    /apis/autoscaling/v2/namespaces/{ns}/horizontalpodautoscalers/{name}``; RBAC: ``get`` and
+    ``patch`` on those two, ``deploy/kubernetes/overlays/planner``). The autoscaler stays the
+    one owner of the Deployments' replicas, so the two never fight: it adds workers on its own
+    metric above the planner's floor, and removes one only when its metric lets it, below
+    ``maxReplicas``, which bounds the planner too. A worker asked for and not yet registered
+    with the router is pending."""
 
     can_scale = True
 
@@ -152,7 +158,7 @@ class KubernetesScale(Actuator):
         self,
         api_url: str | None = None,
         namespace: str | None = None,
-        deployments: dict[str, str] | None = None,
+        autoscalers: dict[str, str] | None = None,
         token_file: Path | None = None,
         ca_file: Path | None = None,
         timeout: float = 10.0,
@@ -168,7 +174,7 @@ class KubernetesScale(Actuator):
             path = SERVICE_ACCOUNT / "namespace"
             namespace = path.read_text().strip() if path.is_file() else "default"
         self.namespace = namespace
-        self.deployments = deployments or {PREFILL: "pdserve-prefill", DECODE: "pdserve-decode"}
+        self.autoscalers = autoscalers or {PREFILL: "pdserve-prefill", DECODE: "pdserve-decode"}
         token_file = token_file or SERVICE_ACCOUNT / "token"
         self.token = token_file.read_text().strip() if token_file.is_file() else None
         ca_file = ca_file or SERVICE_ACCOUNT / "ca.crt"
@@ -180,8 +186,11 @@ class KubernetesScale(Actuator):
         self.timeout = timeout
 
     def _call(self, method: str, role: str, body: dict | None = None) -> dict:
-        name = self.deployments[role]
-        url = f"{self.api_url}/apis/apps/v1/namespaces/{self.namespace}/deployments/{name}/scale"
+        name = self.autoscalers[role]
+        url = (
+            f"{self.api_url}/apis/autoscaling/v2/namespaces/{self.namespace}"
+            f"/horizontalpodautoscalers/{name}"
+        )
         headers = {"Accept": "application/json"}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
@@ -195,31 +204,39 @@ class KubernetesScale(Actuator):
                 return json.loads(r.read())
         except urllib.error.HTTPError as exc:
             detail = exc.read()[:200]
-            raise ActuationError(f"{method} {name}/scale: HTTP {exc.code} {detail!r}") from exc
+            raise ActuationError(f"{method} {name}: HTTP {exc.code} {detail!r}") from exc
         except (urllib.error.URLError, OSError, ValueError) as exc:
-            raise ActuationError(f"{method} {name}/scale: {exc}") from exc
+            raise ActuationError(f"{method} {name}: {exc}") from exc
 
-    def replicas(self, role: str) -> int:
-        return int(self._call("GET", role).get("spec", {}).get("replicas", 0))
+    def bounds(self, role: str) -> tuple[int, int]:
+        """The autoscaler's (minReplicas, maxReplicas)."""
+        spec = self._call("GET", role).get("spec", {})
+        return int(spec.get("minReplicas", 1)), int(spec.get("maxReplicas", 1))
 
     def apply(self, change: Change, seen: Observation) -> str:
         if change.action not in ("add", "remove"):
-            raise ActuationError(f"Deployments cannot {change.action} a worker")
-        current = self.replicas(change.role)
-        wanted = max(0, current + (1 if change.action == "add" else -1))
-        self._call("PATCH", change.role, {"spec": {"replicas": wanted}})
-        name = self.deployments[change.role]
-        return f"scaled {name} from {current} to {wanted} replicas"
+            raise ActuationError(f"autoscalers cannot {change.action} a worker")
+        floor, ceiling = self.bounds(change.role)
+        registered = sum(1 for w in seen.workers if w.role == change.role)
+        # From what serves now: a floor below it would not remove a worker.
+        wanted = max(registered, floor) + 1 if change.action == "add" else registered - 1
+        if not 1 <= wanted <= ceiling:
+            raise ActuationError(
+                f"{self.autoscalers[change.role]}: {wanted} replicas is outside 1..{ceiling}"
+            )
+        self._call("PATCH", change.role, {"spec": {"minReplicas": wanted}})
+        name = self.autoscalers[change.role]
+        return f"set {name}'s minReplicas from {floor} to {wanted}"
 
     def pending(self, seen: Observation) -> dict[str, int]:
         counts = {}
         for role in (PREFILL, DECODE):
             try:
-                asked = self.replicas(role)
+                floor, _ = self.bounds(role)
             except ActuationError as exc:
-                logger.warning("cannot read the %s replicas: %s", role, exc)
+                logger.warning("cannot read the %s autoscaler: %s", role, exc)
                 counts[role] = 0
                 continue
             registered = sum(1 for w in seen.workers if w.role == role)
-            counts[role] = asked - registered
+            counts[role] = max(0, floor - registered)
         return counts

@@ -9,6 +9,8 @@ land, the traffic, the pools' fitted step costs, the SLOs and the bounds. Guards
 - no reversal of a change made in the last ``cooldown_intervals`` intervals (a flap);
 - scale down only when the survivors still fit: the split with one worker fewer predicts no
   worse attainment and leaves both pools at most ``headroom`` busy;
+- in an overload (no split meets the SLOs), the split whose busier pool is least busy, for a
+  relief of at least 15% of that pool's utilization;
 - targets bounded by the pools' minimums and ``max_workers``; a count below zero or a NaN
   anywhere in the inputs is refused (the decision holds and says so).
 """
@@ -26,6 +28,8 @@ DECODE = "decode"
 
 # Attainments this close are equal: the tie goes to fewer workers, then to the nearer split.
 _TIE = 0.005
+# In an overload, a change must bring the bottleneck's utilization below this share of today's.
+_OVERLOAD_RELIEF = 0.85
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,12 +180,16 @@ def decide(
     candidates = [
         at(p, t - p) for t in totals for p in range(config.min_prefill, t - config.min_decode + 1)
     ]
+
+    def preference(c: Prediction) -> tuple[int, float, int]:
+        """Among splits of equal attainment: fewer workers, then the less loaded bottleneck
+        (in tenths: what an overload leaves to choose by), then the nearer."""
+        distance = abs(c.prefill - prefill) + abs(c.decode - decode)
+        return c.prefill + c.decode, round(_bottleneck(c), 1), distance
+
     best_attainment = max(c.attainment for c in candidates)
     near_best = [c for c in candidates if c.attainment >= best_attainment - _TIE]
-    target = min(
-        near_best,
-        key=lambda c: (c.prefill + c.decode, abs(c.prefill - prefill) + abs(c.decode - decode)),
-    )
+    target = min(near_best, key=preference)
     target_total = target.prefill + target.decode
     if target_total < total:
         # Scale down only where the load moved onto the survivors still fits.
@@ -193,18 +201,16 @@ def decide(
         if not fits:
             kept = [c for c in candidates if c.prefill + c.decode >= total]
             best_kept = max(c.attainment for c in kept)
-            target = min(
-                (c for c in kept if c.attainment >= best_kept - _TIE),
-                key=lambda c: (
-                    c.prefill + c.decode,
-                    abs(c.prefill - prefill) + abs(c.decode - decode),
-                ),
-            )
+            target = min((c for c in kept if c.attainment >= best_kept - _TIE), key=preference)
             target_total = target.prefill + target.decode
     if (target.prefill, target.decode) == (prefill, decode):
         return Decision(None, f"hold: {prefill}:{decode} is the best split", current, target)
     gain = target.attainment - current.attainment
-    if target_total >= total and gain < config.margin:
+    # Where no split meets the SLOs (an overload), the one whose busiest pool is least busy
+    # recovers first: a change for a clear relief of the bottleneck.
+    overloaded = best_attainment < config.margin
+    relief = _bottleneck(target) < _OVERLOAD_RELIEF * _bottleneck(current)
+    if target_total >= total and gain < config.margin and not (overloaded and relief):
         return Decision(
             None,
             f"hold: {target.prefill}:{target.decode} gains {gain:+.1%}, under the margin "
@@ -231,6 +237,11 @@ def decide(
         f"{_ms(target.itl_s)})"
     )
     return Decision(change, reason, current, target)
+
+
+def _bottleneck(prediction: Prediction) -> float:
+    """The busier pool's utilization (past 1: its queue grows without bound)."""
+    return max(prediction.prefill_utilization, prediction.decode_utilization)
 
 
 def _step_towards(

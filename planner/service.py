@@ -238,15 +238,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--actuator",
         choices=["none", "kubernetes"],
         default="none",
-        help="what starts and stops workers (none: role switches alone)",
+        help="what starts and stops workers (none: role switches alone; kubernetes: the "
+        "floors of the pools' autoscalers)",
     )
     parser.add_argument(
         "--max-workers", type=int, default=None, help="the most workers the actuator may run"
     )
     parser.add_argument("--kubernetes-api", default=None, help="default: the Pod's API server")
     parser.add_argument("--kubernetes-namespace", default=None, help="default: the Pod's")
-    parser.add_argument("--prefill-deployment", default="pdserve-prefill")
-    parser.add_argument("--decode-deployment", default="pdserve-decode")
+    parser.add_argument(
+        "--prefill-autoscaler",
+        default="pdserve-prefill",
+        help="the prefill pool's HorizontalPodAutoscaler, whose floor the planner sets",
+    )
+    parser.add_argument("--decode-autoscaler", default="pdserve-decode")
     parser.add_argument("--metrics-port", type=int, default=None, help="serve /metrics here")
     parser.add_argument("--log-level", default="INFO")
     return parser
@@ -264,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
             scaler = KubernetesScale(
                 args.kubernetes_api,
                 args.kubernetes_namespace,
-                {PREFILL: args.prefill_deployment, DECODE: args.decode_deployment},
+                {PREFILL: args.prefill_autoscaler, DECODE: args.decode_autoscaler},
             )
             if args.max_workers is None:
                 raise ValueError("--actuator kubernetes needs --max-workers")
