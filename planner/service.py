@@ -166,6 +166,12 @@ def add_planner_args(parser: argparse.ArgumentParser, standalone: bool = True) -
         help="the predicted gain in attainment a change needs (hysteresis)",
     )
     group.add_argument(
+        "--planner-max-pending",
+        type=int,
+        default=1,
+        help="changes in flight (switches draining, workers starting) before the next waits",
+    )
+    group.add_argument(
         "--cost-model",
         default=None,
         metavar="COST_MODEL.json",
@@ -200,6 +206,7 @@ def planner_config(args: argparse.Namespace, can_scale: bool, max_workers: int |
         can_switch=args.role_switch,
         can_scale=can_scale,
         margin=args.planner_margin,
+        max_pending=args.planner_max_pending,
         prefill_shape=shape,
         decode_shape=shape,
         decode_context_cost_s=context_cost,

@@ -1,18 +1,12 @@
-"""The simulated engine: a cost model's step times over the real scheduler, and a cluster of
-simulated workers serving through router -> prefill -> decode on the real wire."""
+"""The simulated engine: a cost model's step times over the real scheduler, one process
+(tests/test_planner_cluster.py runs a cluster of simulated workers)."""
 
 from __future__ import annotations
 
 import json
-import re
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
-import openai
 import pytest
-from cluster_harness import running_cluster
 from tiny_models import build_tiny_chat_model
 
 from common.config import EngineConfig, SchedulerConfig
@@ -76,75 +70,3 @@ def test_steps_take_the_cost_models_time_and_answer_deterministically(tmp_path):
         - COST["per_seq_s"],  # the first chunk held one row (the long prompt alone)
         rel=0.2,
     )
-
-
-@pytest.fixture(scope="module")
-def simulated_cluster(tmp_path_factory):
-    folder = build_tiny_chat_model(tmp_path_factory.mktemp("model") / "tiny-chat")
-    cost = write_cost(tmp_path_factory.mktemp("cost"))
-    log = tmp_path_factory.mktemp("logs") / "up.log"
-    flags = ("--prefill", "2", "--decode", "2", "--remote-prefill-min-tokens", "1")
-    flags += ("--simulated-engine", str(cost), "--max-model-len", "1024")
-    with running_cluster(folder, log, *flags) as base:
-        yield base, folder, cost
-
-
-def test_simulated_workers_serve_through_prefill_and_decode(simulated_cluster, tmp_path):
-    base, folder, cost = simulated_cluster
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
-    runner = SimulatedRunner(CostModel.load(cost), 49152, set())
-    engine = LLMEngine(EngineConfig(model=str(folder), simulated_engine=str(cost)))
-    runner.eos = frozenset(engine.model_config.eos_token_ids)
-    for length in (40, 200, 300):
-        prompt = [(i * 13 + length) % 4000 + 10 for i in range(length)]
-        result = client.completions.create(
-            model=folder.name,
-            prompt=prompt,
-            max_tokens=12,
-            temperature=0.0,
-            extra_body={"return_token_ids": True},
-        )
-        choice = result.choices[0]
-        assert choice.token_ids == expected_tokens(runner, prompt, 12)
-        assert choice.finish_reason == "length"
-    # The prompts went through the prefill workers, whose pages went to decode over the wire.
-    workers = json.loads(urllib.request.urlopen(f"{base}/v1/workers", timeout=10).read())
-    assert len(workers["prefill"]) == 2 and len(workers["decode"]) == 2
-    computed = 0.0
-    for worker in workers["prefill"]:
-        text = urllib.request.urlopen(worker["metrics_url"], timeout=10).read().decode()
-        match = re.search(r"^pdserve_prompt_tokens_computed_total (\S+)$", text, re.MULTILINE)
-        computed += float(match.group(1)) if match else 0.0
-    assert computed >= 40 + 200 + 300 - 3 * 16  # less at most a cached page each
-
-
-def test_the_router_shows_the_planner_its_traffic_and_step_figures(simulated_cluster):
-    base, folder, _ = simulated_cluster
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
-    for length in (50, 150):
-        client.completions.create(
-            model=folder.name, prompt=[11] * length, max_tokens=5, temperature=0.0
-        )
-    traffic = json.loads(urllib.request.urlopen(f"{base}/v1/traffic?window_s=300").read())
-    assert {(a["prompt_tokens"], a["max_tokens"]) for a in traffic["arrivals"]} >= {
-        (50, 5),
-        (150, 5),
-    }
-    finished = [f for f in traffic["finished"] if f["output_tokens"] == 5]
-    assert len(finished) >= 2
-    assert all(f["ttft_s"] > 0 and f["tpot_s"] > 0 and f["reason"] == "length" for f in finished)
-    with pytest.raises(urllib.error.HTTPError) as refused:
-        urllib.request.urlopen(f"{base}/v1/traffic?window_s=-1")
-    assert refused.value.code == 400
-    # Each heartbeat carries the steps' time, tokens and rows summed: a worker that stepped
-    # shows them (heartbeats come every second or so: wait for one after the requests).
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        workers = json.loads(urllib.request.urlopen(f"{base}/v1/workers", timeout=10).read())
-        everyone = workers["prefill"] + workers["decode"]
-        stepped = [w["steps"] for w in everyone if w["steps"]["count"]]
-        if stepped and all(s["busy_seconds"] > 0 and s["tokens"] >= s["rows"] > 0 for s in stepped):
-            break
-        time.sleep(0.2)
-    else:
-        pytest.fail(f"no step figures in {workers}")
