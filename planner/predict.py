@@ -3,10 +3,13 @@
 Queueing estimates over the fitted step costs (``fit.py``), per pool, with the arrivals split
 evenly over its workers:
 
-- Prefill: a worker is an M/M/1 queue whose service time is a prompt's compute at full steps
-  (``tokens * per_token_s`` plus its share of the steps' fixed and per-row costs). A request's
-  TTFT is its own prefill (its chunks, each a step of its own) plus the queue's wait, whose tail
-  is M/M/1's: ``P(wait > t) = rho * exp(-(1 - rho) * t / S)``. At ``rho >= 1`` nothing is met.
+- Prefill: a worker is an M/G/1 queue whose service time is a prompt's compute at full steps
+  (``tokens * per_token_s`` plus its share of the steps' fixed and per-row costs), varying as
+  the observed prompts' lengths do. A request's TTFT is its own prefill (its chunks, each a step
+  of its own) plus the queue's wait: Kingman's mean, ``rho / (1 - rho) * S * (1 + cs2) / 2``
+  (cs2: the squared coefficient of variation of the service times; 1 gives M/M/1, 0 M/D/1), with
+  an exponential tail, ``P(wait > t) = rho * exp(-t * rho / mean wait)``. At ``rho >= 1`` nothing
+  is met.
 - Decode: a worker runs N sequences at once, each one token a step; by Little's law
   ``N = (arrivals / D) * output_tokens * ITL``, and a step of N rows costs
   ``fixed + (per_token + per_seq + per_context * context) * N``, so
@@ -87,13 +90,20 @@ def predict(
             + (chunks * prefill_cost.per_seq_s)
         )
 
+    def service(tokens: float) -> float:
+        """A prompt's share of a prefill worker at load, where steps are full: the fixed cost
+        shared by a budget's worth of tokens."""
+        return (
+            prefill_cost.per_token_s * tokens
+            + prefill_cost.fixed_s * tokens / budget
+            + prefill_cost.per_seq_s
+        )
+
     mean_prompt = sum(prompts) / len(prompts)
-    # At load, steps are full: the fixed cost is shared by a budget's worth of tokens.
-    service_s = (
-        prefill_cost.per_token_s * mean_prompt
-        + prefill_cost.fixed_s * mean_prompt / budget
-        + prefill_cost.per_seq_s
-    )
+    services = [service(tokens) for tokens in prompts]
+    service_s = sum(services) / len(services)
+    spread = sum((x - service_s) ** 2 for x in services) / len(services)
+    cs2 = spread / service_s**2 if service_s > 0 else 0.0
     rho_p = rate / prefill * service_s if prefill > 0 else math.inf
     # Decode: Little's law over a step that grows with the rows it holds.
     output = max(1.0, traffic.output_tokens)
@@ -114,12 +124,12 @@ def predict(
     else:
         met = 0.0
         total_ttft = 0.0
-        wait_mean = rho_p * service_s / (1 - rho_p)
+        wait_mean = rho_p / (1 - rho_p) * service_s * (1 + cs2) / 2
         for tokens in prompts:
             own = prefill_alone(tokens)
             slack = slo_ttft_s - own
             if slack >= 0:
-                met += 1 - rho_p * math.exp(-(1 - rho_p) * slack / max(service_s, 1e-9))
+                met += 1 - rho_p * math.exp(-slack * rho_p / max(wait_mean, 1e-12))
             total_ttft += own + wait_mean
         ttft_met = met / len(prompts)
         mean_ttft = total_ttft / len(prompts)
