@@ -8,6 +8,10 @@ contexts; times every step; fits ``fixed + per_token * tokens + per_seq * rows +
 per_context_token * attended tokens`` by non-negative least squares; prints each measured step
 class beside the fit's prediction; writes the JSON ``--simulated-engine`` reads
 (``common/engine/simulated.py``).
+
+By default on one thread, each step timed by the CPU time it took (``time.process_time``): on a
+box other processes share, a step's wall time says how busy the box was, its CPU time what the
+step costs one core. ``--threads N`` times wall time on N threads instead, for a quiet box.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from common.config import EngineConfig, SchedulerConfig
 from common.cost_model import CostModel
@@ -36,17 +41,19 @@ def box() -> str:
     return " ".join(flags) or "no AVX-512"
 
 
-def measure(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[tuple]:
+def measure(
+    engine: LLMEngine, prompts: list[list[int]], max_tokens: int, clock=time.process_time
+) -> list[tuple]:
     """Run ``prompts`` to the end, one step at a time; each step as (tokens, rows, attended,
-    decodes only, seconds)."""
+    decodes only, seconds by ``clock``)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for prompt in prompts:
         engine.add_request(prompt, params)
     steps = []
     while engine.has_unfinished:
-        started = time.perf_counter()
+        started = clock()
         batch, _ = engine.run_step()
-        seconds = time.perf_counter() - started
+        seconds = clock() - started
         if not batch:
             continue
         tokens = sum(item.num_new_tokens for item in batch)
@@ -66,11 +73,11 @@ def step_classes(steps: list[tuple]) -> dict[tuple[int, int, int], list[float]]:
 
 def fit(steps: list[tuple]) -> list[float]:
     """Non-negative least squares of seconds on (1, tokens, rows, attended), over each step
-    class's median: a step stalled by another process on a shared box is one outlier in its
-    class, not a weight on the fit."""
+    class's fastest step: on a shared box another process can only slow a step down, so the
+    fastest of several is the closest to what the step costs the device alone."""
     classes = step_classes(steps)
     features = np.array([[1.0, t, r, a + 128.0] for t, r, a in classes])
-    seconds = np.array([float(np.median(times)) for times in classes.values()])
+    seconds = np.array([min(times) for times in classes.values()])
     free = [0, 1, 2, 3]
     while True:
         solution, *_ = np.linalg.lstsq(features[:, free], seconds, rcond=None)
@@ -88,25 +95,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--budget", type=int, default=256, help="tokens per step")
     parser.add_argument("--quick", action="store_true", help="fewer sizes, for a smoke run")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="1: one thread, steps timed by their CPU time; N: N threads, by wall time",
+    )
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    clock = time.process_time if args.threads == 1 else time.perf_counter
     engine = LLMEngine(
         EngineConfig(
             model=args.model,
             scheduler=SchedulerConfig(max_num_batched_tokens=args.budget, max_model_len=2048),
         )
     )
-    measure(engine, [[5] * 64], 2)  # warm-up
+    measure(engine, [[5] * 64], 2, clock)  # warm-up
     steps: list[tuple] = []
-    chunk_sizes = [32, 128, args.budget] if args.quick else [16, 32, 64, 128, 192, args.budget]
+    chunk_sizes = [32, 128, args.budget] if args.quick else [16, 64, 128, args.budget]
     for size in chunk_sizes:
-        for repeat in range(1 if args.quick else 2):
+        for repeat in range(2 if args.quick else 3):
             prompt = [(i * 7 + size + repeat) % 1000 + 10 for i in range(size)]
-            steps += measure(engine, [prompt], 1)
-    batches = [1, 8] if args.quick else [1, 4, 8, 16, 32]
+            steps += measure(engine, [prompt], 1, clock)
+    batches = [1, 8] if args.quick else [1, 4, 16, 32]
     for batch in batches:
         for context in (64, 512) if not args.quick else (64,):
             prompts = [[(i * 3 + j) % 900 + 20 for i in range(context)] for j in range(batch)]
-            steps += [s for s in measure(engine, prompts, 12) if s[3]]
+            steps += [s for s in measure(engine, prompts, 8, clock) if s[3]]
     fixed, per_token, per_seq, per_context = fit(steps)
     model = CostModel(
         fixed_s=fixed,
@@ -115,8 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         per_context_token_s=per_context,
         kv_tokens=engine.page_manager.num_pages * engine.config.cache.page_size,
         max_num_batched_tokens=args.budget,
-        source=f"{engine.model_path.name} measured on this CPU ({box()}), "
-        f"benchmarks/step/cost_model.py, {time.strftime('%Y-%m-%d')}",
+        source=f"{engine.model_path.name} on {args.threads} thread(s) of this CPU ({box()}), "
+        f"{'CPU' if args.threads == 1 else 'wall'} time, benchmarks/step/cost_model.py, "
+        f"{time.strftime('%Y-%m-%d')}",
     )
     print(f"box: {box()}; {len(steps)} steps")
     print(
@@ -126,8 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     for (tokens, rows, attended), times in sorted(step_classes(steps).items()):
         predicted = model.step_seconds(tokens, rows, attended + 128)
         print(
-            f"step tokens {tokens:4d} rows {rows:3d} attended ~{attended:6d}: measured "
-            f"{np.median(times) * 1e3:7.2f} ms, fit {predicted * 1e3:7.2f} ms ({len(times)} steps)"
+            f"step tokens {tokens:4d} rows {rows:3d} attended ~{attended:6d}: fastest "
+            f"{min(times) * 1e3:7.2f} ms, median {np.median(times) * 1e3:7.2f} ms, fit "
+            f"{predicted * 1e3:7.2f} ms ({len(times)} steps)"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(model.to_json(), indent=2) + "\n")
