@@ -15,7 +15,8 @@ which adds nothing. For every segment
 model belong to no segment and are left as they are. ``kernels/triton/lora.py`` is the CUDA
 pair; ``lora_delta_reference`` below, per segment with torch matmuls, is its twin.
 
-On the CPU, where each torch call costs microseconds of its own, ``lora_delta_dense`` computes
+On the CPU a bf16 model's slots are bf16 and ``kernels/cpu/lora_delta.c`` adds the deltas. For
+other dtypes, where each torch call costs microseconds of its own, ``lora_delta_dense`` computes
 every row against every slot at once (two matmuls a projection, however many adapters): each
 row's shrunk columns are weighed by its slot's scale and zero elsewhere, so it takes only its
 own adapter's delta and a base model's row none. It multiplies ``slots`` times the shrink's
@@ -102,8 +103,8 @@ def lora_delta_reference(
 ) -> None:
     """Add each segment's delta to its rows of ``out``: the shrink and the expand in the slots'
     dtype (``x`` cast to it), then the scale, rounded to ``out``'s dtype once (PEFT's order).
-    On a CPU the slots are float32: torch's 16-bit matmuls of these thin shapes are many
-    times slower there than float32's."""
+    On a CPU this serves float32 slots (a bf16 model's take the C kernel): torch's 16-bit
+    matmuls of these thin shapes are many times slower there than float32's."""
     for start, end, slot in zip(segments.starts, segments.ends, segments.slots, strict=True):
         shrunk = x[start:end].to(a.dtype) @ a[slot].t()
         out[start:end] += ((shrunk @ b[slot]) * scales[slot]).to(out.dtype)

@@ -213,7 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the router's: split each chat answer's reasoning into `reasoning`",
     )
-    # Flags of one role only; the rest of the unknown flags go to every worker.
+    # Flags of the workers of one role (the transfer ones go to every worker, which may switch
+    # role); the rest of the unknown flags go to every worker.
     prefill = parser.add_argument_group("prefill workers")
     prefill.add_argument("--kv-lease-seconds", type=float, default=None)
     prefill.add_argument(
@@ -320,19 +321,21 @@ def router_flags(args: argparse.Namespace) -> list[str]:
 
 
 def role_flags(args: argparse.Namespace, role: str) -> list[str]:
-    """The flags given to ``pdserve up`` that belong to workers of ``role`` only."""
+    """The flags given to ``pdserve up`` that belong to workers starting as ``role``."""
     tp = tp_size(args, role)
     flags: list[str] = ["--tensor-parallel-size", str(tp)] if tp != 1 else []
+    # The transfer flags of both roles go to every worker: any may switch role live and read
+    # its new role's then. The engine's flags stay with the role a worker starts in.
+    if args.kv_lease_seconds is not None:
+        flags += ["--kv-lease-seconds", str(args.kv_lease_seconds)]
+    if args.ship_chunks is not None:
+        flags.append("--ship-chunks" if args.ship_chunks else "--no-ship-chunks")
+    if args.kv_fetch_timeout is not None:
+        flags += ["--kv-fetch-timeout", str(args.kv_fetch_timeout)]
     if role == "prefill":
-        if args.kv_lease_seconds is not None:
-            flags += ["--kv-lease-seconds", str(args.kv_lease_seconds)]
-        if args.ship_chunks is not None:
-            flags.append("--ship-chunks" if args.ship_chunks else "--no-ship-chunks")
         if args.prefill_max_num_batched_tokens is not None:
             flags += ["--max-num-batched-tokens", str(args.prefill_max_num_batched_tokens)]
     else:
-        if args.kv_fetch_timeout is not None:
-            flags += ["--kv-fetch-timeout", str(args.kv_fetch_timeout)]
         if args.max_prefill_tokens_while_decoding is not None:
             cap = args.max_prefill_tokens_while_decoding
             flags += ["--max-prefill-tokens-while-decoding", str(cap)]

@@ -97,7 +97,11 @@ def create_app(config: RouterConfig, codec: TextCodec) -> FastAPI:
     lora_routes.add_routes(app, state)
     # Role switches: by HTTP, and by whatever else in the router holds app.state.role_switches.
     switches = role_switch.RoleSwitches(
-        registry, dispatcher.send, metrics, settled=dispatcher.dispatch_waiting
+        registry,
+        dispatcher.send,
+        metrics,
+        settled=dispatcher.dispatch_waiting,
+        move_off=dispatcher.move_off,
     )
     dispatcher.on_role_switch_result = switches.on_result
     app.state.role_switches = switches

@@ -257,6 +257,23 @@ class Dispatcher:
         self.metrics.removed_workers.labels(cause).inc()
         self._rehome(worker_id, state.inflight, cause)
 
+    def move_off(self, worker_id: str) -> int:
+        """Move every request the router has on ``worker_id``, which stays registered (a role
+        switch whose drain ran out of time), to other workers: each is aborted there and
+        migrated with its tokens so far, or dispatched again, as when a worker leaves. Returns
+        how many moved."""
+        state = self.registry.workers.get(worker_id)
+        if state is None:
+            return 0
+        moved = 0
+        for wire_id in sorted(state.inflight):
+            gen = self.generations.get(wire_id)
+            if gen is None or gen.done:
+                continue
+            self._recover(gen, worker_id, f"worker {worker_id} changes role")
+            moved += 1
+        return moved
+
     def _rehome(self, worker_id: str, inflight: set[str], cause: str) -> None:
         """After ``worker_id`` left: re-dispatch or migrate the requests it still had."""
         self._count_workers()

@@ -60,6 +60,8 @@ DEFAULT_SWITCH_DRAIN_S = 30.0
 # Beyond the drain: for the worker to build its new role and register again.
 _ANSWER_SLACK_S = 15.0
 _POLL_S = 0.02
+# After its requests moved off: for the worker to read their aborts and free their pages.
+_AFTER_MIGRATION_S = 10.0
 # ``status`` of an answer: a switch done, or the role served already (nothing to do).
 STATUS_SWITCHED = SWITCH_SWITCHED
 STATUS_UNCHANGED = "unchanged"
@@ -104,6 +106,9 @@ class _Switch:
     from_role: str
     to_role: str
     started_at: float
+    # A decode worker still holding requests at the drain timeout: move them to other decode
+    # workers and switch (True), or give up the switch (False).
+    migrate: bool = False
     done: asyncio.Event = field(default_factory=asyncio.Event)
     result: RoleSwitchResult | None = None
 
@@ -118,22 +123,28 @@ class RoleSwitches:
         send: Callable[[str, Message], None],
         metrics: RouterMetrics,
         settled: Callable[[], None] = lambda: None,
+        move_off: Callable[[str], int] = lambda worker_id: 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``settled``: called when a switch ends (its worker takes requests again, in one
-        role or the other), to dispatch what waits for a worker."""
+        role or the other), to dispatch what waits for a worker; ``move_off``: moves every
+        request the router has on a worker to others (``Dispatcher.move_off``), returning how
+        many."""
         self.registry = registry
         self.send = send
         self.metrics = metrics
         self.settled = settled
+        self.move_off = move_off
         self.clock = clock
         self._ids = itertools.count()
         self._open: dict[str, _Switch] = {}  # operation id -> switch
         self.tasks: set[asyncio.Task] = set()  # switches not waited for by their caller
 
-    def begin(self, worker_id: str, role: str) -> _Switch | SwitchOutcome:
+    def begin(self, worker_id: str, role: str, migrate: bool = False) -> _Switch | SwitchOutcome:
         """Start switching ``worker_id`` to ``role``, or raise the ``APIError`` that refuses it;
-        a worker serving ``role`` already gives its ``STATUS_UNCHANGED`` outcome."""
+        a worker serving ``role`` already gives its ``STATUS_UNCHANGED`` outcome. ``migrate``:
+        a decode worker's requests left at the drain timeout move to other decode workers (with
+        their tokens so far, as when a worker leaves) rather than failing the switch."""
         state = self.registry.workers.get(worker_id)
         if state is None:
             raise APIError(404, f"no worker {worker_id!r} is registered", None, "worker_not_found")
@@ -161,7 +172,9 @@ class RoleSwitches:
                 None,
                 "last_decode_worker",
             )
-        switch = _Switch(f"switch-{next(self._ids)}", worker_id, state.role, role, self.clock())
+        switch = _Switch(
+            f"switch-{next(self._ids)}", worker_id, state.role, role, self.clock(), migrate
+        )
         state.switching_to, state.switching_since = role, switch.started_at
         self._open[switch.operation_id] = switch
         logger.info(
@@ -253,8 +266,15 @@ class RoleSwitches:
                 await asyncio.sleep(_POLL_S)
             if left is None:
                 return self._gone(switch)
-            if left:
+            if left and not switch.migrate:
                 return self._timed_out(switch, drain_timeout_s, left)
+            if left:
+                moved = self.move_off(switch.worker_id)
+                logger.info("%s: moved %d requests off worker %s at the drain timeout",
+                            switch.operation_id, moved, switch.worker_id)  # fmt: skip
+                # Their aborts reach the worker before SwitchRole (one socket, in order): it
+                # frees their pages at once.
+                deadline = self.clock() + _AFTER_MIGRATION_S
         remaining = max(deadline - self.clock(), _POLL_S)
         self.send(switch.worker_id, SwitchRole(switch.operation_id, switch.to_role, remaining))
         answer_by = self.clock() + remaining + _ANSWER_SLACK_S
@@ -308,6 +328,10 @@ class RoleBody(BaseModel):
     # False: answer 202 at once; ``GET /v1/workers`` shows the switch (``switching``) and then
     # its outcome (``last_role_switch``).
     wait: bool = True
+    # What a decode worker's requests still there at the drain timeout come to: "fail" the
+    # switch (the worker serves them on, in its old role), or "migrate" them to other decode
+    # workers with their tokens so far and switch.
+    on_timeout: Literal["fail", "migrate"] = "fail"
 
 
 def add_routes(app: FastAPI, state: RouterState, switches: RoleSwitches) -> None:
@@ -317,7 +341,7 @@ def add_routes(app: FastAPI, state: RouterState, switches: RoleSwitches) -> None
     async def switch_role(worker_id: str, request: Request) -> Response:
         edge.authorize(request)
         body = await edge.read_body(request, RoleBody)
-        started = switches.begin(worker_id, body.role)
+        started = switches.begin(worker_id, body.role, migrate=body.on_timeout == "migrate")
         if isinstance(started, SwitchOutcome):
             return JSONResponse(started.describe())
         if not body.wait:

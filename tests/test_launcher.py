@@ -31,7 +31,9 @@ ROLE_PARSERS = {"prefill": prefill_parser, "decode": decode_parser}
 BASE = ["--router", "tcp://127.0.0.1:1", "--model", "m"]
 
 
-def test_role_flags_go_to_their_role_only():
+def test_role_flags_go_to_the_workers_that_read_them():
+    """A role's engine flags go to the workers starting in it; both roles' transfer flags go to
+    every worker, which may switch role live."""
     args, rest = build_parser().parse_known_args(
         [
             *("--no-ship-chunks", "--kv-lease-seconds", "5", "--kv-fetch-timeout", "3"),
@@ -40,17 +42,15 @@ def test_role_flags_go_to_their_role_only():
         ]
     )
     assert rest == ["--seed", "2"]  # for every worker
-    assert role_flags(args, "prefill") == [
-        *("--kv-lease-seconds", "5.0", "--no-ship-chunks", "--max-num-batched-tokens", "1024")
-    ]
-    assert role_flags(args, "decode") == [
-        *("--kv-fetch-timeout", "3.0", "--max-prefill-tokens-while-decoding", "32")
-    ]
+    transfer = ["--kv-lease-seconds", "5.0", "--no-ship-chunks", "--kv-fetch-timeout", "3.0"]
+    assert role_flags(args, "prefill") == [*transfer, "--max-num-batched-tokens", "1024"]
+    assert role_flags(args, "decode") == [*transfer, "--max-prefill-tokens-while-decoding", "32"]
     prefill = prefill_parser().parse_args([*BASE, *role_flags(args, "prefill")])
     assert (prefill.ship_chunks, prefill.kv_lease_seconds) == (False, 5.0)
-    assert prefill.max_num_batched_tokens == 1024
+    assert prefill.max_num_batched_tokens == 1024 and prefill.kv_fetch_timeout == 3.0
     decode = decode_parser().parse_args([*BASE, *role_flags(args, "decode")])
     assert (decode.kv_fetch_timeout, decode.max_prefill_tokens_while_decoding) == (3.0, 32)
+    assert (decode.ship_chunks, decode.kv_lease_seconds) == (False, 5.0)
 
 
 def test_the_routers_flags_go_to_the_router_and_parse_there():

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
+import time
 
 import pytest
 from engines import build_engine
@@ -14,6 +16,7 @@ from tiny_loras import peft_greedy, save_tiny_lora
 from tiny_models import build_tiny_model, random_prompts, save_tiny_model, tiny_llama_config
 
 from common.config import LoraConfig
+from common.engine import lora as lora_manager_module
 from common.lora_adapters import LoraModule, adapter_namespace, parse_lora_module
 from common.sampling_params import SamplingParams
 
@@ -116,6 +119,68 @@ def test_more_adapters_than_slots_wait_and_host_memory_is_lru(llama_case):
     assert len(engine.lora.on_host()) == 2 and len(engine.lora.on_device()) == 1
 
 
+def test_an_adapter_read_again_holds_up_no_other_requests_steps(llama_case, monkeypatch):
+    """One slot and one adapter in host memory: the other adapter's request waits while its
+    folder is read on the reader thread (held there until the test lets it go), and the base
+    model's request steps to its end meanwhile; then it runs and answers as PEFT does."""
+    base, adapters, prompts, expected = llama_case
+    two = {name: adapters[name] for name in ("all", "rs")}
+    engine = build_engine(base, lora=lora_config(two, max_loras=1, max_cpu_loras=1))
+    assert engine.lora.on_host() == ["rs"]  # the last one given; "all" must be read again
+    let_go = threading.Event()
+    reader_threads: list[str] = []
+    real_load = lora_manager_module.load_adapter
+
+    def held_load(*args, **kwargs):
+        reader_threads.append(threading.current_thread().name)
+        assert let_go.wait(timeout=60), "the test never let the read go"
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(lora_manager_module, "load_adapter", held_load)
+    under_adapter = engine.add_request(prompts[0], GREEDY, lora_name="all")
+    base_model = engine.add_request(prompts[0], GREEDY)
+    tokens: dict[str, list[int]] = {under_adapter: [], base_model: []}
+    for _ in range(1000):  # bounded: the base request needs NEW_TOKENS steps
+        for output in engine.step():
+            tokens[output.request_id] += [s.token_id for s in output.new_samples]
+        if len(tokens[base_model]) == NEW_TOKENS:
+            break
+    assert tokens[base_model] == expected[None][0]
+    assert tokens[under_adapter] == [] and engine.scheduler.loading
+    let_go.set()
+    deadline = time.monotonic() + 60
+    while engine.has_unfinished and time.monotonic() < deadline:
+        for output in engine.step():
+            tokens[output.request_id] += [s.token_id for s in output.new_samples]
+    assert tokens[under_adapter] == expected["all"][0]
+    assert reader_threads and all(name.startswith("lora-read") for name in reader_threads)
+    assert engine.lora.on_host() == ["all"]
+
+
+def test_an_adapter_that_cannot_be_read_again_fails_its_requests_alone(llama_case, tmp_path):
+    base, adapters, prompts, expected = llama_case
+    gone = shutil.copytree(adapters["all"], tmp_path / "gone")
+    config = lora_config({"gone": gone, "rs": adapters["rs"]}, max_loras=1, max_cpu_loras=1)
+    engine = build_engine(base, lora=config)
+    assert engine.lora.on_host() == ["rs"]
+    shutil.rmtree(gone)
+    failing = engine.add_request(prompts[0], GREEDY, lora_name="gone")
+    fine = engine.add_request(prompts[0], GREEDY, lora_name="rs")
+    errors: dict[str, str | None] = {}
+    tokens: list[int] = []
+    deadline = time.monotonic() + 60
+    while engine.has_unfinished and time.monotonic() < deadline:
+        for output in engine.step():
+            if output.request_id == failing:
+                errors[failing] = output.error
+            else:
+                tokens += [s.token_id for s in output.new_samples]
+    assert not engine.has_unfinished
+    assert "gone" in (errors[failing] or "") and "could not be read again" in errors[failing]
+    assert tokens == expected["rs"][0] and fine not in errors
+    assert engine.page_manager.num_free_pages == engine.page_manager.num_pages
+
+
 def test_the_same_prompt_under_two_adapters_shares_no_pages(llama_case):
     base, adapters, _, _ = llama_case
     engine = build_engine(base, lora=lora_config(adapters, max_loras=2))
@@ -124,7 +189,7 @@ def test_the_same_prompt_under_two_adapters_shares_no_pages(llama_case):
 
     def cached(name):
         request_id = engine.add_request(prompt, params, lora_name=name)
-        seq = next(s for s in engine.scheduler.waiting if s.request_id == request_id)
+        seq = next(s for s in engine.scheduler.sequences() if s.request_id == request_id)
         while engine.has_unfinished:
             engine.step()
         return seq.num_cached_tokens, set(seq.page_hashes)

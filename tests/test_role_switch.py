@@ -8,6 +8,7 @@ The worker's side, on real engines under a stream of requests, is in
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import secrets
 import threading
@@ -17,18 +18,28 @@ from collections.abc import Iterator
 import pytest
 import zmq
 from router_fakes import DEADLINE_S, ControlSocket, register_worker, router_server
+from test_drain import Sent, delta, submit, two_of_each
+from test_router_registry import reg
 
+from common.cluster_auth import ClusterAuth
 from common.messages import decode, encode
 from common.model.default_model import resolve_model_path
 from common.protocol import (
     SWITCH_FAILED,
     SWITCH_REFUSED,
     SWITCH_SWITCHED,
+    AbortRequest,
     CacheEvents,
+    DecodeRequest,
     RegisterAck,
     RoleSwitchResult,
     SwitchRole,
 )
+from common.sampling_params import SamplingParams
+from common.service.router_link import RouterLink
+from router.dispatcher import Dispatcher, Generation
+from router.errors import APIError
+from router.role_switch import STATUS_SWITCHED, RoleSwitches, SwitchOutcome
 
 MODEL = resolve_model_path(None)
 KEY = "role-key"
@@ -265,3 +276,121 @@ def test_a_switch_the_worker_never_answers_times_out_and_routing_to_it_resumes(m
         assert entry["role"] == "decode" and entry["switching"] is None
         registry = router.app.state.registry
         assert "d1" in {view.worker_id for view in registry.view().decode}
+
+
+# -- the drain's end: finished, failed, or moved off -------------------------------------------
+
+
+def busy_decoder() -> tuple[Dispatcher, RoleSwitches, Sent, Generation, str, str]:
+    """Two workers of each role, a request decoding on one of the decode workers (the holder):
+    the dispatcher, the role switches, the outbox, the request, the holder and the other
+    decode worker."""
+    dispatcher, sent, metrics = two_of_each()
+    gen = submit(dispatcher, "running")
+    holder = gen.decode_worker
+    assert holder is not None
+    now = time.monotonic()
+    dispatcher.on_message(gen.prefill_worker, delta(gen, 0, 1, first=True), now)
+    dispatcher.on_message(holder, delta(gen, 1, 2), now)
+    switches = RoleSwitches(
+        dispatcher.registry, sent, metrics, settled=dispatcher.dispatch_waiting,
+        move_off=dispatcher.move_off,
+    )  # fmt: skip
+    dispatcher.on_role_switch_result = switches.on_result
+    return dispatcher, switches, sent, gen, holder, "d2" if holder == "d1" else "d1"
+
+
+async def answer_switch(dispatcher: Dispatcher, sent: Sent, worker_id: str) -> None:
+    """Play the worker: once told to switch, register in the new role and say so."""
+    while not any(isinstance(m, SwitchRole) for m in sent.to(worker_id)):
+        await asyncio.sleep(0.005)
+    order = next(m for m in sent.to(worker_id) if isinstance(m, SwitchRole))
+    now = time.monotonic()
+    dispatcher.on_message(worker_id, reg(worker_id, order.role), now)
+    dispatcher.on_message(
+        worker_id, RoleSwitchResult(worker_id, order.operation_id, order.role, SWITCH_SWITCHED), now
+    )
+
+
+def test_a_decode_drain_past_its_timeout_fails_the_switch_and_the_worker_serves_on():
+    _, switches, sent, gen, holder, _ = busy_decoder()
+
+    async def run():
+        started = switches.begin(holder, "prefill")
+        assert not isinstance(started, SwitchOutcome)
+        with pytest.raises(APIError) as refused:
+            await switches.finish(started, 0.05)
+        return refused.value
+
+    error = asyncio.run(run())
+    assert error.status == 409 and error.code == "role_switch_failed"
+    assert "drain timeout: 1 requests" in error.message and "serves as decode" in error.message
+    # Never told to switch; its request stays with it, and it is routed to again.
+    assert not any(isinstance(m, SwitchRole | AbortRequest) for m in sent.to(holder))
+    state = switches.registry.workers[holder]
+    assert gen.decode_worker == holder and state.switching_to is None and state.serving
+
+
+def test_a_decode_drain_past_its_timeout_with_migrate_moves_the_requests_and_switches():
+    dispatcher, switches, sent, gen, holder, other = busy_decoder()
+
+    async def run() -> SwitchOutcome:
+        started = switches.begin(holder, "prefill", migrate=True)
+        assert not isinstance(started, SwitchOutcome)
+        worker = asyncio.create_task(answer_switch(dispatcher, sent, holder))
+        outcome = await switches.finish(started, 0.05)
+        await worker
+        return outcome
+
+    outcome = asyncio.run(run())
+    assert outcome.status == STATUS_SWITCHED
+    # The request moved on with its three tokens, and the holder heard of it first.
+    assert gen.decode_worker == other and gen.retries == 1
+    migrated = [m for m in sent.to(other) if isinstance(m, DecodeRequest)]
+    assert migrated[-1].output_token_ids == [7, 7, 7]
+    told = [type(m) for m in sent.to(holder) if isinstance(m, AbortRequest | SwitchRole)]
+    assert told == [AbortRequest, SwitchRole]
+    state = switches.registry.workers[holder]
+    assert state.role == "prefill" and state.serving and not state.inflight
+    assert state.last_role_switch["status"] == SWITCH_SWITCHED
+
+
+def test_what_the_router_sends_right_after_a_registration_ack_is_not_lost():
+    """A worker registering again in its new role is sent requests at once: those read in the
+    same batch as the acknowledgement come out of the link's next ``receive``."""
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a peer not connected yet raises
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    link = RouterLink(context, f"tcp://127.0.0.1:{port}", "w-1", ClusterAuth(None, lambda _: None))
+    params = SamplingParams(max_tokens=2)
+    try:
+        # All three wait on the worker's socket before it registers: its first read takes them
+        # in one batch.
+        deadline = time.monotonic() + DEADLINE_S
+        while True:
+            try:
+                router.send_multipart([b"w-1", encode(RegisterAck(True, None, 0.5))])
+                break
+            except zmq.ZMQError:
+                assert time.monotonic() < deadline, "the worker's link never connected"
+                time.sleep(0.01)
+        for msg in (DecodeRequest("r-1", [1, 2, 3], params), AbortRequest("r-0")):
+            router.send_multipart([b"w-1", encode(msg)])
+        # Time to cross the loopback, so they come in one batch (what could lose them); the
+        # assertions hold however they come.
+        time.sleep(0.2)
+        link.register(reg("w-1", "decode"), timeout=DEADLINE_S)
+        assert link.heartbeat_interval == 0.5
+        received: list = []
+        deadline = time.monotonic() + DEADLINE_S
+        while len(received) < 2 and time.monotonic() < deadline:
+            received += link.receive()
+            link.socket.poll(10)
+        assert [type(m) for m in received] == [DecodeRequest, AbortRequest]
+        assert not link.has_input()
+    finally:
+        link.close()
+        router.close()
+        context.term()

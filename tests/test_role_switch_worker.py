@@ -33,6 +33,8 @@ from decode_worker.main import ROLES
 from decode_worker.worker import DecodeWorker, build_parser
 from prefill_worker.worker import PrefillWorker
 
+pytestmark = pytest.mark.slow  # builds engines: seconds each
+
 DEADLINE_S = 120.0
 PROMPTS = random_prompts(3, seed=11, min_len=20, max_len=40)
 MAX_TOKENS = 12

@@ -431,6 +431,8 @@ def test_a_worker_process_freezes_what_start_up_left_before_it_serves():
     frozen_when_serving: list[int] = []
 
     class Service:
+        successor = None  # no role switch: the loop ends with this role's
+
         def __init__(self, args: argparse.Namespace) -> None:
             self.model_objects = [[index] for index in range(10_000)]
 

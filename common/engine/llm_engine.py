@@ -342,6 +342,7 @@ class LLMEngine:
             )
         if self.lora is not None:
             scheduler.max_adapters = self.lora.max_loras
+            scheduler.adapters = self.lora
         return scheduler
 
     def set_role(self, role: str, scheduler: Scheduler | None = None) -> Scheduler:

@@ -8,7 +8,11 @@ slots, least recently used out first, written when a step needs an adapter that 
 scheduler lets at most ``--max-loras`` adapters run at once (``Scheduler.max_adapters``), so
 every step's adapters fit.
 
-The engine's own thread alone calls a ``LoraManager``.
+An adapter that is wanted again after host memory let it go is read off the engine's thread
+(``ready``): the scheduler sets its requests aside until it is in, and the steps of everyone
+else go on meanwhile.
+
+The engine's own thread alone calls a ``LoraManager``; its reader thread only reads files.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from common.config import LoraConfig, ModelConfig
 from common.lora_adapters import adapter_namespace, check_adapter_name
@@ -37,6 +42,9 @@ class LoraManager:
         self._slot_order: OrderedDict[int, None] = OrderedDict(
             (i, None) for i in range(len(self.slot_names))
         )
+        # Reads of adapters wanted again after host memory let them go (``ready``).
+        self._reads: dict[str, Future[LoraAdapter]] = {}
+        self._reader: ThreadPoolExecutor | None = None
 
     @property
     def names(self) -> list[str]:
@@ -70,6 +78,9 @@ class LoraManager:
             raise ValueError(f"LoRA adapter {name!r} is not loaded")
         del self.paths[name], self.namespaces[name]
         self.host.pop(name, None)
+        read = self._reads.pop(name, None)
+        if read is not None:
+            read.cancel()  # or, running, its result is never taken
         for slot, held in enumerate(self.slot_names):
             if held == name:
                 self.slots.clear(slot)
@@ -80,6 +91,32 @@ class LoraManager:
         if name not in self.namespaces:
             raise ValueError(f"the LoRA adapter {name!r} does not exist")
         return self.namespaces[name]
+
+    def ready(self, name: str) -> bool:
+        """Whether a step may compute under ``name`` now: it is in host memory or in a device
+        slot. If not, its read from its folder is started on the reader thread (unless on its
+        way already) and False returned; a later call takes it in. ``ValueError`` if that read
+        failed (the folder changed or went away since the adapter was loaded); a later call
+        tries again."""
+        if name in self.host or name in self.slot_names:
+            return True
+        read = self._reads.get(name)
+        if read is None:
+            if self._reader is None:
+                self._reader = ThreadPoolExecutor(1, thread_name_prefix="lora-read")
+            self._reads[name] = self._reader.submit(
+                load_adapter, name, self.paths[name], self.model_config, self.max_rank
+            )
+            return False
+        if not read.done():
+            return False
+        del self._reads[name]
+        try:
+            adapter = read.result()
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"LoRA adapter {name!r} could not be read again: {exc}") from exc
+        self._keep_on_host(adapter)
+        return True
 
     def slots_for(self, names: Iterable[str]) -> dict[str, int]:
         """A device slot holding each adapter of ``names`` (at most ``max_loras`` of them),
@@ -101,6 +138,9 @@ class LoraManager:
     def _host_adapter(self, name: str) -> LoraAdapter:
         adapter = self.host.get(name)
         if adapter is None:
+            # Rare: the scheduler admits a request once its adapter is in (``ready``), so only
+            # one that waited in the running set while its slot and host copy went is read here.
+            logger.warning("LoRA adapter %s is read again on the step thread", name)
             adapter = load_adapter(name, self.paths[name], self.model_config, self.max_rank)
             self._keep_on_host(adapter)
         self.host.move_to_end(name)

@@ -29,6 +29,10 @@ stopped at the token before is computed for nothing and dropped in ``postprocess
 freed while such a step is in flight are held back until it is read (``release_held_pages``),
 since its forward still writes one slot in them.
 
+A sequence under a LoRA adapter that is in neither host memory nor a device slot is set aside
+(``loading``) while the adapter is read off the step thread, as one whose grammar compiles is
+(``compiling``); both join the queue when ready, in the order they came.
+
 ``Scheduler`` serves whole requests (the one-process engine); ``DecodeScheduler`` also holds
 the pages of prompts whose KV is on its way from a prefill worker (``reserve``, then
 ``admit_prefilled`` or ``drop_reservation``); ``PrefillScheduler`` lets each request go after
@@ -39,7 +43,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
+from typing import Protocol
 
 from common.config import SchedulerConfig
 from common.engine.batch import ScheduledSequence, SequenceOutput
@@ -52,6 +58,15 @@ from common.engine.structured.matcher import GrammarError
 from common.engine.structured.state import GrammarState
 from common.hashing import page_hashes
 from kernels.sizes import ceil_div
+
+
+class AdapterSource(Protocol):
+    """What the scheduler asks of the engine's LoRA adapters (common/engine/lora.py)."""
+
+    def ready(self, name: str) -> bool:
+        """Whether a step may compute under adapter ``name`` now; if not, it is being fetched
+        off the step thread. ``ValueError`` if it cannot be."""
+        ...
 
 
 class Scheduler:
@@ -88,6 +103,10 @@ class Scheduler:
         # With LoRA: the most adapters the running sequences may compute under at once (the
         # device's slots); a waiting sequence of another adapter waits. None: no limit.
         self.max_adapters: int | None = None
+        # With LoRA: the engine's adapters (common/engine/lora.py's LoraManager), and the
+        # sequences set aside while theirs is read back into host memory off this thread.
+        self.adapters: AdapterSource | None = None
+        self.loading: list[Sequence] = []
         self.release_window = release_window
         self.num_released_pages = 0  # pages given back from behind the window, in all
         self.num_prompt_tokens_computed = 0  # prompt tokens run through the model, cache hits not
@@ -118,7 +137,32 @@ class Scheduler:
             seq.grammar = GrammarState(spec, self.grammars.submit(spec))
             self.compiling.append(seq)
             return
-        self.waiting.append(seq)
+        self._queue(seq)
+
+    def _queue(self, seq: Sequence) -> None:
+        """Queue ``seq``, or set it aside until its adapter is in host memory."""
+        if self._adapter_ready(seq):
+            self.waiting.append(seq)
+        elif seq.status != SequenceStatus.FINISHED:
+            self.loading.append(seq)
+
+    def _adapter_ready(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s adapter (if any) may be computed under now; one that could not be
+        read fails ``seq`` (``failed``), which is then neither ready nor waiting."""
+        if self.adapters is None or seq.lora_name is None:
+            return True
+        try:
+            return self.adapters.ready(seq.lora_name)
+        except ValueError as exc:
+            self._finish(seq, FinishReason.ABORT)
+            self.failed.append((seq, str(exc)))
+            return False
+
+    def _take_loaded(self) -> None:
+        """Queue the sequences whose adapter is in host memory now, in the order they came."""
+        loading, self.loading = self.loading, []
+        for seq in loading:
+            self._queue(seq)
 
     def drain_failed(self) -> list[tuple[Sequence, str]]:
         """The sequences given up since the last call, each with why (a grammar that could
@@ -145,12 +189,12 @@ class Scheduler:
                 self._finish(seq, FinishReason.STOP)
                 self.failed.append((seq, "its structured output was complete already"))
                 continue
-            self.waiting.append(seq)
+            self._queue(seq)
         self.compiling = still
 
     def abort(self, request_id: str) -> Sequence | None:
         """Remove a request wherever it is and free its pages; None if it is unknown."""
-        for queue in (self.running, self.waiting, self.compiling):
+        for queue in (self.running, self.waiting, self.compiling, self.loading):
             for seq in queue:
                 if seq.request_id == request_id:
                     queue.remove(seq)
@@ -158,20 +202,27 @@ class Scheduler:
                     return seq
         return None
 
+    def sequences(self) -> Iterator[Sequence]:
+        """Every sequence this scheduler holds, running, queued or set aside."""
+        yield from self.running
+        yield from self.waiting
+        yield from self.compiling
+        yield from self.loading
+
     def holds(self, request_id: str) -> bool:
-        return any(
-            seq.request_id == request_id for seq in (*self.running, *self.waiting, *self.compiling)
-        )
+        return any(seq.request_id == request_id for seq in self.sequences())
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.compiling)
+        return bool(self.waiting or self.running or self.compiling or self.loading)
 
     # -- the step -------------------------------------------------------------------------------
 
     def schedule(self) -> list[ScheduledSequence]:
         if self.compiling:
             self._take_compiled()
+        if self.loading:
+            self._take_loaded()
         steady = self._steady_batch = self._steady_decodes()
         if steady is not None:
             return steady

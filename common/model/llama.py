@@ -26,7 +26,7 @@ from common.model.moe import SparseMoE
 from common.model.parallel import TensorParallel
 from common.model.quantized_layers import QuantizedEmbedding
 from kernels.cpu.backend import SHORT_QUERY_MAX, CpuAttentionBackend, CpuAttentionPlan
-from kernels.cpu.layer import FusedDecoderLayer
+from kernels.cpu.layer import FusedDecoderLayer, lora_rows
 from kernels.cpu.linear import StepShape
 from kernels.interface import AttentionBackend, AttentionMetadata, KVCacheView
 from kernels.kv_turn import hadamard_turns
@@ -458,17 +458,17 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rotary(positions, hidden.dtype)
         threads = self.layer_threads
         try:
-            # The C layers compute the base model alone.
-            if lora is None and self._runs_fused(meta):
+            if self._runs_fused(meta):
                 assert self.fused_layers is not None and isinstance(meta, CpuAttentionPlan)
                 hidden = hidden.contiguous()  # a fresh tensor: the layers update it in place
                 scratch = torch.empty(
                     self.fused_layers[0].scratch_bytes(hidden.shape[0]), dtype=torch.uint8
                 )
+                adapter_rows = None if lora is None else lora_rows(lora)
                 for fused in self.fused_layers:
                     if threads is not None:
                         threads.before_layer()
-                    fused(hidden, rope, meta.slot_mapping, meta.step_args, scratch)
+                    fused(hidden, rope, meta.slot_mapping, meta.step_args, scratch, adapter_rows)
                 last = hidden[logits_indices]
             else:
                 pending = None

@@ -224,13 +224,15 @@ def attach_lora(
     model: LlamaForCausalLM, max_loras: int, max_rank: int, dtype: torch.dtype
 ) -> LoraSlots:
     """Give every decoder layer of ``model`` its ``LoraProjection``s, empty, in ``dtype`` (the
-    activations'; float32 on a CPU), and return their slots."""
+    activations'; on a CPU float32 unless bf16), and return their slots."""
     if max_loras < 1 or max_rank < 1:
         raise ValueError(f"--max-loras and --max-lora-rank must be >= 1: {max_loras}, {max_rank}")
     config, tp, device = model.config, model.tp, model.device
     check_lora_servable(config)
-    # On a CPU the slots are float32 whatever the model's dtype (kernels/lora.py says why).
-    dtype = torch.float32 if device.type == "cpu" else dtype
+    # On a CPU the C kernel (kernels/cpu/lora_delta.py) reads bf16 slots; other dtypes take
+    # torch's matmuls, whose 16-bit forms of these thin shapes are slow there (kernels/lora.py).
+    if device.type == "cpu" and dtype != torch.bfloat16:
+        dtype = torch.float32
     layers: list[dict[str, LoraProjection]] = []
     for layer in model.decoder_layers():
         attention, mlp = layer.self_attn, layer.mlp

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.cpu.lora_delta import LoraWeights, lora_delta_bf16, lora_weights, takes_rows
 from kernels.lora import (
     DENSE_MAX_COLUMNS,
     LoraSegments,
@@ -39,6 +40,11 @@ class LoraProjection(nn.Module):
         self.a = torch.zeros(max_loras, total_rank, in_features, dtype=dtype, device=device)
         self.b = torch.zeros(max_loras, total_rank, sum(out_sizes), dtype=dtype, device=device)
         self.scales = torch.zeros(max_loras, dtype=torch.float32, device=device)
+        # The C kernel's view of the slots (None where it does not take them): it reads the
+        # tensors above in place, so writes to a slot need not rebuild it.
+        self.cpu_weights: LoraWeights | None = lora_weights(
+            self.a, self.b, self.scales, max_rank, out_sizes
+        )
 
     def write(
         self, slot: int, parts: list[tuple[torch.Tensor, torch.Tensor] | None], scale: float
@@ -68,6 +74,8 @@ class LoraProjection(nn.Module):
             from kernels.triton.lora import lora_delta
 
             lora_delta(out, x, self.a, self.b, self.scales, segments)
+        elif self.cpu_weights is not None and takes_rows(out, x):
+            lora_delta_bf16(out, x, self.cpu_weights, segments)
         elif self.a.shape[0] * self.a.shape[1] <= DENSE_MAX_COLUMNS:
             lora_delta_dense(out, x, self.a, self.b, self.scales, segments)
         else:

@@ -42,6 +42,9 @@ class RouterLink:
         # its helper inside one) sends them, before anything else, so the router reads every
         # message in the order the worker produced it.
         self._deferred: list[Message] = []
+        # Read with the RegisterAck but after it: the router's first messages to the worker
+        # registered (requests it dispatched at once), which the loop's next receive returns.
+        self._after_ack: list[Message] = []
         self._dropped = DroppedFrames(
             "router link", BAD_MESSAGES.labels(socket="router").inc, logger
         )
@@ -54,11 +57,13 @@ class RouterLink:
         while time.monotonic() < deadline:
             self.send(registration)
             if self.socket.poll(1000):
-                for msg in self.receive():
+                messages = self.receive()
+                for index, msg in enumerate(messages):
                     if isinstance(msg, RegisterAck):
                         if not msg.accepted:
                             raise ValueError(f"the router refused this worker: {msg.reason}")
                         self.heartbeat_interval = msg.heartbeat_interval
+                        self._after_ack = messages[index + 1 :]
                         return
                     logger.warning("ignoring %s before registration", type(msg).__name__)
         raise RouterUnavailable(
@@ -95,7 +100,7 @@ class RouterLink:
     def receive(self) -> list[Message]:
         """The messages waiting on the socket, at most ``MAX_FRAMES_PER_TURN`` (the rest wait for
         the next turn); malformed frames are counted and dropped."""
-        messages: list[Message] = []
+        messages, self._after_ack = self._after_ack, []
         # Asked before each read: an empty socket's zmq.Again costs an exception every turn.
         for _ in range(MAX_FRAMES_PER_TURN):
             if not self.socket.poll(0):
@@ -112,6 +117,10 @@ class RouterLink:
             except ProtocolError as exc:
                 self._drop(str(exc))
         return messages
+
+    def has_input(self) -> bool:
+        """Whether ``receive`` has messages to return without waiting on the socket."""
+        return bool(self._after_ack)
 
     def close(self) -> None:
         self.flush()

@@ -291,9 +291,7 @@ class WorkerService(ABC):
     def num_held(self) -> int:
         """Requests this worker holds: running, waiting, or outside the scheduler. A drain
         ends when none are left."""
-        scheduler = self.scheduler
-        held = len(scheduler.running) + len(scheduler.waiting) + len(scheduler.compiling)
-        return held + self.num_pending()
+        return sum(1 for _ in self.scheduler.sequences()) + self.num_pending()
 
     def serve_during_step(
         self,
@@ -507,6 +505,8 @@ class WorkerService(ABC):
         self.link.send(CacheEvents(self.worker_id, stored, [], reset=True))
 
     def _wait(self) -> None:
+        if self.link.has_input():
+            return  # read with the registration's acknowledgement: no need to sleep for it
         poller = zmq.Poller()
         for sock in (self.link.socket, *self.extra_sockets()):
             poller.register(sock, zmq.POLLIN)
@@ -552,17 +552,17 @@ class WorkerService(ABC):
     def heartbeat(self) -> Heartbeat:
         scheduler, pages = self.scheduler, self.page_manager
         queued = sum(
-            max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
-            for seq in (*scheduler.compiling, *scheduler.waiting, *scheduler.running)
+            max(0, seq.num_prompt_tokens - seq.num_computed_tokens) for seq in scheduler.sequences()
         )
         RUNNING.set(len(scheduler.running))
-        waiting = len(scheduler.compiling) + len(scheduler.waiting) + self.num_pending()
+        held_by_scheduler = sum(1 for _ in scheduler.sequences())
+        waiting = held_by_scheduler - len(scheduler.running) + self.num_pending()
         WAITING.set(waiting)
         KV_USAGE.set(pages.usage)
         PROMPT_TOKENS_QUEUED.set(queued)
         held = {
             seq.request_id: seq.num_computed_tokens + seq.num_output_tokens
-            for seq in (*scheduler.compiling, *scheduler.waiting, *scheduler.running)
+            for seq in scheduler.sequences()
         }
         held.update(self.pending_progress())
         return Heartbeat(
@@ -633,12 +633,7 @@ class WorkerService(ABC):
 
     def adapter_users(self, lora_name: str) -> int:
         """Requests this worker holds that compute under ``lora_name``."""
-        scheduler = self.scheduler
-        return sum(
-            1
-            for seq in (*scheduler.compiling, *scheduler.waiting, *scheduler.running)
-            if seq.lora_name == lora_name
-        )
+        return sum(1 for seq in self.scheduler.sequences() if seq.lora_name == lora_name)
 
     def under_adapter(self, seq: Sequence, lora_name: str | None) -> bool:
         """Put ``seq`` under LoRA adapter ``lora_name`` (None: the base model), or tell the
@@ -787,7 +782,8 @@ def run_worker(
     except ValueError as exc:
         logging.getLogger(prog).error("%s", exc)
         return 2
-    worker.roles = {**(roles or {}), worker.role: service_class}
+    if roles is not None:
+        worker.roles = {**roles, worker.role: service_class}
     try:
         with startup_objects_frozen():  # the imports and the model: no collection walks them
             current: WorkerService | None = worker

@@ -24,7 +24,16 @@ typedef struct {
     int32_t group_size;
     int32_t has_offsets;
     activation_rounding rounding; /* ROUND_NONE: the input as it is */
+    const lora_weights *lora;     /* its adapter slots (with ROUND_NONE only), or NULL */
 } linear_weights;
+
+/* The rows of a step computing under adapters (kernels/lora.py's LoraSegments); count 0: none. */
+typedef struct {
+    const int32_t *starts;
+    const int32_t *ends;
+    const int32_t *slots;
+    int32_t count;
+} lora_rows;
 
 /* What a layer keeps from load to load: its weights and its KV pages. Mirrored field by field
  * by kernels/cpu/layer.py's LayerWeights. */
@@ -62,20 +71,27 @@ typedef struct {
     int32_t window;   /* the attention's sliding window; 0 for none */
 } layer_weights;
 
-/* y [rows, N] = x [rows, K] W^T (+ bias), bf16 rows; x, scratch, is rounded in place first
- * where the projection rounds its input (nothing else reads it after). Returns the kernels'
- * status: 0, or nonzero if one could not allocate its scratch memory. */
+/* y [rows, N] = x [rows, K] W^T (+ bias), bf16 rows, and the adapters' deltas of `lora`'s
+ * rows added as the module path adds them; x, scratch, is rounded in place first where the
+ * projection rounds its input (nothing else reads it after; kernels/cpu/layer.py fuses no
+ * projection that both rounds and has adapters). Returns the kernels' status: 0, or nonzero if
+ * one could not allocate its scratch memory. */
 static int project(const linear_weights *l, uint16_t *x, int64_t x_stride, uint16_t *y,
-                   int64_t y_stride, int rows, int N, int K, int num_threads) {
+                   int64_t y_stride, int rows, int N, int K, const lora_rows *lora,
+                   int num_threads) {
     if (l->rounding.strategy != ROUND_NONE &&
         pdserve_round_activations(&l->rounding, x, x_stride, x, x_stride, KV_BF16, rows, K))
         return -1;
-    if (!l->quantized)
-        return pdserve_linear_bf16(x, x_stride, l->tiles, l->bias, y, y_stride, rows, N, K,
-                                   num_threads);
-    return pdserve_quantized_linear(x, x_stride, l->tiles, l->kind, l->group_size,
-                                    l->has_offsets, l->bias, y, y_stride, KV_BF16, rows, N, K,
-                                    num_threads);
+    const int status =
+        l->quantized
+            ? pdserve_quantized_linear(x, x_stride, l->tiles, l->kind, l->group_size,
+                                       l->has_offsets, l->bias, y, y_stride, KV_BF16, rows, N,
+                                       K, num_threads)
+            : pdserve_linear_bf16(x, x_stride, l->tiles, l->bias, y, y_stride, rows, N, K,
+                                  num_threads);
+    if (status || !l->lora || !lora->count) return status;
+    return pdserve_lora_delta_bf16(l->lora, lora->starts, lora->ends, lora->slots, lora->count,
+                                   x, x_stride, y, y_stride, N, K, num_threads);
 }
 
 /* hidden[i] = bf16(hidden[i] + delta[i]), as a bf16 tensor add rounds. */
@@ -199,7 +215,8 @@ static int attend_turned(const layer_weights *w, const uint16_t *qkv, int rows,
 
 /* hidden: [rows, hidden] bf16, contiguous, updated in place; cos, sin: [rows, head_dim] bf16
  * rows `trig_stride` apart; slots: [rows] int64; the attention step arguments as
- * pdserve_paged_attention takes them; scratch: pdserve_decoder_layer_scratch_bytes. Returns 0,
+ * pdserve_paged_attention takes them; lora: the rows under adapters (NULL: none); scratch:
+ * pdserve_decoder_layer_scratch_bytes. Returns 0,
  * or -1 if a kernel could not allocate its scratch memory (or, 8-bit pages, a head_dim beyond
  * the store's row buffer, which kernels/cpu/layer.py does not fuse). */
 int pdserve_decoder_layer_bf16(const layer_weights *w, uint16_t *hidden, int rows,
@@ -207,7 +224,10 @@ int pdserve_decoder_layer_bf16(const layer_weights *w, uint16_t *hidden, int row
                                const int64_t *slots, const int32_t *page_tables,
                                int64_t page_table_stride, const int32_t *query_start_loc,
                                const int32_t *seq_lens, const int32_t *seq_ids, int num_listed,
-                               uint16_t *scratch, int num_threads) {
+                               const lora_rows *adapter_rows, uint16_t *scratch,
+                               int num_threads) {
+    static const lora_rows no_adapters = {0};
+    const lora_rows *lora = adapter_rows ? adapter_rows : &no_adapters;
     const int hidden_size = w->hidden, head_dim = w->head_dim;
     const int q_size = w->num_heads * head_dim, kv_size = w->num_kv_heads * head_dim;
     const int qkv_size = q_size + 2 * kv_size, intermediate = w->intermediate;
@@ -222,7 +242,7 @@ int pdserve_decoder_layer_bf16(const layer_weights *w, uint16_t *hidden, int row
     pdserve_rms_norm_bf16(hidden, hidden_size, w->input_norm, w->eps, normed, hidden_size, rows,
                           hidden_size);
     if (project(&w->qkv, normed, hidden_size, qkv, qkv_size, rows, qkv_size, hidden_size,
-                num_threads))
+                lora, num_threads))
         return -1;
     pdserve_rope_bf16(qkv, qkv_size, head_dim, rows, w->num_heads, head_dim, cos, sin,
                       trig_stride);
@@ -239,18 +259,18 @@ int pdserve_decoder_layer_bf16(const layer_weights *w, uint16_t *hidden, int row
                             num_threads);
     if (status) return -1;
     if (project(&w->o, attended, q_size, projected, hidden_size, rows, hidden_size, q_size,
-                num_threads))
+                lora, num_threads))
         return -1;
     add_bf16(hidden, projected, count);
 
     pdserve_rms_norm_bf16(hidden, hidden_size, w->post_attention_norm, w->eps, normed,
                           hidden_size, rows, hidden_size);
     if (project(&w->gate_up, normed, hidden_size, gate_up, 2 * intermediate, rows,
-                2 * intermediate, hidden_size, num_threads))
+                2 * intermediate, hidden_size, lora, num_threads))
         return -1;
     pdserve_silu_mul_bf16(gate_up, 2 * intermediate, activated, intermediate, rows, intermediate);
     if (project(&w->down, activated, intermediate, projected, hidden_size, rows, hidden_size,
-                intermediate, num_threads))
+                intermediate, lora, num_threads))
         return -1;
     add_bf16(hidden, projected, count);
     return 0;

@@ -118,4 +118,28 @@ int pdserve_prefill_attention_bf16(const uint16_t *query, int64_t query_stride, 
                                    int num_heads, int num_kv_heads, int head_dim, float scale,
                                    int num_threads);
 
+/* One projection's LoRA adapter slots (lora_delta.c), kernels/cpu/lora_delta.py's LoraWeights
+ * field by field: `num_targets` targets (q, k and v share one projection) of `max_rank` rank
+ * rows each, target t's A on rows t * max_rank.. of a slot and its B (transposed) on the same
+ * rows and on output columns out_starts[t].. out_starts[t] + out_sizes[t]. */
+#define LORA_MAX_TARGETS 3
+#define LORA_MAX_RANK_ROWS 1536 /* num_targets * max_rank: 3 targets of rank 512 */
+typedef struct {
+    const uint16_t *a;   /* [slots, num_targets * max_rank, K] bf16 */
+    const uint16_t *b;   /* [slots, num_targets * max_rank, N] bf16 */
+    const float *scales; /* [slots] */
+    int32_t num_targets;
+    int32_t max_rank;
+    int32_t out_starts[LORA_MAX_TARGETS];
+    int32_t out_sizes[LORA_MAX_TARGETS];
+} lora_weights;
+
+/* Adds each segment's delta (rows starts[g].. ends[g] under slot slots[g]) to y [rows, N] bf16
+ * for x [rows, K] bf16; rows outside every segment are left alone. Returns 0, or -1 for
+ * weights beyond LORA_MAX_TARGETS or LORA_MAX_RANK_ROWS. */
+int pdserve_lora_delta_bf16(const lora_weights *l, const int32_t *starts, const int32_t *ends,
+                            const int32_t *slots, int num_segments, const uint16_t *x,
+                            int64_t x_stride, uint16_t *y, int64_t y_stride, int N, int K,
+                            int num_threads);
+
 #endif

@@ -23,9 +23,11 @@ from kernels.cpu import library as cpu_library
 from kernels.cpu.activation_rounding import ActivationRounding, activation_rounding
 from kernels.cpu.backend import KV_DTYPE_CODES
 from kernels.cpu.linear import CpuLinear
+from kernels.cpu.lora_delta import LoraWeights, segment_args
 from kernels.cpu.ops import CpuRMSNorm, CpuRotaryApply, CpuSiluAndMul
 from kernels.cpu.quantized_linear import KIND_CODES, CpuQuantizedLinear
 from kernels.interface import FP8_DTYPE, INT8_DTYPE, SCALE_DTYPES, KVCacheView
+from kernels.lora import LoraSegments
 
 
 class LinearWeights(ctypes.Structure):
@@ -39,11 +41,27 @@ class LinearWeights(ctypes.Structure):
         ("group_size", ctypes.c_int32),
         ("has_offsets", ctypes.c_int32),
         ("rounding", ActivationRounding),
+        ("lora", ctypes.c_void_p),  # a LoraWeights, or None
     ]
 
 
-def linear_weights(linear: CpuLinear | CpuQuantizedLinear) -> LinearWeights:
-    """What the C layer reads of a projection that ``FusedDecoderLayer.fusable`` accepts."""
+class LoraRows(ctypes.Structure):
+    """``lora_rows`` of decoder_layer.c: the step's segments of rows under adapters."""
+
+    _fields_ = [
+        ("starts", ctypes.c_void_p),
+        ("ends", ctypes.c_void_p),
+        ("slots", ctypes.c_void_p),
+        ("count", ctypes.c_int32),
+    ]
+
+
+def linear_weights(
+    linear: CpuLinear | CpuQuantizedLinear, lora: LoraWeights | None = None
+) -> LinearWeights:
+    """What the C layer reads of a projection that ``FusedDecoderLayer.fusable`` accepts, and of
+    its adapter slots (``lora``, kept alive by the caller), if it has them."""
+    lora_pointer = None if lora is None else ctypes.addressof(lora)
     if isinstance(linear, CpuQuantizedLinear):
         packed = linear.packed
         return LinearWeights(
@@ -54,12 +72,14 @@ def linear_weights(linear: CpuLinear | CpuQuantizedLinear) -> LinearWeights:
             group_size=packed.group_size,
             has_offsets=int(packed.has_offsets),
             rounding=activation_rounding(linear.activations),
+            lora=lora_pointer,
         )
     assert linear.packed_tiles is not None
     return LinearWeights(
         tiles=linear.packed_tiles.data_ptr(),
         bias=None if linear.bias_tiles is None else linear.bias_tiles.data_ptr(),
         rounding=activation_rounding(None),
+        lora=lora_pointer,
     )
 
 
@@ -112,13 +132,15 @@ class FusedDecoderLayer:
         self._keep = (layer.input_layernorm, layer.post_attention_layernorm, attention, mlp, cache)
         key_scale, value_scale = cache.key_scale, cache.value_scale
         scale_strides = (0, 0, 0) if key_scale is None else key_scale.stride()
+        # The adapter slots' views, kept here with the layer's modules for the same reason.
+        qkv_lora, o_lora, gate_up_lora, down_lora = self._lora = _adapter_slots(layer)
         self.weights = LayerWeights(
             input_norm=layer.input_layernorm.weight.data_ptr(),
             post_attention_norm=layer.post_attention_layernorm.weight.data_ptr(),
-            qkv=linear_weights(attention.qkv_proj),
-            o=linear_weights(attention.o_proj),
-            gate_up=linear_weights(mlp.gate_up_proj),
-            down=linear_weights(mlp.down_proj),
+            qkv=linear_weights(attention.qkv_proj, qkv_lora),
+            o=linear_weights(attention.o_proj, o_lora),
+            gate_up=linear_weights(mlp.gate_up_proj, gate_up_lora),
+            down=linear_weights(mlp.down_proj, down_lora),
             query_turn_tiles=_tiles_pointer(attention.query_turn),
             kv_turn_tiles=_tiles_pointer(attention.kv_turn),
             key_cache=cache.key.data_ptr(),
@@ -167,6 +189,20 @@ class FusedDecoderLayer:
             and (not cache.is_quantized or FusedDecoderLayer._scales_fit(cache))
             # int8 pages hold turned heads, and only int8 pages do.
             and FusedDecoderLayer._turns_fit(attention) == cache.is_int8
+            and FusedDecoderLayer._adapters_fit(layer, linears)
+        )
+
+    @staticmethod
+    def _adapters_fit(layer, linears) -> bool:
+        """Whether the layer has no adapter slots, or slots on every projection that the C
+        kernel takes, over inputs the projections do not round (the adapters read the input
+        unrounded, as the module path's do)."""
+        slots = _adapter_slots(layer)
+        if all(lora is None for lora in slots):
+            return not _has_slots(layer)
+        return all(lora is not None for lora in slots) and all(
+            not isinstance(linear, CpuQuantizedLinear) or linear.activations is None
+            for linear in linears
         )
 
     @staticmethod
@@ -215,6 +251,7 @@ class FusedDecoderLayer:
         slot_mapping: torch.Tensor,  # [rows] int64
         step_args: tuple,  # CpuAttentionPlan.step_args
         scratch: torch.Tensor,  # at least scratch_bytes(rows) bytes
+        lora: LoraRows | None = None,  # lora_rows(segments), for layers with adapter slots
     ) -> None:
         cos, sin = rope
         status = self._library.pdserve_decoder_layer_bf16(
@@ -226,11 +263,39 @@ class FusedDecoderLayer:
             cos.stride(0),
             slot_mapping.data_ptr(),
             *step_args,
+            None if lora is None else ctypes.addressof(lora),
             scratch.data_ptr(),
             torch.get_num_threads(),
         )
         if status != 0:
             raise MemoryError("the C decoder layer could not allocate its scratch memory")
+
+
+def lora_rows(segments: LoraSegments) -> LoraRows:
+    """The C layer's view of a step's segments (whose tensors must outlive it)."""
+    starts, ends, slots, count = segment_args(segments)
+    return LoraRows(starts=starts, ends=ends, slots=slots, count=count)
+
+
+def _adapter_slots(layer) -> tuple[LoraWeights | None, ...]:
+    """The C kernel's view of the layer's adapter slots per projection (qkv, o, gate/up, down),
+    None for a projection with none or with slots the kernel does not take."""
+    return tuple(None if slots is None else slots.cpu_weights for slots in _slot_owners(layer))
+
+
+def _has_slots(layer) -> bool:
+    return any(slots is not None for slots in _slot_owners(layer))
+
+
+def _slot_owners(layer) -> tuple:
+    """Each projection's ``LoraProjection`` (common/model/lora_layers.py), or None."""
+    attention, mlp = layer.self_attn, layer.mlp
+    return (
+        getattr(attention, "qkv_lora", None),
+        getattr(attention, "o_lora", None),
+        getattr(mlp, "gate_up_lora", None),
+        getattr(mlp, "down_lora", None),
+    )
 
 
 def _bias_of(linear: CpuLinear | CpuQuantizedLinear) -> torch.Tensor | None:

@@ -225,9 +225,15 @@ def _declare(library: ctypes.CDLL) -> None:
     library.pdserve_decoder_layer_scratch_bytes.argtypes = [ptr, i32]
     library.pdserve_decoder_layer_scratch_bytes.restype = i64
     library.pdserve_decoder_layer_bf16.argtypes = [
-        ptr, ptr, i32, ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, i32, ptr, i32
+        ptr, ptr, i32, ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, i32, ptr, ptr, i32
     ]  # fmt: skip
     library.pdserve_decoder_layer_bf16.restype = ctypes.c_int
+    library.pdserve_lora_delta_bf16.argtypes = [
+        ptr, ptr, ptr, ptr, i32,  # the slots, segment starts, ends, slots, how many
+        ptr, i64, ptr, i64,  # x, its row stride, y, its row stride
+        i32, i32, i32,  # N, K, threads
+    ]  # fmt: skip
+    library.pdserve_lora_delta_bf16.restype = ctypes.c_int
     library.pdserve_bf16_tile_order.argtypes = []
     library.pdserve_bf16_tile_order.restype = ctypes.c_int
     library.pdserve_bf16_tiles_available.argtypes = [i32]
