@@ -19,7 +19,10 @@ trace is replayed once at every fixed split from 1:7 to 7:1 (set by role switche
 nothing running) and once with the planner, started at 4:4, acting by role switches. A
 request meets the SLOs when its TTFT and its mean inter-token time (the router's own figures,
 ``GET /v1/traffic``) are within ``--slo-ttft-ms`` and ``--slo-itl-ms``; a request that failed
-meets nothing. Prints, for each run, ``split P:D attainment X%`` or ``planner attainment X%
+meets nothing, nor one the client gave up on once it could no longer meet them (the router
+aborts it). The workers keep no prefix cache: every run replays the same prompts.
+
+Prints, for each run, ``split P:D attainment X%`` or ``planner attainment X%
 switches N flaps F`` (a flap: a change reversing one made at most two intervals before), each
 phase's attainment beside it, and the box.
 """
@@ -141,10 +144,15 @@ def set_split(base: str, prefill: int) -> None:
     raise RuntimeError(f"the split did not reach {prefill}:{NUM_WORKERS - prefill}")
 
 
-async def replay(base: str, model: str, requests: list[Request]) -> list[bool]:
-    """Send every request at its time; whether each was answered in full."""
+async def replay(
+    base: str, model: str, requests: list[Request], slo_ttft_s: float, slo_itl_s: float
+) -> list[bool]:
+    """Send every request at its time; whether each was answered in full. A request still
+    unanswered when it could no longer meet both SLOs (its TTFT objective plus the ITL
+    objective for each later token) is given up, as a client would: the router then aborts it
+    on its workers, and a split that fell behind does not carry its whole backlog on."""
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
-    async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as http:
+    async with httpx.AsyncClient(base_url=base, limits=limits) as http:
         began = time.monotonic()
 
         async def send(request: Request) -> bool:
@@ -155,8 +163,9 @@ async def replay(base: str, model: str, requests: list[Request]) -> list[bool]:
                 "max_tokens": request.max_tokens,
                 "temperature": 0.0,
             }
+            hopeless_after = slo_ttft_s + (request.max_tokens - 1) * slo_itl_s + 1.0
             try:
-                response = await http.post("/v1/completions", json=body)
+                response = await http.post("/v1/completions", json=body, timeout=hopeless_after)
             except httpx.HTTPError:
                 return False
             return response.status_code == 200
@@ -181,7 +190,7 @@ def run_trace(
     """Replay ``requests``; the share meeting both SLOs, overall and per phase."""
     wait_idle(base)
     started = time.monotonic()
-    answered = asyncio.run(replay(base, model, requests))
+    answered = asyncio.run(replay(base, model, requests, slo_ttft_s, slo_itl_s))
     wait_idle(base)
     window = min(600.0, time.monotonic() - started + 1)
     finished = get_json(f"{base}/v1/traffic?window_s={window:.0f}")["finished"]
@@ -279,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         "--prefill", "4", "--decode", "4", "--simulated-engine", str(scaled),
         "--remote-prefill-min-tokens", "1", "--local-prefill-overflow-tokens", "100000000",
         "--max-model-len", "4096", "--no-pin-cores", "--max-num-seqs", "512",
+        # Every run replays the same prompts: a prefix cache would serve the later runs theirs.
+        "--no-enable-prefix-caching",
     )  # fmt: skip
     results: dict[str, float] = {}
     try:
