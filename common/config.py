@@ -361,6 +361,9 @@ class EngineConfig:
     # it holds (common/model/quantization).
     quantization: str | None = None
     lora: LoraConfig = field(default_factory=LoraConfig)
+    # A cost model's JSON: no model is loaded, each step sleeps for the time it gives
+    # (common/engine/simulated.py). None: the real engine.
+    simulated_engine: str | None = None
 
     def validate(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -381,6 +384,13 @@ class EngineConfig:
         self.scheduler.validate()
         self.speculative.validate()
         self.lora.validate()
+        if self.simulated_engine is not None and (
+            self.tensor_parallel_size > 1 or self.lora.enable_lora or self.speculative.enabled
+        ):
+            raise ValueError(
+                "--simulated-engine runs no model: it cannot be combined with tensor "
+                "parallelism, LoRA adapters or speculative decoding"
+            )
         if self.enable_deterministic_inference and self.enforce_eager:
             raise ValueError(
                 "--enable-deterministic-inference needs pdserve's own kernels; it cannot be "

@@ -39,8 +39,9 @@ import msgpack
 # tensor-parallel prefill worker's ranks; a fetch names the KV heads it asks for. 8: a step's
 # one-token deltas travel as columns of TokenDeltas. 9: heartbeats carry the worker's steps,
 # the progress of each request it holds, and its prefill and finishing rates; sampling params
-# carry a structured-output spec.
-PROTOCOL_VERSION = 9
+# carry a structured-output spec. 10: heartbeats carry the worker's step time, tokens and rows
+# summed over its steps.
+PROTOCOL_VERSION = 10
 
 # Control messages are small; a frame above this is refused before it is parsed. Sockets that
 # carry larger control frames (e.g. a NIXL agent's metadata) pass their own limit.

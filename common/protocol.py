@@ -166,6 +166,12 @@ class Heartbeat(Message):
     # per second of step (a moving average; 0 until measured), and requests finished per second.
     prefill_tokens_per_s: float = 0.0
     finished_per_s: float = 0.0
+    # What its steps have cost since it started: wall time, tokens computed and rows, summed
+    # over its steps (num_steps of them). Two heartbeats give the mean step of the span between,
+    # which the planner fits its step cost to (planner/fit.py).
+    busy_seconds: float = 0.0
+    step_tokens: int = 0
+    step_rows: int = 0
     # LoRA adapters (common/engine/lora.py): those this worker serves, those whose tensors it
     # holds in host memory, and those in its device's slots; the router routes by them.
     lora_adapters: list[str] = field(default_factory=list)

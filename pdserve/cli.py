@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "decode": ("decode_worker.main", "run a decode worker"),
     "router": ("router.server", "run the OpenAI-compatible router"),
     "up": ("pdserve.launcher", "start a local cluster: router, prefill and decode workers"),
+    "planner": ("planner.service", "set the prefill:decode split to meet the SLOs"),
 }
 
 

@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -34,6 +35,9 @@ from common import cluster_auth
 from common.service.core_loan import create_loan_file, omp_places
 from common.service.drain import DEFAULT_DRAIN_TIMEOUT_S, positive_seconds
 from kernels.cpu.features import has_amx_bf16
+from planner.act import LocalWorkers
+from planner.observe import RouterClient
+from planner.service import add_planner_args, build_planner
 from router.reasoning import reasoning_parser_names
 from router.tool_parsers import tool_parser_names
 
@@ -278,6 +282,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--planner",
+        action="store_true",
+        help="run the SLO planner beside the cluster: it switches workers' roles, and starts "
+        "and stops workers up to --max-workers (docs/planner.md)",
+    )
+    parser.add_argument(
+        "--max-workers",
+        type=int,
+        default=None,
+        help="with --planner: the most workers it may run (default: --prefill + --decode, "
+        "role switches alone)",
+    )
+    add_planner_args(parser, standalone=False)
     return parser
 
 
@@ -462,6 +480,74 @@ def names_a_gpu_backend(version_py: str) -> bool:
     return any(version != "None" for version in versions.values())
 
 
+class LocalLauncher:
+    """The planner's ``WorkerLauncher`` (planner/act.py) over this launcher's processes: a
+    worker started with the flags every worker got, on any core (the cores were shared out at
+    start), and one stopped by SIGTERM (it drains) and no longer restarted."""
+
+    def __init__(
+        self,
+        services: list[Service],
+        lock: threading.Lock,
+        shared: list[str],
+        worker_flags: list[str],
+        args: argparse.Namespace,
+        first_index: int,
+    ) -> None:
+        self.services = services
+        self.lock = lock
+        self.shared = shared
+        self.worker_flags = worker_flags
+        self.args = args
+        self.next_index = first_index
+
+    def start(self, role: str) -> str:
+        with self.lock:
+            index = self.next_index
+            self.next_index += 1
+            worker_id = f"{role}-{index}"
+            flags = [*self.shared, "--worker-id", worker_id, *role_flags(self.args, role)]
+            name = f"{role} worker {index}"
+            self.services.append(
+                _spawn(name, f"{role}_worker", [*flags, *self.worker_flags], Placement())
+            )
+        return worker_id
+
+    def stop(self, worker_id: str) -> None:
+        with self.lock:
+            for service in self.services:
+                flags = service.args
+                named = flags[flags.index("--worker-id") + 1] if "--worker-id" in flags else None
+                if service.module != "router" and named == worker_id:
+                    self.services.remove(service)
+                    _terminate_later(service, self.args.drain_timeout or DEFAULT_DRAIN_TIMEOUT_S)
+                    return
+        raise ValueError(f"no worker {worker_id} was started here")
+
+
+def _terminate_later(service: Service, drain_timeout: float) -> None:
+    """SIGTERM ``service`` (it drains) and reap it in the background."""
+    threading.Thread(target=_terminate, args=([service], drain_timeout + 5.0), daemon=True).start()
+
+
+def start_planner(
+    args: argparse.Namespace, base_url: str, launcher: LocalLauncher, stop: threading.Event
+) -> threading.Thread:
+    """The planner in a thread of this process, with a local actuator where --max-workers lets
+    it start workers (``ValueError`` for bad planner flags)."""
+    current = args.prefill + args.decode
+    max_workers = args.max_workers if args.max_workers is not None else current
+    if max_workers < current:
+        raise ValueError(f"--max-workers {max_workers} is below the {current} workers started")
+    scaler = LocalWorkers(launcher) if max_workers > current else None
+    planner = build_planner(args, RouterClient(base_url, args.api_key), scaler, max_workers)
+    thread = threading.Thread(
+        target=planner.run, args=(args.planner_interval, stop), name="planner", daemon=True
+    )
+    thread.start()
+    return thread
+
+
 def visible_gpus() -> list[str]:
     """The GPUs this process sees, as CUDA_VISIBLE_DEVICES would name them to a child."""
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -574,6 +660,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.prefill_tp < 1 or args.decode_tp < 1:
         print("pdserve up: --prefill-tp and --decode-tp must be >= 1", file=sys.stderr)
         return 2
+    if args.planner and (args.slo_ttft_ms is None or args.slo_itl_ms is None):
+        print("pdserve up: --planner needs --slo-ttft-ms and --slo-itl-ms", file=sys.stderr)
+        return 2
     from common.model.default_model import resolve_model_path
 
     try:
@@ -654,6 +743,9 @@ def main(argv: list[str] | None = None) -> int:
         else [[] for _ in roles]
     )
     services: list[Service] = []
+    lock = threading.Lock()  # the services list: the supervisor's and the planner's
+    planner_stop = threading.Event()
+    planner_thread: threading.Thread | None = None
     stopping = False
 
     def request_stop(*_):
@@ -676,21 +768,28 @@ def main(argv: list[str] | None = None) -> int:
                 )
             )
         wait_until_ready(services, base_url, args)
+        if args.planner:
+            starter = LocalLauncher(services, lock, shared, worker_flags, args, len(roles))
+            planner_thread = start_planner(args, base_url, starter, planner_stop)
         print(
             f"pdserve is up: {base_url}/v1 ({args.prefill} prefill, {args.decode} decode, "
             f"model {os.path.basename(model)}). Ctrl-C stops it.",
             flush=True,
         )
         while not stopping:
-            problem = supervise(services)
+            with lock:
+                problem = supervise(services)
             if problem is not None:
                 print(f"pdserve up: {problem}; stopping", file=sys.stderr)
                 return 1
             time.sleep(0.5)
         return 0
-    except RuntimeError as exc:
+    except (RuntimeError, ValueError) as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 1
     finally:
+        planner_stop.set()
+        if planner_thread is not None:
+            planner_thread.join(timeout=30)
         stop_all(services, args.drain_timeout or DEFAULT_DRAIN_TIMEOUT_S)
         shutil.rmtree(loans_dir, ignore_errors=True)

@@ -49,6 +49,7 @@ from router.policy import (
     route,
 )
 from router.registry import WorkerRegistry
+from router.traffic import Finished
 
 logger = logging.getLogger(__name__)
 
@@ -497,6 +498,9 @@ class Dispatcher:
         now = time.monotonic()
         if gen.retries == 0:
             self.metrics.request.dispatched(now - gen.arrived_at)
+            self.metrics.traffic.arrived(
+                gen.arrived_at, len(gen.prompt_token_ids), gen.params.max_tokens
+            )
         gen.progressed_at = now
         gen.held_progress = -1
         gen.dispatched_at = now
@@ -638,6 +642,19 @@ class Dispatcher:
 
     def _record_end(self, gen: Generation, reason: str, now: float) -> None:
         first = gen.first_token_at
+        if first is not None:
+            generated = len(gen.token_ids)
+            decode_s = gen.last_token_at - first
+            self.metrics.traffic.ended(
+                Finished(
+                    now,
+                    len(gen.prompt_token_ids),
+                    generated,
+                    first - gen.arrived_at,
+                    decode_s / (generated - 1) if generated > 1 else 0.0,
+                    reason,
+                )
+            )
         self.metrics.request.ended(
             reason,
             e2e_s=now - gen.arrived_at,

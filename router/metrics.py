@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
 
 from router.request_metrics import RequestMetrics, ServiceLevel
+from router.traffic import TrafficLog
 
 # Fine buckets below a millisecond: the router's own time per request is the figure of merit.
 _OVERHEAD_BUCKETS = (
@@ -117,6 +118,8 @@ class RouterMetrics:
         )
         # Request latencies and tokens, vLLM's quantities under pdserve_; SLO goodput.
         self.request = RequestMetrics(r, slo)
+        # The same requests' lengths and latencies, one by one, for GET /v1/traffic.
+        self.traffic = TrafficLog()
         # ``labels()`` takes a lock and checks its arguments on every call; the label sets are
         # few and fixed, so the hot paths keep each child once it exists.
         self.request_count = _children(self.requests)

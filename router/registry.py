@@ -61,6 +61,10 @@ class WorkerState:
     stepped: bool = False
     prefill_tokens_per_s: float = 0.0
     finished_per_s: float = 0.0
+    # Its steps' wall time, tokens and rows summed since it started (its latest heartbeat's).
+    busy_seconds: float = 0.0
+    step_tokens: int = 0
+    step_rows: int = 0
     # Shutting down (WorkerDraining): it serves what it has, and nothing new is routed to it.
     draining: bool = False
     # Changing role (router/role_switch.py): the role it becomes and since when (the router's
@@ -120,6 +124,13 @@ class WorkerState:
             },
             "kv_usage": self.kv_usage,
             "num_free_pages": self.num_free_pages,
+            # Summed over its steps since it started: what the planner fits step costs to.
+            "steps": {
+                "count": self.num_steps,
+                "busy_seconds": self.busy_seconds,
+                "tokens": self.step_tokens,
+                "rows": self.step_rows,
+            },
             "lora_adapters": {
                 "served": self.lora_adapters,
                 "on_host": self.loras_on_host,
@@ -251,6 +262,9 @@ class WorkerRegistry:
         state.num_steps = msg.num_steps
         state.prefill_tokens_per_s = msg.prefill_tokens_per_s
         state.finished_per_s = msg.finished_per_s
+        state.busy_seconds = msg.busy_seconds
+        state.step_tokens = msg.step_tokens
+        state.step_rows = msg.step_rows
         state.lora_adapters = msg.lora_adapters
         if (msg.loras_on_host, msg.loras_on_device) != (state.loras_on_host, state.loras_on_device):
             state.loras_on_host = msg.loras_on_host

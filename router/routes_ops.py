@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -62,6 +64,16 @@ def add_routes(app: FastAPI, state: RouterState) -> None:
             role: [w.describe() for w in registry.pool(role)]
             for role in (ROLE_PREFILL, ROLE_DECODE)
         }
+
+    @app.get("/v1/traffic")
+    async def traffic(request: Request, window_s: float = 60.0) -> dict:
+        """Recent arrivals and finished sequences with their lengths and latencies (what the
+        planner observes; ``router/traffic.py``)."""
+        edge.authorize(request)
+        try:
+            return state.metrics.traffic.window(time.monotonic(), window_s)
+        except ValueError as exc:
+            raise BadRequest(str(exc), "window_s") from exc
 
     @app.get("/health")
     async def health() -> Response:

@@ -9,13 +9,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # DESIGN.md: router, prefill_worker, decode_worker -> kvtransfer -> common -> kernels; the
-# pdserve command sits above everything and nothing imports it, and the benchmarks above that.
+# planner sits above the router, whose registry and traffic it reads over HTTP alone; the pdserve
+# command sits above everything and nothing imports it, and the benchmarks above that.
 # Inside kernels, a floor each: what every backend shares at the root (the interface, the KV
 # formats, the portable torch backend, sizes and timing); the CPU and Triton backends; and what
 # chooses among them (the registries, the device-neutral argmax).
 LEVELS = {
-    "benchmarks": 7,
-    "pdserve": 6,
+    "benchmarks": 8,
+    "pdserve": 7,
+    "planner": 6,
     "router": 5,
     "prefill_worker": 5,
     "decode_worker": 5,
@@ -30,8 +32,10 @@ LEVELS = {
 }
 # Packages on one floor that must not reach each other: each backend stands on its own.
 SIBLINGS = [("kernels.cpu", "kernels.triton")]
-# The router never loads torch: it reaches no module that does.
-TORCH_FREE = ["router"]
+# The router and the planner never load torch: they reach no module that does.
+TORCH_FREE = ["router", "planner"]
+# Packages that speak to the router over its HTTP interface only, never importing it.
+OVER_HTTP = {"planner": ("router", "prefill_worker", "decode_worker", "kvtransfer")}
 
 
 def level(module: str) -> int:
@@ -147,6 +151,18 @@ def test_the_router_reaches_no_kernel():
                     frontier.append(dep)
         kernels = sorted(name for name in reached if package_of(name, ("kernels",)))
         assert not kernels, f"{package} reaches {kernels}"
+
+
+def test_the_planner_reaches_the_services_over_http_only():
+    reached = [
+        f"{name} imports {dep}"
+        for package, services in OVER_HTTP.items()
+        for name, deps in import_graph().items()
+        if package_of(name, (package,))
+        for dep in deps
+        if package_of(dep, services)
+    ]
+    assert not reached, "\n".join(reached)
 
 
 def test_the_cycle_finder_finds_a_cycle():

@@ -27,12 +27,15 @@ DASHBOARD = ROOT / "deploy/grafana/dashboards/pdserve.json"
 ALERTS = ROOT / "deploy/alerts.yml"
 MODEL = "tiny-chat"
 WORKER_TABLES = ("Workers", "KV transfer")
+# The planner's metrics are its own process's (tests/test_planner_service.py scrapes them).
+PLANNER_TABLE = "The planner"
 # Every module that registers a metric. Those at module level register on import; the router
 # makes its own per app (its SLO gauges only when an objective is set).
 METRIC_MODULES = (
     "common/metrics.py",
     "common/service/core_loan.py",
     "kvtransfer/metrics.py",
+    "planner/metrics.py",
     "router/metrics.py",
     "router/request_metrics.py",
 )
@@ -68,15 +71,17 @@ def registered() -> set[str]:
     """Every metric the code registers, as a scrape names it (a counter with ``_total``)."""
     from prometheus_client import REGISTRY
 
+    from planner.metrics import PlannerMetrics
     from router.metrics import RouterMetrics
     from router.request_metrics import ServiceLevel
 
     for path in METRIC_MODULES:
         importlib.import_module(path.removesuffix(".py").replace("/", "."))
     router = RouterMetrics(ServiceLevel(ttft_s=1.0, tpot_s=1.0)).registry
+    planner = PlannerMetrics().registry
     return {
         family.name + "_total" if family.type == "counter" else family.name
-        for registry in (REGISTRY, router)
+        for registry in (REGISTRY, router, planner)
         for family in registry.collect()
         if family.name.startswith("pdserve_")
     }
@@ -131,7 +136,14 @@ def test_the_metric_modules_are_every_module_that_registers_one():
     """A new module with metrics joins METRIC_MODULES, so the test above sees its metrics."""
     found = {
         str(path.relative_to(ROOT))
-        for package in ("common", "kvtransfer", "router", "prefill_worker", "decode_worker")
+        for package in (
+            "common",
+            "kvtransfer",
+            "router",
+            "prefill_worker",
+            "decode_worker",
+            "planner",
+        )
         for path in (ROOT / package).rglob("*.py")
         if re.search(r"\b(Counter|Gauge|Histogram|Summary)\(", path.read_text())
     }
@@ -221,6 +233,8 @@ def send_traffic(client, base: str) -> None:
 
 def test_every_documented_metric_is_exported_and_moves_under_traffic(scraped):
     for lead, rows in documented().items():
+        if lead == PLANNER_TABLE:
+            continue
         roles = ("prefill", "decode") if lead.startswith(WORKER_TABLES) else ("router",)
         for name, moves in rows:
             found = [scraped[role] for role in roles if name in scraped[role]]

@@ -134,6 +134,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="batch-invariant kernels: a request's tokens and logprobs do not depend on the "
         "batch, chunking, prefix cache or worker (C kernels on a CPU, Triton on CUDA)",
     )
+    group.add_argument(
+        "--simulated-engine",
+        default=None,
+        metavar="COST_MODEL.json",
+        help="run no model: each step sleeps for the time this cost model gives and emits "
+        "deterministic tokens, over the real scheduler, pages and wire (docs/planner.md)",
+    )
     add_lora_args(parser)
     spec = parser.add_argument_group("speculative decoding (decode side)")
     spec.add_argument(
@@ -235,6 +242,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_expert_parallel=args.enable_expert_parallel,
         quantization=args.quantization,
         lora=lora_config_from_args(args),
+        simulated_engine=args.simulated_engine,
     )
     config.validate()
     return config

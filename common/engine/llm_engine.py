@@ -30,6 +30,7 @@ from common.config import (
     resolve_dtype,
 )
 from common.context_window import all_layers_slide
+from common.cost_model import CostModel
 from common.engine.batch import ScheduledSequence, SequenceOutput
 from common.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from common.engine.kv_pool import KVPool, dtype_name, kv_layout
@@ -42,6 +43,13 @@ from common.engine.page_manager import PageManager
 from common.engine.sampler import PromptLogprob, SampledToken, Sampler
 from common.engine.scheduler import DecodeScheduler, PrefillScheduler, Scheduler
 from common.engine.sequence import FinishReason, Sequence, first_output_prompt_logprobs
+from common.engine.simulated import (
+    SIM_HEAD_DIM,
+    SIM_NUM_KV_HEADS,
+    SIM_NUM_LAYERS,
+    SimulatedModel,
+    SimulatedRunner,
+)
 from common.engine.speculative.draft import DraftModelProposer
 from common.engine.speculative.ngram import NgramProposer
 from common.engine.speculative.speculator import Proposer, Speculator
@@ -108,6 +116,9 @@ class LLMEngine:
         self.device = _rank_device(config.resolve_device(), tp_rank)
         self.model_path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_pretrained(self.model_path)
+        if config.simulated_engine is not None:
+            self._build_simulated(config, role, started)
+            return
         tp_size = config.tensor_parallel_size
         check_shardable(self.model_config, tp_size, config.enable_expert_parallel)
         # Rank 0 spawns the others before the rendezvous, which waits for all of them.
@@ -265,6 +276,56 @@ class LLMEngine:
             ", deterministic inference (batch-invariant kernels)" if deterministic else "",
             f", tensor-parallel rank {tp_rank} of {tp_size}" if tp_size > 1 else "",
             ", decode steps launched ahead" if self.steps_ahead else "",
+        )
+
+    def _build_simulated(self, config: EngineConfig, role: str | None, started: float) -> None:
+        """The simulated engine (``common/engine/simulated.py``): the real scheduler and page
+        manager over a pool of tiny pages, and a runner that sleeps for its cost model's time.
+        No weights are read, only the model's configuration (vocabulary, context length)."""
+        assert config.simulated_engine is not None
+        cost = CostModel.load(config.simulated_engine)
+        budget = config.scheduler.max_num_batched_tokens or cost.max_num_batched_tokens or 256
+        config = dataclasses.replace(
+            config,
+            scheduler=dataclasses.replace(config.scheduler, max_num_batched_tokens=budget),
+        )
+        self.config = config
+        self.device = torch.device("cpu")  # sleeping needs no accelerator, whatever the host has
+        self.followers = None
+        self.tp = TensorParallel()
+        self.dtype = torch.float16
+        self.model = SimulatedModel()  # type: ignore[assignment]  # nothing runs: the runner sleeps
+        self.lora = None
+        self.speculator = None
+        self.max_model_len = min(
+            config.scheduler.max_model_len or self.model_config.max_position_embeddings,
+            self.model_config.max_position_embeddings,
+        )
+        page_size = config.cache.page_size
+        self.kv_layout = kv_layout(
+            torch.float16, page_size, SIM_NUM_LAYERS, SIM_NUM_KV_HEADS, SIM_HEAD_DIM
+        )
+        num_pages = config.cache.num_pages or max(1, cost.kv_tokens // page_size)
+        self.pool = KVPool(self.kv_layout, num_pages, self.device)
+        self.page_manager = PageManager(num_pages, page_size, config.cache.enable_prefix_caching)
+        eos = self.model_config.eos_token_ids
+        self.grammars = GrammarCompiler(self.model_path, self.model_config.vocab_size, list(eos))
+        self.role = role
+        self._has_draft = False
+        self.scheduler = self._new_scheduler(role)
+        self.runner = SimulatedRunner(cost, self.model_config.vocab_size, eos)  # type: ignore[assignment]
+        self.steps_ahead = False
+        self._ahead = None
+        self._ids = itertools.count()
+        logger.info(
+            "simulated engine ready in %.1f s: %s's vocabulary, %d pages of %d tokens, "
+            "%d tokens per step; step cost %s",
+            time.monotonic() - started,
+            self.model_path.name,
+            num_pages,
+            page_size,
+            budget,
+            cost.source or config.simulated_engine,
         )
 
     def _new_scheduler(self, role: str | None) -> Scheduler:

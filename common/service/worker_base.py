@@ -247,6 +247,9 @@ class WorkerService(ABC):
         self._released_pages_seen = 0
         # What the heartbeats report of this worker's progress and pace (see ``heartbeat``).
         self.num_steps = 0
+        self.busy_seconds = 0.0
+        self.step_tokens = 0
+        self.step_rows = 0
         self.prefill_rate = Throughput()
         self.finish_rate = Throughput()
 
@@ -469,6 +472,10 @@ class WorkerService(ABC):
         batch, outputs = self.engine.run_step(around_forward=self._step_io)
         self.last_step_seconds = time.perf_counter() - started
         self.num_steps += 1
+        self.busy_seconds += self.last_step_seconds
+        step_tokens = sum(item.num_new_tokens + item.num_draft_slots for item in batch)
+        self.step_tokens += step_tokens
+        self.step_rows += len(batch)
         prompt_tokens = self.scheduler.num_prompt_tokens_computed - computed
         if prompt_tokens:
             self.prefill_rate.record(prompt_tokens, self.last_step_seconds)
@@ -477,7 +484,7 @@ class WorkerService(ABC):
             self.finish_rate.record(left)
         STEP_SECONDS.observe(self.last_step_seconds)
         STEP_BATCH_SIZE.observe(len(batch))
-        ITERATION_TOKENS.observe(sum(item.num_new_tokens + item.num_draft_slots for item in batch))
+        ITERATION_TOKENS.observe(step_tokens)
         GENERATED_TOKENS.inc(sum(len(out.new_samples) for out in outputs))
         self.on_finished_step(batch, outputs)
 
@@ -589,6 +596,9 @@ class WorkerService(ABC):
             held_progress=list(held.values()),
             prefill_tokens_per_s=self.prefill_rate.per_busy_second(),
             finished_per_s=self.finish_rate.per_second(),
+            busy_seconds=self.busy_seconds,
+            step_tokens=self.step_tokens,
+            step_rows=self.step_rows,
             **self._adapters_held(),
         )
 

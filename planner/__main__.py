@@ -1,0 +1,5 @@
+import sys
+
+from planner.service import main
+
+sys.exit(main())
