@@ -296,6 +296,7 @@ class LLMEngine:
         self.dtype = torch.float16
         self.model = SimulatedModel()  # type: ignore[assignment]  # nothing runs: the runner sleeps
         self.lora = None
+        self.tiers = None
         self.speculator = None
         self.max_model_len = min(
             config.scheduler.max_model_len or self.model_config.max_position_embeddings,
