@@ -380,6 +380,29 @@ def drain_report(cluster: Cluster, worker_id: str) -> tuple[int, int]:
     return int(held.group(1)), int(moved.group(1))
 
 
+def complete(base: str, job: tuple[str, int]) -> dict:
+    """The cluster's greedy completion of ``job`` (prompt, max_tokens), past any EOS."""
+    prompt, max_tokens = job
+    body = {"model": "tiny-chat", "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    response = httpx.post(f"{base}/v1/completions", json=body, timeout=300)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]
+
+
+def greedy_answers(folder: Path, tokenizer: Tokenizer, jobs: list[tuple[str, int]]) -> list:
+    """What the one-process engine answers each ``complete`` of ``jobs``: its greedy tokens."""
+    engine = reference_engine(folder, max_model_len=1024)
+    expected: list[list[int]] = [[] for _ in jobs]
+    for max_tokens in {max_tokens for _, max_tokens in jobs}:
+        picked = [i for i, job in enumerate(jobs) if job[1] == max_tokens]
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        outputs = engine.generate([tokenizer.encode(jobs[i][0]) for i in picked], params)
+        for i, tokens in zip(picked, outputs, strict=True):
+            expected[i] = tokens
+    return expected
+
+
 @pytest.mark.slow
 def test_sigterm_drains_a_worker_of_each_role_and_every_request_completes(tmp_path):
     """Under a stream of requests, SIGTERM one decode and one prefill worker while they hold
@@ -397,14 +420,6 @@ def test_sigterm_drains_a_worker_of_each_role_and_every_request_completes(tmp_pa
                 return f"request {i}: {PROMPT}", 860
             return f"request {i}: {PROMPT * (1 + i % 3)}", 24
 
-        def complete(job: tuple[str, int]) -> dict:
-            prompt, max_tokens = job
-            body = {"model": "tiny-chat", "prompt": prompt, "max_tokens": max_tokens,
-                    "temperature": 0, "ignore_eos": True}  # fmt: skip
-            response = httpx.post(f"{cluster.base}/v1/completions", json=body, timeout=300)
-            assert response.status_code == 200, response.text
-            return response.json()["choices"][0]
-
         signallers = {
             "decode": Signaller(cluster, "decode"),
             "prefill": Signaller(cluster, "prefill"),
@@ -419,7 +434,7 @@ def test_sigterm_drains_a_worker_of_each_role_and_every_request_completes(tmp_pa
             ):
                 assert len(jobs) < MAX_JOBS, "no worker was signalled"
                 jobs.append(job(len(jobs)))
-                futures.append(pool.submit(complete, jobs[-1]))
+                futures.append(pool.submit(complete, cluster.base, jobs[-1]))
                 time.sleep(0.1)
                 if len(jobs) == 8:  # two long generations are running
                     signallers["decode"].start()
@@ -441,14 +456,7 @@ def test_sigterm_drains_a_worker_of_each_role_and_every_request_completes(tmp_pa
         pools = cluster.workers()
         assert [len(pools["prefill"]), len(pools["decode"])] == [1, 1]
 
-        engine = reference_engine(cluster.folder, max_model_len=1024)
-        expected: list[list[int]] = [[] for _ in jobs]
-        for max_tokens in {max_tokens for _, max_tokens in jobs}:
-            picked = [i for i, job in enumerate(jobs) if job[1] == max_tokens]
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-            outputs = engine.generate([tokenizer.encode(jobs[i][0]) for i in picked], params)
-            for i, tokens in zip(picked, outputs, strict=True):
-                expected[i] = tokens
+        expected = greedy_answers(cluster.folder, tokenizer, jobs)
         assert [r["finish_reason"] for r in results] == ["length"] * len(jobs)
         for i, (result, tokens) in enumerate(zip(results, expected, strict=True)):
             assert result["text"] == tokenizer.decode(tokens), i

@@ -18,11 +18,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cluster_harness import reference_engine
-from test_drain import PROMPT, Cluster
+from test_drain import PROMPT, Cluster, complete, greedy_answers
 from tiny_models import build_tiny_chat_model
 
-from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow  # starts a router and four workers
@@ -118,14 +116,6 @@ def test_workers_switch_roles_both_ways_under_a_stream_of_requests(tmp_path: Pat
                 return f"request {i}: {PROMPT}", 128
             return f"request {i}: {PROMPT * (1 + i % 3)}", 16
 
-        def complete(job: tuple[str, int]) -> dict:
-            prompt, max_tokens = job
-            body = {"model": "tiny-chat", "prompt": prompt, "max_tokens": max_tokens,
-                    "temperature": 0, "ignore_eos": True}  # fmt: skip
-            response = httpx.post(f"{cluster.base}/v1/completions", json=body, timeout=300)
-            assert response.status_code == 200, response.text
-            return response.json()["choices"][0]
-
         switcher = Switcher(cluster)
         jobs: list[tuple[str, int]] = []
         after_switches = 0
@@ -136,7 +126,7 @@ def test_workers_switch_roles_both_ways_under_a_stream_of_requests(tmp_path: Pat
             while after_switches < 8:
                 assert len(jobs) < MAX_JOBS, "the switches did not end"
                 jobs.append(job(len(jobs)))
-                futures.append(pool.submit(complete, jobs[-1]))
+                futures.append(pool.submit(complete, cluster.base, jobs[-1]))
                 time.sleep(0.125)
                 if len(jobs) == 4:
                     switcher.start()
@@ -161,14 +151,7 @@ def test_workers_switch_roles_both_ways_under_a_stream_of_requests(tmp_path: Pat
         assert pools == FINAL
 
         # Every answer is the one-process engine's.
-        engine = reference_engine(folder, max_model_len=1024)
-        expected: list[list[int]] = [[] for _ in jobs]
-        for max_tokens in {max_tokens for _, max_tokens in jobs}:
-            picked = [i for i, job in enumerate(jobs) if job[1] == max_tokens]
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-            outputs = engine.generate([tokenizer.encode(jobs[i][0]) for i in picked], params)
-            for i, tokens in zip(picked, outputs, strict=True):
-                expected[i] = tokens
+        expected = greedy_answers(folder, tokenizer, jobs)
         assert [r["finish_reason"] for r in results] == ["length"] * len(jobs)
         for i, (result, tokens) in enumerate(zip(results, expected, strict=True)):
             assert result["text"] == tokenizer.decode(tokens), i
