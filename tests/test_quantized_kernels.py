@@ -130,6 +130,26 @@ def test_tiles_match_the_dequantized_twin(kind, offsets, grouping, dtype) -> Non
             assert torch.equal(layer(x[33:34]), every_row[33:34])
 
 
+@pytest.mark.parametrize("offsets", [False, True], ids=["symmetric", "offsets"])
+@pytest.mark.parametrize("kind", CODE_KINDS)
+def test_tiles_side_by_side_keep_each_rows_bits(kind, offsets) -> None:
+    """A few rows run over several tiles at once, the tiles left over at the end one by one:
+    ten tiles (the last one short) give every row count from 1 to 9 whole blocks and leftovers,
+    and each row's outputs must be the bits it gets beside 8 others (the decoded chunk's path)
+    and close to the twin."""
+    out_features = 9 * 32 + 13
+    weight = random_weight(kind, 320, 32, offsets, seed=17, out_features=out_features)
+    x = torch.randn(9, 320, generator=torch.Generator().manual_seed(4)).bfloat16()
+    layer = CpuQuantizedLinear(weight, None, torch.bfloat16, tiles_only=True)
+    with torch_threads(1):
+        every_row = layer(x)
+    expected = twin(x, weight, None).bfloat16()
+    torch.testing.assert_close(every_row.float(), expected.float(), **TOLERANCE[torch.bfloat16])
+    for rows, threads in itertools.product(range(1, 9), (1, 2)):
+        with torch_threads(threads):
+            assert torch.equal(layer(x[:rows]), every_row[:rows]), (rows, threads)
+
+
 @pytest.mark.parametrize("kind", CODE_KINDS)
 def test_exact_sums_agree_to_the_bit(kind) -> None:
     """Integer inputs, power-of-two scales and codes on a coarse grid: every product and sum is

@@ -18,7 +18,8 @@
  * row and group). The output is acc (+ bias) rounded once to the output dtype. However the rows
  * are blocked and however many a call has, a row's outputs are the same bits.
  *
- * A few rows (up to DIRECT_ROWS) decode the codes as they stream by; more rows decode a chunk
+ * A few rows (up to DIRECT_ROWS) decode the codes as they stream by, over a few tiles side by
+ * side (TILES_FOR: the fewer the rows, the more tiles); more rows decode a chunk
  * of the tile into float32 in L1 once (decode_chunk) and run every row over it, so the decoding
  * is paid once per tile, not once per row block. Both read the same values in the same order.
  */
@@ -40,8 +41,8 @@
 /* Bytes of the stream fetched ahead of use into L1 and, further ahead, into L2: the stream
  * crosses tiles, which no prefetcher knows, and one core needs many lines in flight to read
  * memory at full speed. */
-#define PREFETCH_NEAR 2048
-#define PREFETCH_FAR 16384
+#define PREFETCH_NEAR 4096
+#define PREFETCH_FAR 32768
 
 /* Bytes of `rows` k-rows of a tile's codes. */
 static inline int64_t code_bytes(int kind, int64_t rows) {
@@ -100,6 +101,13 @@ typedef __m512 vec;
 /* Eight rows over the whole tile: 16 accumulators, every one a chain of its own. */
 #define DIRECT_ROWS 8
 #define WIDE_ROWS 8
+/* Fewer rows run over several tiles side by side (direct_block), so that even one row keeps
+ * eight chains of FMAs in flight (a chain waits four cycles an FMA; one row over one tile has
+ * two, a 4-bit code's pair of k-rows one after the other in each) and reads four streams at
+ * once. SmolLM2's linears at one row, one core of the AVX-512 Xeon: 7-21% faster than one tile
+ * at a time (with the 4-bit lookup in decode_rows and the longer prefetch). */
+#define DIRECT_TILES 4
+#define TILES_FOR(rows) ((rows) <= 2 ? 4 : (rows) <= 4 ? 2 : 1)
 #define vec_load _mm512_loadu_ps
 #define vec_store _mm512_storeu_ps
 #define vec_fma _mm512_fmadd_ps
@@ -112,6 +120,8 @@ typedef __m256 vec;
  * uint4 pair of k-rows eight vectors. */
 #define DIRECT_ROWS 2
 #define WIDE_ROWS 3
+#define DIRECT_TILES 2
+#define TILES_FOR(rows) ((rows) == 1 ? 2 : 1)
 #define vec_load _mm256_loadu_ps
 #define vec_store _mm256_storeu_ps
 #define vec_fma _mm256_fmadd_ps
@@ -134,12 +144,16 @@ static inline __attribute__((always_inline)) void decode_rows(const int kind,
                                                               vec *w) {
 #if defined(__AVX512F__)
     if (kind == QUANT_UINT4) {
+        /* vpermps reads the low four bits of each index: a nibble is looked up as it is, one
+         * instruction where masking and converting take two. */
+        const __m512 values =
+            _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
         const uint8_t *p = codes + (k >> 1) * TILE;
         for (int v = 0; v < VECS; v++) {
             const __m512i bytes =
                 _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 16 * v)));
-            w[v] = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)));
-            w[VECS + v] = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+            w[v] = _mm512_permutexvar_ps(bytes, values);
+            w[VECS + v] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), values);
         }
     } else if (kind == QUANT_INT8) {
         const uint8_t *p = codes + k * TILE;
@@ -231,40 +245,59 @@ static inline __attribute__((always_inline)) void block_end(vec a[][VECS], const
         for (int v = 0; v < VECS; v++) vec_store(part + r * TILE + v * LANES, a[r][v]);
 }
 
-/* For n <= DIRECT_ROWS rows, a whole group: the sums of x[r][k] * code[k][0..TILE) over its
- * k-rows [0, kc), decoding the codes as they are read, scaled into acc (kind and n constants
- * after inlining, so the sums stay in registers). */
-static inline __attribute__((always_inline)) void direct_block(const float *x, int64_t x_stride,
-                                                               const uint8_t *codes,
-                                                               const int kind, int kc,
-                                                               const int n,
-                                                               const group_end *end,
-                                                               float *acc) {
-    vec a[DIRECT_ROWS][VECS];
-    block_begin(a, n, 1, NULL);
+/* For n <= DIRECT_ROWS rows over nt tiles side by side (their streams tile_stride bytes
+ * apart), a whole group: each tile's sums of x[r][k] * code[k][0..TILE) over its k-rows
+ * [0, kc), decoding the codes as they are read, scaled into the tile's acc (acc_stride floats
+ * after the previous tile's). Kind, n and nt are constants after inlining, so the sums stay in
+ * registers; each output's sum runs in the order it would over its tile alone. */
+static inline __attribute__((always_inline)) void direct_block(
+    const float *x, int64_t x_stride, const uint8_t *codes, int64_t tile_stride, const int kind,
+    int kc, const int n, const int nt, const group_end *end, float *acc, int64_t acc_stride) {
+    vec a[DIRECT_TILES][DIRECT_ROWS][VECS];
+    for (int t = 0; t < nt; t++) block_begin(a[t], n, 1, NULL);
     for (int k = 0; k < kc; k += STEP(kind)) {
-        prefetch_stream(codes + code_bytes(kind, k));
-        vec w[2 * VECS];
-        decode_rows(kind, codes, k, w);
-        for (int s = 0; s < STEP(kind); s++)
+        /* One prefetch a cache line of each stream. */
+        const int fetch = (code_bytes(kind, k) & 63) == 0;
+        for (int t = 0; t < nt; t++) {
+            const uint8_t *tile_codes = codes + t * tile_stride;
+            if (fetch) prefetch_stream(tile_codes + code_bytes(kind, k));
+            vec w[2 * VECS];
+            decode_rows(kind, tile_codes, k, w);
+            for (int s = 0; s < STEP(kind); s++)
 #pragma GCC unroll 8
-            for (int r = 0; r < n; r++) {
-                const vec xv = vec_set1(x[r * x_stride + k + s]);
-                for (int v = 0; v < VECS; v++) a[r][v] = vec_fma(xv, w[s * VECS + v], a[r][v]);
-            }
+                for (int r = 0; r < n; r++) {
+                    const vec xv = vec_set1(x[r * x_stride + k + s]);
+                    for (int v = 0; v < VECS; v++)
+                        a[t][r][v] = vec_fma(xv, w[s * VECS + v], a[t][r][v]);
+                }
+        }
     }
-    block_scale(a, n, end, acc);
+    for (int t = 0; t < nt; t++) {
+        group_end tile_end = *end;
+        tile_end.scales = (const float *)((const uint8_t *)end->scales + t * tile_stride);
+        if (end->offsets)
+            tile_end.offsets = (const float *)((const uint8_t *)end->offsets + t * tile_stride);
+        block_scale(a[t], n, &tile_end, acc + t * acc_stride);
+    }
 }
 
+/* TILES_FOR(rows) tiles side by side, or (the tiles left over at the end) one. */
 #define DIRECT_CASE(code, rows)                                                                \
     case (code) * DIRECT_ROWS + (rows) - 1:                                                    \
-        direct_block(x, x_stride, codes, code, kc, rows, end, acc);                            \
+        if (nt == 1)                                                                           \
+            direct_block(x, x_stride, codes, tile_stride, code, kc, rows, 1, end, acc,         \
+                         acc_stride);                                                          \
+        else                                                                                   \
+            direct_block(x, x_stride, codes, tile_stride, code, kc, rows, TILES_FOR(rows),     \
+                         end, acc, acc_stride);                                                \
         break;
 #define DIRECT_KINDS(rows)                                                                     \
     DIRECT_CASE(QUANT_INT8, rows) DIRECT_CASE(QUANT_UINT4, rows) DIRECT_CASE(QUANT_FP8_E4M3, rows)
 
-static void direct_any(const float *x, int64_t x_stride, const uint8_t *codes, int kind, int kc,
-                       int n, const group_end *end, float *acc) {
+/* nt: 1 or TILES_FOR(n). */
+static void direct_any(const float *x, int64_t x_stride, const uint8_t *codes,
+                       int64_t tile_stride, int kind, int kc, int n, int nt,
+                       const group_end *end, float *acc, int64_t acc_stride) {
     switch (kind * DIRECT_ROWS + n - 1) {
         DIRECT_KINDS(1)
         DIRECT_KINDS(2)
@@ -337,6 +370,7 @@ static void wide_any(const float *x, int64_t x_stride, const float *wide, int kc
 /* Portable C: a chunk decoded one code at a time, then each row over it. */
 #define DIRECT_ROWS 0
 #define WIDE_ROWS 1
+#define TILES_FOR(rows) 1
 
 typedef struct {
     const float *scales;
@@ -368,9 +402,11 @@ static void wide_any(const float *x, int64_t x_stride, const float *wide, int kc
     }
 }
 
-static void direct_any(const float *x, int64_t x_stride, const uint8_t *codes, int kind, int kc,
-                       int n, const group_end *end, float *acc) {
-    (void)x, (void)x_stride, (void)codes, (void)kind, (void)kc, (void)n, (void)end, (void)acc;
+static void direct_any(const float *x, int64_t x_stride, const uint8_t *codes,
+                       int64_t tile_stride, int kind, int kc, int n, int nt,
+                       const group_end *end, float *acc, int64_t acc_stride) {
+    (void)x, (void)x_stride, (void)codes, (void)tile_stride, (void)kind, (void)kc, (void)n;
+    (void)nt, (void)end, (void)acc, (void)acc_stride;
 }
 #endif
 
@@ -384,14 +420,15 @@ typedef struct {
     int groups;
 } quantized_shape;
 
-/* acc[m][0..TILE) = the sums of one tile's outputs for all M rows of x (float32, rows x_stride
- * apart, K padded); part and wide are scratch. */
-static void tile_sums(const quantized_shape *q, const uint8_t *tile, const float *x,
-                      int64_t x_stride, const float *xsum, int M, float *acc, float *part,
-                      float *wide) {
+/* acc[t][m][0..TILE) = the sums of the outputs of nt tiles side by side (their streams
+ * tile_stride bytes apart; nt is 1 or, up to DIRECT_ROWS rows, TILES_FOR(M)) for all M rows of
+ * x (float32, rows x_stride apart, K padded); part and wide are scratch. */
+static void tile_sums(const quantized_shape *q, const uint8_t *tile, int64_t tile_stride, int nt,
+                      const float *x, int64_t x_stride, const float *xsum, int M, float *acc,
+                      float *part, float *wide) {
     const int64_t header = (int64_t)TILE * (1 + q->has_offsets);
     const int K = padded_k(q->kind, q->K);
-    memset(acc, 0, (size_t)M * TILE * sizeof(float));
+    memset(acc, 0, (size_t)nt * M * TILE * sizeof(float));
     const uint8_t *at = tile;
     for (int g = 0; g < q->groups; g++) {
         const int k0 = g * q->group;
@@ -401,7 +438,8 @@ static void tile_sums(const quantized_shape *q, const uint8_t *tile, const float
         const uint8_t *codes = (const uint8_t *)(scales + header);
         if (M <= DIRECT_ROWS) {
             const group_end end = {scales, offsets, xsum + g, q->groups};
-            direct_any(x + k0, x_stride, codes, q->kind, rows, M, &end, acc);
+            direct_any(x + k0, x_stride, codes, tile_stride, q->kind, rows, M, nt, &end, acc,
+                       (int64_t)M * TILE);
         } else {
             for (int c0 = 0; c0 < rows; c0 += CHUNK_K) {
                 const int kc = rows - c0 < CHUNK_K ? rows - c0 : CHUNK_K;
@@ -454,6 +492,9 @@ int pdserve_quantized_linear(const void *x, int64_t x_stride, const uint8_t *pac
     const int K_pad = padded_k(kind, K);
     const int64_t stride_bytes = tile_bytes(kind, q.has_offsets, group_size, K);
     const int num_tiles = (N + TILE - 1) / TILE;
+    /* Up to DIRECT_ROWS rows, TILES_FOR(M) tiles run side by side (direct_block). */
+    const int per_block = M <= DIRECT_ROWS ? TILES_FOR(M) : 1;
+    const int num_blocks = (num_tiles + per_block - 1) / per_block;
     const int io_f32 = io_dtype == KV_F32;
     const size_t out_size = io_f32 ? sizeof(float) : sizeof(uint16_t);
     /* x widened once into float32 rows of K_pad (zeros past K), beside each row's group sums:
@@ -480,23 +521,33 @@ int pdserve_quantized_linear(const void *x, int64_t x_stride, const uint8_t *pac
                     xsum[(int64_t)m * q.groups + g] = group_sum(row + k0, n);
                 }
         }
-        const size_t scratch = (2 * (size_t)M + CHUNK_K) * TILE * sizeof(float);
+        const size_t scratch = ((per_block + 1) * (size_t)M + CHUNK_K) * TILE * sizeof(float);
         float *acc = aligned_alloc(64, scratch);
         if (!acc) {
 #pragma omp atomic write
             failed = 1;
         }
-        float *part = acc + (size_t)M * TILE;
+        float *part = acc + (size_t)per_block * M * TILE;
         float *wide = part + (size_t)M * TILE;
 #pragma omp for schedule(static)
-        for (int t = 0; t < num_tiles; t++) {
+        for (int b = 0; b < num_blocks; b++) {
             if (!acc) continue;
-            tile_sums(&q, packed + t * stride_bytes, x32, K_pad, xsum, M, acc, part, wide);
-            const int n0 = t * TILE;
-            const int width = N - n0 < TILE ? N - n0 : TILE;
-            for (int m = 0; m < M; m++)
-                store_row(acc + (int64_t)m * TILE, bias ? bias + n0 : NULL, width, io_f32,
-                          (char *)y + ((int64_t)m * y_stride + n0) * out_size);
+            const int t0 = b * per_block;
+            const int nt = num_tiles - t0 < per_block ? num_tiles - t0 : per_block;
+            if (nt == per_block)
+                tile_sums(&q, packed + t0 * stride_bytes, stride_bytes, nt, x32, K_pad, xsum, M,
+                          acc, part, wide);
+            else
+                for (int t = 0; t < nt; t++)
+                    tile_sums(&q, packed + (t0 + t) * stride_bytes, stride_bytes, 1, x32, K_pad,
+                              xsum, M, acc + (int64_t)t * M * TILE, part, wide);
+            for (int t = 0; t < nt; t++) {
+                const int n0 = (t0 + t) * TILE;
+                const int width = N - n0 < TILE ? N - n0 : TILE;
+                for (int m = 0; m < M; m++)
+                    store_row(acc + ((int64_t)t * M + m) * TILE, bias ? bias + n0 : NULL, width,
+                              io_f32, (char *)y + ((int64_t)m * y_stride + n0) * out_size);
+            }
         }
         free(acc);
     }
