@@ -129,6 +129,35 @@ def test_scheme_gives_the_greedy_tokens_of_transformers(base_model, tmp_path_fac
     engine.close()
 
 
+@pytest.mark.parametrize("scheme", ["W8A16", "W4A16"])
+def test_a_quantized_tied_head_gives_the_greedy_tokens_of_transformers(tmp_path_factory, scheme):
+    """``--quantize-head`` on a model whose head is its embedding: the checkpoint holds a
+    quantized ``lm_head`` and the 16-bit embedding, untied; pdserve multiplies the head's codes
+    and gives the greedy tokens of ``transformers`` over the checkpoint dequantized by
+    compressed-tensors."""
+    base = tmp_path_factory.mktemp("tied") / "tiny"
+    save_tiny_model(tiny_llama_config(**SHAPE, tie_word_embeddings=True), base)
+    folder = write_compressed_tensors(
+        base, tmp_path_factory.mktemp("head") / "model", scheme, GROUP_SIZE, quantize_head=True
+    )
+    raw = json.loads((folder / "config.json").read_text())
+    assert raw["tie_word_embeddings"] is False
+    assert "lm_head" not in raw["quantization_config"]["ignore"]
+    reference_folder = _dequantized_by_compressed_tensors(
+        folder, tmp_path_factory.mktemp("dense") / "model"
+    )
+    prompts = random_prompts(6, seed=5)
+    expected = hf_greedy(reference_folder, prompts, NEW_TOKENS)
+    engine = build_engine(folder, max_num_batched_tokens=2048)
+    assert isinstance(engine.model.head, CpuQuantizedLinear)
+    assert isinstance(engine.model.embed_tokens, torch.nn.Embedding)
+    got = engine.generate(prompts, GREEDY)
+    assert_greedy_equal_up_to_near_ties(reference_folder, prompts, got, expected, WEIGHT_ONLY_TIE)
+    engine.close()
+    with pytest.raises(ValueError, match="static input scales"):
+        write_compressed_tensors(base, folder.parent / "fp8", "FP8", quantize_head=True)
+
+
 def test_quantized_layers_keep_codes_not_16_bit_weights(base_model, tmp_path_factory):
     folder = _quantized(base_model, tmp_path_factory, "W4A16")
     model = load_model(ModelConfig.from_pretrained(folder), torch.float32, torch.device("cpu"))
@@ -273,6 +302,12 @@ def test_pdserve_quantize_writes_a_checkpoint_pdserve_serves(base_model, tmp_pat
     assert config.quantization_config["format"] == "pack-quantized"
     engine = build_engine(target)
     assert engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0.0))
+    engine.close()
+    with_head = tmp_path / "w8a16-head"
+    argv = ["quantize", str(base_model), str(with_head), "--scheme", "W8A16", "--quantize-head"]
+    assert pdserve(argv) == 0
+    engine = build_engine(with_head)
+    assert isinstance(engine.model.head, CpuQuantizedLinear)
     engine.close()
     with pytest.raises(ValueError, match="do not divide"):
         write_compressed_tensors(base_model, tmp_path / "bad", "W4A16", group_size=48)

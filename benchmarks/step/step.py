@@ -15,11 +15,14 @@ column per engine, e.g. (SmolLM2 on a shared 2-core box)::
         [--baseline]   # also the plain torch path (--enforce-eager, torch attention), same run
         [--kv-cache-dtypes auto,int8,fp8]   # a column per KV page format, same run
         [--bf16-tiles fma,dpbf16]   # a column per other bf16 tile kernel, same run
-        [--weights W8A16,W4A16,FP8_DYNAMIC,GGUF_Q4_1]   # a column per quantized format
+        [--weights W8A16,W4A16,FP8_DYNAMIC,GGUF_Q4_1,W4A16+head]   # a column per format
 
 With ``--weights``, each format is the default model quantized here (``pdserve quantize``,
-groups of 64; ``GGUF_Q4_1``: its own GGUF file, served as it is), and each decode step is shown
-beside its own floor: the bytes of its own weights (codes, scales, offsets) read once.
+groups of 64; a ``+head`` suffix: ``--quantize-head``, the output projection quantized too;
+``GGUF_Q4_1``: its own GGUF file, served as it is), and each decode step is shown beside its
+own floor: the bytes of its own weights (codes, scales, offsets) read once. The summary puts
+each format's step time over the first column's beside the ratio of their floors, the best a
+format's bytes allow.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ from kernels.registry import ENV_VAR as ENV_BACKEND
 from kernels.timing import best_seconds
 
 GGUF_Q4_1 = "GGUF_Q4_1"
+# A format name's suffix asking for the output projection quantized too.
+WITH_HEAD = "+head"
 # Groups of the grouped formats: 64 divides SmolLM2's 576 and 1536 columns.
 GROUP_SIZE = 64
 
@@ -97,7 +102,8 @@ def _linear_bytes(module: torch.nn.Module, dtype: torch.dtype) -> int:
 
 
 def quantized_models(formats: list[str], base: str | None, scratch: Path) -> dict[str, str]:
-    """A model folder for each of ``formats`` (``writer.SCHEMES`` or ``GGUF_Q4_1``)."""
+    """A model folder for each of ``formats`` (``writer.SCHEMES``, each maybe with
+    ``WITH_HEAD``, or ``GGUF_Q4_1``)."""
     from common.model.default_model import default_gguf_model, resolve_model_path
 
     folders = {}
@@ -106,8 +112,11 @@ def quantized_models(formats: list[str], base: str | None, scratch: Path) -> dic
             folders[name] = str(default_gguf_model()[0])
         else:
             source = resolve_model_path(base)
-            target = scratch / name
-            folders[name] = str(write_compressed_tensors(source, target, name, GROUP_SIZE))
+            scheme = name.removesuffix(WITH_HEAD)
+            folder = write_compressed_tensors(
+                source, scratch / name, scheme, GROUP_SIZE, quantize_head=name != scheme
+            )
+            folders[name] = str(folder)
     return folders
 
 
@@ -278,6 +287,7 @@ def main() -> None:
     # Where oneDNN has no bf16 path (an AVX2 core), torch's bf16 GEMM is emulated, several times
     # slower than float32: no floor, and its 2048 rows would take minutes. Its column says so.
     bf16_gemm_is_native = onednn_reorders_bf16()
+    prefill_rates: dict[str, list[float]] = {}
     with torch.inference_mode():
         print()
         print(
@@ -289,6 +299,8 @@ def main() -> None:
             rates = [
                 timed(name, prefill_tokens_per_second, num_tokens, args.repeats) for name in names
             ]
+            for name, rate in zip(names, rates, strict=True):
+                prefill_rates.setdefault(name, []).append(rate)
             bf16 = (
                 num_tokens / bare_gemm_seconds(engine, num_tokens, torch.bfloat16, 2)
                 if bf16_gemm_is_native
@@ -306,15 +318,25 @@ def main() -> None:
     print("\n(x): decode step over its floor; (%): prefill over the faster bare GEMM")
     if formats:
         print()
-        print("quantized formats against the first column (decode step, prefill tokens/s)")
         first = names[0]
+        print(
+            f"quantized formats against {first}: step time over {first}'s (its floor: the "
+            "ratio of their weights' bytes)"
+        )
         for (batch, context), times in steps.items():
             ratios = "  ".join(
-                f"{name} {seconds / times[0]:.2f}x"
+                f"{name} {seconds / times[0]:.2f}x ({bytes_of[name] / bytes_of[first]:.2f}x)"
                 for name, seconds in zip(names, times, strict=True)
                 if name in formats
             )
-            print(f"batch {batch:2d} ctx {context:4d}  {ratios}   (step time over {first}'s)")
+            print(f"batch {batch:2d} ctx {context:4d}  {ratios}")
+        for index, num_tokens in enumerate((512, 2048)):
+            ratios = "  ".join(
+                f"{name} {prefill_rates[first][index] / prefill_rates[name][index]:.2f}x"
+                for name in names
+                if name in formats
+            )
+            print(f"prefill {num_tokens:4d} tokens  {ratios}   (time per token over {first}'s)")
     scratch.cleanup()
 
 

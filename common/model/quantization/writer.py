@@ -4,7 +4,11 @@ The schemes are llm-compressor's presets that need no calibration set (round to 
 scales from each weight's own range) and the one that needs a little (``FP8``'s static input
 scales, from a forward pass over calibration text), written in compressed-tensors' own layout:
 what vLLM, SGLang, ``transformers`` and pdserve load. The output projection stays 16-bit, as
-llm-compressor leaves it by default.
+llm-compressor leaves it by default, unless asked (``--quantize-head``): then it is written as a
+quantized ``lm_head`` like any other linear layer, as vLLM and GPTQ's quantized heads are. A
+model whose head is tied to its embedding is then written untied: the embedding stays 16-bit
+(a step reads only its few looked-up rows) and the head is its own quantized copy (which a step
+reads whole), so every loader reads the checkpoint as any untied model with a quantized head.
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ _QUANTIZED_LAYERS = (
 )  # fmt: skip
 # What stays 16-bit, as llm-compressor leaves it: the head, and a mixture's routers and shared
 # expert gate (a few columns each, whose rounding would move every token's choice of experts).
-_IGNORED = ["lm_head", r"re:.*\.gate$", r"re:.*\.shared_expert_gate$"]
+HEAD = "lm_head"
+_IGNORED = [HEAD, r"re:.*\.gate$", r"re:.*\.shared_expert_gate$"]
+EMBEDDING = "model.embed_tokens.weight"
 FP8_BLOCK = 128
 
 
@@ -101,15 +107,20 @@ def write_compressed_tensors(
     scheme_name: str,
     group_size: int | None = None,
     calibration: Callable[[], dict[str, float]] | None = None,
+    quantize_head: bool = False,
 ) -> Path:
     """``source``'s model quantized by preset ``scheme_name`` into folder ``target`` (its
     config with a ``quantization_config``, one safetensors file, the tokenizer files).
 
     ``group_size``: the groups of a grouped scheme (default the preset's 128; it must divide
     the input widths, e.g. 64 for SmolLM2's 576). ``calibration``: for ``FP8``'s static input
-    scales, a call that returns each quantized layer's largest input magnitude."""
-    written = quantization_config(scheme_name, group_size)
+    scales, a call that returns each quantized layer's largest input magnitude.
+    ``quantize_head``: the output projection quantized too (untied from the embedding, see
+    above); not with static input scales, whose calibration covers the decoder layers only."""
+    written = quantization_config(scheme_name, group_size, quantize_head)
     scheme = SCHEMES[scheme_name]
+    if quantize_head and scheme.inputs is not None and not scheme.inputs.get("dynamic"):
+        raise ValueError(f"{scheme_name} has static input scales: its head stays 16-bit")
     weights = written["config_groups"]["group_0"]["weights"]
     static_inputs = scheme.inputs is not None and not scheme.inputs.get("dynamic")
     if static_inputs and calibration is None:
@@ -117,12 +128,20 @@ def write_compressed_tensors(
     input_amax = calibration() if calibration is not None and static_inputs else {}
     config = ModelConfig.from_pretrained(source)
     tensors: dict[str, torch.Tensor] = {}
+    # A tied head is written from the embedding (a copy of it in the checkpoint, if any, is
+    # the same tensor).
+    tied_head = quantize_head and config.tie_word_embeddings
     for name, value in checkpoint_tensors(config, None, lambda _: None):
         assert isinstance(value, torch.Tensor)
         layer = name.removesuffix(".weight")
+        if tied_head and layer == HEAD:
+            continue
+        if tied_head and name == EMBEDDING:
+            for suffix, tensor in _quantized(value, weights, scheme.storage).items():
+                tensors[f"{HEAD}.{suffix}"] = tensor.contiguous()
         quantized = (
             layer.startswith("model.layers.") and layer.rpartition(".")[2] in _QUANTIZED_LAYERS
-        )
+        ) or (quantize_head and layer == HEAD)
         if not (name.endswith(".weight") and quantized):
             tensors[name] = value.contiguous()
             continue
@@ -135,6 +154,8 @@ def write_compressed_tensors(
     target.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
     raw = json.loads((source / "config.json").read_text())
+    if quantize_head:
+        raw["tie_word_embeddings"] = False
     raw["quantization_config"] = written
     (target / "config.json").write_text(json.dumps(raw, indent=2))
     for extra in source.iterdir():
@@ -145,8 +166,11 @@ def write_compressed_tensors(
     return target
 
 
-def quantization_config(scheme_name: str, group_size: int | None = None) -> dict[str, Any]:
-    """The ``quantization_config`` a checkpoint of preset ``scheme_name`` carries."""
+def quantization_config(
+    scheme_name: str, group_size: int | None = None, quantize_head: bool = False
+) -> dict[str, Any]:
+    """The ``quantization_config`` a checkpoint of preset ``scheme_name`` carries (its head
+    quantized too: ``quantize_head``)."""
     if scheme_name not in SCHEMES:
         raise ValueError(f"unknown scheme {scheme_name!r}; one of {', '.join(SCHEMES)}")
     scheme = SCHEMES[scheme_name]
@@ -166,7 +190,7 @@ def quantization_config(scheme_name: str, group_size: int | None = None) -> dict
                 "format": scheme.storage,
             }
         },
-        "ignore": _IGNORED,
+        "ignore": [name for name in _IGNORED if not (quantize_head and name == HEAD)],
         "kv_cache_scheme": None,
     }
 
@@ -269,9 +293,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("target", help="the folder to write")
     parser.add_argument("--scheme", required=True, choices=[s for s in SCHEMES if s != "FP8"])
     parser.add_argument("--group-size", type=int, default=None)
+    parser.add_argument(
+        "--quantize-head",
+        action="store_true",
+        help="quantize the output projection too (a tied one is written untied: the "
+        "embedding stays 16-bit, the head a quantized copy)",
+    )
     args = parser.parse_args(argv)
     folder = write_compressed_tensors(
-        Path(args.source), Path(args.target), args.scheme, args.group_size
+        Path(args.source),
+        Path(args.target),
+        args.scheme,
+        args.group_size,
+        quantize_head=args.quantize_head,
     )
     print(folder)
     return 0
