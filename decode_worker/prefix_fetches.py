@@ -59,6 +59,7 @@ class PrefixFetch:
     parent: int | None  # the hash of the page before the first asked for
     hashes: list[int]  # of the pages asked for
     first_page: int  # the prompt's page the first asked for is
+    held_page_ids: list[int]  # the pages before it, this pool's, referenced meanwhile
     aborted: bool = False
 
 
@@ -109,6 +110,7 @@ class PrefixFetches:
             return False
         if fetch.aborted:
             self.scheduler.drop_reservation(fetch.dst_page_ids)
+            self.pages.free(fetch.held_page_ids)
             return True
         del self._by_request[fetch.seq.request_id]
         if not result.ok:
@@ -119,6 +121,7 @@ class PrefixFetches:
         else:
             self._file(fetch, result.offered)
         self.scheduler.drop_reservation(fetch.dst_page_ids)  # filed pages stay in the cache
+        self.pages.free(fetch.held_page_ids)
         self._admit(fetch.seq)
         return True
 
@@ -140,12 +143,17 @@ class PrefixFetches:
         # Never the last prompt token's page: it is computed to sample the first token.
         num_pages = min(source.num_pages, (len(prompt) - 1) // page_size)
         namespace = seq.cache_namespace
-        held = len(self.pages.match_prefix(prompt, num_pages, namespace))
+        held_page_ids = self.pages.match_prefix(prompt, num_pages, namespace)
+        held = len(held_page_ids)
         if held >= num_pages:
             return False  # this pool holds as much already
         hashes = page_hashes(prompt[: num_pages * page_size], page_size, namespace=namespace)
+        # A reference on the pages held here, so that reserving the others cannot evict them:
+        # the fetched pages only chain on from them.
+        self.pages.acquire(held_page_ids)
         dst = self.scheduler.reserve((num_pages - held) * page_size)
         if dst is None:
+            self.pages.free(held_page_ids)
             KV_PREFIX_FETCH_FALLBACKS.labels(NO_ROOM).inc()
             return False
         self._count += 1
@@ -165,8 +173,9 @@ class PrefixFetches:
             logger.info("%s: cannot fetch its prefix (%s)", seq.request_id, exc)
             KV_PREFIX_FETCH_FALLBACKS.labels(UNSUPPORTED).inc()
             self.scheduler.drop_reservation(dst)
+            self.pages.free(held_page_ids)
             return False
-        fetch = PrefixFetch(seq, transfer_id, dst, parent, hashes[held:], held)
+        fetch = PrefixFetch(seq, transfer_id, dst, parent, hashes[held:], held, held_page_ids)
         self._by_request[seq.request_id] = fetch
         self._by_transfer[transfer_id] = fetch
         return True

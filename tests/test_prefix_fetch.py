@@ -68,8 +68,8 @@ def cluster(tmp_path_factory):
                             str(tmp_path / "disk"), "--worker-id", "prefill-disk")  # fmt: skip
         router.start_worker("decode", folder, *FLAGS, "--worker-id", "decode")
         router.wait_registered(3)
-        prompts = dict(zip(("host", "disk", "gone", "abort"),
-                           random_prompts(4, seed=11, min_len=70, max_len=70), strict=True))  # fmt: skip
+        names = ("host", "disk", "gone", "abort")
+        prompts = dict(zip(names, random_prompts(4, seed=11, min_len=70, max_len=70), strict=True))
         fillers = random_prompts(4, seed=12, min_len=70, max_len=70)
         for name, prompt in prompts.items():
             router.send("decode", DecodeRequest(f"whole-{name}", prompt, GREEDY))

@@ -56,7 +56,8 @@ def cluster(args: argparse.Namespace, prefix_fetch: bool, pool_tokens: int, log_
     yields the router's base URL and the decode worker's metrics URL."""
     port = free_port_pair()
     control = f"tcp://127.0.0.1:{port + 1}"
-    max_len = str(args.system_tokens + args.turns * (args.user_tokens + args.reply_tokens) + PAGE_SIZE)
+    final_context = args.system_tokens + args.turns * (args.user_tokens + args.reply_tokens)
+    max_len = str(final_context + PAGE_SIZE)
     pool = f"{pool_tokens * kv_bytes_per_token(args.model) // 1024}KiB"
     worker = ["--router", control, "--model", args.model, "--dtype", "bfloat16", "--max-model-len",
               max_len, "--kv-cache-memory", pool, "--log-level", "WARNING"]  # fmt: skip
