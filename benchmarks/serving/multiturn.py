@@ -186,6 +186,12 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="router + 1 prefill + 1 decode worker: TTFT with and without prefix fetches",
     )
+    parser.add_argument(
+        "--remote-prefill-min-tokens",
+        type=int,
+        default=128,
+        help="the router's, with --cluster (default: pdserve up's without a GPU)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.conversations, args.turns, args.no_reuse_prompts = 4, 3, 8

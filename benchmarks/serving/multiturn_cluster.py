@@ -7,8 +7,10 @@ streamed, so the time to first token is the client's. The prefill worker has a h
 (``--host-gib``) below a pool sized for a quarter of the conversations; the decode worker has
 the same pool and no tier. A conversation's first turn is long and goes to the prefill worker;
 a returning turn's uncached part (the last reply and the new message) is short, so the router
-has the decode worker prefill it (``--remote-prefill-min-tokens 128``, `pdserve up`'s CPU
-default): without prefix fetches it computes the whole history, with them it fetches the pages
+has the decode worker prefill it (``--remote-prefill-min-tokens``, 128 by default as `pdserve
+up` sets it without a GPU; past the second turn the uncached part, two replies and two
+messages, is longer than that, and goes to the prefill worker unless it is raised to 256):
+without prefix fetches it computes the whole history, with them it fetches the pages
 the prefill worker holds (by now mostly in its host tier) and computes the rest.
 
 The replies in a history are stand-ins of the reply's length (the API answers text, not token
@@ -34,7 +36,6 @@ from benchmarks.harness import free_port_pair, random_prompts, stop_process
 from common.metrics import parse_exposition
 
 PAGE_SIZE = 16
-REMOTE_PREFILL_MIN_TOKENS = 128  # `pdserve up`'s default without a GPU
 STARTUP_TIMEOUT_S = 600.0
 
 
@@ -64,7 +65,7 @@ def cluster(args: argparse.Namespace, prefix_fetch: bool, pool_tokens: int, log_
     commands = {
         "router": ["router", "--port", str(port), "--control", control, "--model", args.model,
                    "--max-model-len", max_len, "--log-level", "warning",
-                   "--remote-prefill-min-tokens", str(REMOTE_PREFILL_MIN_TOKENS),
+                   "--remote-prefill-min-tokens", str(args.remote_prefill_min_tokens),
                    "--prefix-fetch" if prefix_fetch else "--no-prefix-fetch"],
         "prefill": ["prefill_worker", *worker, "--worker-id", "prefill-0",
                     "--kv-offloading-size", str(args.host_gib)],
@@ -150,7 +151,7 @@ def run(args: argparse.Namespace, vocab: int, pool_tokens: int, box: str) -> Non
         f"cluster: router + 1 prefill worker (host tier {args.host_gib} GiB) + 1 decode worker "
         f"(no tier), pools for {pool_tokens} tokens each; {args.conversations} conversations x "
         f"{args.turns} turns: system {args.system_tokens}, user {args.user_tokens}, reply "
-        f"{args.reply_tokens} tokens; --remote-prefill-min-tokens {REMOTE_PREFILL_MIN_TOKENS}"
+        f"{args.reply_tokens} tokens; --remote-prefill-min-tokens {args.remote_prefill_min_tokens}"
     )
     print(
         f"{'returning turns':>24}  {'TTFT p50':>9}  {'TTFT p99':>9}  {'cached':>7}  "
@@ -163,7 +164,7 @@ def run(args: argparse.Namespace, vocab: int, pool_tokens: int, box: str) -> Non
                 # Warm both workers up (a long prompt through the prefill worker, a short one
                 # prefilled on the decode worker).
                 name_ = Path(args.model).name
-                ttft_of(base, name_, list(range(10, 10 + 4 * REMOTE_PREFILL_MIN_TOKENS)), 2)
+                ttft_of(base, name_, list(range(10, 10 + 4 * args.remote_prefill_min_tokens)), 2)
                 ttft_of(base, name_, list(range(20, 40)), 2)
                 turns = converse(base, args, vocab)
                 metrics = parse_exposition(httpx.get(decode_metrics, timeout=10).text)
