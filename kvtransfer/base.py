@@ -25,7 +25,7 @@ A prefix fetch (ZMQ only) goes the other way round: the receiver names pages by 
 and the sender's owner lends what it holds of them, wherever they are, through a
 ``PrefixLender`` it gave the sender::
 
-    sender.lend_prefixes(lender)                    receiver.start_prefix_fetch(tid, source,
+    sender.lend_prefixes(lender, lease)             receiver.start_prefix_fetch(tid, source,
                                                         parent, hashes, tokens, dst, timeout)
     sender.poll(): lender.lend(...) -> PrefixLoan ◀────  (PrefixRequest)
     ... loan.ready: offer its pages, send them ───────▶  receiver.poll() -> [TransferResult
@@ -208,8 +208,9 @@ class KVSender(ABC):
         """Whether ``lend_prefixes`` may be called: this backend serves prefix fetches."""
         return False
 
-    def lend_prefixes(self, lender: PrefixLender) -> None:
-        """Serve prefix fetches from what ``lender`` lends (see the module docstring)."""
+    def lend_prefixes(self, lender: PrefixLender, lease_seconds: float) -> None:
+        """Serve prefix fetches from what ``lender`` lends (see the module docstring); a loan is
+        kept at most ``lease_seconds`` from its request, as a publication's lease."""
         raise TransferError(f"the {self.backend} backend serves no prefix fetches")
 
     def lending(self) -> bool:

@@ -45,10 +45,6 @@ from kvtransfer.side_channel import Incoming, SideChannel
 
 logger = logging.getLogger(__name__)
 
-# How long a prefix loan is kept for its receiver, waiting to be ready (a disk read) and then
-# read, at most: the receiver's own timeout is shorter, and it releases the loan when it ends.
-PREFIX_LEASE_S = 60.0
-
 
 @dataclass(slots=True)
 class Lease:
@@ -88,6 +84,7 @@ class SideChannelSender(KVSender):
         self._leases: dict[str, Lease] = {}
         self._released: list[str] = []
         self._lender: PrefixLender | None = None
+        self._loan_seconds = 0.0  # how long a loan is kept from its request, at most
         self._prefix_asks: list[tuple[bytes, PrefixRequest]] = []  # for poll to answer
         self._lending: dict[str, Lending] = {}
         self._loans_over: list[PrefixLoan] = []  # for poll to end
@@ -128,10 +125,13 @@ class SideChannelSender(KVSender):
         released, self._released = self._released, []
         return released
 
-    def lend_prefixes(self, lender: PrefixLender) -> None:
+    def lend_prefixes(self, lender: PrefixLender, lease_seconds: float) -> None:
         if not self.serves_prefixes():
-            super().lend_prefixes(lender)  # raises
+            super().lend_prefixes(lender, lease_seconds)  # raises
+        if not lease_seconds > 0:
+            raise ValueError(f"lease_seconds must be positive, got {lease_seconds}")
         self._lender = lender
+        self._loan_seconds = lease_seconds
 
     def lending(self) -> bool:
         return bool(self._lending)
@@ -293,7 +293,7 @@ class SideChannelSender(KVSender):
             except ValueError as exc:
                 reason = f"bad prefix request: {exc}"
             else:
-                expires = time.monotonic() + PREFIX_LEASE_S
+                expires = time.monotonic() + self._loan_seconds
                 self._lending[transfer_id] = Lending(identity, transfer_id, loan, expires)
                 return
         self._channel.send(TransferFailed(transfer_id, reason), identity)

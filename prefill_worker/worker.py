@@ -63,7 +63,8 @@ class PrefillWorker(WorkerService):
             # A decode worker prefilling a prompt itself may fetch its leading pages from here,
             # straight from the pool or the tiers below it (prefix_loans.py).
             self.sender.lend_prefixes(
-                PrefixLoans(self.engine.pool, self.page_manager, self.page_manager.tiers)
+                PrefixLoans(self.engine.pool, self.page_manager, self.page_manager.tiers),
+                args.kv_lease_seconds,
             )
         self.ship_chunks = args.ship_chunks
         scheduler = self.engine.scheduler

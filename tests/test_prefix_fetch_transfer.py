@@ -16,7 +16,7 @@ from common.engine.kv_tiers.tiers import KVTiers
 from common.engine.page_manager import PageManager
 from common.hashing import page_hashes
 from common.protocol import PrefixSource
-from kvtransfer import create_receiver, create_sender
+from kvtransfer import PrefixLender, PrefixLoan, create_receiver, create_sender
 from prefill_worker.prefix_loans import PrefixLoans
 
 NUM_PAGES = 8
@@ -40,7 +40,7 @@ class Prefill:
         )
         self.pages.tiers = self.tiers
         self.sender = create_sender("zmq", self.pool, "prefill-p")
-        self.sender.lend_prefixes(PrefixLoans(self.pool, self.pages, self.tiers))
+        self.sender.lend_prefixes(PrefixLoans(self.pool, self.pages, self.tiers), 30)
         self.page_size = layout.page_size
         self.expected: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # hash -> bytes
 
@@ -220,6 +220,52 @@ def test_a_sender_that_lends_nothing_refuses(tmp_path):
             time.sleep(0.001)
         assert results and not results[0].ok
         assert "serves no prefix fetches" in (results[0].error or "")
+    finally:
+        receiver.close()
+        sender.close()
+
+
+class NeverReady(PrefixLender):
+    """A lender whose loans never become ready (a disk that does not answer)."""
+
+    def __init__(self) -> None:
+        self.ended = 0
+
+    def lend(self, parent, page_hashes, token_ids):
+        lender = self
+
+        class Stuck(PrefixLoan):
+            ready = False
+            pages = ()
+
+            def rows(self):
+                raise AssertionError("a loan that is not ready is never read")
+
+            def end(self):
+                lender.ended += 1
+
+        return Stuck()
+
+
+def test_a_loan_not_ready_by_the_end_of_its_lease_is_refused_and_ended():
+    layout = make_layout("int8")
+    sender = create_sender("zmq", KVPool(layout, NUM_PAGES, "cpu"), "prefill-p")
+    lender = NeverReady()
+    sender.lend_prefixes(lender, 0.2)
+    receiver = decode_receiver()
+    try:
+        tokens, hashes = prompt(1, seed=6, page_size=layout.page_size)
+        src = PrefixSource("prefill-p", "zmq", sender.endpoint, 1)
+        receiver.start_prefix_fetch("p", src, None, hashes, tokens, [0], 30)
+        results: list = []
+        deadline = time.monotonic() + 30
+        while not results and time.monotonic() < deadline:
+            sender.poll()
+            results += receiver.poll()
+            time.sleep(0.001)
+        assert results and not results[0].ok
+        assert "lease expired" in (results[0].error or "")
+        assert lender.ended == 1
     finally:
         receiver.close()
         sender.close()

@@ -143,7 +143,7 @@ def test_a_page_that_is_not_the_prompts_is_a_miss_and_so_is_the_rest():
     fill_pool(pool, 3)
     sender = create_sender("zmq", pool, "prefill-p")
     lender = Lying(pool)
-    sender.lend_prefixes(lender)
+    sender.lend_prefixes(lender, 30)
     decode = Decode()
     try:
         tokens, _hashes = prompt(3, seed=8, page_size=pool.layout.page_size)
