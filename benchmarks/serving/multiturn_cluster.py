@@ -3,7 +3,9 @@ worker, with and without prefix fetches.
 
 The conversations are those of the engine mode (a system prompt of their own, turns coming
 back round-robin with their whole history), sent as token ids to ``/v1/completions`` and
-streamed, so the time to first token is the client's. The prefill worker has a host tier
+streamed, so the time to first token is the client's. Two clusters are up at once, one with
+prefix fetches and one without, and each request goes to one and then the other, one at a
+time: the box's load (shared, here) falls on both alike. The prefill worker has a host tier
 (``--host-gib``) below a pool sized for a quarter of the conversations; the decode worker has
 the same pool and no tier. A conversation's first turn is long and goes to the prefill worker;
 a returning turn's uncached part (the last reply and the new message) is short, so the router
@@ -27,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
@@ -37,6 +39,8 @@ from common.metrics import parse_exposition
 
 PAGE_SIZE = 16
 STARTUP_TIMEOUT_S = 600.0
+
+Turn = tuple[float, int, int]  # TTFT s, prompt tokens, cached prompt tokens
 
 
 def kv_bytes_per_token(model: str) -> int:
@@ -127,21 +131,23 @@ def ttft_of(base: str, model: str, prompt: list[int], max_tokens: int) -> tuple[
     return ttft, cached
 
 
-def converse(base: str, args: argparse.Namespace, vocab: int) -> list[tuple[float, int, int]]:
-    """Every returning turn, round-robin, one request at a time: (TTFT s, prompt tokens,
-    cached tokens)."""
+def converse(bases: list[str], args: argparse.Namespace, vocab: int) -> list[list[Turn]]:
+    """Every returning turn, round-robin, one request at a time, to each cluster in turn (the
+    same conversations to each, so that the box's load falls on both alike): for each cluster,
+    (TTFT s, prompt tokens, cached tokens) of each returning turn."""
     name = Path(args.model).name
     histories = random_prompts(args.conversations, args.system_tokens, vocab, seed=1)
-    returning = []
+    returning: list[list[Turn]] = [[] for _ in bases]
     for turn in range(args.turns):
         messages = random_prompts(args.conversations, args.user_tokens, vocab, seed=100 + turn)
         replies = random_prompts(args.conversations, args.reply_tokens, vocab, seed=200 + turn)
         for index, history in enumerate(histories):
             prompt = history + messages[index]
-            ttft, cached = ttft_of(base, name, prompt, args.reply_tokens)
+            for base, turns in zip(bases, returning, strict=True):
+                ttft, cached = ttft_of(base, name, prompt, args.reply_tokens)
+                if turn > 0:
+                    turns.append((ttft, len(prompt), cached))
             histories[index] = prompt + replies[index]
-            if turn > 0:
-                returning.append((ttft, len(prompt), cached))
     return returning
 
 
@@ -157,29 +163,34 @@ def run(args: argparse.Namespace, vocab: int, pool_tokens: int, box: str) -> Non
         f"{'returning turns':>24}  {'TTFT p50':>9}  {'TTFT p99':>9}  {'cached':>7}  "
         f"{'fetched pages (pool/host/disk)':>30}  (ms; share of prompt tokens)"
     )
-    results = {}
-    with tempfile.TemporaryDirectory(prefix="pdserve-multiturn-cluster-") as directory:
-        for name, fetch in (("without prefix fetch", False), ("with prefix fetch", True)):
-            with cluster(args, fetch, pool_tokens, Path(directory)) as (base, decode_metrics):
-                # Warm both workers up (a long prompt through the prefill worker, a short one
-                # prefilled on the decode worker).
-                name_ = Path(args.model).name
-                ttft_of(base, name_, list(range(10, 10 + 4 * args.remote_prefill_min_tokens)), 2)
-                ttft_of(base, name_, list(range(20, 40)), 2)
-                turns = converse(base, args, vocab)
-                metrics = parse_exposition(httpx.get(decode_metrics, timeout=10).text)
-            fetched = [
-                int(metrics.get(f'pdserve_kv_prefix_fetched_pages_total{{tier="{t}"}}', 0))
-                for t in ("pool", "host", "disk")
-            ]
-            ttfts = [t * 1000 for t, _, _ in turns]
-            p50, p99 = (
-                statistics.median(ttfts),
-                max(ttfts) if len(ttfts) < 100 else sorted(ttfts)[round(0.99 * (len(ttfts) - 1))],
-            )
-            cached = sum(c for _, _, c in turns) / sum(p for _, p, _ in turns)
-            fetched_text = "/".join(str(n) for n in fetched)
-            print(f"{name:>24}  {p50:9.1f}  {p99:9.1f}  {cached:7.1%}  {fetched_text:>30}")
-            results[name] = (p50, p99)
-    (base_p50, base_p99), (p50, p99) = results.values()
+    names = ("without prefix fetch", "with prefix fetch")
+    model = Path(args.model).name
+    with (
+        tempfile.TemporaryDirectory(prefix="pdserve-multiturn-cluster-") as directory,
+        ExitStack() as stack,
+    ):
+        up = [
+            stack.enter_context(cluster(args, fetch, pool_tokens, Path(directory)))
+            for fetch in (False, True)
+        ]
+        for base, _ in up:
+            # Warm both workers up (a long prompt through the prefill worker, a short one
+            # prefilled on the decode worker).
+            ttft_of(base, model, list(range(10, 10 + 4 * args.remote_prefill_min_tokens)), 2)
+            ttft_of(base, model, list(range(20, 40)), 2)
+        results = converse([base for base, _ in up], args, vocab)
+        scrapes = [parse_exposition(httpx.get(url, timeout=10).text) for _, url in up]
+    figures = []
+    for name, turns, metrics in zip(names, results, scrapes, strict=True):
+        fetched = [
+            int(metrics.get(f'pdserve_kv_prefix_fetched_pages_total{{tier="{t}"}}', 0))
+            for t in ("pool", "host", "disk")
+        ]
+        ttfts = sorted(t * 1000 for t, _, _ in turns)
+        p50, p99 = statistics.median(ttfts), ttfts[round(0.99 * (len(ttfts) - 1))]
+        cached = sum(c for _, _, c in turns) / sum(p for _, p, _ in turns)
+        fetched_text = "/".join(str(n) for n in fetched)
+        print(f"{name:>24}  {p50:9.1f}  {p99:9.1f}  {cached:7.1%}  {fetched_text:>30}")
+        figures.append((p50, p99))
+    (base_p50, base_p99), (p50, p99) = figures
     print(f"{'ratio with/without':>24}  {p50 / base_p50:8.2f}x  {p99 / base_p99:8.2f}x")
