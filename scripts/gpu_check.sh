@@ -21,6 +21,9 @@
 #            beside a copy;
 #   quantized  python -m benchmarks.step.quantized_triton: the Triton GEMM over FP8, block-FP8,
 #            int8 and 4-bit codes beside bf16's on Llama-3.1-8B's shapes at 1 to 4096 rows;
+#            then Llama-3.1-8B's shape drawn and quantized on the device (real_shape
+#            --quantization-scheme): its decode step at batch 1 and 8 and a 512-token prefill in
+#            FP8_DYNAMIC, FP8_BLOCK and W4A16 beside bf16's, each beside its own weight floor;
 #   moe      python -m benchmarks.step.fused_moe: the fused MoE kernels on Qwen3-30B-A3B's and
 #            Mixtral-8x7B's expert shapes at 1 to 2048 tokens, beside a dense bf16 GEMM of the
 #            same FLOPs and beside their torch twin; then python -m benchmarks.step.moe: the
@@ -77,7 +80,7 @@ declare -A LIMIT_S=(
     [graphs]=${GPU_CHECK_GRAPHS_S:-200}
     [realshape]=${GPU_CHECK_REALSHAPE_S:-120}
     [realserving]=${GPU_CHECK_REALSERVING_S:-200}
-    [quantized]=${GPU_CHECK_QUANTIZED_S:-120}
+    [quantized]=${GPU_CHECK_QUANTIZED_S:-360}
     [moe]=${GPU_CHECK_MOE_S:-240}
     [moeserving]=${GPU_CHECK_MOESERVING_S:-200}
 )
@@ -136,7 +139,18 @@ step_bench() {
 }
 
 step_quantized() {
-    "$PY" -m benchmarks.step.quantized_triton
+    local failed=0 scheme
+    "$PY" -m benchmarks.step.quantized_triton || failed=1
+    # The 8B shape's decode step and a 512-token prefill in each format beside bf16's, each
+    # beside its own weight floor, in one run: the drawn layers quantized on the device.
+    for scheme in bf16 FP8_DYNAMIC FP8_BLOCK W4A16; do
+        echo "== realshape $scheme"
+        local flags=()
+        [[ $scheme != bf16 ]] && flags=(--quantization-scheme "$scheme")
+        "$PY" -m benchmarks.step.real_shape "${flags[@]}" --batch-sizes 1,8 \
+            --prefill-chunks 512 --steps 20 || failed=1
+    done
+    return $failed
 }
 
 step_moe() {
@@ -389,7 +403,11 @@ figures_of() {
             # to bf16 of each format at 1 and 4096 rows.
             figures=$(awk 'NF >= 6 && $(NF - 4) ~ /^(1|4096)$/ && $1 != "bf16" {
                 name = $1; for (i = 2; i <= NF - 5; i++) name = name " " $i
-                printf "%s @%s %s, ", name, $(NF - 4), $(NF - 2) }' "$LOGS/quantized.log")
+                printf "%s @%s %s, ", name, $(NF - 4), $(NF - 2) }
+                /^== realshape / { scheme = $3 }
+                /^decode batch/ { sub(":", "", $3); printf "8B %s b%s %s ms (%s floor), ", scheme, $3, $4, $6 }
+                /^prefill / { sub(":", "", $2); printf "8B %s prefill %s %s tok/s, ", scheme, $2, $3 }' \
+                "$LOGS/quantized.log")
             figures="${figures%, }"
             ;;
         moe)

@@ -167,6 +167,30 @@ def test_an_abort_during_a_restore_leaks_nothing(folder):
     eng.close()
 
 
+def misses(tier: str) -> float:
+    return REGISTRY.get_sample_value("pdserve_kv_tier_misses_total", {"tier": tier}) or 0.0
+
+
+def test_a_prompt_waiting_at_the_head_of_the_queue_is_one_miss(folder):
+    """A prompt no tier holds is one miss however many steps it waits for room in the pool."""
+    eng = engine(folder, kv_offloading_size=1 << 20)
+    # Ten of the twelve pages, to its end: the 70-token prompt's five wait for it to finish.
+    (long_prompt,) = random_prompts(1, seed=9, min_len=150, max_len=150)
+    long_answer = SamplingParams(max_tokens=MAX_MODEL_LEN - 150, ignore_eos=True)
+    eng.add_request(long_prompt, long_answer, request_id="holds the pool")
+    eng.step()
+    before = misses("host")
+    eng.add_request(PROMPTS[1], SamplingParams(max_tokens=2, ignore_eos=True), request_id="waits")
+    waited = 0
+    while eng.has_unfinished and waited < 400:
+        eng.step()
+        waited += 1 if eng.scheduler.waiting else 0
+    assert waited > 5  # it did wait at the head of the queue, step after step
+    assert misses("host") - before == 1
+    assert_nothing_held(eng)
+    eng.close()
+
+
 def test_two_sequences_wanting_the_same_pages_restore_them_once(folder):
     params = sampling_params(len(PROMPTS))
     eng = engine(folder, kv_offloading_size=1 << 20)

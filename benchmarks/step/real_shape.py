@@ -31,7 +31,12 @@ of bf16 weights, drawn on the device). Printed:
         GEMMs                       775.7 ms  83.2%
 
     python -m benchmarks.step.real_shape [--model DIR] [--batch-sizes 1,8,32,64] [--context 1024]
-        [--profile 1,8] [--profile-prefill 512]
+        [--profile 1,8] [--profile-prefill 512] [--quantization-scheme FP8_DYNAMIC]
+
+``--quantization-scheme`` gives the shape's config a compressed-tensors ``quantization_config``
+(one of ``pdserve quantize``'s presets), so the drawn decoder layers are quantized as that
+checkpoint's would be and the step runs the format's kernels; the weight floor is then the
+bytes of the codes and scales the model holds.
 
 Without CUDA it runs on the CPU only with ``--allow-cpu``, on a shape the CPU can hold: a CPU
 prefill step of the default model (``pdserve convert`` prints its folder) part by part, on one
@@ -47,6 +52,8 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import json
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -57,7 +64,9 @@ from benchmarks.harness import pin_to_cores, random_prompts
 from benchmarks.step.moe_weights import weight_bytes as moe_weight_bytes
 from common.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.engine.llm_engine import LLMEngine
+from common.model.quantization.writer import SCHEMES, quantization_config
 from common.sampling_params import SamplingParams
+from kernels.quantized import QuantizedWeight
 
 SHAPES = Path(__file__).resolve().parent.parent / "shapes"
 # Dense bf16 tensor-core peaks from the datasheets (TFLOP/s, without sparsity), by the start of
@@ -373,6 +382,13 @@ def main() -> int:
         default=None,
         help="tokens of each prompt in a profiled prefill step (default: the step is one prompt)",
     )
+    parser.add_argument(
+        "--quantization-scheme",
+        choices=sorted(SCHEMES),
+        default=None,
+        help="the shape's decoder layers drawn, then quantized by this preset of pdserve "
+        "quantize (the head stays 16-bit, as the preset leaves it)",
+    )
     parser.add_argument("--allow-cpu", action="store_true", help="run without CUDA")
     parser.add_argument("--core", type=int, default=None, help="on the CPU, the one core to use")
     args = parser.parse_args()
@@ -406,6 +422,10 @@ def main() -> int:
         + (f", datasheet {datasheet:.0f}" if datasheet else "")
     )
 
+    scratch = contextlib.ExitStack()
+    if args.quantization_scheme:
+        folder = Path(scratch.enter_context(tempfile.TemporaryDirectory()))
+        args.model = quantized_shape(args.model, args.quantization_scheme, folder)
     engine = build_engine(args, device)
     config = engine.model_config
     if config.moe is not None:
@@ -413,7 +433,7 @@ def main() -> int:
         every = [float(config.moe.num_experts)] * len(config.moe.sparse_layers)
         weight_bytes = moe_weight_bytes(config, engine.dtype.itemsize, every)
     else:
-        weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+        weight_bytes = held_weight_bytes(engine.model)
     layout = engine.kv_layout
     kv_bytes_per_token = layout.bytes_per_page / layout.page_size  # every layer, K and V
     floor_s = weight_bytes / bandwidth
@@ -445,7 +465,33 @@ def main() -> int:
         )
     for tokens in args.profile_prefill:
         profile_prefill(engine, tokens, args.profile_prompt_tokens)
+    scratch.close()
     return 0
+
+
+def quantized_shape(model: Path, scheme: str, folder: Path) -> Path:
+    """``model``'s config.json in ``folder`` with the ``quantization_config`` of ``pdserve
+    quantize``'s preset ``scheme`` (groups of 128): the dummy load quantizes its drawn layers."""
+    raw = json.loads((model / "config.json").read_text())
+    raw["quantization_config"] = quantization_config(scheme)
+    target = folder / f"{model.name}-{scheme}"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps(raw, indent=2))
+    return target
+
+
+def held_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every weight the model holds, each in its form: 16-bit parameters, quantized
+    codes with their scales and offsets (``qweight``), or the C kernels' packed tiles."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for module in model.modules():
+        packed = getattr(module, "packed", None)
+        qweight = getattr(module, "qweight", None)
+        if packed is not None:
+            total += packed.tiles.nbytes
+        elif isinstance(qweight, QuantizedWeight):
+            total += qweight.nbytes()
+    return total
 
 
 if __name__ == "__main__":

@@ -585,7 +585,15 @@ class Scheduler:
         if len(hits) >= max_hit_pages:
             return False
         parent = manager.page_hash(hits[-1]) if hits else None
-        found = tiers.lookup(seq.token_ids, len(hits), parent, seq.cache_namespace, max_hit_pages)
+        found = tiers.lookup(
+            seq.token_ids,
+            len(hits),
+            parent,
+            seq.cache_namespace,
+            max_hit_pages,
+            count_misses=not seq.tier_misses_counted,
+        )
+        seq.tier_misses_counted = True
         if not found:
             return False
         # Pages another sequence's restore is bringing up already are not copied twice: with

@@ -52,6 +52,9 @@ class Sequence:
     lora_name: str | None = None
     num_computed_tokens: int = 0  # leading tokens whose KV is in the pool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    # Whether the KV tiers' misses for its prompt were counted: once a sequence, not at every
+    # step it waits at the head of the queue.
+    tier_misses_counted: bool = False
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     # time.monotonic() when the scheduler took it (again, after a handoff), and when it first

@@ -18,8 +18,12 @@ from common.config import LOAD_FORMATS, QK_NORM_PER_PROJECTION, ModelConfig
 from common.model.checkpoint_files import TensorSlice, checkpoint_tensors
 from common.model.llama import LlamaForCausalLM, rope_inverse_frequencies
 from common.model.parallel import TensorParallel
-from common.model.quantization import quantization_method
-from common.model.quantization.compressed_tensors import QuantizedLinearTensors
+from common.model.quantization import COMPRESSED_TENSORS, quantization_method
+from common.model.quantization.compressed_tensors import (
+    CompressedTensorsConfig,
+    QuantizedLinearTensors,
+)
+from common.model.quantization.drawn import quantized_drawn_layers
 from common.model.quantized_layers import QuantizedEmbedding
 from kernels.quantized import (
     STATIC,
@@ -68,7 +72,9 @@ def load_model(
     """Build the model on ``device`` in ``dtype`` and fill every parameter from the checkpoint,
     or, with ``load_format="dummy"`` (vLLM's name), with random weights drawn on the device:
     a model's real shape, and so its real speed, with nothing but its config.json (an 8B
-    model's 16 GB are neither read nor copied).
+    model's 16 GB are neither read nor copied). A config with a compressed-tensors
+    ``quantization_config`` gets its decoder layers' drawn weights quantized as its scheme says
+    (``quantization/drawn.py``), so the step runs that format's kernels.
 
     A quantized checkpoint's layers keep their codes and scales (``QuantizedLinear``,
     ``QuantizedEmbedding``); the rest is in ``dtype``. ``quantization``: ``--quantization``,
@@ -92,9 +98,14 @@ def load_model(
     # float32 for exact positions.
     model.rotary.inv_freq = rope_inverse_frequencies(config).to(device)
     if dummy:
-        if method is not None:
+        _fill_randomly(model)
+        if method == COMPRESSED_TENSORS:
+            scheme = CompressedTensorsConfig.from_dict(config.quantization_config)
+            for name, drawn in quantized_drawn_layers(model, scheme).items():
+                _install_quantized(model, name, drawn, dtype, device)
+        elif method is not None:
             logger.warning("--load-format dummy: random 16-bit weights, not %s ones", method)
-        return _fill_randomly(model).eval()
+        return model.eval()
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     fused_parts: dict[str, dict[int, torch.Tensor]] = {}

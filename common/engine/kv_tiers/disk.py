@@ -16,12 +16,20 @@ removed. Never a wrong token, at worst a recomputed page.
 
 Writers write a temporary file in the same directory and rename it into place: a rename is
 atomic, so a reader (this process or another) sees a whole file or none, and two workers
-writing the same page leave one whole copy. Each process keeps the size books of the files it
-knows (those it found at start and those it wrote or read) and removes its least recently used
-when they pass ``capacity_bytes``; a file another process removed meanwhile is simply a miss.
+writing the same page leave one whole copy. A file's modification time is its last use: a read
+sets it, so every process sharing the directory sees the same recency.
 
-``put`` and ``get`` run on the mover thread; ``contains``, ``hashes`` and ``drain_events`` on
-the step thread; the books are under a lock.
+``capacity_bytes`` bounds the directory, not one process's share of it. Each process keeps the
+books of its fingerprint's files (those it found, wrote or read, with their last use) and of the
+directory's other blocks (other weights' or formats', with their times as last seen), and past
+the capacity removes the least recently used of them all. Between its writes, every
+``sync_interval_s`` at most, a writer takes the directory's listing again (``sync``): blocks
+others wrote join its books (and reach the router as stored pages), blocks others removed leave
+them, and a temporary file older than ``stale_temporary_s`` (its writer crashed between writing
+and renaming) is removed. A file another process removed meanwhile is simply a miss.
+
+``put``, ``get`` and ``sync`` run on the mover thread; ``contains``, ``hashes`` and
+``drain_events`` on the step thread; the books are under a lock.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import logging
 import os
 import struct
 import threading
+import time
 import zlib
 from collections import OrderedDict
 from pathlib import Path
@@ -45,20 +54,41 @@ _HEADER = struct.Struct("<4sHHQQQIQQ")
 _CHECKSUM = struct.Struct("<I")
 _HAS_PARENT = 1
 SUFFIX = ".kvb"
+TEMPORARY_SUFFIX = ".tmp"
+# How often a writer takes the directory's listing again (its other writers' blocks), at most.
+SYNC_INTERVAL_S = 10.0
+# A temporary file this old is a crashed writer's: a block is written and renamed in well under
+# a second, so ten minutes leaves a live but stalled writer (a hung disk) alone.
+STALE_TEMPORARY_S = 600.0
 
 
 class DiskTier:
-    def __init__(self, directory: str | Path, capacity_bytes: int, fingerprint: int) -> None:
+    def __init__(
+        self,
+        directory: str | Path,
+        capacity_bytes: int,
+        fingerprint: int,
+        sync_interval_s: float = SYNC_INTERVAL_S,
+        stale_temporary_s: float = STALE_TEMPORARY_S,
+    ) -> None:
         if capacity_bytes < 1:
             raise ValueError(f"--kv-offloading-disk-size must be positive, got {capacity_bytes}")
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.capacity_bytes = capacity_bytes
         self.fingerprint = fingerprint
+        self.sync_interval_s = sync_interval_s
+        self.stale_temporary_s = stale_temporary_s
         self._suffix = f"-{fingerprint:016x}{SUFFIX}"
         self._lock = threading.Lock()
-        self._files: OrderedDict[int, int] = OrderedDict()  # page hash -> file size, LRU first
+        # This fingerprint's files: page hash -> (size, last use as wall-clock time), LRU first.
+        self._files: OrderedDict[int, tuple[int, float]] = OrderedDict()
         self._bytes = 0
+        # The directory's other blocks (file name -> (size, modification time)), oldest first:
+        # they count against the capacity and may be removed for it, but are never read here.
+        self._others: OrderedDict[str, tuple[int, float]] = OrderedDict()
+        self._others_bytes = 0
+        self._synced_at = time.monotonic()
         self._stored: list[int] = []
         self._removed: list[int] = []
         self.num_evicted = 0
@@ -97,20 +127,29 @@ class DiskTier:
 
     def put(self, key: PageKey, data: bytes | memoryview, scales: bytes | memoryview) -> int:
         """Write one page's block; returns the bytes written (0 if it was there already)."""
+        if time.monotonic() - self._synced_at >= self.sync_interval_s:
+            self.sync()
         with self._lock:
             if key.page_hash in self._files:
-                self._files.move_to_end(key.page_hash)
+                self._use(key.page_hash)
                 return 0
-        with self._lock:
             self._unreadable.discard(key.page_hash)
         blob = encode_block(key, self.fingerprint, data, scales)
         final = self.path(key.page_hash)
-        temporary = final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        with open(temporary, "wb") as file:
-            file.write(blob)
-        os.replace(temporary, final)
+        temporary = final.with_name(
+            f".{final.name}.{os.getpid()}.{threading.get_ident()}{TEMPORARY_SUFFIX}"
+        )
+        try:
+            with open(temporary, "wb") as file:
+                file.write(blob)
+            os.replace(temporary, final)
+        except OSError as error:  # a full disk; or a sync took it for a crashed writer's
+            logger.warning("disk KV tier: page %016x not written: %s", key.page_hash, error)
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            return 0
         with self._lock:
-            self._add(key.page_hash, len(blob))
+            self._add(key.page_hash, len(blob), time.time())
             self._stored.append(key.page_hash)
             self._evict_over_capacity()
         return len(blob)
@@ -141,14 +180,85 @@ class DiskTier:
             self._reject("other page")
             self._set_aside(key.page_hash)
             return None
+        with contextlib.suppress(OSError):
+            os.utime(path)  # its last use, as every process sharing the directory sees it
         with self._lock:
             if key.page_hash in self._files:
-                self._files.move_to_end(key.page_hash)
+                self._use(key.page_hash)
             else:  # written by another process sharing the directory
-                self._add(key.page_hash, len(blob))
+                self._add(key.page_hash, len(blob), time.time())
                 self._stored.append(key.page_hash)
                 self._evict_over_capacity()
         return data, scales
+
+    def sync(self) -> None:
+        """Take the directory's listing again: file the blocks other processes wrote under this
+        fingerprint (their headers are checked when read), forget those they removed, note the
+        other blocks' sizes, remove crashed writers' temporary files, and keep the whole
+        directory within the capacity, least recently used first."""
+        self._synced_at = time.monotonic()
+        listed = self._list_directory()
+        with self._lock:
+            mine = {
+                page_hash: entry
+                for page_hash, entry in listed.items()
+                if isinstance(page_hash, int)
+            }
+            for page_hash in list(self._files):
+                if page_hash not in mine:
+                    self._forget_locked(page_hash)
+            found = sorted(
+                (entry[1], page_hash)
+                for page_hash, entry in mine.items()
+                if page_hash not in self._files and page_hash not in self._unreadable
+            )
+            for used_at, page_hash in found:
+                self._add(page_hash, mine[page_hash][0], used_at)
+                self._stored.append(page_hash)
+            # Every use sets a file's modification time, whichever process made it: the listing
+            # is the directory's one order of last use.
+            self._files = OrderedDict(
+                (page_hash, (size, mine[page_hash][1]))
+                for page_hash, (size, _) in sorted(
+                    self._files.items(), key=lambda item: mine[item[0]][1]
+                )
+            )
+            others = sorted(
+                (entry[1], name, entry[0])
+                for name, entry in listed.items()
+                if isinstance(name, str)
+            )
+            self._others = OrderedDict((name, (size, mtime)) for mtime, name, size in others)
+            self._others_bytes = sum(size for _, _, size in others)
+            self._evict_over_capacity()
+
+    def _list_directory(self) -> dict[int | str, tuple[int, float]]:
+        """Every block in the directory: this fingerprint's by page hash, others' by file name,
+        each as (size, modification time); removes stale temporary files on the way."""
+        listed: dict[int | str, tuple[int, float]] = {}
+        now = time.time()
+        for entry in os.scandir(self.directory):
+            name = entry.name
+            try:
+                stat = entry.stat()
+            except OSError:
+                continue  # removed meanwhile
+            if name.startswith(".") and name.endswith(TEMPORARY_SUFFIX):
+                if now - stat.st_mtime > self.stale_temporary_s:
+                    with contextlib.suppress(OSError):
+                        os.unlink(entry.path)
+                    logger.info("disk KV tier: removed a crashed writer's %s", name)
+                continue
+            if not name.endswith(SUFFIX) or name.startswith("."):
+                continue
+            if name.endswith(self._suffix):
+                try:
+                    listed[int(name[:16], 16)] = (stat.st_size, stat.st_mtime)
+                except ValueError:
+                    continue
+            else:
+                listed[name] = (stat.st_size, stat.st_mtime)
+        return listed
 
     # -- books ----------------------------------------------------------------------------------
 
@@ -157,6 +267,11 @@ class DiskTier:
         restarted worker's, or another's), oldest first; a file whose header does not check is
         left out (and read as a miss if ever asked for)."""
         found: list[tuple[float, int, int]] = []
+        for name, (size, mtime) in self._list_directory().items():
+            if isinstance(name, str):
+                self._others[name] = (size, mtime)
+                self._others_bytes += size
+        self._others = OrderedDict(sorted(self._others.items(), key=lambda item: item[1][1]))
         for entry in os.scandir(self.directory):
             if not entry.name.endswith(self._suffix) or entry.name.startswith("."):
                 continue
@@ -170,20 +285,39 @@ class DiskTier:
             if header_problem(header, self.fingerprint, stat.st_size) is None:
                 found.append((stat.st_mtime, page_hash, stat.st_size))
         with self._lock:
-            for _, page_hash, size in sorted(found):
-                self._add(page_hash, size)
+            for used_at, page_hash, size in sorted(found):
+                self._add(page_hash, size, used_at)
                 self._stored.append(page_hash)
             self._evict_over_capacity()
         if found:
             logger.info("disk KV tier %s: %d blocks found", self.directory, len(found))
 
-    def _add(self, page_hash: int, size: int) -> None:
-        self._files[page_hash] = size
+    def _add(self, page_hash: int, size: int, used_at: float) -> None:
+        self._files[page_hash] = (size, used_at)
         self._bytes += size
 
+    def _use(self, page_hash: int) -> None:
+        self._files[page_hash] = (self._files[page_hash][0], time.time())
+        self._files.move_to_end(page_hash)
+
     def _evict_over_capacity(self) -> None:
-        while self._bytes > self.capacity_bytes and self._files:
-            page_hash, size = self._files.popitem(last=False)
+        """Remove the least recently used blocks, this fingerprint's or others', until the
+        directory is within the capacity (under the lock)."""
+        while self._bytes + self._others_bytes > self.capacity_bytes and (
+            self._files or self._others
+        ):
+            mine = next(iter(self._files.items()), None)
+            other = next(iter(self._others.items()), None)
+            if mine is None or (other is not None and other[1][1] < mine[1][1]):
+                assert other is not None
+                name, (size, _) = other
+                del self._others[name]
+                self._others_bytes -= size
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.directory / name)
+                continue
+            page_hash, (size, _) = mine
+            del self._files[page_hash]
             self._bytes -= size
             self._removed.append(page_hash)
             self.num_evicted += 1
@@ -196,10 +330,13 @@ class DiskTier:
 
     def _forget(self, page_hash: int) -> None:
         with self._lock:
-            size = self._files.pop(page_hash, None)
-            if size is not None:
-                self._bytes -= size
-                self._removed.append(page_hash)
+            self._forget_locked(page_hash)
+
+    def _forget_locked(self, page_hash: int) -> None:
+        entry = self._files.pop(page_hash, None)
+        if entry is not None:
+            self._bytes -= entry[0]
+            self._removed.append(page_hash)
 
     def _set_aside(self, page_hash: int) -> None:
         self._forget(page_hash)

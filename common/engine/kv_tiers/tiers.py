@@ -187,10 +187,12 @@ class KVTiers:
         parent: int | None,
         namespace: str,
         max_pages: int,
+        count_misses: bool = True,
     ) -> list[FoundPage]:
         """The pages of ``token_ids`` from page ``start_page`` on (the first one the pool
         lacks; ``parent``: the hash of the page before it) that the tiers hold, in order, up to
-        ``max_pages`` in all; the run stops at the first page none holds."""
+        ``max_pages`` in all; the run stops at the first page none holds, a miss of each tier
+        where ``count_misses`` (false for a prompt looked up before)."""
         found: list[FoundPage] = []
         page_size, host, disk = self.page_size, self.host, self.disk
         for index in range(start_page, max_pages):
@@ -204,7 +206,7 @@ class KVTiers:
                 found.append(FoundPage(key, None))
             else:
                 for tier, present in ((HOST, host), (DISK, disk)):
-                    if present is not None:
+                    if present is not None and count_misses:
                         KV_TIER_MISSES.labels(tier).inc()
                 break
             parent = page_hash

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from common.config import ModelConfig
 from common.model.checkpoint_files import checkpoint_tensors
+from common.model.quantization.compressed_tensors import WeightScheme
 from kernels.quantized import FP8_E4M3_MAX
 from kernels.sizes import ceil_div
 
@@ -107,12 +108,9 @@ def write_compressed_tensors(
     ``group_size``: the groups of a grouped scheme (default the preset's 128; it must divide
     the input widths, e.g. 64 for SmolLM2's 576). ``calibration``: for ``FP8``'s static input
     scales, a call that returns each quantized layer's largest input magnitude."""
-    if scheme_name not in SCHEMES:
-        raise ValueError(f"unknown scheme {scheme_name!r}; one of {', '.join(SCHEMES)}")
+    written = quantization_config(scheme_name, group_size)
     scheme = SCHEMES[scheme_name]
-    weights = dict(scheme.weights)
-    if group_size is not None and weights.get("strategy") == "group":
-        weights["group_size"] = group_size
+    weights = written["config_groups"]["group_0"]["weights"]
     static_inputs = scheme.inputs is not None and not scheme.inputs.get("dynamic")
     if static_inputs and calibration is None:
         raise ValueError(f"{scheme_name} has static input scales: it needs calibration")
@@ -137,7 +135,25 @@ def write_compressed_tensors(
     target.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
     raw = json.loads((source / "config.json").read_text())
-    raw["quantization_config"] = {
+    raw["quantization_config"] = written
+    (target / "config.json").write_text(json.dumps(raw, indent=2))
+    for extra in source.iterdir():
+        if extra.is_file() and (extra.name.startswith("tokenizer") or extra.suffix == ".jinja"):
+            shutil.copy(extra, target / extra.name)
+        if extra.name in ("generation_config.json", "special_tokens_map.json"):
+            shutil.copy(extra, target / extra.name)
+    return target
+
+
+def quantization_config(scheme_name: str, group_size: int | None = None) -> dict[str, Any]:
+    """The ``quantization_config`` a checkpoint of preset ``scheme_name`` carries."""
+    if scheme_name not in SCHEMES:
+        raise ValueError(f"unknown scheme {scheme_name!r}; one of {', '.join(SCHEMES)}")
+    scheme = SCHEMES[scheme_name]
+    weights = dict(scheme.weights)
+    if group_size is not None and weights.get("strategy") == "group":
+        weights["group_size"] = group_size
+    return {
         "quant_method": "compressed-tensors",
         "format": scheme.storage,
         "quantization_status": "compressed",
@@ -153,13 +169,23 @@ def write_compressed_tensors(
         "ignore": _IGNORED,
         "kv_cache_scheme": None,
     }
-    (target / "config.json").write_text(json.dumps(raw, indent=2))
-    for extra in source.iterdir():
-        if extra.is_file() and (extra.name.startswith("tokenizer") or extra.suffix == ".jinja"):
-            shutil.copy(extra, target / extra.name)
-        if extra.name in ("generation_config.json", "special_tokens_map.json"):
-            shutil.copy(extra, target / extra.name)
-    return target
+
+
+def quantized_tensors(
+    weight: torch.Tensor, scheme: WeightScheme, storage: str
+) -> dict[str, torch.Tensor]:
+    """``weight``'s checkpoint tensors under a parsed config group's weight ``scheme``, as
+    ``_quantized`` writes them (for random weights in a checkpoint's form: ``drawn.py``)."""
+    if scheme.block is not None and scheme.block != (FP8_BLOCK, FP8_BLOCK):
+        raise ValueError(f"blocks of {list(scheme.block)} are not written here, only 128x128")
+    args = {
+        "num_bits": scheme.num_bits,
+        "type": "float" if scheme.is_float else "int",
+        "symmetric": scheme.symmetric,
+        "strategy": scheme.strategy,
+        "group_size": scheme.group_size,
+    }
+    return _quantized(weight, args, storage)
 
 
 def _quantized(weight: torch.Tensor, args: dict, storage: str) -> dict[str, torch.Tensor]:
