@@ -204,7 +204,7 @@ class SideChannelSender(KVSender):
         elif isinstance(msg, FetchRequest):
             self._fetch(identity, msg)
         elif isinstance(msg, ReleasePages):
-            self._release_by_receiver(msg)
+            self._release_by_receiver(msg, identity)
         elif isinstance(msg, PrefixRequest):
             self._prefix_asks.append((identity, msg))  # the lender is asked from poll alone
         else:
@@ -314,14 +314,21 @@ class SideChannelSender(KVSender):
         if self._channel.send(offer, identity):
             self._serve(identity, lease, self.pool.layout.heads)
 
-    def _release_by_receiver(self, msg: ReleasePages) -> None:
-        lending = self._lending.pop(msg.transfer_id, None)
-        if lending is not None:  # the receiver gave up before its loan was ready
-            self._loans_over.append(lending.loan)
+    def _release_by_receiver(self, msg: ReleasePages, identity: bytes) -> None:
+        lending = self._lending.get(msg.transfer_id)
+        if lending is not None:
+            if lending.identity == identity:  # it gave up before its loan was ready
+                del self._lending[msg.transfer_id]
+                self._loans_over.append(lending.loan)
             return
-        lease = self._leases.pop(msg.transfer_id, None)
+        lease = self._leases.get(msg.transfer_id)
         if lease is None:
             return  # already released (lease over, or a repeated acknowledgement)
+        if lease.loan is not None and identity not in lease.fetchers:
+            # A loan is its receiver's alone: a release from another (an earlier receiver's,
+            # flushed late to a sender now on its port) says nothing of it.
+            return
+        del self._leases[msg.transfer_id]
         if msg.ok and not lease.aborted:
             nbytes = lease.num_pages * self.pool.layout.bytes_per_page
             TRANSFER_BYTES.labels(self.backend, SENDER).inc(nbytes)

@@ -5,6 +5,7 @@ are (pool, host tier, disk tier), pinned until the fetch ends; nothing stays pin
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import torch
@@ -12,6 +13,7 @@ from kv_sender_process import fill_pool, make_layout
 
 from common.engine.kv_pool import KVPool
 from common.engine.kv_tiers.block import PageKey
+from common.engine.kv_tiers.mover import Job
 from common.engine.kv_tiers.tiers import KVTiers
 from common.engine.page_manager import PageManager
 from common.hashing import page_hashes
@@ -192,13 +194,19 @@ def test_an_abort_while_the_loan_is_read_from_disk_unpins_everything(tmp_path):
         prefill.in_pool(keys[0])
         prefill.in_host(keys[1], like_page=3)
         prefill.on_disk(keys[2], like_page=4)
+        # The mover is busy until the gate opens: the loan's disk read waits behind.
+        gate = threading.Event()
+        prefill.tiers.mover.submit(Job(lambda job: gate.wait(30)))
         receiver.start_prefix_fetch("p", source(prefill, 3), None, hashes, tokens, [0, 1, 2], 10)
         # Let the request reach the sender and its loan be made, then give up.
         run(prefill, receiver, lambda _: not prefill.nothing_pinned())
+        assert prefill.sender.lending()
         receiver.abort("p")
         (result,) = run(prefill, receiver, lambda r: r)
         assert not result.ok and result.error == "aborted"
         run(prefill, receiver, lambda _: prefill.nothing_pinned())
+        gate.set()
+        assert prefill.tiers.flush(30)
     finally:
         receiver.close()
         prefill.close()
