@@ -40,8 +40,10 @@ import msgpack
 # one-token deltas travel as columns of TokenDeltas. 9: heartbeats carry the worker's steps,
 # the progress of each request it holds, and its prefill and finishing rates; sampling params
 # carry a structured-output spec. 10: heartbeats carry the worker's step time, tokens and rows
-# summed over its steps.
-PROTOCOL_VERSION = 10
+# summed over its steps. 11: a prefill worker registers its KV side channel, a DecodeRequest may
+# name a prefill worker holding a prefix of its prompt, and a decode worker fetches such a prefix
+# by its page hashes (PrefixRequest, PrefixOffer).
+PROTOCOL_VERSION = 11
 
 # Control messages are small; a frame above this is refused before it is parsed. Sockets that
 # carry larger control frames (e.g. a NIXL agent's metadata) pass their own limit.

@@ -132,6 +132,30 @@ KV_TIER_DROPPED_WRITES = Counter(
     "pdserve_kv_tier_dropped_writes",
     "KV pages not written to the disk tier because its writes were too far behind",
 )
+# Prefix fetches (a decode worker prefilling a prompt fetches its leading pages from a prefill
+# worker): ``tier`` is where the prefill worker held a page (pool, host or disk).
+KV_PREFIX_PAGES_FETCHED = Counter(
+    "pdserve_kv_prefix_fetched_pages",
+    "Decode: prompt pages fetched from a prefill worker instead of computed, by the tier "
+    "it held them in",
+    ["tier"],
+)
+KV_PREFIX_BYTES_FETCHED = Counter(
+    "pdserve_kv_prefix_fetched_bytes",
+    "Decode: bytes of the prompt pages fetched from a prefill worker, by the tier it held them in",
+    ["tier"],
+)
+KV_PREFIX_FETCH_FALLBACKS = Counter(
+    "pdserve_kv_prefix_fetch_fallbacks",
+    "Decode: prefix fetches that brought nothing usable, so the prompt was computed here, by "
+    "reason",
+    ["reason"],
+)
+KV_PREFIX_PAGES_LENT = Counter(
+    "pdserve_kv_prefix_lent_pages",
+    "Prefill: pages lent to a decode worker's prefix fetch, by the tier they were in",
+    ["tier"],
+)
 STEP_SECONDS = Histogram(
     "pdserve_step_seconds",
     "One engine step: schedule, forward, sample, postprocess",

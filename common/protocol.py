@@ -96,6 +96,22 @@ class RankSender:
         return range(self.first_kv_head, self.first_kv_head + self.num_kv_heads)
 
 
+@dataclass(slots=True, frozen=True)
+class PrefixSource:
+    """A prefill worker holding the leading ``num_pages`` pages of a prompt (in its pool or in
+    the KV tiers below it) that a decode worker prefilling the prompt may fetch instead of
+    computing them (``kvtransfer/base.py``'s ``KVReceiver.start_prefix_fetch``)."""
+
+    worker_id: str
+    backend: str  # "zmq": the backend that serves prefix fetches
+    endpoint: str  # the prefill worker's KV side channel, tcp://HOST:PORT
+    num_pages: int
+
+    def __post_init__(self) -> None:
+        if self.num_pages < 1:
+            raise ValueError(f"a prefix source offers at least one page, not {self.num_pages}")
+
+
 @dataclass(slots=True)
 class TransferParams:
     """How a decode worker fetches one transfer's pages (``kvtransfer/base.py``): the sender's
@@ -143,6 +159,9 @@ class RegisterWorker(Message):
     max_model_len: int
     metrics_url: str
     handoff_endpoint: str | None = None  # decode workers: where prefill workers PUSH handoffs
+    # Prefill workers: their KV sender's side channel, where a decode worker fetches a prefix of
+    # a prompt it prefills itself (``DecodeRequest.prefix``); None: it serves no such fetch.
+    kv_endpoint: str | None = None
     # Batch-invariant kernels (--enable-deterministic-inference); a pool is all one or the other.
     deterministic: bool = False
 
@@ -366,6 +385,9 @@ class DecodeRequest(Message):
     params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)
     lora_name: str | None = None  # the LoRA adapter it computes under; None: the base model
+    # A prefill worker holding the prompt's leading pages: fetched from it, they are not
+    # computed here (a failed fetch only means they are).
+    prefix: PrefixSource | None = None
 
 
 @message("router.load_adapter")

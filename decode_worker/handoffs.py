@@ -113,8 +113,11 @@ class Handoffs:
         fetch_timeout: float,
         clock: Callable[[], float] = time.monotonic,
         adapter_namespace: Callable[[str], str] | None = None,
+        other_results: Callable[[TransferResult], object] | None = None,
     ) -> None:
         self.receiver = receiver
+        # Where the fetches' results that are not a handoff's go (a prefix fetch's).
+        self._other_results = other_results
         self._adapter_namespace = adapter_namespace
         self.scheduler = scheduler
         self.fetch_timeout = fetch_timeout
@@ -298,7 +301,10 @@ class Handoffs:
         """Settle the fetches the receiver reports ended, and drop parts whose handoff is long
         overdue. Called every iteration of the worker's loop."""
         for result in self.receiver.poll():
-            self._on_fetched(result)
+            if result.transfer_id in self._fetching or self._other_results is None:
+                self._on_fetched(result)
+            else:
+                self._other_results(result)
         self._expire_parts()
 
     # -- internals ------------------------------------------------------------------------------

@@ -7,8 +7,9 @@ first part reserves the whole prompt's pages, each part's fetch starts at once, 
 then brings only the rest. If a fetch fails (the prefill worker died, the lease ran out) the
 reserved pages are released and the prompt is prefilled here instead, so no request is lost. A
 ``DecodeRequest`` (a short prompt the router did not send to a prefill worker, or a migrated
-request) is prefilled here from the start. Every sampled token streams to the router as a
-``TokenDelta``.
+request) is prefilled here from the start, but for the leading pages a prefill worker holds,
+which the request may name: those are fetched first (``prefix_fetches.py``). Every sampled
+token streams to the router as a ``TokenDelta``.
 
 This module holds the sockets and the dispatch of messages; ``handoffs.py`` keeps the books of
 the pages on their way (``Handoffs``).
@@ -37,6 +38,7 @@ from common.protocol import (
 )
 from common.service.worker_base import WorkerHost, WorkerService, worker_parser
 from decode_worker.handoffs import Handoffs
+from decode_worker.prefix_fetches import PrefixFetches
 from kvtransfer.tp_group import group_receiver
 
 logger = logging.getLogger(__name__)
@@ -100,6 +102,14 @@ class DecodeWorker(WorkerService):
         self.handoff_endpoint = f"tcp://{args.host}:{port}"
         scheduler = self.engine.scheduler
         assert isinstance(scheduler, DecodeScheduler)  # what LLMEngine(role="decode") builds
+        self.prefix_fetches = PrefixFetches(
+            self.receiver,
+            scheduler,
+            self.page_manager,
+            admit=self.admit,
+            fetch_timeout=args.kv_fetch_timeout,
+            page_nbytes=self.engine.pool.layout.bytes_per_page,
+        )
         self.handoffs = Handoffs(
             self.receiver,
             scheduler,
@@ -110,6 +120,7 @@ class DecodeWorker(WorkerService):
             adapter_namespace=(
                 self.engine.adapter_namespace if self.engine.lora is not None else None
             ),
+            other_results=self.prefix_fetches.on_result,
         )
 
     def registration(self) -> RegisterWorker:
@@ -128,7 +139,10 @@ class DecodeWorker(WorkerService):
             seq = Sequence.from_prompt(msg.request_id, msg.prompt_token_ids, params)
             seq.token_ids.extend(msg.output_token_ids)  # a migrated request continues
             if self.under_adapter(seq, msg.lora_name):
-                self.admit(seq)
+                # The prompt's leading pages, where a prefill worker holds them, are fetched
+                # first (a migrated request's are never named: its tokens so far are computed).
+                source = msg.prefix if not msg.output_token_ids else None
+                self.prefix_fetches.admit(seq, source)
         elif isinstance(msg, AbortRequest):
             self.handoffs.remember_abort(msg.request_id)
             if self._drop_request(msg.request_id):
@@ -221,17 +235,21 @@ class DecodeWorker(WorkerService):
                 REQUESTS.labels(outcome=reason.value).inc()
 
     def num_pending(self) -> int:
-        return self.handoffs.num_pending()
+        return self.handoffs.num_pending() + self.prefix_fetches.num_pending()
 
     def pending_progress(self) -> dict[str, int]:
-        return self.handoffs.progress()
+        return {**self.handoffs.progress(), **self.prefix_fetches.progress()}
 
     def io_in_flight(self) -> bool:
         return self.receiver.progressing_silently()
 
     def _drop_request(self, request_id: str) -> bool:
         """Stop serving a request wherever it is here; whether there was one."""
-        return self.handoffs.discard(request_id) or self.scheduler.abort(request_id) is not None
+        return (
+            self.handoffs.discard(request_id)
+            or self.prefix_fetches.discard(request_id)
+            or self.scheduler.abort(request_id) is not None
+        )
 
     def _drop(self, reason: str) -> None:
         self._dropped_handoffs.drop(reason)

@@ -3,6 +3,9 @@
 from kvtransfer.base import (
     KVReceiver,
     KVSender,
+    OfferedPage,
+    PrefixLender,
+    PrefixLoan,
     TransferError,
     TransferParams,
     TransferResult,
@@ -12,6 +15,9 @@ from kvtransfer.registry import available_backends, create_receiver, create_send
 __all__ = [
     "KVReceiver",
     "KVSender",
+    "OfferedPage",
+    "PrefixLender",
+    "PrefixLoan",
     "TransferError",
     "TransferParams",
     "TransferResult",

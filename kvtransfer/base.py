@@ -20,6 +20,16 @@ released even if no receiver ever came. Either side may abort.
 Neither side allocates or frees pages: the sender's caller keeps its pages allocated until
 ``KVSender.poll`` returns the transfer id, and the receiver's caller keeps the destination pages
 reserved until ``KVReceiver.poll`` returns the transfer's result.
+
+A prefix fetch (ZMQ only) goes the other way round: the receiver names pages by their hashes,
+and the sender's owner lends what it holds of them, wherever they are, through a
+``PrefixLender`` it gave the sender::
+
+    sender.lend_prefixes(lender, lease)             receiver.start_prefix_fetch(tid, source,
+                                                        parent, hashes, tokens, dst, timeout)
+    sender.poll(): lender.lend(...) -> PrefixLoan ◀────  (PrefixRequest)
+    ... loan.ready: offer its pages, send them ───────▶  receiver.poll() -> [TransferResult
+    sender.poll(): loan.end()                    ◀────       (tid, ok, offered pages)]
 """
 
 from __future__ import annotations
@@ -27,9 +37,19 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from common.protocol import TransferParams
+from common.protocol import PrefixSource, TransferParams
+from kvtransfer.messages import OfferedPage
 
-__all__ = ["KVReceiver", "KVSender", "TransferError", "TransferParams", "TransferResult"]
+__all__ = [
+    "KVReceiver",
+    "KVSender",
+    "OfferedPage",
+    "PrefixLender",
+    "PrefixLoan",
+    "TransferError",
+    "TransferParams",
+    "TransferResult",
+]
 
 # A receiver treats a lease as over this long before its deadline, so that a page read just as
 # the sender frees it is never reported good (covers polling granularity and clock skew).
@@ -77,6 +97,46 @@ class TransferResult:
     num_pages: int
     nbytes: int  # bytes moved (scales included); 0 for a failed fetch
     seconds: float  # from start_fetch to the end
+    # A prefix fetch's pages as the sender offered them (``num_pages`` of them, the first
+    # destination pages, on success); empty for any other fetch.
+    offered: tuple[OfferedPage, ...] = ()
+
+
+class PrefixLoan(ABC):
+    """Pages of a prompt's prefix that a sender's owner lends for one prefix fetch: pinned where
+    they are until ``end``. Made by ``PrefixLender.lend``; the sender only reads it."""
+
+    @property
+    @abstractmethod
+    def ready(self) -> bool:
+        """Whether ``pages`` and ``rows`` may be read (a page read from disk lands later)."""
+
+    @property
+    @abstractmethod
+    def pages(self) -> list[OfferedPage]:
+        """The run of pages lent, from the first one asked for; empty: none after all."""
+
+    @abstractmethod
+    def rows(self) -> list[list]:
+        """The lent pages' bytes: per tensor of the pool (data, then any scales), one buffer per
+        page of ``pages``, each readable until ``end``."""
+
+    @abstractmethod
+    def end(self) -> None:
+        """The fetch is over: unpin the pages (no buffer of ``rows`` is read after this)."""
+
+
+class PrefixLender(ABC):
+    """What a sender's owner gives it to serve prefix fetches (the prefill worker's page books
+    and KV tiers). Called only from ``KVSender.poll``, on the owner's main loop, between its
+    steps: never while a step may change the pages."""
+
+    @abstractmethod
+    def lend(self, parent: int | None, page_hashes: list[int], token_ids: list[int]) -> PrefixLoan:
+        """Pin the leading run of ``page_hashes`` held here whose tokens are ``token_ids``
+        (``page_size`` per page; ``parent``: the hash of the page before the first, None for a
+        prompt's first page), confirmed as the prefix cache confirms a hit. Raises ValueError
+        for a request that makes no sense."""
 
 
 class KVSender(ABC):
@@ -144,6 +204,20 @@ class KVSender(ABC):
         ``poll`` returns the id once nothing reads the pages any more. Unknown ids are ignored.
         """
 
+    def serves_prefixes(self) -> bool:
+        """Whether ``lend_prefixes`` may be called: this backend serves prefix fetches."""
+        return False
+
+    def lend_prefixes(self, lender: PrefixLender, lease_seconds: float) -> None:
+        """Serve prefix fetches from what ``lender`` lends (see the module docstring); a loan is
+        kept at most ``lease_seconds`` from its request, as a publication's lease."""
+        raise TransferError(f"the {self.backend} backend serves no prefix fetches")
+
+    def lending(self) -> bool:
+        """Whether a prefix loan is waiting to be ready (a disk read), which no socket will
+        announce: the worker should call ``poll`` again soon rather than sleep."""
+        return False
+
     @abstractmethod
     def close(self) -> None:
         """Close the side channel and unregister the pool; every publication is dropped."""
@@ -178,6 +252,26 @@ class KVReceiver(ABC):
         ``poll``. The first fetch from a sender performs the handshake; later ones reuse it.
         The fetch's deadline is ``timeout`` seconds from now, or the lease's end if sooner.
         """
+
+    def start_prefix_fetch(
+        self,
+        transfer_id: str,
+        source: PrefixSource,
+        parent: int | None,
+        page_hashes: list[int],
+        token_ids: list[int],
+        dst_page_ids: list[int],
+        timeout: float,
+    ) -> None:
+        """Begin fetching the pages of a prompt's prefix that ``source`` holds, by their page
+        hashes (``parent``: the hash of the page before the first, None for the prompt's first
+        page; ``token_ids``: the prompt's tokens of those pages), into ``dst_page_ids`` (one
+        per hash). The sender offers the leading run it holds; the result's ``offered`` says
+        which pages, in the first destination pages, and its ``num_pages`` how many. The caller
+        checks them (hashes, parents, tokens) before using them. Raises TransferError as
+        ``start_fetch`` does, and where this receiver fetches no prefixes (another backend, a
+        tensor-parallel group)."""
+        raise TransferError(f"the {self.backend} backend fetches no prefixes")
 
     @abstractmethod
     def poll(self) -> list[TransferResult]:

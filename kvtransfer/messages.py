@@ -11,6 +11,17 @@
                                 ◀─────────    TransferFailed(tid, reason) if it cannot serve
     ReleasePages(tid, ok)       ─────────▶    the sender may free the pages
 
+A decode worker that prefills a prompt itself may fetch the prompt's leading pages from a
+prefill worker that holds them, in its pool or the KV tiers below it, by their page hashes
+(ZMQ only)::
+
+    PrefixRequest(tid, hashes, tokens) ──▶    the sender's owner pins what it holds of them
+                                ◀─────────    PrefixOffer(tid, pages): the run it holds, from the
+                                              first page, each page's hash, parent and tokens
+                                ◀─────────    PageData as for a FetchRequest, for those pages
+                                ◀─────────    TransferFailed(tid, reason) if it holds none
+    ReleasePages(tid, ok)       ─────────▶    the sender unpins them
+
 Between tensor-parallel workers each decode rank fetches its heads from the prefill ranks that
 hold them, and only the decode group's rank 0 sends ReleasePages, to prefill rank 0, once every
 decode rank holds its copy (``kvtransfer/tp_group.py``).
@@ -93,6 +104,42 @@ class PageData(Message):
     num_pages: int
     page_nbytes: int
     scale_nbytes: int  # bytes of each scale frame; 0 when the pool has no scales
+
+
+@message("kv.prefix_request")
+@dataclass(slots=True)
+class PrefixRequest(Message):
+    """Asks for the pages of a prompt's prefix, by their chained page hashes (in order; the
+    first one's parent is ``parent``, None for the prompt's first page), with the prompt's
+    tokens of those pages (``page_size`` each), so that the sender confirms a hit as its prefix
+    cache and its tiers do, never by a hash alone. Every KV head the sender's pages hold."""
+
+    transfer_id: str
+    parent: int | None
+    page_hashes: list[int]
+    token_ids: list[int]
+
+
+@dataclass(slots=True)
+class OfferedPage:
+    """One page of a prefix offer: what it is filed under where it is, and where that is
+    (``pool``, ``host``, ``disk``)."""
+
+    page_hash: int
+    parent: int | None
+    token_ids: list[int]
+    tier: str
+
+
+@message("kv.prefix_offer")
+@dataclass(slots=True)
+class PrefixOffer(Message):
+    """The run of the pages asked for that the sender holds, from the first one asked (at least
+    one); PageData for exactly these pages follows."""
+
+    transfer_id: str
+    instance_id: str  # the answering sender, which must be the one that was handshaken
+    pages: list[OfferedPage]
 
 
 @message("kv.release_pages")

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from common.engine.kv_pool import KVPool
 from common.messages import PROTOCOL_VERSION
+from common.protocol import PrefixSource
 from kvtransfer.base import (
     LEASE_SAFETY_MARGIN_S,
     KVReceiver,
@@ -34,7 +35,10 @@ from kvtransfer.messages import (
     FetchRequest,
     HandshakeReply,
     HandshakeRequest,
+    OfferedPage,
     PageData,
+    PrefixOffer,
+    PrefixRequest,
     ReleasePages,
     TransferFailed,
 )
@@ -89,9 +93,13 @@ class Fetch:
     staging: object | None = None  # where the backend lands pages before they go in place
     pages_done: int = 0  # pages already in place (ZMQ answers arrive in several messages)
     failure: tuple[str, str] | None = None  # (error, reason) held while DRAINING
+    prefix: PrefixRequest | None = None  # a prefix fetch's request (pages named by hash)
+    offered: list[OfferedPage] | None = None  # a prefix fetch's offer, once it came
 
 
 class SideChannelReceiver(KVReceiver):
+    fetches_prefixes = False  # whether start_prefix_fetch works (the backend serves them)
+
     def __init__(self, pool: KVPool, engine_id: str):
         if not engine_id:
             raise ValueError("a KV receiver needs a non-empty engine_id")
@@ -109,6 +117,37 @@ class SideChannelReceiver(KVReceiver):
         timeout: float,
     ) -> None:
         self._start(transfer_id, transfer_id, params, self.pool.layout.heads, dst_page_ids, timeout)
+
+    def start_prefix_fetch(
+        self,
+        transfer_id: str,
+        source: PrefixSource,
+        parent: int | None,
+        page_hashes: list[int],
+        token_ids: list[int],
+        dst_page_ids: list[int],
+        timeout: float,
+    ) -> None:
+        if not self.fetches_prefixes:
+            super().start_prefix_fetch(
+                transfer_id, source, parent, page_hashes, token_ids, dst_page_ids, timeout
+            )  # raises
+        if len(dst_page_ids) != len(page_hashes) or not page_hashes:
+            raise TransferError(
+                f"{len(page_hashes)} page hashes but {len(dst_page_ids)} destination pages"
+            )
+        if len(token_ids) != len(page_hashes) * self.pool.layout.page_size:
+            raise TransferError(f"{len(token_ids)} tokens for {len(page_hashes)} pages")
+        # The sender picks which of its pages to lend: the params name no source page, and its
+        # loan lasts at least as long as this fetch may.
+        params = TransferParams(
+            source.backend, source.endpoint, source.worker_id, [], time.time() + timeout + 1.0
+        )
+        request = PrefixRequest(transfer_id, parent, list(page_hashes), list(token_ids))
+        self._start(
+            transfer_id, transfer_id, params, self.pool.layout.heads, dst_page_ids, timeout,
+            prefix=request,
+        )  # fmt: skip
 
     def start_read(
         self,
@@ -141,6 +180,7 @@ class SideChannelReceiver(KVReceiver):
         dst_page_ids: list[int],
         timeout: float,
         releases: bool = True,
+        prefix: PrefixRequest | None = None,
     ) -> None:
         if not transfer_id or not remote_id:
             raise TransferError("transfer_id must be non-empty")
@@ -149,11 +189,18 @@ class SideChannelReceiver(KVReceiver):
         problem = self.pool.layout.head_slice_problem(heads, "here")
         if problem is not None:
             raise TransferError(problem)
-        check_fetch(self.backend, params, dst_page_ids)
+        if prefix is None:
+            check_fetch(self.backend, params, dst_page_ids)
+        elif params.backend != self.backend:
+            raise TransferError(
+                f"the prefix is held under the {params.backend!r} backend; this receiver is "
+                f"{self.backend!r}"
+            )
         if not timeout > 0:
             raise TransferError(f"timeout must be positive, got {timeout}")
         check_page_ids(dst_page_ids, self.pool.num_pages, "dst_page_ids")
-        check_page_ids(params.page_ids, None, "params.page_ids")  # checked at handshake
+        if prefix is None:
+            check_page_ids(params.page_ids, None, "params.page_ids")  # checked at handshake
         now = time.monotonic()
         lease_left = params.lease_deadline - LEASE_SAFETY_MARGIN_S - time.time()
         peer = self._peer_for(params)
@@ -169,6 +216,7 @@ class SideChannelReceiver(KVReceiver):
             remote_id=remote_id,
             heads=heads,
             releases=releases,
+            prefix=prefix,
         )
         self._fetches[transfer_id] = fetch
         peer.fetches[remote_id] = transfer_id
@@ -271,9 +319,12 @@ class SideChannelReceiver(KVReceiver):
         self._disconnect(peer)
         peer.reply = None
         peer.remote = None
-        for transfer_id in peer.fetches.values():
+        for transfer_id in list(peer.fetches.values()):
             fetch = self._fetches[transfer_id]
-            if fetch.state == REQUESTED:
+            if fetch.state == REQUESTED and fetch.offered is not None:
+                # What the restarted sender would lend is another offer: ask nothing of it.
+                self._fail(fetch, "the sender restarted during a prefix fetch", Failure.TRANSPORT)
+            elif fetch.state == REQUESTED:
                 fetch.state = HANDSHAKE
                 fetch.pages_done = 0
         self._send_handshake(peer)
@@ -321,7 +372,7 @@ class SideChannelReceiver(KVReceiver):
             else:
                 self._on_handshake(peer, msg)
             return
-        if not isinstance(msg, (TransferFailed, PageData, FetchReady)):
+        if not isinstance(msg, (TransferFailed, PageData, FetchReady, PrefixOffer)):
             self._reject(peer, f"a receiver does not take {type(msg).__name__}")
             return
         fetch = self._fetches.get(peer.fetches.get(msg.transfer_id, ""))
@@ -335,8 +386,27 @@ class SideChannelReceiver(KVReceiver):
             # The sender restarted since the handshake (its pool, even its layout, may differ):
             # handshake again; the fetch is asked for afresh once that is done.
             self._rehandshake(peer)
+        elif isinstance(msg, PrefixOffer):
+            self._on_offer(fetch, msg)
+        elif fetch.prefix is not None and fetch.offered is None:
+            self._reject(peer, "dropped page data that came before its prefix offer")
+            self._fail(fetch, "page data before the prefix offer", Failure.TRANSPORT)
         else:
             self._on_reply(fetch, incoming)
+
+    def _on_offer(self, fetch: Fetch, offer: PrefixOffer) -> None:
+        """A prefix fetch's offer: the run of its pages the sender lends, which the page data
+        that follows brings into the first destination pages."""
+        asked = fetch.prefix
+        if asked is None or fetch.offered is not None or fetch.state != REQUESTED:
+            self._reject(fetch.peer, "dropped an unexpected prefix offer")
+            return
+        if not 0 < len(offer.pages) <= len(asked.page_hashes):
+            self._reject(fetch.peer, f"dropped an offer of {len(offer.pages)} pages")
+            self._fail(fetch, "malformed prefix offer", Failure.TRANSPORT)
+            return
+        fetch.offered = offer.pages
+        fetch.dst_page_ids = fetch.dst_page_ids[: len(offer.pages)]
 
     def _on_handshake(self, peer: Peer, reply: HandshakeReply) -> None:
         problem = self._handshake_problem(peer, reply)
@@ -388,9 +458,11 @@ class SideChannelReceiver(KVReceiver):
         else:
             self._fail(fetch, "could not send the fetch request", Failure.TRANSPORT)
 
-    def _fetch_request(self, fetch: Fetch, reply: HandshakeReply) -> FetchRequest:
+    def _fetch_request(self, fetch: Fetch, reply: HandshakeReply) -> FetchRequest | PrefixRequest:
         """Names the heads only where they are not every head the sender holds: a fetch
         between whole pools asks as it always has."""
+        if fetch.prefix is not None:
+            return fetch.prefix
         if fetch.heads == reply.layout.heads:
             return FetchRequest(fetch.remote_id)
         return FetchRequest(fetch.remote_id, fetch.heads.start, len(fetch.heads))
@@ -414,8 +486,11 @@ class SideChannelReceiver(KVReceiver):
             TRANSFER_FAILURES.labels(self.backend, RECEIVER, reason).inc()
             if reason in (Failure.TIMEOUT, Failure.TRANSPORT):
                 peer.suspect = True
+        offered = tuple(fetch.offered) if ok and fetch.offered is not None else ()
         self._results.append(
-            TransferResult(fetch.transfer_id, ok, error, len(fetch.dst_page_ids), nbytes, elapsed)
+            TransferResult(
+                fetch.transfer_id, ok, error, len(fetch.dst_page_ids), nbytes, elapsed, offered
+            )
         )
 
     def _drop_idle_peers(self) -> None:

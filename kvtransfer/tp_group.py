@@ -47,7 +47,7 @@ from common.cluster_auth import ClusterAuth
 from common.engine.kv_pool import KVPool
 from common.engine.tp_group import FollowerRank, FollowerRanks, RankCommand
 from common.kv_layout import KVLayout
-from common.protocol import RankSender
+from common.protocol import PrefixSource, RankSender
 from kvtransfer.base import (
     KVReceiver,
     KVSender,
@@ -511,6 +511,22 @@ class GroupReceiver(KVReceiver):
                 self._reads[read_id] = group
                 self._start_read(rank, read_id, transfer_id, source_params, share.heads,
                                  list(dst_page_ids), timeout)  # fmt: skip
+
+    def start_prefix_fetch(
+        self,
+        transfer_id: str,
+        source: PrefixSource,
+        parent: int | None,
+        page_hashes: list[int],
+        token_ids: list[int],
+        dst_page_ids: list[int],
+        timeout: float,
+    ) -> None:
+        if not self._holds_every_head:
+            raise TransferError("a tensor-parallel decode group fetches no prefixes")
+        self._own.start_prefix_fetch(
+            transfer_id, source, parent, page_hashes, token_ids, dst_page_ids, timeout
+        )
 
     def poll(self) -> list[TransferResult]:
         results = []

@@ -30,7 +30,7 @@ import zmq
 
 from common.engine.kv_pool import KVPool
 from kvtransfer.head_slices import as_pages, gather_heads, scatter_heads
-from kvtransfer.messages import PageData
+from kvtransfer.messages import PageData, TransferFailed
 from kvtransfer.metrics import Failure
 from kvtransfer.receiver import REQUESTED, Fetch, SideChannelReceiver
 from kvtransfer.sender import Lease, SideChannelSender
@@ -41,6 +41,9 @@ MESSAGE_BYTES = 2 << 20
 
 class ZmqSender(SideChannelSender):
     backend = "zmq"
+
+    def serves_prefixes(self) -> bool:
+        return True
 
     def __init__(self, pool: KVPool, engine_id: str, host: str = "127.0.0.1", port: int = 0):
         super().__init__(pool, engine_id, host, port)
@@ -54,11 +57,20 @@ class ZmqSender(SideChannelSender):
         layout = self.pool.layout
         page_nbytes, scale_nbytes = layout.slice_nbytes(len(heads))
         step = max(1, MESSAGE_BYTES // (page_nbytes + scale_nbytes))
-        num_pages = len(lease.page_ids)
+        num_pages = lease.num_pages
         local = range(heads.start - layout.first_kv_head, heads.stop - layout.first_kv_head)
+        loan_rows = lease.loan.rows() if lease.loan is not None else None
+        if loan_rows is not None and len(local) != layout.num_kv_heads:
+            self._channel.send(
+                TransferFailed(lease.transfer_id, "a prefix is lent with every KV head"), identity
+            )
+            return
         for first in range(0, num_pages, step):
             chunk = lease.page_ids[first : first + step]
-            if len(local) == layout.num_kv_heads:
+            if loan_rows is not None:  # a prefix loan's pages, wherever they are
+                page_rows = [rows[first : first + step] for rows in loan_rows]
+                chunk = page_rows[0]
+            elif len(local) == layout.num_kv_heads:
                 page_rows = self._page_rows(chunk)
             else:
                 page_rows = [list(gather_heads(t, chunk, local).numpy()) for t in self._tensors]
@@ -98,6 +110,7 @@ class ZmqSender(SideChannelSender):
 
 class ZmqReceiver(SideChannelReceiver):
     backend = "zmq"
+    fetches_prefixes = True
 
     def __init__(self, pool: KVPool, engine_id: str):
         super().__init__(pool, engine_id)

@@ -122,6 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the router's overflow threshold (default: 1024 without a GPU, off with one)",
     )
+    parser.add_argument(
+        "--prefix-fetch",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the router's: a prompt prefilled by its decode worker fetches the leading pages a "
+        "prefill worker holds instead of computing them (default: on)",
+    )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument(
         "--enable-lora",
@@ -317,6 +324,8 @@ def router_flags(args: argparse.Namespace) -> list[str]:
             flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     if args.enable_auto_tool_choice:
         flags.append("--enable-auto-tool-choice")
+    if args.prefix_fetch is not None:
+        flags.append("--prefix-fetch" if args.prefix_fetch else "--no-prefix-fetch")
     return flags
 
 

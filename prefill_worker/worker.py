@@ -12,6 +12,10 @@ the pages that chunk completed are left to move. Each part's lease holds its own
 its pages, so they stay intact while the decode worker reads them even if the sequence is
 preempted or aborted meanwhile.
 
+A decode worker prefilling a prompt itself may fetch the prompt's leading pages from here by
+their hashes (ZMQ): the sender lends them from the pool or the KV tiers where they are
+(``prefix_loans.py``), between steps, without running one.
+
 This module holds the sockets and the dispatch of messages; ``shipments.py`` keeps the books of
 what was shipped where, under which lease (``Shipments``).
 """
@@ -33,6 +37,7 @@ from common.metrics import REQUESTS
 from common.protocol import AbortRequest, PrefillRequest, RegisterWorker
 from common.service.worker_base import WorkerHost, WorkerService, worker_parser
 from kvtransfer.tp_group import group_sender
+from prefill_worker.prefix_loans import PrefixLoans
 from prefill_worker.shipments import Shipments
 
 logger = logging.getLogger(__name__)
@@ -54,6 +59,13 @@ class PrefillWorker(WorkerService):
             self.engine.followers,
             cluster_auth.load_secret(args.cluster_secret_file),
         )
+        if self.sender.serves_prefixes():
+            # A decode worker prefilling a prompt itself may fetch its leading pages from here,
+            # straight from the pool or the tiers below it (prefix_loans.py).
+            self.sender.lend_prefixes(
+                PrefixLoans(self.engine.pool, self.page_manager, self.page_manager.tiers),
+                args.kv_lease_seconds,
+            )
         self.ship_chunks = args.ship_chunks
         scheduler = self.engine.scheduler
         assert isinstance(scheduler, PrefillScheduler)  # what LLMEngine(role="prefill") builds
@@ -68,7 +80,8 @@ class PrefillWorker(WorkerService):
         self._push: dict[str, zmq.Socket] = {}  # handoff endpoint -> socket
 
     def registration(self) -> RegisterWorker:
-        return self.base_registration()
+        lends = self.sender.serves_prefixes()
+        return self.base_registration(kv_endpoint=self.sender.endpoint if lends else None)
 
     def handle(self, msg: Message) -> None:
         if isinstance(msg, PrefillRequest):
@@ -110,6 +123,9 @@ class PrefillWorker(WorkerService):
             self.shipments.on_first_token(seq, done_at)
         if self.ship_chunks:
             self.shipments.ship_parts([item.seq for item in batch])
+
+    def io_in_flight(self) -> bool:
+        return self.sender.lending()  # a prefix loan's disk reads: offer it once they are done
 
     def num_pending(self) -> int:
         return self.shipments.num_handed_off()

@@ -27,6 +27,7 @@ from common.protocol import (
     Heartbeat,
     LeaveAck,
     PrefillRequest,
+    PrefixSource,
     PromptTokenLogprob,
     RegisterAck,
     RegisterWorker,
@@ -513,7 +514,12 @@ class Dispatcher:
         pages = pages_for(total, decode_state.page_size)
         if decision.prefill_worker_id is None:
             msg: Message = DecodeRequest(
-                gen.wire_id, gen.prompt_token_ids, params, output_ids, gen.lora_name
+                gen.wire_id,
+                gen.prompt_token_ids,
+                params,
+                output_ids,
+                gen.lora_name,
+                self._prefix_source(decision),
             )
             # Counted as queued prefill there until it reports it (the overflow rule reads it).
             local_tokens = len(gen.prompt_token_ids) + len(output_ids)
@@ -536,6 +542,16 @@ class Dispatcher:
                 decode_state.handoff_endpoint,
                 gen.lora_name,
             ),
+        )
+
+    def _prefix_source(self, decision: Decision) -> PrefixSource | None:
+        """Where the decode worker fetches the prompt's leading pages from (the decision's
+        prefill worker), or None."""
+        state = self.registry.workers.get(decision.prefix_worker_id or "")
+        if state is None or state.kv_endpoint is None or decision.prefix_pages < 1:
+            return None
+        return PrefixSource(
+            state.worker_id, state.kv_transfer, state.kv_endpoint, decision.prefix_pages
         )
 
     def _on_delta(self, sender: str, msg: TokenDelta, now: float) -> None:

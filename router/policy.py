@@ -32,6 +32,13 @@ its decode worker instead, if that worker has no prefill of its own queued: it w
 than behind the queue, and each decode worker's running batch pays for at most one local
 prefill at a time. Requests with a session id stay with their prefix.
 
+Prefix fetch: a request prefilled on its decode worker (a short uncached suffix, or an
+overflow) names the prefill worker holding the longest run of its leading pages, in its pool or
+the KV tiers below it (``prefix_source``): the decode worker fetches those pages from it instead
+of computing them, so a conversation returning with a short new turn computes only that turn.
+Only between workers whose transfer backend serves such fetches (ZeroMQ), and never the page of
+the prompt's last token, which is computed to sample the first token.
+
 Decode worker::
 
     score(d) = free_pages(d) - running_weight_pages * running(d)
@@ -106,6 +113,10 @@ class RoutingConfig:
     # --kv-disk-hit-weight). A 2-core AVX-512 box, SmolLM2-135M bf16: see docs/kv-tiers.md.
     host_hit_weight: float = HOST_HIT_WEIGHT
     disk_hit_weight: float = DISK_HIT_WEIGHT
+    # A request prefilled on its decode worker fetches the leading pages a prefill worker holds
+    # (--no-prefix-fetch: never), where it holds at least this many.
+    prefix_fetch: bool = True
+    prefix_fetch_min_pages: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +155,7 @@ class PrefillView:
     # Page hashes held below its pool (its KV tiers), where the pool no longer holds them.
     host_hashes: frozenset[int] | set[int] = field(default_factory=frozenset)
     disk_hashes: frozenset[int] | set[int] = field(default_factory=frozenset)
+    lends_prefixes: bool = False  # serves decode workers' prefix fetches (a ZeroMQ sender)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +165,7 @@ class DecodeView:
     num_running: int  # running + waiting + dispatched-but-unreported
     load_tokens: int = 0  # its own queued prefill tokens (local prefills), as for PrefillView
     adapters: AdaptersHeld = field(default_factory=AdaptersHeld)
+    fetches_prefixes: bool = False  # can fetch a prefix from a prefill worker (ZeroMQ)
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +180,10 @@ class Decision:
     prefill_worker_id: str | None  # None: the decode worker prefills locally
     reason: str
     num_cached_tokens: int = 0  # expected prefix-cache hit on the chosen prefill worker
+    # A local prefill's prefix fetch: the prefill worker holding the prompt's leading pages,
+    # and how many of them to fetch (None, 0: none).
+    prefix_worker_id: str | None = None
+    prefix_pages: int = 0
 
 
 def route(request: RequestView, workers: WorkersView, config: RoutingConfig) -> Decision:
@@ -181,14 +198,62 @@ def route(request: RequestView, workers: WorkersView, config: RoutingConfig) -> 
     if best_uncached < config.remote_prefill_min_tokens and not busy_prefilling(
         decode, workers, config
     ):
-        return Decision(decode, None, REASON_SHORT_PROMPT)
+        return local_prefill(request, workers, decode, REASON_SHORT_PROMPT, config)
     if request.session_id is not None:
         worker, reason = session_worker(request.session_id, workers.prefill, config)
         return Decision(decode, worker, reason, overlaps[worker])
     worker, reason = choose_prefill(request, workers.prefill, overlaps, config)
     if overflows(worker, decode, workers, config):
-        return Decision(decode, None, REASON_OVERFLOW)
+        return local_prefill(request, workers, decode, REASON_OVERFLOW, config)
     return Decision(decode, worker, reason, overlaps[worker])
+
+
+def local_prefill(
+    request: RequestView, workers: WorkersView, decode_id: str, reason: str, config: RoutingConfig
+) -> Decision:
+    """A decision to prefill on ``decode_id``, with the prefix it should fetch, if any."""
+    source = prefix_source(request, workers, decode_id, config)
+    if source is None:
+        return Decision(decode_id, None, reason)
+    worker_id, num_pages = source
+    return Decision(decode_id, None, reason, prefix_worker_id=worker_id, prefix_pages=num_pages)
+
+
+def prefix_source(
+    request: RequestView, workers: WorkersView, decode_id: str, config: RoutingConfig
+) -> tuple[str, int] | None:
+    """The prefill worker holding the longest run of the prompt's leading pages (in its pool
+    or its tiers, each page alike: a fetched page costs its copy wherever it was), and how many
+    to fetch, for a prompt prefilled on ``decode_id``; None where none holds
+    ``prefix_fetch_min_pages`` or the workers cannot fetch. Ties break by load, then id."""
+    decode = next(w for w in workers.decode if w.worker_id == decode_id)
+    if not config.prefix_fetch or not decode.fetches_prefixes or request.lora_name is not None:
+        return None
+    # Never the page of the last prompt token: it is computed to sample the first token.
+    limit = max(request.num_prompt_tokens - 1, 0) // request.page_size
+    best: tuple[int, int, str] | None = None  # (-pages, load, worker id)
+    for worker in workers.prefill:
+        if not worker.lends_prefixes:
+            continue
+        held = held_pages(request.page_hashes[:limit], worker)
+        if held >= max(config.prefix_fetch_min_pages, 1):
+            key = (-held, worker.load_tokens, worker.worker_id)
+            best = key if best is None or key < best else best
+    return None if best is None else (best[2], -best[0])
+
+
+def held_pages(page_hashes: Sequence[int], worker: PrefillView) -> int:
+    """How many of ``page_hashes``, from the first, ``worker`` holds in any tier."""
+    held = 0
+    for page_hash in page_hashes:
+        if not (
+            page_hash in worker.cached_hashes
+            or page_hash in worker.host_hashes
+            or page_hash in worker.disk_hashes
+        ):
+            break
+        held += 1
+    return held
 
 
 def busy_prefilling(decode_id: str, workers: WorkersView, config: RoutingConfig) -> bool:

@@ -26,6 +26,10 @@ from common.protocol import (
 )
 from router.policy import AdaptersHeld, DecodeView, PrefillView, WorkersView
 
+# The KV transfer backends that serve prefix fetches (kvtransfer/base.py): NIXL does not, so no
+# fetch is asked of or by a worker on it.
+PREFIX_FETCH_BACKENDS = ("zmq",)
+
 
 @dataclass(slots=True)
 class _Dispatch:
@@ -65,6 +69,8 @@ class WorkerState:
     busy_seconds: float = 0.0
     step_tokens: int = 0
     step_rows: int = 0
+    # A prefill worker's KV side channel, where decode workers fetch prefixes (None: none).
+    kv_endpoint: str | None = None
     # Shutting down (WorkerDraining): it serves what it has, and nothing new is routed to it.
     draining: bool = False
     # Changing role (router/role_switch.py): the role it becomes and since when (the router's
@@ -207,6 +213,7 @@ class WorkerRegistry:
             handoff_endpoint=msg.handoff_endpoint,
             deterministic=msg.deterministic,
             registered_at=now,
+            kv_endpoint=msg.kv_endpoint if msg.role == ROLE_PREFILL else None,
             last_seen=now,
             num_free_pages=msg.num_pages,
         )
@@ -355,6 +362,8 @@ class WorkerRegistry:
                         w.adapters_held,
                         self._held_below[w.worker_id][TIER_HOST],
                         self._held_below[w.worker_id][TIER_DISK],
+                        lends_prefixes=w.kv_endpoint is not None
+                        and w.kv_transfer in PREFIX_FETCH_BACKENDS,
                     )
                 )
             else:
@@ -365,6 +374,7 @@ class WorkerRegistry:
                         w.running_estimate,
                         w.load_tokens,
                         w.adapters_held,
+                        fetches_prefixes=w.kv_transfer in PREFIX_FETCH_BACKENDS,
                     )
                 )
         return WorkersView(prefill, decode)

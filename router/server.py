@@ -95,6 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {DISK_HIT_WEIGHT}, measured likewise)",
     )
     p.add_argument(
+        "--prefix-fetch",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a prompt prefilled on a decode worker fetches the leading pages a prefill worker "
+        "holds (in its pool or KV tiers) instead of computing them (ZeroMQ transfer only)",
+    )
+    p.add_argument(
         "--local-prefill-overflow-tokens",
         type=int,
         default=None,
@@ -271,6 +278,7 @@ def config_from_args(args: argparse.Namespace, text: Tokenizer, model_path: Path
             local_prefill_overflow_tokens=args.local_prefill_overflow_tokens,
             host_hit_weight=args.kv_host_hit_weight,
             disk_hit_weight=args.kv_disk_hit_weight,
+            prefix_fetch=args.prefix_fetch,
         ),
         parsing=OutputParsing(
             enable_auto_tool_choice=args.enable_auto_tool_choice,

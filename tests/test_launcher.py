@@ -58,6 +58,7 @@ def test_the_routers_flags_go_to_the_router_and_parse_there():
         [
             *("--enable-auto-tool-choice", "--tool-call-parser", "hermes"),
             *("--reasoning-parser", "qwen3", "--heartbeat-timeout", "4", "--seed", "2"),
+            "--no-prefix-fetch",
         ]
     )
     assert rest == ["--seed", "2"]  # for every worker
@@ -65,6 +66,8 @@ def test_the_routers_flags_go_to_the_router_and_parse_there():
     router = router_parser().parse_args(flags)
     assert (router.enable_auto_tool_choice, router.tool_call_parser) == (True, "hermes")
     assert (router.reasoning_parser, router.heartbeat_timeout) == ("qwen3", 4.0)
+    assert router.prefix_fetch is False
+    assert router_parser().parse_args([]).prefix_fetch is True
     assert router_flags(build_parser().parse_known_args([])[0]) == []
 
 

@@ -90,7 +90,7 @@ def frame(**fields) -> bytes:
 
 
 def test_protocol_version():
-    assert PROTOCOL_VERSION == 10
+    assert PROTOCOL_VERSION == 11
 
 
 def test_a_heartbeat_lists_what_its_worker_holds_and_refuses_ragged_lists():

@@ -52,13 +52,15 @@ def documented() -> dict[str, list[tuple[str, bool]]]:
             # Rows marked *on faults* move on failures alone, *on a GPU* by default only there,
             # *with sliding windows* only for a model whose every layer has one, *on role
             # switches* only when a worker changes role, *with KV tiers* only in workers given a
-            # tier below the pool.
+            # tier below the pool, *with prefix fetches* only when a prompt prefilled on a decode
+            # worker has leading pages a prefill worker holds.
             marks = (
                 "*on faults*",
                 "*on a GPU*",
                 "*with sliding windows*",
                 "*on role switches*",
                 "*with KV tiers*",
+                "*with prefix fetches*",
             )
             quiet_here = any(mark in line for mark in marks)
             tables.setdefault(heading, []).append((row.group(1), not quiet_here))

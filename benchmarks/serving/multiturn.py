@@ -19,21 +19,28 @@ one run each, side by side; the box is named, since they depend on it (a run's f
 docs/kv-tiers.md)::
 
     python -m benchmarks.serving.multiturn [--quick] [--tiers host|disk|host+disk]
-        [--conversations 8] [--turns 4] [--system-tokens 1024] [--model DIR]
+        [--conversations 8] [--turns 4] [--system-tokens 1024] [--model DIR] [--cluster]
+
+``--cluster`` serves the same conversations through a router, a prefill worker with a host
+tier and a decode worker, and prints the returning turns' TTFT with and without prefix fetches
+side by side (``multiturn_cluster.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from prometheus_client import REGISTRY
 
 from benchmarks.harness import random_prompts
 from benchmarks.kv_tier_weights import box
+from benchmarks.serving import multiturn_cluster
 from common.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.engine.llm_engine import LLMEngine
 from common.model.default_model import resolve_model_path
@@ -174,10 +181,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reply-tokens", type=int, default=32)
     parser.add_argument("--no-reuse-prompts", type=int, default=16)
     parser.add_argument("--no-reuse-tokens", type=int, default=256)
+    parser.add_argument(
+        "--cluster",
+        action="store_true",
+        help="router + 1 prefill + 1 decode worker: TTFT with and without prefix fetches",
+    )
+    parser.add_argument(
+        "--remote-prefill-min-tokens",
+        type=int,
+        default=128,
+        help="the router's, with --cluster (default: pdserve up's without a GPU)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.conversations, args.turns, args.no_reuse_prompts = 4, 3, 8
     args.model = str(resolve_model_path(args.model))
+    if args.cluster:
+        vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+        multiturn_cluster.run(args, vocab, conversation_pool_tokens(args), box())
+        return
     print(f"box: {box()}")
     final = args.system_tokens + args.turns * (args.user_tokens + args.reply_tokens)
     print(

@@ -85,6 +85,17 @@ class PageManager:
         """Every page hash filed now: a full report for a router that lost track."""
         return list(self._by_hash)
 
+    def cached_page(self, key: PageKey) -> int | None:
+        """The page filed under ``key``'s hash, if its token ids and parent are ``key``'s (a hit
+        confirmed as ``match_prefix`` confirms one), or None. Takes no reference."""
+        page_id = self._by_hash.get(key.page_hash)
+        if page_id is None:
+            return None
+        page = self._pages[page_id]
+        if page.token_ids != key.token_ids or page.parent != key.parent:
+            return None
+        return page_id
+
     def match_prefix(
         self, token_ids: Sequence[int], max_pages: int | None = None, namespace: str = ""
     ) -> list[int]:
