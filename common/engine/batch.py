@@ -99,7 +99,7 @@ def flatten_runs(
         + np.arange(int(num_logits.sum()))
         - logits_before[logit_owner]
     )
-    return _to_device(
+    return to_device(
         input_ids=input_ids,
         positions=positions,
         query_start_loc=query_start_loc,
@@ -139,7 +139,7 @@ def flatten_decodes(
     tables = (page_tables or PageTables()).gather(list(map(_PAGE_IDS, seqs)))
     rows = np.arange(num_seqs)
     slots = page_slots(tables[rows, positions // page_size], positions, page_size)
-    inputs = _to_device(
+    inputs = to_device(
         input_ids=input_ids,
         positions=positions,
         query_start_loc=np.arange(num_seqs + 1, dtype=np.int32),
@@ -166,7 +166,7 @@ def page_slots(pages: np.ndarray, positions: np.ndarray, page_size: int) -> np.n
     return pages.astype(np.int64) * page_size + positions % page_size
 
 
-def _to_device(
+def to_device(
     *,
     input_ids: np.ndarray,
     positions: np.ndarray,
