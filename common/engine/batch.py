@@ -14,6 +14,7 @@ import operator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from itertools import chain
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -36,9 +37,10 @@ class ScheduledSequence:
         return cls(seq, num_new_tokens, reaches_end, num_draft_slots)
 
 
-@dataclass(slots=True)
-class SequenceOutput:
-    """What one step appended to one sampling sequence."""
+class SequenceOutput(NamedTuple):
+    """What one step appended to one sampling sequence. A tuple, as ``SampledToken`` is: a step
+    of plain decodes makes one per row with the tuple type's constructor, in C
+    (``Scheduler.postprocess``)."""
 
     seq: Sequence
     new_samples: list[SampledToken]  # in order; several when proposed tokens were accepted

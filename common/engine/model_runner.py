@@ -375,6 +375,8 @@ def _decodes_alone(batch: list[ScheduledSequence], proposals: Seq[Seq[int]]) -> 
     """Whether every sequence of the step feeds one token, its newest, and samples after it
     (no prompt chunk, no proposal). Such a step scores no prompt token: a sequence's prompt
     logprobs are all due before its last prompt position, whose logits sample."""
+    if isinstance(batch, DecodeStep):
+        return not any(proposals)
     return not any(proposals) and all(
         item.num_new_tokens == 1 and item.will_sample for item in batch
     )

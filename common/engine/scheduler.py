@@ -520,7 +520,8 @@ class Scheduler:
         Under a sliding window every row is visited, for the pages it leaves behind."""
         rows = self.batch
         advanced = rows.advance(list(map(_FIRST, runs)))
-        outputs = list(map(SequenceOutput, advanced.seqs, runs, repeat(False)))
+        rows_out = zip(advanced.seqs, runs, repeat(False))
+        outputs = list(map(tuple.__new__, repeat(SequenceOutput), rows_out))
         check, filled = advanced.check, advanced.filled
         left: list[int] = []
         visit: Seq[int]
@@ -540,7 +541,7 @@ class Scheduler:
             by_hand = check is not None and check[row]
             reason = self._stop_reason(seq, advanced.tokens[row]) if by_hand else None
             if reason is not None and self._after_sampling(seq, reason):
-                outputs[row].left_batch = True
+                outputs[row] = SequenceOutput(seq, runs[row], True)
                 left.append(row)
             else:
                 self._release_pages_behind_window(seq)
