@@ -97,11 +97,11 @@ def test_events_in_any_order_keep_the_rows_a_rebuild_gives(seed):
                 for row, seq in enumerate(seqs)
                 if seq.num_computed_tokens >= len(seq.page_ids) * PAGE
             ]
-            for row in starting:
-                seq = seqs[row]
-                seq.page_ids.append(next_page[0])
-                batch.add_page(row, next_page[0])
-                next_page[0] += 1
+            page_ids = list(range(next_page[0], next_page[0] + len(starting)))
+            next_page[0] += len(starting)
+            for row, page_id in zip(starting, page_ids, strict=True):
+                seqs[row].page_ids.append(page_id)
+            batch.add_pages(starting, page_ids)
         elif event == 3:  # a step that was not a plain decode changed one row
             seq = rng.choice(seqs)
             seq.num_computed_tokens = seq.num_tokens
@@ -113,7 +113,7 @@ def test_events_in_any_order_keep_the_rows_a_rebuild_gives(seed):
         elif batch.decodes_everywhere():  # a plain decode step over every row
             for row in batch.rows_starting_pages(0):
                 seqs[row].page_ids.append(next_page[0])
-                batch.add_page(row, next_page[0])
+                batch.add_pages([row], [next_page[0]])
                 next_page[0] += 1
             before = [(list(seq.token_ids), seq.num_computed_tokens) for seq in seqs]
             tokens = [rng.choice([EOS, 50, 60 + rng.randrange(30)]) for _ in seqs]

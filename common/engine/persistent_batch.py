@@ -12,7 +12,7 @@ them by what changed instead of reading them again every step:
   rows stay in running order (the forward's rows, and so its rounding, are what they were);
 - ``refresh`` (a step that was not a plain decode step changed a sequence: a prompt chunk,
   accepted proposals, pages taken) reads one row again from its sequence;
-- ``add_page`` (a decoding row's next position starts a page) writes one page id;
+- ``add_pages`` (decoding rows whose next position starts a page) writes their new page ids;
 - ``advance`` (a plain decode step's tokens) writes every row at once: the tokens are appended
   to the sequences' own lists by C-level maps, the counts move on as array arithmetic, and the
   rows a stop condition or a completed page may concern are picked out for the scheduler.
@@ -225,6 +225,7 @@ class PersistentBatch:
         self._all_plain = False  # known true (it then stays true as outputs grow)
         self._any_fresh = False  # a row may have no output token yet
         self._width: int | None = None  # the most pages a row holds (None: to be worked out)
+        self._aranges: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -275,16 +276,20 @@ class PersistentBatch:
         """Read ``seq``'s row again: a step that was not a plain decode step changed it."""
         self._read(self.seqs.index(seq), seq)
 
-    def add_page(self, row: int, page_id: int) -> None:
-        """Row ``row``'s sequence took page ``page_id`` at the end of its pages."""
-        num_pages = int(self.num_pages[row])
-        if num_pages == self.page_table.shape[1]:
-            self._grow_pages(2 * num_pages)
-        self.page_table[row, num_pages] = page_id
-        self.num_pages[row] = num_pages + 1
+    def add_pages(self, rows: list[int], page_ids: list[int]) -> None:
+        """Each of ``rows`` (distinct) took the page of ``page_ids`` beside it at the end of its
+        pages."""
+        if not rows:
+            return
+        held = self.num_pages[rows]
+        width = int(held.max()) + 1
+        if width > self.page_table.shape[1]:
+            self._grow_pages(max(width, 2 * self.page_table.shape[1]))
+        self.page_table[rows, held] = page_ids
+        self.num_pages[rows] = held + 1
         self._page_room = None
         if self._width is not None:
-            self._width = max(self._width, num_pages + 1)
+            self._width = max(self._width, width)
 
     def advance(self, samples: list[SampledToken]) -> Advanced:
         """A plain decode step over every row sampled ``samples`` (one per row, in row order):
@@ -375,13 +380,14 @@ class PersistentBatch:
         if self._width is None:
             self._width = int(self.num_pages[:n].max()) if n else 0
         width = self._width
-        tables = np.ascontiguousarray(self.page_table[:n, :width])
-        rows = np.arange(n)
+        # A copy: the step's tables are its own, whatever later steps write into the rows.
+        tables = self.page_table[:n, :width].copy()
+        rows, query_start_loc = self._ranges(n)
         slots = page_slots(tables[rows, positions // self.page_size], positions, self.page_size)
         return to_device(
             input_ids=input_ids,
             positions=positions,
-            query_start_loc=np.arange(n + 1, dtype=np.int32),
+            query_start_loc=query_start_loc,
             seq_lens=np.add(positions, 1, dtype=np.int32, casting="unsafe"),
             page_tables=tables,
             slots=slots,
@@ -444,6 +450,14 @@ class PersistentBatch:
         self.num_pages[row] = num_pages
         self._forget_facts()
         self._any_fresh |= len(tokens) == seq.num_prompt_tokens
+
+    def _ranges(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """``arange(n)`` and ``arange(n + 1)`` in int32, made once per batch size: a decode
+        step's logits indices and query starts (never written, on the host or off it)."""
+        ranges = self._aranges.get(n)
+        if ranges is None:
+            ranges = self._aranges[n] = (np.arange(n), np.arange(n + 1, dtype=np.int32))
+        return ranges
 
     def _forget_facts(self) -> None:
         """A row came, went or was read again: what was known of all rows is worked out anew."""

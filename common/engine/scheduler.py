@@ -21,6 +21,13 @@ Where every layer of the model attends through a sliding window (``release_windo
 sequence gives back each page that no later step reads, once all of its positions are behind the
 window of the first position still to compute (``Sequence.num_released_pages``).
 
+The running sequences are also the rows of a ``PersistentBatch`` (persistent_batch.py), in
+running order: every change the scheduler makes to a running sequence's tokens, computed count
+or pages is told to it (a row added at admission, removed at a finish, a preemption or an
+abort, a page appended, a row read again after a step that changed it one by one). The usual
+step, the last step's decodes again with no row come or gone (``_steady_decodes``), is decided
+and postprocessed on those rows as a ``DecodeStep``, without a pass over the sequences.
+
 Beside a GPU the engine may launch a step before the last one's tokens are read
 (``schedule_ahead``, see ``common/engine/llm_engine.py``): the same decodes again, one position
 on, their input ids taken on the device from the step before. It is decided only where that is
@@ -339,11 +346,12 @@ class Scheduler:
         starting = rows.rows_starting_pages(int(ahead))
         if len(starting) > self.page_manager.num_free_pages:
             return None
-        seqs = rows.seqs
-        for row in starting:
-            page_id = self.page_manager.allocate(1)[0]
-            seqs[row].page_ids.append(page_id)
-            rows.add_page(row, page_id)
+        if starting:
+            seqs = rows.seqs
+            page_ids = self.page_manager.allocate(len(starting))
+            for row, page_id in zip(starting, page_ids, strict=True):
+                seqs[row].page_ids.append(page_id)
+            rows.add_pages(starting, page_ids)
         return DecodeStep(batch, rows, lead=int(ahead))
 
     def release_held_pages(self) -> None:
