@@ -25,6 +25,7 @@ import zmq
 from common import cluster_auth
 from common.dropped_frames import MAX_FRAMES_PER_TURN, DroppedFrames
 from common.engine.batch import ScheduledSequence, SequenceOutput
+from common.engine.persistent_batch import DecodeOutputs
 from common.engine.scheduler import DecodeScheduler
 from common.engine.sequence import Sequence
 from common.messages import Message, ProtocolError, decode
@@ -228,6 +229,13 @@ class DecodeWorker(WorkerService):
     def on_finished_step(
         self, batch: list[ScheduledSequence], outputs: list[SequenceOutput]
     ) -> None:
+        if isinstance(outputs, DecodeOutputs):  # a plain decode step: its token columns
+            self.send_token_columns(outputs)
+            for row in outputs.left:
+                reason = outputs[row].seq.finish_reason
+                assert reason is not None  # a decode leaves its batch only finished
+                REQUESTS.labels(outcome=reason.value).inc()
+            return
         self.send_deltas([(out.seq, len(out.new_samples)) for out in outputs])
         for out in outputs:
             reason = out.seq.finish_reason

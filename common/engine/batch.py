@@ -14,6 +14,7 @@ import operator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from itertools import chain
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -36,9 +37,10 @@ class ScheduledSequence:
         return cls(seq, num_new_tokens, reaches_end, num_draft_slots)
 
 
-@dataclass(slots=True)
-class SequenceOutput:
-    """What one step appended to one sampling sequence."""
+class SequenceOutput(NamedTuple):
+    """What one step appended to one sampling sequence. A tuple, as ``SampledToken`` is: a step
+    of plain decodes makes one per row with the tuple type's constructor, in C
+    (``Scheduler.postprocess``)."""
 
     seq: Sequence
     new_samples: list[SampledToken]  # in order; several when proposed tokens were accepted
@@ -99,7 +101,7 @@ def flatten_runs(
         + np.arange(int(num_logits.sum()))
         - logits_before[logit_owner]
     )
-    return _to_device(
+    return to_device(
         input_ids=input_ids,
         positions=positions,
         query_start_loc=query_start_loc,
@@ -139,7 +141,7 @@ def flatten_decodes(
     tables = (page_tables or PageTables()).gather(list(map(_PAGE_IDS, seqs)))
     rows = np.arange(num_seqs)
     slots = page_slots(tables[rows, positions // page_size], positions, page_size)
-    inputs = _to_device(
+    inputs = to_device(
         input_ids=input_ids,
         positions=positions,
         query_start_loc=np.arange(num_seqs + 1, dtype=np.int32),
@@ -166,7 +168,7 @@ def page_slots(pages: np.ndarray, positions: np.ndarray, page_size: int) -> np.n
     return pages.astype(np.int64) * page_size + positions % page_size
 
 
-def _to_device(
+def to_device(
     *,
     input_ids: np.ndarray,
     positions: np.ndarray,

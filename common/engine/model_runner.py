@@ -11,10 +11,12 @@ before its forward (``common/engine/tp_group.py``), and theirs run them in ``run
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence as Seq
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Protocol
 
 import torch
@@ -31,6 +33,7 @@ from common.engine.batch import (
 from common.engine.cuda_graphs import DecodeGraphs
 from common.engine.kv_pool import KVPool
 from common.engine.lora import LoraManager
+from common.engine.persistent_batch import DecodeStep
 from common.engine.sampler import (
     SampledToken,
     Sampler,
@@ -172,14 +175,19 @@ class ModelRunner:
         the same rows whose tokens are not read yet; this one feeds them, a position further
         on (the engine's step ahead), taking them on the device."""
         seqs = [item.seq for item in batch]
-        inputs = flatten_decodes(
-            seqs,
-            self.page_size,
-            self.device,
-            self.staging,
-            self.page_tables,
-            after=None if after is None else after.token_ids,
-        )
+        if isinstance(batch, DecodeStep) and batch.current:
+            inputs = batch.rows.forward_inputs(self.device, self.staging, batch.lead)
+            if after is not None:
+                inputs = dataclasses.replace(inputs, input_ids=after.token_ids)
+        else:
+            inputs = flatten_decodes(
+                seqs,
+                self.page_size,
+                self.device,
+                self.staging,
+                self.page_tables,
+                after=None if after is None else after.token_ids,
+            )
         lora = self._lora_segments(batch, [()] * len(batch))
         logits = self.graphs.run(inputs, lora) if self.graphs is not None else None
         if logits is None:
@@ -219,6 +227,13 @@ class ModelRunner:
     ) -> LoraSegments | None:
         """The step's rows by adapter slot (each sequence's run: its known tokens, then its
         proposals), the adapters written into slots first; None where no row has one."""
+        if self.lora is None:
+            return None
+        if isinstance(batch, DecodeStep) and batch.current:
+            rows = batch.rows
+            if not rows.num_loras:
+                return None
+            return self._segments_of(list(zip(repeat(1), rows.lora_names)))
         return self._segments_of(
             [
                 (item.num_new_tokens + len(proposed), item.seq.lora_name)
@@ -241,6 +256,8 @@ class ModelRunner:
     def _all_plain_argmax(self, batch: list[ScheduledSequence]) -> bool:
         """Whether every row's next token is its logits' argmax and nothing else is asked of it
         (``plain_argmax``)."""
+        if isinstance(batch, DecodeStep) and batch.current:
+            return batch.rows.all_plain_argmax()
         if batch == self._plain_rows:  # the same rows: item by item, by identity first
             return True
         if all(plain_argmax(item.seq.params, item.seq.num_output_tokens) for item in batch):
@@ -299,6 +316,8 @@ class ModelRunner:
         runs: list[TokenRun] | None = None,
     ) -> ForwardInputs:
         """``prepare`` with the step's kind known, and its token runs if already made."""
+        if decodes_alone and isinstance(batch, DecodeStep) and batch.current:
+            return batch.rows.forward_inputs(self.device, self.staging, batch.lead)
         if decodes_alone:
             seqs = [item.seq for item in batch]
             return flatten_decodes(
@@ -356,6 +375,8 @@ def _decodes_alone(batch: list[ScheduledSequence], proposals: Seq[Seq[int]]) -> 
     """Whether every sequence of the step feeds one token, its newest, and samples after it
     (no prompt chunk, no proposal). Such a step scores no prompt token: a sequence's prompt
     logprobs are all due before its last prompt position, whose logits sample."""
+    if isinstance(batch, DecodeStep):
+        return not any(proposals)
     return not any(proposals) and all(
         item.num_new_tokens == 1 and item.will_sample for item in batch
     )

@@ -21,6 +21,13 @@ Where every layer of the model attends through a sliding window (``release_windo
 sequence gives back each page that no later step reads, once all of its positions are behind the
 window of the first position still to compute (``Sequence.num_released_pages``).
 
+The running sequences are also the rows of a ``PersistentBatch`` (persistent_batch.py), in
+running order: every change the scheduler makes to a running sequence's tokens, computed count
+or pages is told to it (a row added at admission, removed at a finish, a preemption or an
+abort, a page appended, a row read again after a step that changed it one by one). The usual
+step, the last step's decodes again with no row come or gone (``_steady_decodes``), is decided
+and postprocessed on those rows as a ``DecodeStep``, without a pass over the sequences.
+
 Beside a GPU the engine may launch a step before the last one's tokens are read
 (``schedule_ahead``, see ``common/engine/llm_engine.py``): the same decodes again, one position
 on, their input ids taken on the device from the step before. It is decided only where that is
@@ -52,12 +59,17 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
+from itertools import repeat
+from operator import itemgetter
 from typing import Protocol
+
+import numpy as np
 
 from common.config import SchedulerConfig
 from common.engine.batch import ScheduledSequence, SequenceOutput
 from common.engine.kv_tiers.tiers import KVTiers, Restore
 from common.engine.page_manager import PageManager
+from common.engine.persistent_batch import DecodeOutputs, DecodeStep, PersistentBatch
 from common.engine.sampler import SampledToken
 from common.engine.sequence import FinishReason, Sequence, SequenceStatus, SpeculationState
 from common.engine.speculative.speculator import Speculator
@@ -66,6 +78,8 @@ from common.engine.structured.matcher import GrammarError
 from common.engine.structured.state import GrammarState
 from common.hashing import page_hashes
 from kernels.sizes import ceil_div
+
+_FIRST = itemgetter(0)
 
 # How long a step with nothing to run waits for a restore to land before it returns.
 _RESTORE_WAIT_S = 0.05
@@ -121,11 +135,14 @@ class Scheduler:
         self.release_window = release_window
         self.num_released_pages = 0  # pages given back from behind the window, in all
         self.num_prompt_tokens_computed = 0  # prompt tokens run through the model, cache hits not
-        # The last step's batch when it was every running sequence decoding, in running order:
-        # while that stays so, the next step is the same rows again (``_steady_decodes``).
-        self._decodes: list[ScheduledSequence] = []
-        self._steady_batch: list[ScheduledSequence] | None = None  # the last one it gave
-        self._ahead_batch: list[ScheduledSequence] | None = None  # the last schedule_ahead gave
+        # The running sequences as rows of arrays, in running order (persistent_batch.py):
+        # every change to a running sequence's tokens, computed count or pages is told to it.
+        self.batch = PersistentBatch(self.page_size, max_model_len, eos_token_ids)
+        # The last step's batch when it was every running sequence decoding, in running order
+        # (as a ``DecodeStep`` of the rows, and as it was scheduled): while no row comes or
+        # goes, the next step is the same rows again (``_steady_decodes``).
+        self._decodes: DecodeStep | None = None
+        self._decodes_of: list[ScheduledSequence] | None = None
         # Pages freed while a step launched ahead may still write to them (schedule_ahead).
         self._holding_freed_pages = False
         self._held_pages: list[list[int]] = []
@@ -215,6 +232,8 @@ class Scheduler:
             for seq in queue:
                 if seq.request_id == request_id:
                     queue.remove(seq)
+                    if queue is self.running:
+                        self.batch.remove(seq)
                     self._finish(seq, FinishReason.ABORT)
                     return seq
         for seq, restore in self.restoring:
@@ -256,7 +275,7 @@ class Scheduler:
             self._take_loaded()
         if self.restoring or self._abandoned:
             self._take_restored()
-        steady = self._steady_batch = self._steady_decodes()
+        steady = self._steady_decodes()
         if steady is not None:
             return steady
         batch = self._schedule_anew()
@@ -272,9 +291,10 @@ class Scheduler:
             and not item.num_draft_slots
             for item, seq in zip(batch, running, strict=True)
         ):
-            self._decodes = batch
+            self._decodes = DecodeStep(batch, self.batch)
+            self._decodes_of = batch
         else:
-            self._decodes = []
+            self._decodes = self._decodes_of = None
         return batch
 
     def _steady_decodes(self) -> list[ScheduledSequence] | None:
@@ -282,7 +302,7 @@ class Scheduler:
         last step, in its order, each still decoding, and nothing else is asked (no proposals,
         no admission). Each gets one token again, and a page where its token starts a new one,
         unless the free pages are short (the full pass then preempts). What ``_schedule_anew``
-        would decide, in about a fifth of its time at batch 64; None where it is not that step."""
+        would decide, read off the persistent batch's rows; None where it is not that step."""
         return self._decodes_again(self._decodes, ahead=False)
 
     def schedule_ahead(self, batch: list[ScheduledSequence]) -> list[ScheduledSequence] | None:
@@ -294,49 +314,45 @@ class Scheduler:
         past the model's). Each row gets a page where its next position starts one, or None
         where the free pages are short (``schedule`` then preempts). Pages freed from here
         until the step is read are held back (``release_held_pages``)."""
-        ahead = self._decodes_again(batch, ahead=True)
+        step = batch if isinstance(batch, DecodeStep) else None
+        if step is None and batch is self._decodes_of:
+            step = self._decodes  # scheduled anew, as every running sequence's decode
+        ahead = self._decodes_again(step, ahead=True)
         if ahead is not None:
             self._holding_freed_pages = True
-            self._ahead_batch = ahead
         return ahead
 
-    def _decodes_again(
-        self, batch: list[ScheduledSequence], ahead: bool
-    ) -> list[ScheduledSequence] | None:
-        """``batch``'s rows decoding again, in a copy of it, with a page for each row whose
-        position starts one: the position after its computed tokens, or (``ahead``) the one
-        after that, while ``batch``'s tokens are not read yet. None unless the rows are every
-        running sequence, in running order, each one known token from its end (a decode), with
-        no speculation, nothing waiting for a seat and pages enough; ahead, also none where a
-        row ends by its length at the token not read yet."""
-        running = self.running
+    def _decodes_again(self, batch: DecodeStep | None, ahead: bool) -> DecodeStep | None:
+        """``batch``'s rows decoding again, in a new ``DecodeStep``, with a page for each row
+        whose position starts one: the position after its computed tokens, or (``ahead``) the
+        one after that, while ``batch``'s tokens are not read yet. None unless the rows are
+        still ``batch``'s (none came or went: they are every running sequence, in running
+        order), each one known token from its end (a decode), with no speculation, nothing
+        waiting for a seat and pages enough; ahead, also none where a row ends by its length at
+        the token not read yet. Decided on the rows' columns, not sequence by sequence."""
+        rows = self.batch
         if (
-            not batch
-            or len(batch) != len(running)
-            or len(running) > self.token_budget
+            batch is None
+            or not batch.current
+            or not batch
+            or len(batch) != len(self.running)
+            or len(batch) > self.token_budget
             or self.speculator is not None
-            or (self.waiting and len(running) < self.max_num_seqs)
+            or (self.waiting and len(self.running) < self.max_num_seqs)
+            or not rows.decodes_everywhere()
+            or (ahead and rows.ends_by_length_next())
         ):
             return None
-        page_size, max_model_len, lead = self.page_size, self.max_model_len, int(ahead)
-        starting_pages = []
-        for item, seq in zip(batch, running, strict=True):
-            computed = seq.num_computed_tokens
-            num_tokens = len(seq.token_ids)
-            if item.seq is not seq or num_tokens - computed != 1:
-                return None
-            if ahead and (
-                num_tokens + 1 >= max_model_len
-                or num_tokens + 1 - seq.num_prompt_tokens >= seq.params.max_tokens
-            ):
-                return None
-            if computed + lead >= len(seq.page_ids) * page_size:
-                starting_pages.append(seq)
-        if len(starting_pages) > self.page_manager.num_free_pages:
+        starting = rows.rows_starting_pages(int(ahead))
+        if len(starting) > self.page_manager.num_free_pages:
             return None
-        for seq in starting_pages:
-            seq.page_ids.extend(self.page_manager.allocate(1))
-        return list(batch)
+        if starting:
+            seqs = rows.seqs
+            page_ids = self.page_manager.allocate(len(starting))
+            for row, page_id in zip(starting, page_ids, strict=True):
+                seqs[row].page_ids.append(page_id)
+            rows.add_pages(starting, page_ids)
+        return DecodeStep(batch, rows, lead=int(ahead))
 
     def release_held_pages(self) -> None:
         """No step launched ahead is in flight any more: the pages freed meanwhile are free."""
@@ -414,6 +430,7 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
+            self.batch.add(seq)
             batch.append(ScheduledSequence.of(seq, num_admitted))
             budget -= num_admitted
             if not decode_ready:
@@ -454,7 +471,9 @@ class Scheduler:
         """Advance each scheduled sequence and append the run of tokens sampled for each one
         that sampled (``runs`` in batch order: the next token, after any accepted proposals),
         up to the first token that stops it. Returns what each sampling sequence gained."""
-        if batch is self._steady_batch or batch is self._ahead_batch:
+        if isinstance(batch, DecodeStep):
+            if batch.current:
+                return self._postprocess_rows(batch, runs)
             return self._postprocess_decodes(batch, runs)
         sampled_runs = iter(runs)
         outputs = []
@@ -489,15 +508,60 @@ class Scheduler:
                 self._release_pages_behind_window(seq)
             outputs.append(SequenceOutput(seq, list(run), leaves))
         assert next(sampled_runs, None) is None, "more sampled runs than sampling sequences"
+        self._refresh_rows(batch)
         return outputs
+
+    def _refresh_rows(self, batch: list[ScheduledSequence]) -> None:
+        """Bring the persistent batch's rows of ``batch``'s sequences still running up to
+        date, after a step that changed them one by one."""
+        for item in batch:
+            if item.seq.status is SequenceStatus.RUNNING:
+                self.batch.refresh(item.seq)
+
+    def _postprocess_rows(self, batch: DecodeStep, runs: Seq[list[SampledToken]]) -> DecodeOutputs:
+        """``postprocess`` for a ``DecodeStep`` whose rows are still the batch's: every row
+        decoded past its prompt and sampled one token (no proposals: there is no speculator).
+        The tokens are appended and counted on every row at once (``PersistentBatch.advance``);
+        only the rows whose stop may have come (a possible end of sequence, the length
+        reached, a grammar, stop token ids) or that completed a page are visited, in row order,
+        as ``postprocess`` would visit them (their pages are filed and freed in that order).
+        Under a sliding window every row is visited, for the pages it leaves behind."""
+        rows = self.batch
+        advanced = rows.advance(list(map(_FIRST, runs)))
+        rows_out = zip(advanced.seqs, runs, repeat(False))
+        outputs = list(map(tuple.__new__, repeat(SequenceOutput), rows_out))
+        check, filled = advanced.check, advanced.filled
+        left: list[int] = []
+        visit: Seq[int]
+        if self.release_window is not None:
+            visit = range(len(outputs))
+        elif check is None:
+            if filled is None:
+                return DecodeOutputs(outputs, advanced.token_columns(left), left)
+            visit = np.flatnonzero(filled).tolist()
+        else:
+            visit = np.flatnonzero(check if filled is None else check | filled).tolist()
+        for row in visit:
+            seq = advanced.seqs[row]
+            if filled is not None and filled[row]:
+                self._cache_full_pages(seq)  # a page was completed
+                rows.note_hashed(row - len(left), len(seq.page_hashes))
+            by_hand = check is not None and check[row]
+            reason = self._stop_reason(seq, advanced.tokens[row]) if by_hand else None
+            if reason is not None and self._after_sampling(seq, reason):
+                outputs[row] = SequenceOutput(seq, runs[row], True)
+                left.append(row)
+            else:
+                self._release_pages_behind_window(seq)
+        return DecodeOutputs(outputs, advanced.token_columns(left), left)
 
     def _postprocess_decodes(
         self, batch: list[ScheduledSequence], runs: Seq[list[SampledToken]]
     ) -> list[SequenceOutput]:
-        """``postprocess`` for a step of ``_steady_decodes`` or ``schedule_ahead``: every row
-        decoded past its prompt and sampled one token (no proposals: there is no speculator).
-        A row whose sequence left the batch after the step was launched ahead (it stopped at
-        the token before, or was aborted) is dropped."""
+        """``postprocess`` for a ``DecodeStep`` whose rows changed since it was made, one row at
+        a time: a step launched ahead, after which a row's sequence left the batch (it stopped
+        at the token before, or was aborted). Every row decoded past its prompt and sampled one
+        token (no proposals: there is no speculator); the rows that left are dropped."""
         outputs = []
         page_size = self.page_size
         for item, run in zip(batch, runs, strict=True):
@@ -516,15 +580,20 @@ class Scheduler:
             if not leaves:
                 self._release_pages_behind_window(seq)
             outputs.append(SequenceOutput(seq, run, leaves))
+        self._refresh_rows(batch)
         return outputs
 
     def _after_sampling(self, seq: Sequence, reason: FinishReason | None) -> bool:
         """Retire ``seq`` if its new tokens ended it; whether it left the batch."""
         if reason is None:
             return False
-        self.running.remove(seq)
+        self._stop_running(seq)
         self._finish(seq, reason)
         return True
+
+    def _stop_running(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.batch.remove(seq)
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -543,6 +612,7 @@ class Scheduler:
             if victim is seq:
                 return False
         seq.page_ids.extend(self.page_manager.allocate(needed))
+        self.batch.refresh(seq)
         return True
 
     def _admit(self, seq: Sequence, budget: int) -> int | None:
@@ -746,7 +816,7 @@ class Scheduler:
         seq.num_released_pages = 0
 
     def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
+        self._stop_running(seq)
         self._free_pages(seq)
         seq.page_hashes = []
         seq.num_computed_tokens = 0
@@ -774,7 +844,7 @@ class PrefillScheduler(Scheduler):
         self._free_pages(seq)
 
     def _after_sampling(self, seq: Sequence, reason: FinishReason | None) -> bool:
-        self.running.remove(seq)
+        self._stop_running(seq)
         self._finish(seq, reason, free_pages=reason is not None)
         return True
 

@@ -28,6 +28,7 @@ from common.cluster_auth import ClusterAuth
 from common.engine.args import add_engine_args, engine_config_from_args
 from common.engine.batch import ScheduledSequence, SequenceOutput
 from common.engine.llm_engine import LLMEngine
+from common.engine.persistent_batch import DecodeOutputs
 from common.engine.sampler import PromptLogprob
 from common.engine.sequence import Sequence, first_output_prompt_logprobs
 from common.messages import PROTOCOL_VERSION, Message
@@ -473,19 +474,24 @@ class WorkerService(ABC):
         self.last_step_seconds = time.perf_counter() - started
         self.num_steps += 1
         self.busy_seconds += self.last_step_seconds
-        step_tokens = sum(item.num_new_tokens + item.num_draft_slots for item in batch)
+        if isinstance(outputs, DecodeOutputs):  # a plain decode step: one token a row
+            step_tokens = generated = len(batch)
+            left = len(outputs.left)
+        else:
+            step_tokens = sum(item.num_new_tokens + item.num_draft_slots for item in batch)
+            generated = sum(len(out.new_samples) for out in outputs)
+            left = sum(1 for out in outputs if out.left_batch)
         self.step_tokens += step_tokens
         self.step_rows += len(batch)
         prompt_tokens = self.scheduler.num_prompt_tokens_computed - computed
         if prompt_tokens:
             self.prefill_rate.record(prompt_tokens, self.last_step_seconds)
-        left = sum(1 for out in outputs if out.left_batch)
         if left:
             self.finish_rate.record(left)
         STEP_SECONDS.observe(self.last_step_seconds)
         STEP_BATCH_SIZE.observe(len(batch))
         ITERATION_TOKENS.observe(step_tokens)
-        GENERATED_TOKENS.inc(sum(len(out.new_samples) for out in outputs))
+        GENERATED_TOKENS.inc(generated)
         self.on_finished_step(batch, outputs)
 
     def _on_register_ack(self, ack: RegisterAck) -> None:
@@ -728,6 +734,22 @@ class WorkerService(ABC):
                 add_token(seq.request_id, seq.token_ids[-1], num_output_tokens - 1)
             else:
                 frame.deltas.append(self.delta(seq, num_new, first))
+        if len(frame.deltas) == 1 and not frame.token_ids:
+            self._send_output(frame.deltas[0])
+        elif frame.deltas or frame.token_ids:
+            self._send_output(frame)
+
+    def send_token_columns(self, outputs: DecodeOutputs) -> None:
+        """``send_deltas`` for a plain decode step's outputs: the rows whose delta is their
+        token alone go as the step's token columns, read off the persistent batch
+        (``TokenColumns``), the others as deltas of their own."""
+        columns = outputs.columns
+        frame = TokenDeltas(
+            [self.delta(outputs[row].seq) for row in columns.full_rows],
+            columns.request_ids,
+            columns.token_ids,
+            columns.start_indices,
+        )
         if len(frame.deltas) == 1 and not frame.token_ids:
             self._send_output(frame.deltas[0])
         elif frame.deltas or frame.token_ids:
