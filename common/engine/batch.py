@@ -140,11 +140,31 @@ def flatten_decodes(
         positions += 1
     tables = (page_tables or PageTables()).gather(list(map(_PAGE_IDS, seqs)))
     rows = np.arange(num_seqs)
+    query_start_loc = np.arange(num_seqs + 1, dtype=np.int32)
+    inputs = decode_inputs(
+        input_ids, positions, tables, rows, query_start_loc, page_size, device, staging
+    )
+    return inputs if after is None else dataclasses.replace(inputs, input_ids=after)
+
+
+def decode_inputs(
+    input_ids: np.ndarray,
+    positions: np.ndarray,
+    tables: np.ndarray,
+    rows: np.ndarray,
+    query_start_loc: np.ndarray,
+    page_size: int,
+    device: torch.device,
+    staging: HostStaging | None,
+) -> ForwardInputs:
+    """The forward inputs of a step of decodes: row ``i`` feeds ``input_ids[i]`` at
+    ``positions[i]`` over page-table row ``tables[i]`` and wants its logits (``rows``: 0..n-1,
+    ``query_start_loc``: 0..n, which callers may keep between steps)."""
     slots = page_slots(tables[rows, positions // page_size], positions, page_size)
-    inputs = to_device(
+    return to_device(
         input_ids=input_ids,
         positions=positions,
-        query_start_loc=np.arange(num_seqs + 1, dtype=np.int32),
+        query_start_loc=query_start_loc,
         seq_lens=np.add(positions, 1, dtype=np.int32, casting="unsafe"),
         page_tables=tables,
         slots=slots,
@@ -153,7 +173,6 @@ def flatten_decodes(
         device=device,
         staging=staging,
     )
-    return inputs if after is None else dataclasses.replace(inputs, input_ids=after)
 
 
 # What a step of decodes reads of each sequence, as C-level getters (a generator over 64

@@ -51,8 +51,7 @@ from common.engine.batch import (
     HostStaging,
     ScheduledSequence,
     SequenceOutput,
-    page_slots,
-    to_device,
+    decode_inputs,
 )
 from common.engine.sampler import SampledToken, plain_argmax
 from common.engine.sequence import Sequence
@@ -383,18 +382,8 @@ class PersistentBatch:
         # A copy: the step's tables are its own, whatever later steps write into the rows.
         tables = self.page_table[:n, :width].copy()
         rows, query_start_loc = self._ranges(n)
-        slots = page_slots(tables[rows, positions // self.page_size], positions, self.page_size)
-        return to_device(
-            input_ids=input_ids,
-            positions=positions,
-            query_start_loc=query_start_loc,
-            seq_lens=np.add(positions, 1, dtype=np.int32, casting="unsafe"),
-            page_tables=tables,
-            slots=slots,
-            logits_indices=rows,
-            max_query_len=1,
-            device=device,
-            staging=staging,
+        return decode_inputs(
+            input_ids, positions, tables, rows, query_start_loc, self.page_size, device, staging
         )
 
     # -- checking -------------------------------------------------------------------------------
