@@ -90,13 +90,13 @@ def decode_receiver():
     return create_receiver("zmq", KVPool(make_layout("int8"), NUM_PAGES, "cpu"), "decode-d")
 
 
-def run(prefill: Prefill, receiver, condition, timeout: float = 30.0) -> list:
+def run(sender, receiver, condition, timeout: float = 30.0) -> list:
     """Poll both sides until ``condition(results)`` holds; the receiver's results."""
     results: list = []
     deadline = time.monotonic() + timeout
     while not condition(results):
         assert time.monotonic() < deadline, "timed out"
-        prefill.sender.poll()
+        sender.poll()
         results += receiver.poll()
         time.sleep(0.001)
     return results
@@ -123,7 +123,7 @@ def test_pages_come_from_the_pool_host_and_disk_where_they_are(tmp_path):
         prefill.on_disk(keys[3], like_page=6)  # page 4 is held nowhere: the run ends before it
         dst = [7, 2, 5, 0, 3]
         receiver.start_prefix_fetch("p", source(prefill, 5), None, hashes, tokens, dst, 10)
-        (result,) = run(prefill, receiver, lambda r: r)
+        (result,) = run(prefill.sender, receiver, lambda r: r)
         assert result.ok, result.error
         assert result.num_pages == 4
         assert [p.tier for p in result.offered] == ["pool", "pool", "host", "disk"]
@@ -137,7 +137,7 @@ def test_pages_come_from_the_pool_host_and_disk_where_they_are(tmp_path):
             assert torch.equal(receiver.pool.page_bytes(page_id), data)
             assert torch.equal(receiver.pool.scale_bytes(page_id), scales)
         # The receiver released the loan: the pool's references and the host pins are back.
-        run(prefill, receiver, lambda _: prefill.nothing_pinned())
+        run(prefill.sender, receiver, lambda _: prefill.nothing_pinned())
         assert prefill.pages.num_free_pages == NUM_PAGES
     finally:
         receiver.close()
@@ -153,7 +153,7 @@ def test_a_page_is_lent_only_for_its_own_tokens_and_parent(tmp_path):
         other = [t + 1 for t in tokens]
         dst = [0, 1]
         receiver.start_prefix_fetch("p", source(prefill, 2), None, hashes, other, dst, 10)
-        (result,) = run(prefill, receiver, lambda r: r)
+        (result,) = run(prefill.sender, receiver, lambda r: r)
         assert not result.ok and "none of the pages is held" in (result.error or "")
         assert prefill.nothing_pinned()
     finally:
@@ -177,10 +177,10 @@ def test_a_damaged_disk_block_ends_the_run_before_it(tmp_path):
         path.write_bytes(bytes(blob))
         dst = [3, 4, 5]
         receiver.start_prefix_fetch("p", source(prefill, 3), None, hashes, tokens, dst, 10)
-        (result,) = run(prefill, receiver, lambda r: r)
+        (result,) = run(prefill.sender, receiver, lambda r: r)
         assert result.ok, result.error
         assert [p.tier for p in result.offered] == ["pool"]
-        run(prefill, receiver, lambda _: prefill.nothing_pinned())
+        run(prefill.sender, receiver, lambda _: prefill.nothing_pinned())
     finally:
         receiver.close()
         prefill.close()
@@ -199,12 +199,12 @@ def test_an_abort_while_the_loan_is_read_from_disk_unpins_everything(tmp_path):
         prefill.tiers.mover.submit(Job(lambda job: gate.wait(30)))
         receiver.start_prefix_fetch("p", source(prefill, 3), None, hashes, tokens, [0, 1, 2], 10)
         # Let the request reach the sender and its loan be made, then give up.
-        run(prefill, receiver, lambda _: not prefill.nothing_pinned())
+        run(prefill.sender, receiver, lambda _: not prefill.nothing_pinned())
         assert prefill.sender.lending()
         receiver.abort("p")
-        (result,) = run(prefill, receiver, lambda r: r)
+        (result,) = run(prefill.sender, receiver, lambda r: r)
         assert not result.ok and result.error == "aborted"
-        run(prefill, receiver, lambda _: prefill.nothing_pinned())
+        run(prefill.sender, receiver, lambda _: prefill.nothing_pinned())
         gate.set()
         assert prefill.tiers.flush(30)
     finally:
@@ -220,14 +220,9 @@ def test_a_sender_that_lends_nothing_refuses(tmp_path):
         tokens, hashes = prompt(1, seed=5, page_size=layout.page_size)
         src = PrefixSource("prefill-p", "zmq", sender.endpoint, 1)
         receiver.start_prefix_fetch("p", src, None, hashes, tokens, [0], 10)
-        results: list = []
-        deadline = time.monotonic() + 30
-        while not results and time.monotonic() < deadline:
-            sender.poll()
-            results += receiver.poll()
-            time.sleep(0.001)
-        assert results and not results[0].ok
-        assert "serves no prefix fetches" in (results[0].error or "")
+        (result,) = run(sender, receiver, lambda r: r)
+        assert not result.ok
+        assert "serves no prefix fetches" in (result.error or "")
     finally:
         receiver.close()
         sender.close()
@@ -265,14 +260,9 @@ def test_a_loan_not_ready_by_the_end_of_its_lease_is_refused_and_ended():
         tokens, hashes = prompt(1, seed=6, page_size=layout.page_size)
         src = PrefixSource("prefill-p", "zmq", sender.endpoint, 1)
         receiver.start_prefix_fetch("p", src, None, hashes, tokens, [0], 30)
-        results: list = []
-        deadline = time.monotonic() + 30
-        while not results and time.monotonic() < deadline:
-            sender.poll()
-            results += receiver.poll()
-            time.sleep(0.001)
-        assert results and not results[0].ok
-        assert "lease expired" in (results[0].error or "")
+        (result,) = run(sender, receiver, lambda r: r)
+        assert not result.ok
+        assert "lease expired" in (result.error or "")
         assert lender.ended == 1
     finally:
         receiver.close()

@@ -223,13 +223,7 @@ class DiskTier:
                     self._files.items(), key=lambda item: mine[item[0]][1]
                 )
             )
-            others = sorted(
-                (entry[1], name, entry[0])
-                for name, entry in listed.items()
-                if isinstance(name, str)
-            )
-            self._others = OrderedDict((name, (size, mtime)) for mtime, name, size in others)
-            self._others_bytes = sum(size for _, _, size in others)
+            self._note_others(listed)
             self._evict_over_capacity()
 
     def _list_directory(self) -> dict[int | str, tuple[int, float]]:
@@ -264,33 +258,37 @@ class DiskTier:
 
     def _scan(self) -> None:
         """Take the books of the blocks of this fingerprint already in the directory (a
-        restarted worker's, or another's), oldest first; a file whose header does not check is
-        left out (and read as a miss if ever asked for)."""
+        restarted worker's, or another's), oldest first, and of the others; a file whose header
+        does not check is left out (and read as a miss if ever asked for)."""
+        listed = self._list_directory()
         found: list[tuple[float, int, int]] = []
-        for name, (size, mtime) in self._list_directory().items():
-            if isinstance(name, str):
-                self._others[name] = (size, mtime)
-                self._others_bytes += size
-        self._others = OrderedDict(sorted(self._others.items(), key=lambda item: item[1][1]))
-        for entry in os.scandir(self.directory):
-            if not entry.name.endswith(self._suffix) or entry.name.startswith("."):
+        for page_hash, (size, mtime) in listed.items():
+            if not isinstance(page_hash, int):
                 continue
             try:
-                page_hash = int(entry.name[:16], 16)
-                stat = entry.stat()
-                with open(entry.path, "rb") as file:
+                with open(self.path(page_hash), "rb") as file:
                     header = file.read(_HEADER.size)
-            except (ValueError, OSError):
+            except OSError:
                 continue
-            if header_problem(header, self.fingerprint, stat.st_size) is None:
-                found.append((stat.st_mtime, page_hash, stat.st_size))
+            if header_problem(header, self.fingerprint, size) is None:
+                found.append((mtime, page_hash, size))
         with self._lock:
             for used_at, page_hash, size in sorted(found):
                 self._add(page_hash, size, used_at)
                 self._stored.append(page_hash)
+            self._note_others(listed)
             self._evict_over_capacity()
         if found:
             logger.info("disk KV tier %s: %d blocks found", self.directory, len(found))
+
+    def _note_others(self, listed: dict[int | str, tuple[int, float]]) -> None:
+        """Book the listing's blocks of other weights or formats, oldest first (under the
+        lock)."""
+        others = sorted(
+            (mtime, name, size) for name, (size, mtime) in listed.items() if isinstance(name, str)
+        )
+        self._others = OrderedDict((name, (size, mtime)) for mtime, name, size in others)
+        self._others_bytes = sum(size for _, _, size in others)
 
     def _add(self, page_hash: int, size: int, used_at: float) -> None:
         self._files[page_hash] = (size, used_at)

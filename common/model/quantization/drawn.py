@@ -74,8 +74,8 @@ def _add(
     weight = module.get_parameter("weight").detach()
     rows = rows or [weight.shape[0]]
     target = f"{owner.removeprefix('model.')}.{fused}.weight"
-    for shard, (name, part) in enumerate(zip(names, weight.split(rows), strict=True)):
-        scheme = config.scheme_for(name)
+    drawn = zip(names, schemes, weight.split(rows), strict=True)
+    for shard, (name, scheme, part) in enumerate(drawn):
         assert scheme is not None
         tensors = quantized_tensors(part, scheme.weights, scheme.format)  # on the device
         if scheme.input_static:
