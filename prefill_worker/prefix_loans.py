@@ -28,7 +28,7 @@ import torch
 from common.engine.kv_pool import KVPool
 from common.engine.kv_tiers.block import DISK, HOST, PageKey
 from common.engine.kv_tiers.mover import Job
-from common.engine.kv_tiers.tiers import KVTiers
+from common.engine.kv_tiers.tiers import KVTiers, read_disk_page
 from common.engine.page_manager import PageManager
 from common.metrics import KV_PREFIX_PAGES_LENT
 from kvtransfer import OfferedPage, PrefixLender, PrefixLoan
@@ -173,14 +173,9 @@ class PrefixLoans(PrefixLender):
 
         def read(job: Job) -> None:
             for index, key in enumerate(keys):
-                if job.cancelled:
+                scales = staging[1][index] if len(staging) > 1 else None
+                if job.cancelled or not read_disk_page(disk, key, staging[0][index], scales):
                     return
-                block = disk.get(key)
-                if block is None or len(block[0]) != data_bytes:
-                    return
-                staging[0][index].copy_(torch.frombuffer(block[0], dtype=torch.uint8))
-                if len(staging) > 1:
-                    staging[1][index].copy_(torch.frombuffer(block[1], dtype=torch.uint8))
                 loan.num_read = index + 1
                 KV_PREFIX_PAGES_LENT.labels(DISK).inc()
 

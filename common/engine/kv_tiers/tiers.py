@@ -250,17 +250,11 @@ class KVTiers:
                 tier = HOST
             else:
                 assert disk is not None
-                block = disk.get(page.key)
-                if block is None:
+                if not read_disk_page(
+                    disk, page.key, pool.page_bytes(page_id), pool.scale_bytes(page_id)
+                ):
                     KV_TIER_MISSES.labels(DISK).inc()
                     return
-                data, scales = block
-                if len(data) != pool.page_bytes(page_id).numel():
-                    return
-                pool.page_bytes(page_id).copy_(torch.frombuffer(data, dtype=torch.uint8))
-                scale_view = pool.scale_bytes(page_id)
-                if scale_view is not None:
-                    scale_view.copy_(torch.frombuffer(scales, dtype=torch.uint8))
                 tier = DISK
             restore.num_landed += 1
             restore.bytes_by_tier[tier] = restore.bytes_by_tier.get(tier, 0) + bytes_per_page
@@ -336,3 +330,18 @@ class KVTiers:
         """Finish the writes queued, then stop the mover."""
         self.mover.flush(timeout=30)
         self.mover.close()
+
+
+def read_disk_page(
+    disk: DiskTier, key: PageKey, data: torch.Tensor, scales: torch.Tensor | None
+) -> bool:
+    """Copy page ``key``'s block into ``data`` and, for an 8-bit pool, its scales into
+    ``scales`` (a page's byte views: a pool page or a staging row); False, nothing copied,
+    where the block is a miss (``DiskTier.get``) or not a page of this shape. Mover thread."""
+    block = disk.get(key)
+    if block is None or len(block[0]) != data.numel():
+        return False
+    data.copy_(torch.frombuffer(block[0], dtype=torch.uint8))
+    if scales is not None:
+        scales.copy_(torch.frombuffer(block[1], dtype=torch.uint8))
+    return True
