@@ -44,8 +44,16 @@ int pdserve_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *pac
 int pdserve_linear_f32(const float *x, int64_t x_stride, const float *packed, const float *bias,
                        float *y, int64_t y_stride, int M, int N, int K, int num_threads);
 /* Quantized weights in tiles (quantized_tiles.c): the kind of their codes, as
- * kernels/cpu/quantized_linear.py's KIND_CODES mirrors them. */
-enum quantized_code { QUANT_INT8 = 0, QUANT_UINT4 = 1, QUANT_FP8_E4M3 = 2 };
+ * kernels/cpu/quantized_linear.py's KIND_CODES mirrors them; and integer codes in quads of
+ * k-rows, summed in integers (quantized_quads.c), which quantized_tiles.c's entry points hand
+ * on to quantized_quads.c's. */
+enum quantized_code {
+    QUANT_INT8 = 0,
+    QUANT_UINT4 = 1,
+    QUANT_FP8_E4M3 = 2,
+    QUANT_INT8_QUADS = 3,
+    QUANT_UINT4_QUADS = 4
+};
 
 int pdserve_quantized_tile_bytes(int kind, int group_size, int has_offsets, int K);
 int pdserve_quantized_linear(const void *x, int64_t x_stride, const uint8_t *packed, int kind,
@@ -55,6 +63,15 @@ int pdserve_quantized_linear(const void *x, int64_t x_stride, const uint8_t *pac
 int pdserve_quantized_dequantize(const uint8_t *packed, int kind, int group_size,
                                  int has_offsets, void *out, int out_dtype, int transposed,
                                  int N, int K, int num_threads);
+int pdserve_quantized_quads_available(void);
+int pdserve_quantized_quads_tile_bytes(int kind, int group_size, int has_offsets, int K);
+int pdserve_quantized_quads_linear(const void *x, int64_t x_stride, const uint8_t *packed,
+                                   int kind, int group_size, int has_offsets, const float *bias,
+                                   void *y, int64_t y_stride, int io_dtype, int M, int N, int K,
+                                   int num_threads);
+int pdserve_quantized_quads_dequantize(const uint8_t *packed, int kind, int group_size,
+                                       int has_offsets, void *out, int out_dtype, int transposed,
+                                       int N, int K, int num_threads);
 /* How a W8A8 checkpoint rounds a linear layer's input (activation_rounding.c): to int8 or
  * e4m3 codes (`kind`, a quantized_code) over a scale per token, per token and group of
  * `group_size` inputs, per tensor (all rows of a call), or `static_scale`.

@@ -25,7 +25,7 @@ from kernels.cpu.backend import KV_DTYPE_CODES
 from kernels.cpu.linear import CpuLinear
 from kernels.cpu.lora_delta import LoraWeights, segment_args
 from kernels.cpu.ops import CpuRMSNorm, CpuRotaryApply, CpuSiluAndMul
-from kernels.cpu.quantized_linear import KIND_CODES, CpuQuantizedLinear
+from kernels.cpu.quantized_linear import CpuQuantizedLinear
 from kernels.interface import FP8_DTYPE, INT8_DTYPE, SCALE_DTYPES, KVCacheView
 from kernels.lora import LoraSegments
 
@@ -68,7 +68,7 @@ def linear_weights(
             tiles=packed.tiles.data_ptr(),
             bias=None if linear.bias32 is None else linear.bias32.data_ptr(),
             quantized=1,
-            kind=KIND_CODES[packed.kind],
+            kind=packed.code,
             group_size=packed.group_size,
             has_offsets=int(packed.has_offsets),
             rounding=activation_rounding(linear.activations),

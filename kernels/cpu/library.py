@@ -217,6 +217,8 @@ def _declare(library: ctypes.CDLL) -> None:
         i32, i32, i32,  # N, K, threads
     ]  # fmt: skip
     library.pdserve_quantized_dequantize.restype = ctypes.c_int
+    library.pdserve_quantized_quads_available.argtypes = []
+    library.pdserve_quantized_quads_available.restype = ctypes.c_int
     library.pdserve_round_activations.argtypes = [
         ptr, ptr, i64, ptr, i64,  # the rounding, x, its row stride, out, its row stride
         i32, i32, i32,  # the dtype of x and out, rows, width

@@ -22,6 +22,19 @@ static inline uint16_t float_to_bf16(float value) {
     return (uint16_t)(bits >> 16);
 }
 
+/* A row's sum of x[0..n) in a fixed order: eight running lanes (one vector add a step), then
+ * the lanes in turn, then the tail. */
+static inline float group_sum(const float *x, int n) {
+    float lanes[8] = {0};
+    int k = 0;
+    for (; k + 8 <= n; k += 8)
+        for (int l = 0; l < 8; l++) lanes[l] += x[k + l];
+    float sum = 0.0f;
+    for (int l = 0; l < 8; l++) sum += lanes[l];
+    for (; k < n; k++) sum += x[k];
+    return sum;
+}
+
 /* A float32 value rounded to bf16 and back, as a bf16 tensor op's output is. */
 static inline float round_bf16(float value) { return bf16_to_float(float_to_bf16(value)); }
 

@@ -1,20 +1,32 @@
 """Linear layers over quantized weights on the CPU: int8, 4-bit and FP8 codes read as they are.
 
 A ``QuantizedWeight`` (``kernels/quantized.py``) is prepacked once into tiles of 32 output
-columns (``pack_quantized_tiles``; the layout is described in ``kernels/cpu/quantized_tiles.c``),
-and the tile kernel decodes its codes as it streams them: a decode step reads one byte a weight
-(half of one for 4-bit codes) where a bf16 model reads two, and memory is what bounds it. Each
-output is summed in one fixed order whatever the row count, like the bf16 tiles
-(``kernels/cpu/linear.py``), so a sequence's tokens do not depend on the batch.
+columns (``pack_quantized_tiles``), and a tile kernel reads its codes as it streams them: a
+decode step reads one byte a weight (half of one for 4-bit codes) where a bf16 model reads two,
+and memory is what bounds it. Two kernels:
 
-Prefill chunks are bound by arithmetic, not by the weights' bytes: past ``TILE_MAX_ROWS`` rows
-the weight is dequantized into a scratch buffer shared by every layer and multiplied by torch's
-GEMM. Which one follows what ``kernels/cpu/linear.py``'s probe finds on each kind of processor:
-bf16 (oneDNN) where there is AMX, several times faster than float32 there, the weight then
-rounded to bf16 as a bf16 checkpoint of the model would be; float32 (MKL, over the weight
-transposed, the layout it runs fastest) elsewhere, where oneDNN's bf16 runs at half MKL's speed
-or slower. Decode and verification steps (``short_runs_only``) and deterministic inference
-(``tiles_only``) take the tiles at every row count.
+- **integer sums** (``kernels/cpu/quantized_quads.c``), for int8 and 4-bit codes where the
+  processor has AVX512_VNNI: the input rows are scaled to integers and multiplied with the codes
+  in the processor's byte dot products, 64 products an instruction, exactly. No code is widened,
+  so a decode step streams the codes at memory speed, and with many rows they do 2-3 times the
+  float32 FMAs' work an instruction: on a 2-core AVX-512 Xeon they ran SmolLM2's linears at
+  batch 32 and in 512- and 2048-row prefill at 0.5-0.8x the time of its bf16 weights (the
+  float32 BLAS). They take every row count there.
+- **float32 tiles** (``kernels/cpu/quantized_tiles.c``), for FP8 codes, and int8 or 4-bit codes
+  elsewhere: each code widened to float32 as it is read, then FMAs. Prefill chunks are bound by
+  arithmetic, where these do the work of the bf16 tiles plus the widening: past
+  ``TILE_MAX_ROWS`` rows the weight is dequantized into a scratch buffer shared by every layer
+  and multiplied by torch's GEMM.
+
+Each output is summed in one fixed order whatever the row count (the integer sums in no order at
+all, being exact), like the bf16 tiles (``kernels/cpu/linear.py``), so a sequence's tokens do
+not depend on the batch. Which BLAS the dequantized weight goes to follows what
+``kernels/cpu/linear.py``'s probe finds on each kind of processor: bf16 (oneDNN) where there is
+AMX, several times faster than float32 there, the weight then rounded to bf16 as a bf16
+checkpoint of the model would be (the integer sums too give way to it there, untimed); float32
+(MKL, over the weight transposed, the layout it runs fastest) elsewhere, where oneDNN's bf16 runs
+at half MKL's speed or slower. Decode and verification steps (``short_runs_only``) and
+deterministic inference (``tiles_only``) take the tiles at every row count.
 """
 
 from __future__ import annotations
@@ -30,17 +42,23 @@ from kernels.cpu.activation_rounding import KIND_CODES, activation_rounding, rou
 from kernels.cpu.backend import KV_DTYPE_CODES
 from kernels.cpu.features import has_amx_bf16
 from kernels.cpu.linear import BF16_BLAS, FLOAT32_BLAS, TILE, TILE_DTYPES, StepShape
-from kernels.quantized import FP8_E4M3, UINT4, ActivationQuantization, QuantizedWeight
+from kernels.quantized import FP8_E4M3, INT8, UINT4, ActivationQuantization, QuantizedWeight
 from kernels.sizes import ceil_div
 
+# Input columns a byte dot product sums at once; and the kernels' codes of integer codes in
+# quads of k-rows (kernels/cpu/exports.h's quantized_code).
+QUAD = 4
+QUAD_CODES = {INT8: 3, UINT4: 4}
 # The tile kernel decodes an e4m3 code as an fp16 of 1/256 its value (exact); its scale holds
 # the 256.
 FP8_DECODE_SCALE = 256.0
-# Past this many rows a call dequantizes the weight and runs torch's GEMM, by the BLAS it runs.
-# float32 MKL: on the 2-core AVX-512 Xeon (AVX512_BF16, no AMX), one thread, SmolLM2's
+# Past this many rows the float32 tiles dequantize the weight and run torch's GEMM, by the BLAS
+# it runs. float32 MKL: on the 2-core AVX-512 Xeon (AVX512_BF16, no AMX), one thread, SmolLM2's
 # gate_up (3072 x 576) and down (576 x 1536), int8 in groups of 32 and uint4 in groups of 64:
 # at 256 rows the tiles took 0.78-0.98x the time of dequantizing and MKL, at 512 0.86-1.10x
-# (even), at 128 and fewer 0.78-0.81x. bf16 oneDNN on AMX runs prefill-sized GEMMs 5-8x faster
+# (even), at 128 and fewer 0.78-0.81x. The integer sums beat float32 MKL at every row count
+# there (SmolLM2's linears, 512 and 2048 rows: 0.50-0.81x of the bf16 model's BLAS, where
+# dequantizing and MKL took 1.0-1.4x). bf16 oneDNN on AMX runs prefill-sized GEMMs 5-8x faster
 # than float32 MKL (kernels/cpu/linear.py), so there the tiles give way where bf16 models' do
 # (unmeasured with quantized weights; the bf16 probe's smallest BLAS row count).
 TILE_MAX_ROWS = {FLOAT32_BLAS: 256, BF16_BLAS: 32}
@@ -48,21 +66,47 @@ TILE_MAX_ROWS = {FLOAT32_BLAS: 256, BF16_BLAS: 32}
 
 @dataclass(frozen=True, slots=True)
 class QuantizedTiles:
-    """A ``QuantizedWeight`` as the tile kernel reads it: ``tiles`` uint8 ``[ceil(N / 32),
+    """A ``QuantizedWeight`` as the tile kernels read it: ``tiles`` uint8 ``[ceil(N / 32),
     tile_bytes]``, each row one tile's groups in order (scales, offsets, codes)."""
 
     tiles: torch.Tensor
     kind: str
+    code: int  # the kernels' quantized_code: the codes' kind and layout
     group_size: int
     has_offsets: bool
     out_features: int
     in_features: int
 
 
-def pack_quantized_tiles(weight: QuantizedWeight) -> QuantizedTiles:
-    """``weight`` in tiles of 32 output columns (see ``kernels/cpu/quantized_tiles.c``): per
-    tile and group, the scales and offsets of its 32 columns, then its codes k-major; columns
+def integer_sums_fit(weight: QuantizedWeight) -> bool:
+    """Whether this machine sums ``weight``'s codes in integers (``quantized_quads.c``): int8 or
+    4-bit codes in groups of whole quads of input columns (or one group a row), on a processor
+    with AVX512_VNNI."""
+    whole_quads = weight.group_size % QUAD == 0 or weight.group_size >= weight.in_features
+    return (
+        weight.kind in QUAD_CODES
+        and whole_quads
+        and bool(cpu_library.load().pdserve_quantized_quads_available())
+    )
+
+
+def pack_quantized_tiles(
+    weight: QuantizedWeight, integer_sums: bool | None = None
+) -> QuantizedTiles:
+    """``weight`` in tiles of 32 output columns: per tile and group, the scales and offsets of
+    its 32 columns, then its codes, k-major for the float32 tiles
+    (``kernels/cpu/quantized_tiles.c``) or in quads of k-rows for the integer sums
+    (``kernels/cpu/quantized_quads.c``; ``integer_sums``, by default wherever they fit); columns
     past N hold zero codes and scales."""
+    if integer_sums is None:
+        integer_sums = integer_sums_fit(weight)
+    elif integer_sums and not integer_sums_fit(weight):
+        raise ValueError(
+            f"{weight.kind} codes in groups of {weight.group_size} cannot be summed in integers "
+            "on this machine"
+        )
+    if integer_sums:
+        return pack_quads(weight)
     if weight.kind == UINT4 and weight.group_size % 2:
         raise ValueError(
             f"4-bit codes pair two input columns in a byte; a group of {weight.group_size} "
@@ -104,6 +148,56 @@ def pack_quantized_tiles(weight: QuantizedWeight) -> QuantizedTiles:
     return QuantizedTiles(
         tiles=packed,
         kind=weight.kind,
+        code=KIND_CODES[weight.kind],
+        group_size=weight.group_size,
+        has_offsets=weight.offsets is not None,
+        out_features=out_features,
+        in_features=in_features,
+    )
+
+
+def pack_quads(weight: QuantizedWeight) -> QuantizedTiles:
+    """``weight`` in tiles for the integer sums (the layout is described in
+    ``kernels/cpu/quantized_quads.c``): per group, its scales (and offsets), then its codes in
+    quads of k-rows, the last group padded with zero codes to a whole quad."""
+    out_features, in_features = weight.shape
+    num_tiles = ceil_div(out_features, TILE)
+    pad_n = num_tiles * TILE - out_features
+    if weight.kind == INT8:
+        values = weight.codes.view(torch.uint8)
+    else:
+        pairs = weight.codes.view(torch.uint8)
+        values = torch.stack((pairs & 0x0F, pairs >> 4), dim=-1).flatten(1)[:, :in_features]
+    values = F.pad(values, (0, 0, 0, pad_n))
+    columns = [weight.scales] if weight.offsets is None else [weight.scales, weight.offsets]
+    # [tiles, groups, 32] each: a group's scales (and offsets) of the tile's columns.
+    columns = [
+        F.pad(part.float(), (0, 0, 0, pad_n)).view(num_tiles, TILE, -1).transpose(1, 2)
+        for part in columns
+    ]
+    blocks = []
+    for group, k0 in enumerate(range(0, in_features, weight.group_size)):
+        part = values[:, k0 : k0 + weight.group_size]
+        rows = ceil_div(part.shape[1], QUAD) * QUAD
+        header = [column[:, group].contiguous().view(torch.uint8) for column in columns]
+        part = F.pad(part, (0, rows - part.shape[1]))
+        # [tiles, half h, column j, quad q, row i]: column 16 h + j's code of k-row 4 q + i.
+        part = part.reshape(num_tiles, 2, 16, rows // QUAD, QUAD)
+        if weight.kind == INT8:
+            codes = part.permute(0, 3, 1, 2, 4)  # byte 64 h + 4 j + i of each quad
+        else:
+            codes = (part[:, 0] | (part[:, 1] << 4)).permute(0, 2, 1, 3)  # byte 4 j + i
+        blocks += [*header, codes.reshape(num_tiles, -1)]
+    packed = torch.cat(blocks, dim=1).contiguous()
+    code = QUAD_CODES[weight.kind]
+    expected = cpu_library.load().pdserve_quantized_tile_bytes(
+        code, weight.group_size, int(weight.offsets is not None), in_features
+    )
+    assert packed.shape[1] == expected, (packed.shape, expected)
+    return QuantizedTiles(
+        tiles=packed,
+        kind=weight.kind,
+        code=code,
         group_size=weight.group_size,
         has_offsets=weight.offsets is not None,
         out_features=out_features,
@@ -144,6 +238,7 @@ class CpuQuantizedLinear(nn.Module):
         activations: ActivationQuantization | None = None,
         tiles_only: bool = False,
         scratch: WeightScratch = SHARED_SCRATCH,
+        integer_sums: bool | None = None,
     ) -> None:
         super().__init__()
         if dtype not in TILE_DTYPES:
@@ -155,18 +250,23 @@ class CpuQuantizedLinear(nn.Module):
         self.rounding = activation_rounding(activations)
         self.tiles_only = tiles_only
         self.scratch = scratch
-        self.packed = pack_quantized_tiles(weight.to(torch.device("cpu")))
+        self.packed = pack_quantized_tiles(weight.to(torch.device("cpu")), integer_sums)
         self.bias32 = None if bias is None else bias.detach().to(torch.float32).contiguous()
         self.bias_in_dtype = None if bias is None else bias.detach().to(dtype).contiguous()
         bf16_blas = dtype == torch.bfloat16 and has_amx_bf16()
         self.blas_dtype = BF16_BLAS if bf16_blas else FLOAT32_BLAS
+        # Past this many rows the weight is dequantized for the BLAS; None: never.
+        integer_sums = self.packed.code in QUAD_CODES.values()
+        self.tile_max_rows = (
+            None if integer_sums and not bf16_blas else TILE_MAX_ROWS[self.blas_dtype]
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activations is not None:
             self._check_input(x)
             x = round_activations(self.rounding, x if x.stride(-1) == 1 else x.contiguous())
-        short = x.shape[0] <= TILE_MAX_ROWS[self.blas_dtype] or self.step.short_runs_only
-        if self.tiles_only or short:
+        short = self.tile_max_rows is None or x.shape[0] <= self.tile_max_rows
+        if self.tiles_only or short or self.step.short_runs_only:
             return self.forward_tiles(x)
         return self.forward_dequantized(x)
 
@@ -180,7 +280,7 @@ class CpuQuantizedLinear(nn.Module):
             x.data_ptr(),
             x.stride(0),
             packed.tiles.data_ptr(),
-            KIND_CODES[packed.kind],
+            packed.code,
             packed.group_size,
             int(packed.has_offsets),
             None if self.bias32 is None else self.bias32.data_ptr(),
@@ -216,7 +316,7 @@ class CpuQuantizedLinear(nn.Module):
         packed = self.packed
         status = cpu_library.load().pdserve_quantized_dequantize(
             packed.tiles.data_ptr(),
-            KIND_CODES[packed.kind],
+            packed.code,
             packed.group_size,
             int(packed.has_offsets),
             weight.data_ptr(),
@@ -246,10 +346,11 @@ class CpuQuantizedLinear(nn.Module):
         offsets = ", offsets" if packed.has_offsets else ""
         rows = (
             "every row count"
-            if self.tiles_only
-            else f"up to {TILE_MAX_ROWS[self.blas_dtype]} rows, {self.blas_dtype} BLAS beyond"
+            if self.tiles_only or self.tile_max_rows is None
+            else f"up to {self.tile_max_rows} rows, {self.blas_dtype} BLAS beyond"
         )
+        sums = "integer sums" if packed.code in QUAD_CODES.values() else "float32 tiles"
         return (
             f"in={self.in_features}, out={self.out_features}, {packed.kind} in groups of "
-            f"{packed.group_size}{offsets}, tile GEMMs {rows}"
+            f"{packed.group_size}{offsets}, {sums} at {rows}"
         )

@@ -81,19 +81,6 @@ static inline float code_value(int kind, const uint8_t *codes, int64_t k, int j)
     return fp8_e4m3_over_256(codes[k * TILE + j]);
 }
 
-/* A row's sum of x[0..n) in a fixed order: eight running lanes (one vector add a step), then
- * the lanes in turn, then the tail. */
-static float group_sum(const float *x, int n) {
-    float lanes[8] = {0};
-    int k = 0;
-    for (; k + 8 <= n; k += 8)
-        for (int l = 0; l < 8; l++) lanes[l] += x[k + l];
-    float sum = 0.0f;
-    for (int l = 0; l < 8; l++) sum += lanes[l];
-    for (; k < n; k++) sum += x[k];
-    return sum;
-}
-
 #if defined(__AVX512F__)
 #define HAVE_VECTOR_TILES 1
 typedef __m512 vec;
@@ -476,6 +463,8 @@ static int valid_shape(int kind, int group, int M, int N, int K) {
 }
 
 int pdserve_quantized_tile_bytes(int kind, int group_size, int has_offsets, int K) {
+    if (kind == QUANT_INT8_QUADS || kind == QUANT_UINT4_QUADS)
+        return pdserve_quantized_quads_tile_bytes(kind, group_size, has_offsets, K);
     if (!valid_shape(kind, group_size, 0, 1, K)) return -1;
     return (int)tile_bytes(kind, has_offsets != 0, group_size, K);
 }
@@ -484,6 +473,9 @@ int pdserve_quantized_linear(const void *x, int64_t x_stride, const uint8_t *pac
                              int group_size, int has_offsets, const float *bias, void *y,
                              int64_t y_stride, int io_dtype, int M, int N, int K,
                              int num_threads) {
+    if (kind == QUANT_INT8_QUADS || kind == QUANT_UINT4_QUADS)
+        return pdserve_quantized_quads_linear(x, x_stride, packed, kind, group_size, has_offsets,
+                                              bias, y, y_stride, io_dtype, M, N, K, num_threads);
     if (!valid_shape(kind, group_size, M, N, K) || (io_dtype != KV_F32 && io_dtype != KV_BF16))
         return -2;
     if (M == 0) return 0;
@@ -560,6 +552,9 @@ int pdserve_quantized_linear(const void *x, int64_t x_stride, const uint8_t *pac
 int pdserve_quantized_dequantize(const uint8_t *packed, int kind, int group_size,
                                  int has_offsets, void *out, int out_dtype, int transposed,
                                  int N, int K, int num_threads) {
+    if (kind == QUANT_INT8_QUADS || kind == QUANT_UINT4_QUADS)
+        return pdserve_quantized_quads_dequantize(packed, kind, group_size, has_offsets, out,
+                                                  out_dtype, transposed, N, K, num_threads);
     if (!valid_shape(kind, group_size, 0, N, K) || (out_dtype != KV_F32 && out_dtype != KV_BF16))
         return -2;
     const int groups = (K + group_size - 1) / group_size;
