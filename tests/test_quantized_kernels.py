@@ -1,9 +1,13 @@
-"""The quantized tile GEMM (``kernels/cpu/quantized_tiles.c``) against its torch twin,
-``F.linear(x.float(), weight.dequantize(), bias)``.
+"""The quantized tile GEMMs against their torch twin, ``F.linear(x.float(), weight.dequantize(),
+bias)``: the float32 tiles (``kernels/cpu/quantized_tiles.c``, every kind of code) and, where
+the processor has AVX512_VNNI, the integer sums (``kernels/cpu/quantized_quads.c``, int8 and
+4-bit codes).
 
 Scales and offsets are bf16 values, as checkpoints store them, so the twin's dequantized weight
-is exact; the kernel differs from it only in summation order (it sums code times input per
-group, then scales the group's sum) and, for bf16 outputs, in one rounding.
+is exact; the float32 tiles differ from it only in summation order (they sum code times input
+per group, then scale the group's sum) and, for bf16 outputs, in one rounding; the integer sums
+also round each input row to integers at 2^-22 (float32 rows) or 2^-14 (bf16 rows) of its
+largest magnitude.
 """
 
 from __future__ import annotations
@@ -18,7 +22,12 @@ import torch.nn.functional as F
 from kernels.cpu import library as cpu_library
 from kernels.cpu.library import CpuKernelsUnavailable
 from kernels.cpu.linear import BF16_BLAS, StepShape
-from kernels.cpu.quantized_linear import TILE_MAX_ROWS, CpuQuantizedLinear
+from kernels.cpu.quantized_linear import (
+    QUAD_CODES,
+    TILE_MAX_ROWS,
+    CpuQuantizedLinear,
+    integer_sums_fit,
+)
 from kernels.quantized import (
     CODE_KINDS,
     DYNAMIC_PER_TOKEN,
@@ -51,6 +60,32 @@ def kernels() -> None:
         cpu_library.load()
     except CpuKernelsUnavailable as exc:
         pytest.skip(f"no C compiler here: {exc}")
+
+
+FLOAT_TILES = "float32-tiles"
+INTEGER_SUMS = "integer-sums"
+
+
+def integer_sums_here() -> bool:
+    return bool(cpu_library.load().pdserve_quantized_quads_available())
+
+
+def kernel_cases() -> list:
+    """(kind, kernel) pairs: every kind in the float32 tiles, int8 and 4-bit codes also in the
+    integer sums (skipped where the processor has no AVX512_VNNI)."""
+    cases = [pytest.param(kind, FLOAT_TILES, id=f"{kind}-{FLOAT_TILES}") for kind in CODE_KINDS]
+    for kind in QUAD_CODES:
+        cases.append(pytest.param(kind, INTEGER_SUMS, id=f"{kind}-{INTEGER_SUMS}"))
+    return cases
+
+
+def layer_for(weight, bias, dtype, kernel: str, **options) -> CpuQuantizedLinear:
+    """The layer over ``weight`` in ``kernel``; the test skips where that kernel cannot run."""
+    if kernel == INTEGER_SUMS and not (integer_sums_here() and integer_sums_fit(weight)):
+        pytest.skip("no AVX512_VNNI here: no integer sums")
+    layer = CpuQuantizedLinear(weight, bias, dtype, integer_sums=kernel == INTEGER_SUMS, **options)
+    assert (layer.packed.code in QUAD_CODES.values()) == (kernel == INTEGER_SUMS)
+    return layer
 
 
 @contextlib.contextmanager
@@ -104,8 +139,8 @@ def twin(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) ->
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("grouping", GROUPINGS, ids=[f"k{k}g{g}" for k, g in GROUPINGS])
 @pytest.mark.parametrize("offsets", [False, True], ids=["symmetric", "offsets"])
-@pytest.mark.parametrize("kind", CODE_KINDS)
-def test_tiles_match_the_dequantized_twin(kind, offsets, grouping, dtype) -> None:
+@pytest.mark.parametrize(("kind", "kernel"), kernel_cases())
+def test_tiles_match_the_dequantized_twin(kind, kernel, offsets, grouping, dtype) -> None:
     """Every row count (each register block, the decoded chunk past a few rows), bias or none,
     one thread or two; and a row's outputs the same bits whatever the rows beside it."""
     in_features, group_size = grouping
@@ -114,7 +149,7 @@ def test_tiles_match_the_dequantized_twin(kind, offsets, grouping, dtype) -> Non
     x = torch.randn(max(ROW_COUNTS), in_features, generator=generator).to(dtype)
     bias = torch.randn(OUT_FEATURES, generator=generator).to(dtype)
     for with_bias in (False, True):
-        layer = CpuQuantizedLinear(weight, bias if with_bias else None, dtype, tiles_only=True)
+        layer = layer_for(weight, bias if with_bias else None, dtype, kernel, tiles_only=True)
         expected = twin(x, weight, bias if with_bias else None)
         if dtype == torch.bfloat16:
             expected = expected.bfloat16()
@@ -131,8 +166,8 @@ def test_tiles_match_the_dequantized_twin(kind, offsets, grouping, dtype) -> Non
 
 
 @pytest.mark.parametrize("offsets", [False, True], ids=["symmetric", "offsets"])
-@pytest.mark.parametrize("kind", CODE_KINDS)
-def test_tiles_side_by_side_keep_each_rows_bits(kind, offsets) -> None:
+@pytest.mark.parametrize(("kind", "kernel"), kernel_cases())
+def test_tiles_side_by_side_keep_each_rows_bits(kind, kernel, offsets) -> None:
     """A few rows run over several tiles at once, the tiles left over at the end one by one:
     ten tiles (the last one short) give every row count from 1 to 9 whole blocks and leftovers,
     and each row's outputs must be the bits it gets beside 8 others (the decoded chunk's path)
@@ -140,7 +175,7 @@ def test_tiles_side_by_side_keep_each_rows_bits(kind, offsets) -> None:
     out_features = 9 * 32 + 13
     weight = random_weight(kind, 320, 32, offsets, seed=17, out_features=out_features)
     x = torch.randn(9, 320, generator=torch.Generator().manual_seed(4)).bfloat16()
-    layer = CpuQuantizedLinear(weight, None, torch.bfloat16, tiles_only=True)
+    layer = layer_for(weight, None, torch.bfloat16, kernel, tiles_only=True)
     with torch_threads(1):
         every_row = layer(x)
     expected = twin(x, weight, None).bfloat16()
@@ -150,11 +185,11 @@ def test_tiles_side_by_side_keep_each_rows_bits(kind, offsets) -> None:
             assert torch.equal(layer(x[:rows]), every_row[:rows]), (rows, threads)
 
 
-@pytest.mark.parametrize("kind", CODE_KINDS)
-def test_exact_sums_agree_to_the_bit(kind) -> None:
+@pytest.mark.parametrize(("kind", "kernel"), kernel_cases())
+def test_exact_sums_agree_to_the_bit(kind, kernel) -> None:
     """Integer inputs, power-of-two scales and codes on a coarse grid: every product and sum is
-    exact in float32, in any order, so the kernel must equal the twin bit for bit (a code read
-    from the wrong column or group would not)."""
+    exact in float32, in any order (and the inputs in the integer sums' limbs), so the kernel
+    must equal the twin bit for bit (a code read from the wrong column or group would not)."""
     generator = torch.Generator().manual_seed(3)
     in_features, group_size, out_features = 96, 16, 45
     groups = (out_features, in_features // group_size)
@@ -169,30 +204,37 @@ def test_exact_sums_agree_to_the_bit(kind) -> None:
     x = torch.randint(-4, 5, (9, in_features), generator=generator).float()
     bias = torch.randint(-4, 5, (out_features,), generator=generator).float()
     for rows in (1, 2, 9):
-        out = CpuQuantizedLinear(weight, bias, torch.float32, tiles_only=True)(x[:rows])
+        out = layer_for(weight, bias, torch.float32, kernel, tiles_only=True)(x[:rows])
         assert torch.equal(out, twin(x[:rows], weight, bias))
 
 
-@pytest.mark.parametrize("kind", CODE_KINDS)
-def test_odd_input_width(kind) -> None:
-    """An odd K: 4-bit codes pad their last byte; the kernel reads no input past K."""
+@pytest.mark.parametrize(("kind", "kernel"), kernel_cases())
+def test_odd_input_width(kind, kernel) -> None:
+    """An odd K: 4-bit codes pad their last byte, the integer sums their last quad; the kernel
+    reads no input past K."""
     weight = random_weight(kind, 75, 16, True, seed=11, out_features=40)
     x = torch.randn(5, 75)
-    out = CpuQuantizedLinear(weight, None, torch.float32, tiles_only=True)(x)
+    out = layer_for(weight, None, torch.float32, kernel, tiles_only=True)(x)
     torch.testing.assert_close(out, twin(x, weight, None), **TOLERANCE[torch.float32])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
-@pytest.mark.parametrize("kind", CODE_KINDS)
-def test_many_rows_dequantize_for_torch_gemm_unless_steps_are_short(kind, dtype) -> None:
-    """Past TILE_MAX_ROWS rows the layer dequantizes and runs torch's GEMM (close to the twin);
-    a step of short runs, and a tiles-only layer, keep the tiles' bits at any row count."""
+@pytest.mark.parametrize(("kind", "kernel"), kernel_cases())
+def test_many_rows_dequantize_for_torch_gemm_unless_steps_are_short(kind, kernel, dtype) -> None:
+    """Past TILE_MAX_ROWS rows the float32 tiles dequantize and run torch's GEMM (close to the
+    twin); a step of short runs, and a tiles-only layer, keep the tiles' bits at any row count.
+    The integer sums outrun float32 BLAS and keep their tiles (where the BLAS is bf16, on AMX,
+    they dequantize as the float32 tiles do); both dequantize alike when asked."""
     weight = random_weight(kind, 576, 128, True, seed=5)
     x = torch.randn(max(TILE_MAX_ROWS.values()) + 40, 576).to(dtype)
     bias = torch.randn(OUT_FEATURES).to(dtype)
     step = StepShape()
-    layer = CpuQuantizedLinear(weight, bias, dtype, step)
-    tiles = CpuQuantizedLinear(weight, bias, dtype, tiles_only=True)(x)
+    layer = layer_for(weight, bias, dtype, kernel, step=step)
+    if kernel == INTEGER_SUMS:
+        assert layer.tile_max_rows == (
+            TILE_MAX_ROWS[BF16_BLAS] if layer.blas_dtype == BF16_BLAS else None
+        )
+    tiles = layer_for(weight, bias, dtype, kernel, tiles_only=True)(x)
     blas = layer(x)
     expected = twin(x, weight, bias)
     tolerance = DEQUANTIZED_BF16_TOLERANCE if dtype == torch.bfloat16 else TOLERANCE[dtype]
@@ -230,3 +272,78 @@ def test_refuses_what_it_cannot_run() -> None:
     )
     with pytest.raises(ValueError, match="split a pair"):
         CpuQuantizedLinear(odd_groups, None, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("kind", list(QUAD_CODES))
+def test_integer_sums_round_each_row_at_its_own_scale(kind, dtype) -> None:
+    """Rows of every magnitude, one spanning 2^40 from its largest value to its smallest: each
+    within the bound its rounding to integers allows (half a unit of 2^-22, float32 rows, or
+    2^-14, bf16 rows, of its largest magnitude, times the sum of a column's weights' magnitudes,
+    beside float32 summation), and the same bits alone as beside the others."""
+    weight = random_weight(kind, 320, 64, True, seed=23)
+    generator = torch.Generator().manual_seed(5)
+    rows = torch.randn(6, 320, generator=generator)
+    rows[0] *= 1e-30
+    rows[1] *= 1e30
+    rows[2] *= torch.exp2(-torch.arange(320) / 8.0)  # 2^0 down to 2^-40
+    rows[3] = 0.0
+    x = rows.to(dtype)
+    layer = layer_for(weight, None, dtype, INTEGER_SUMS, tiles_only=True)
+    out = layer(x)
+    expected = twin(x, weight, None)
+    row_bits = 22 if dtype == torch.float32 else 14
+    largest = x.float().abs().amax(dim=1, keepdim=True)
+    bound = largest * 2.0**-row_bits * weight.dequantize().abs().sum(dim=1)
+    output_rounding = expected.abs() * (2.0**-8 if dtype == torch.bfloat16 else 2.0**-20)
+    assert torch.all((out.float() - expected).abs() <= bound + output_rounding + 1e-37)
+    assert torch.equal(out[3], torch.zeros_like(out[3]))
+    for row in range(len(x)):
+        assert torch.equal(layer(x[row : row + 1]), out[row : row + 1])
+
+
+@pytest.mark.parametrize("kind", list(QUAD_CODES))
+def test_integer_sums_give_a_row_that_is_not_finite_nans(kind) -> None:
+    weight = random_weight(kind, 96, 32, False, seed=29)
+    x = torch.randn(4, 96).bfloat16()
+    x[1, 7] = float("inf")
+    x[2, 50] = float("nan")
+    layer = layer_for(weight, None, torch.bfloat16, INTEGER_SUMS, tiles_only=True)
+    out = layer(x)
+    assert torch.isnan(out[1:3]).all()
+    assert torch.isfinite(out[[0, 3]]).all()
+    assert torch.equal(out[[0, 3]], layer(x[[0, 3]]))
+
+
+@pytest.mark.parametrize("kind", list(QUAD_CODES))
+def test_integer_sums_run_long_batches_in_row_chunks(kind) -> None:
+    """Past 256 rows a call runs its rows in chunks: every row the bits it has alone, at one
+    thread or two, and the extreme codes (int8's -128 against inputs at a row's largest) sum
+    without overflow."""
+    weight = random_weight(kind, 576, 576, False, seed=31)
+    if kind == INT8:
+        weight.codes[:8] = -128
+    x = torch.randn(300, 576).bfloat16()
+    x[:, :8] = x.abs().amax(dim=1, keepdim=True).bfloat16()
+    layer = layer_for(weight, None, torch.bfloat16, INTEGER_SUMS, tiles_only=True)
+    with torch_threads(2):
+        out = layer(x)
+    torch.testing.assert_close(
+        out.float(), twin(x, weight, None).bfloat16().float(), **TOLERANCE[torch.bfloat16]
+    )
+    with torch_threads(1):
+        for rows in (slice(0, 1), slice(255, 258), slice(299, 300)):
+            assert torch.equal(layer(x[rows]), out[rows])
+
+
+def test_groups_off_the_quads_take_the_float_tiles() -> None:
+    """A group that does not start every fourth input (6 here) cannot be cut into quads: such a
+    weight is packed for the float32 tiles, and still matches its twin."""
+    weight = random_weight(INT8, 96, 6, False, seed=37)
+    assert not integer_sums_fit(weight)
+    layer = CpuQuantizedLinear(weight, None, torch.float32, tiles_only=True)
+    assert layer.packed.code not in QUAD_CODES.values()
+    x = torch.randn(3, 96)
+    torch.testing.assert_close(layer(x), twin(x, weight, None), **TOLERANCE[torch.float32])
+    with pytest.raises(ValueError, match="cannot be summed in integers"):
+        CpuQuantizedLinear(weight, None, torch.float32, integer_sums=True)

@@ -38,7 +38,7 @@ static inline float group_sum(const float *x, int n) {
 /* A float32 value rounded to bf16 and back, as a bf16 tensor op's output is. */
 static inline float round_bf16(float value) { return bf16_to_float(float_to_bf16(value)); }
 
-#ifdef __AVX512BF16__
+#ifdef __AVX512F__
 #include <immintrin.h>
 
 /* 16 bf16 values widened to float32. */
@@ -47,21 +47,35 @@ static inline __m512 bf16x16_to_float(const uint16_t *bits) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(loaded), 16));
 }
 
-/* 16 float32 values rounded to bf16 exactly as float_to_bf16 rounds each. vcvtneps2bf16 is one
- * instruction for what takes gcc's vectorised float_to_bf16 a dozen, and rounds to nearest even
- * as it does, NaN included, but reads denormal inputs as zero: lanes holding one (never seen in
- * a model's activations, so the branch costs one test) are rounded in integers instead. */
+/* 16 float32 values rounded to bf16 in integers, as float_to_bf16 rounds each (to nearest
+ * even; NaN stays NaN). */
+static inline __m256i float_to_bf16x16_integers(__m512 value) {
+    const __m512i bits = _mm512_castps_si512(value);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), odd), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q);
+    rounded = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16),
+                                   _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(rounded);
+}
+
+/* 16 float32 values rounded to bf16 exactly as float_to_bf16 rounds each. With AVX512_BF16,
+ * vcvtneps2bf16 is one instruction for what takes gcc's vectorised float_to_bf16 a dozen, and
+ * rounds to nearest even as it does, NaN included, but reads denormal inputs as zero: lanes
+ * holding one (never seen in a model's activations, so the branch costs one test) are rounded
+ * in integers instead. */
 static inline __m256i float_to_bf16x16(__m512 value) {
+#ifdef __AVX512BF16__
     __m256i rounded = (__m256i)_mm512_cvtneps_pbh(value);
     const __mmask16 denormal = _mm512_fpclass_ps_mask(value, 0x20); /* class: denormal */
-    if (denormal) {
-        const __m512i bits = _mm512_castps_si512(value);
-        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-        const __m512i integer = _mm512_srli_epi32(
-            _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), odd), 16);
-        rounded = _mm256_mask_blend_epi16(denormal, rounded, _mm512_cvtepi32_epi16(integer));
-    }
+    if (denormal)
+        rounded =
+            _mm256_mask_blend_epi16(denormal, rounded, float_to_bf16x16_integers(value));
     return rounded;
+#else
+    return float_to_bf16x16_integers(value);
+#endif
 }
 
 /* A vector of float32 values rounded to bf16 and back (round_bf16 of each). */

@@ -444,18 +444,6 @@ static void run_tiles(const uint8_t *tile, int64_t tile_stride, int nt, int kind
     }
 }
 
-/* 16 float32 values rounded to bf16 as float_to_bf16 rounds each (to nearest even; NaN stays
- * NaN). */
-static inline __m256i round_to_bf16(__m512 value) {
-    const __m512i bits = _mm512_castps_si512(value);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i rounded =
-        _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q);
-    rounded = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
-    return _mm512_cvtepi32_epi16(rounded);
-}
-
 /* One output row's `width` columns from its sums in units of X (times `unscale`, 2^-s), plus
  * the bias, in the output dtype. */
 static void store_row(const float *acc, float unscale, const float *bias, int width, int y_f32,
@@ -467,7 +455,7 @@ static void store_row(const float *acc, float unscale, const float *bias, int wi
         if (y_f32)
             _mm512_mask_storeu_ps((float *)y + j, mask, value);
         else
-            _mm256_mask_storeu_epi16((uint16_t *)y + j, mask, round_to_bf16(value));
+            _mm256_mask_storeu_epi16((uint16_t *)y + j, mask, float_to_bf16x16(value));
     }
 }
 #endif

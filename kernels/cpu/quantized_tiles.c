@@ -447,12 +447,24 @@ static void tile_sums(const quantized_shape *q, const uint8_t *tile, int64_t til
 
 /* One output row's `width` columns from its float32 sums, plus the bias, in the output dtype. */
 static void store_row(const float *acc, const float *bias, int width, int y_f32, void *y) {
+#ifdef __AVX512F__
+    for (int j = 0; j < width; j += 16) {
+        const __mmask16 mask = width - j >= 16 ? 0xFFFF : (__mmask16)((1u << (width - j)) - 1);
+        __m512 value = _mm512_maskz_loadu_ps(mask, acc + j);
+        if (bias) value = _mm512_add_ps(value, _mm512_maskz_loadu_ps(mask, bias + j));
+        if (y_f32)
+            _mm512_mask_storeu_ps((float *)y + j, mask, value);
+        else
+            _mm256_mask_storeu_epi16((uint16_t *)y + j, mask, float_to_bf16x16(value));
+    }
+#else
     if (y_f32) {
         for (int j = 0; j < width; j++) ((float *)y)[j] = bias ? acc[j] + bias[j] : acc[j];
         return;
     }
     for (int j = 0; j < width; j++)
         ((uint16_t *)y)[j] = float_to_bf16(bias ? acc[j] + bias[j] : acc[j]);
+#endif
 }
 
 static int valid_shape(int kind, int group, int M, int N, int K) {
