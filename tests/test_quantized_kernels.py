@@ -347,3 +347,14 @@ def test_groups_off_the_quads_take_the_float_tiles() -> None:
     torch.testing.assert_close(layer(x), twin(x, weight, None), **TOLERANCE[torch.float32])
     with pytest.raises(ValueError, match="cannot be summed in integers"):
         CpuQuantizedLinear(weight, None, torch.float32, integer_sums=True)
+
+
+@pytest.mark.parametrize(("kind", "kernel"), kernel_cases())
+def test_dequantized_weight_for_the_float32_blas(kind, kernel) -> None:
+    """The [K, N] float32 weight the BLAS reads, whole tiles of it written past the caches
+    (aligned rows: N a multiple of 16), is the weight's own dequantization."""
+    weight = random_weight(kind, 320, 64, True, seed=41, out_features=96)
+    layer = layer_for(weight, None, torch.float32, kernel)
+    transposed = layer.dequantize_into_scratch(transposed=True)
+    assert transposed.data_ptr() % 64 == 0
+    torch.testing.assert_close(transposed, weight.dequantize().t(), atol=0, rtol=0)

@@ -16,17 +16,21 @@ The checkpoints are made here from the default model (SmolLM2-135M-Instruct, bf1
 dequantized once from its Q4_1 GGUF): compressed-tensors ones by ``pdserve quantize``
 (llm-compressor's presets, round to nearest; groups of 64, which divide its 576 columns), and
 its own Q4_1 GGUF file, served as it is (its 16-bit reference is the same file dequantized, so
-that row measures pdserve's kernels only). Everything runs in float32, so the rows differ by
-the weights alone.
+that row measures pdserve's kernels only). Everything runs in float32 (``--dtype``), so the
+rows differ by the weights alone. Where int8 and 4-bit codes are summed in integers
+(``kernels/cpu/quantized_quads.c``), a third row runs the checkpoint through the float32 tiles
+instead: what the integer sums' rounding of the inputs costs, if anything (with ``--dtype
+bfloat16``, where they round inputs at 2^-14 of each row's largest value).
 
     python -m benchmarks.quality.weight_quality [--formats W4A16,FP8_DYNAMIC,...]
-        [--tokens 2048] [--segment 256]
+        [--tokens 2048] [--segment 256] [--dtype float32]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -50,9 +54,11 @@ from benchmarks.quality.kv_quality import (
 )
 from common.model.quantization.writer import SCHEMES, write_compressed_tensors
 from common.tokenizer import Tokenizer
+from kernels.cpu.quantized_linear import ENV_INTEGER_SUMS, QUAD_CODES, CpuQuantizedLinear
 
 SIXTEEN_BIT = "16-bit"
 DEQUANTIZED = "dequantized"
+FLOAT_TILES = "float32 tiles"
 GGUF_Q4_1 = "GGUF_Q4_1"
 DEFAULT_FORMATS = ("FP8_DYNAMIC", "FP8_BLOCK", "W8A8", "W8A16", "W4A16", "W4A16_ASYM", GGUF_Q4_1)
 # Groups of the grouped schemes: 64 divides SmolLM2's 576 and 1536 columns; 128 does not.
@@ -115,20 +121,46 @@ def checkpoints(name: str, base: Path, scratch: Path) -> tuple[Path, Path, Path]
     return base, quantized, dequantized_compressed_tensors(quantized, scratch / f"{name}-dense")
 
 
-def quality_of(name: str, base: Path, segments: Segments, scratch: Path) -> tuple[Quality, Quality]:
-    """(the format in pdserve, its dense copy), each against the 16-bit model."""
+def float_tiles_engine(model: str, segments: Segments, dtype: str):
+    """An engine over ``model`` whose int8 and 4-bit codes take the float32 tiles, not the
+    integer sums (``kernels/cpu/quantized_linear.py``)."""
+    previous = os.environ.get(ENV_INTEGER_SUMS)
+    os.environ[ENV_INTEGER_SUMS] = "0"
+    try:
+        return build_engine(model, KV_FORMATS[BF16_KV], segments, dtype=dtype)
+    finally:
+        os.environ.pop(ENV_INTEGER_SUMS)
+        if previous is not None:
+            os.environ[ENV_INTEGER_SUMS] = previous
+
+
+def quality_of(
+    name: str, base: Path, segments: Segments, scratch: Path, dtype: str
+) -> dict[str, Quality]:
+    """The format in pdserve, its dense copy and (``FLOAT_TILES``, where the integer sums run
+    here) the format through the float32 tiles, each against the 16-bit model."""
     sixteen, quantized, dense = checkpoints(name, base, scratch)
     kv = KV_FORMATS[BF16_KV]
     engines = {
-        SIXTEEN_BIT: build_engine(str(sixteen), kv, segments, dtype="float32"),
-        name: build_engine(str(quantized), kv, segments, dtype="float32"),
-        DEQUANTIZED: build_engine(str(dense), kv, segments, dtype="float32"),
+        SIXTEEN_BIT: build_engine(str(sixteen), kv, segments, dtype=dtype),
+        name: build_engine(str(quantized), kv, segments, dtype=dtype),
+        DEQUANTIZED: build_engine(str(dense), kv, segments, dtype=dtype),
     }
+    if integer_sums_run(engines[name]):
+        engines[FLOAT_TILES] = float_tiles_engine(str(quantized), segments, dtype)
     progress = progress_to_stderr(len(segments.decode_positions))
     qualities = {q.name: q for q in measure(engines, segments, progress, SIXTEEN_BIT)}
     for engine in engines.values():
         engine.close()
-    return qualities[name], qualities[DEQUANTIZED]
+    return qualities
+
+
+def integer_sums_run(engine) -> bool:
+    """Whether any of ``engine``'s linear layers sums its codes in integers."""
+    return any(
+        isinstance(module, CpuQuantizedLinear) and module.packed.code in QUAD_CODES.values()
+        for module in engine.model.modules()
+    )
 
 
 def line(quality: Quality, label: str) -> str:
@@ -145,6 +177,12 @@ def main() -> None:
     parser.add_argument("--segment", type=int, default=256, help="tokens per segment")
     parser.add_argument("--context", type=int, default=32, help="tokens prefilled per segment")
     parser.add_argument("--chunk", type=int, default=32, help="prefill chunk per segment")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="what every model runs in (bfloat16: the 16-bit model and the dense copy too)",
+    )
     args = parser.parse_args()
     from common.model.default_model import resolve_model_path
 
@@ -158,11 +196,12 @@ def main() -> None:
     count = len(segments.token_ids)
     print(
         f"{base.name}: pydoc_data.topics, {count} segments x {segments.length} tokens, "
-        f"{segments.context} prefilled, {segments.num_scored} positions scored; float32"
+        f"{segments.context} prefilled, {segments.num_scored} positions scored; {args.dtype}"
     )
     for name in formats:
         with tempfile.TemporaryDirectory() as scratch:
-            ours, dense = quality_of(name, base, segments, Path(scratch))
+            qualities = quality_of(name, base, segments, Path(scratch), args.dtype)
+        ours, dense = qualities[name], qualities[DEQUANTIZED]
         same = (
             abs(ours.perplexity / dense.perplexity - 1) <= PPL_MATCH
             and abs(ours.top1 - dense.top1) <= TOP1_MATCH
@@ -174,6 +213,8 @@ def main() -> None:
             + ("adds no error)" if same else "differs)"),
             flush=True,
         )
+        if FLOAT_TILES in qualities:
+            print(line(qualities[FLOAT_TILES], f"  {name} through the float32 tiles"), flush=True)
 
 
 if __name__ == "__main__":

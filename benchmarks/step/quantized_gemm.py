@@ -8,7 +8,9 @@ and the output head (49152 x 576). For each row count, one pass over all of them
 - bf16 ``CpuLinear``, packed and planned as the engine does (``probe_plan``, then
   ``choose_gemm_plan``: tiles or BLAS by row count, timed on this machine on first use);
 - ``CpuQuantizedLinear`` over int8 codes (groups of 32; per output channel), uint4 codes
-  (groups of 32 with offsets; groups of 64 without) and FP8 e4m3 codes (per channel).
+  (groups of 32 with offsets; groups of 64 without) and FP8 e4m3 codes (per channel); int8 and
+  uint4 codes in the integer sums where this processor has AVX512_VNNI, and then again in the
+  float32 tiles, as "(float)".
 
 Printed per (format, rows): milliseconds per pass, the ratio to bf16's, and the weight floor
 (the bytes the pass reads over the rate this machine reads memory at, measured with a large
@@ -30,7 +32,7 @@ import torch
 
 from benchmarks.harness import memory_read_seconds
 from kernels.cpu.linear import CpuLinear, StepShape, choose_gemm_plan, probe_plan
-from kernels.cpu.quantized_linear import CpuQuantizedLinear
+from kernels.cpu.quantized_linear import CpuQuantizedLinear, integer_sums_fit
 from kernels.quantized import FP8_E4M3, INT8, UINT4, QuantizedWeight
 from kernels.sizes import ceil_div
 from kernels.timing import running_seconds
@@ -147,14 +149,22 @@ def main(argv: list[str] | None = None) -> None:
     for rows in rows_list:
         report("bf16", rows, baseline[rows], bf16_bytes)
     for fmt in FORMATS:
-        linears = [
-            CpuQuantizedLinear(random_quantized(shape, fmt, generator), None, torch.bfloat16)
-            for shape in shapes
-        ]
-        nbytes = sum(linear.packed.tiles.nbytes for linear in linears)
-        for rows in rows_list:
-            report(fmt.name, rows, pass_seconds(linears, inputs[rows], args.repeats), nbytes)
-        del linears
+        weights = [random_quantized(shape, fmt, generator) for shape in shapes]
+        # Integer codes run their integer sums where this processor has them, and the float32
+        # tiles beside them.
+        kernels = [None]
+        if integer_sums_fit(weights[0]):
+            kernels.append(False)
+        for integer_sums in kernels:
+            linears = [
+                CpuQuantizedLinear(weight, None, torch.bfloat16, integer_sums=integer_sums)
+                for weight in weights
+            ]
+            name = fmt.name if integer_sums is None else f"{fmt.name} (float)"
+            nbytes = sum(linear.packed.tiles.nbytes for linear in linears)
+            for rows in rows_list:
+                report(name, rows, pass_seconds(linears, inputs[rows], args.repeats), nbytes)
+            del linears
 
 
 if __name__ == "__main__":

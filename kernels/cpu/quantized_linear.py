@@ -31,6 +31,7 @@ deterministic inference (``tiles_only``) take the tiles at every row count.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,11 @@ from kernels.sizes import ceil_div
 # quads of k-rows (kernels/cpu/exports.h's quantized_code).
 QUAD = 4
 QUAD_CODES = {INT8: 3, UINT4: 4}
+# "0": int8 and 4-bit codes take the float32 tiles even where the integer sums run. Their
+# outputs differ in the last bits (bf16 rows are rounded to integers at 2^-14 of their largest
+# value), so every process of a machine must read the same setting, as it does
+# PDSERVE_CPU_BF16_TILES (kernels/cpu/tile_choice.py).
+ENV_INTEGER_SUMS = "PDSERVE_CPU_INTEGER_SUMS"
 # The tile kernel decodes an e4m3 code as an fp16 of 1/256 its value (exact); its scale holds
 # the 256.
 FP8_DECODE_SCALE = 256.0
@@ -79,15 +85,20 @@ class QuantizedTiles:
 
 
 def integer_sums_fit(weight: QuantizedWeight) -> bool:
-    """Whether this machine sums ``weight``'s codes in integers (``quantized_quads.c``): int8 or
-    4-bit codes in groups of whole quads of input columns (or one group a row), on a processor
-    with AVX512_VNNI."""
+    """Whether this machine can sum ``weight``'s codes in integers (``quantized_quads.c``): int8
+    or 4-bit codes in groups of whole quads of input columns (or one group a row), on a
+    processor with AVX512_VNNI."""
     whole_quads = weight.group_size % QUAD == 0 or weight.group_size >= weight.in_features
     return (
         weight.kind in QUAD_CODES
         and whole_quads
         and bool(cpu_library.load().pdserve_quantized_quads_available())
     )
+
+
+def integer_sums_wanted() -> bool:
+    """Whether the integer sums are on (``ENV_INTEGER_SUMS``; the default)."""
+    return os.environ.get(ENV_INTEGER_SUMS, "1") != "0"
 
 
 def pack_quantized_tiles(
@@ -99,7 +110,7 @@ def pack_quantized_tiles(
     (``kernels/cpu/quantized_quads.c``; ``integer_sums``, by default wherever they fit); columns
     past N hold zero codes and scales."""
     if integer_sums is None:
-        integer_sums = integer_sums_fit(weight)
+        integer_sums = integer_sums_wanted() and integer_sums_fit(weight)
     elif integer_sums and not integer_sums_fit(weight):
         raise ValueError(
             f"{weight.kind} codes in groups of {weight.group_size} cannot be summed in integers "

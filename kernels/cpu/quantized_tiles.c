@@ -574,6 +574,8 @@ int pdserve_quantized_dequantize(const uint8_t *packed, int kind, int group_size
     const int64_t header = (int64_t)TILE * (1 + (has_offsets != 0));
     const int64_t stride_bytes = tile_bytes(kind, has_offsets != 0, group_size, K);
     const int num_tiles = (N + TILE - 1) / TILE;
+    const int streamed =
+        transposed && out_dtype == KV_F32 && N % 16 == 0 && ((uintptr_t)out & 63) == 0;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
@@ -597,6 +599,23 @@ int pdserve_quantized_dequantize(const uint8_t *packed, int kind, int group_size
                 for (int c0 = 0; c0 < rows; c0 += CHUNK_K) {
                     const int kc = rows - c0 < CHUNK_K ? rows - c0 : CHUNK_K;
                     decode_chunk(kind, codes + code_bytes(kind, c0), kc, wide);
+#ifdef __AVX512F__
+                    /* What the float32 BLAS reads, whole tiles as rows of the [K, N] weight,
+                     * written past the caches where every row is aligned: a weight larger than
+                     * them is written at memory speed, and not read first. */
+                    if (streamed && width == TILE) {
+                        for (int k = 0; k < kc && k0 + c0 + k < K; k++)
+                            for (int v = 0; v < TILE / 16; v++) {
+                                __m512 w = _mm512_mul_ps(_mm512_loadu_ps(scales + 16 * v),
+                                                         _mm512_loadu_ps(wide + k * TILE + 16 * v));
+                                if (offsets) w = _mm512_sub_ps(w, _mm512_loadu_ps(offsets + 16 * v));
+                                _mm512_stream_ps((float *)out + (int64_t)(k0 + c0 + k) * N + n0 +
+                                                     16 * v,
+                                                 w);
+                            }
+                        continue;
+                    }
+#endif
                     for (int k = 0; k < kc && k0 + c0 + k < K; k++)
                         for (int j = 0; j < width; j++) {
                             const float w = scales[j] * wide[k * TILE + j] -
@@ -614,6 +633,10 @@ int pdserve_quantized_dequantize(const uint8_t *packed, int kind, int group_size
             }
         }
         free(wide);
+#ifdef __AVX512F__
+        /* The streamed stores seen by every thread before the BLAS reads them. */
+        _mm_sfence();
+#endif
     }
     return failed ? -1 : 0;
 }
