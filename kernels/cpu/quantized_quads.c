@@ -467,7 +467,7 @@ int pdserve_quantized_quads_linear(const void *x, int64_t x_stride, const uint8_
     if (!valid_shape(kind, group_size, M, N, K) || (io_dtype != KV_F32 && io_dtype != KV_BF16))
         return -2;
 #ifndef HAVE_QUADS
-    (void)x, (void)x_stride, (void)packed, (void)bias, (void)y, (void)y_stride;
+    (void)x, (void)x_stride, (void)packed, (void)has_offsets, (void)bias, (void)y, (void)y_stride;
     (void)num_threads;
     return -2;
 #else

@@ -576,6 +576,7 @@ int pdserve_quantized_dequantize(const uint8_t *packed, int kind, int group_size
     const int num_tiles = (N + TILE - 1) / TILE;
     const int streamed =
         transposed && out_dtype == KV_F32 && N % 16 == 0 && ((uintptr_t)out & 63) == 0;
+    (void)streamed; /* AVX-512 only */
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
