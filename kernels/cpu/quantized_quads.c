@@ -76,7 +76,9 @@ static inline int padded_rows(int rows) { return (rows + QUAD - 1) / QUAD * QUAD
 static inline int group_blocks(int rows) { return (rows + BLOCK_K - 1) / BLOCK_K; }
 
 /* Bytes of a group's header: scales and offsets. */
-static inline int64_t header_bytes(int has_offsets) { return (int64_t)TILE * 4 * (1 + has_offsets); }
+static inline int64_t header_bytes(int has_offsets) {
+    return (int64_t)TILE * sizeof(float) * (1 + has_offsets);
+}
 
 static inline int64_t group_bytes(int kind, int has_offsets, int rows) {
     return header_bytes(has_offsets) + (int64_t)padded_rows(rows) / QUAD * quad_bytes(kind);

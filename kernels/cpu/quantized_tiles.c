@@ -605,15 +605,16 @@ int pdserve_quantized_dequantize(const uint8_t *packed, int kind, int group_size
                      * written past the caches where every row is aligned: a weight larger than
                      * them is written at memory speed, and not read first. */
                     if (streamed && width == TILE) {
-                        for (int k = 0; k < kc && k0 + c0 + k < K; k++)
+                        for (int k = 0; k < kc && k0 + c0 + k < K; k++) {
+                            float *row = (float *)out + (int64_t)(k0 + c0 + k) * N + n0;
                             for (int v = 0; v < TILE / 16; v++) {
-                                __m512 w = _mm512_mul_ps(_mm512_loadu_ps(scales + 16 * v),
-                                                         _mm512_loadu_ps(wide + k * TILE + 16 * v));
-                                if (offsets) w = _mm512_sub_ps(w, _mm512_loadu_ps(offsets + 16 * v));
-                                _mm512_stream_ps((float *)out + (int64_t)(k0 + c0 + k) * N + n0 +
-                                                     16 * v,
-                                                 w);
+                                const __m512 code = _mm512_loadu_ps(wide + k * TILE + 16 * v);
+                                __m512 w = _mm512_mul_ps(_mm512_loadu_ps(scales + 16 * v), code);
+                                if (offsets)
+                                    w = _mm512_sub_ps(w, _mm512_loadu_ps(offsets + 16 * v));
+                                _mm512_stream_ps(row + 16 * v, w);
                             }
+                        }
                         continue;
                     }
 #endif
