@@ -40,7 +40,7 @@
 
 #include "exports.h"
 #include "numerics.h"
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define HAVE_QUADS 1
 #endif
