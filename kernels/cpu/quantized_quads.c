@@ -214,7 +214,8 @@ static void make_limbs(const void *x, int64_t x_stride, int io_f32, int m, int K
     const float top = _mm512_reduce_max_ps(largest);
     if (!not_finite && top > 0.0f) frexpf(top, &exponent); /* top < 2^exponent */
     int s = (nl == LIMBS_F32 ? ROW_BITS_F32 : ROW_BITS_BF16) - exponent;
-    /* 2^-s must stay a normal float32: rows under 2^-100 lose their smallest bits. */
+    /* 2^-s must stay a normal float32: a row whose largest magnitude is under 2^-104 (float32)
+     * or 2^-112 (bf16) has fewer bits than that. */
     s = s > 126 ? 126 : s;
     r->unscale[m] = not_finite ? NAN : ldexpf(1.0f, -s);
     if (not_finite) {
