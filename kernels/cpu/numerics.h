@@ -38,6 +38,17 @@ static inline float group_sum(const float *x, int n) {
 /* A float32 value rounded to bf16 and back, as a bf16 tensor op's output is. */
 static inline float round_bf16(float value) { return bf16_to_float(float_to_bf16(value)); }
 
+/* Weight (n, k) of a dequantized [N, K] weight (or, transposed, [K, N]), float32 or (not f32)
+ * rounded once to bf16. */
+static inline void put_weight(void *out, int f32, int transposed, int N, int K, int n, int k,
+                              float w) {
+    const int64_t at = transposed ? (int64_t)k * N + n : (int64_t)n * K + k;
+    if (f32)
+        ((float *)out)[at] = w;
+    else
+        ((uint16_t *)out)[at] = float_to_bf16(w);
+}
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 
@@ -82,6 +93,26 @@ static inline __m256i float_to_bf16x16(__m512 value) {
 static inline __m512 round_bf16x16(__m512 value) {
     const __m256i rounded = float_to_bf16x16(value);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
+}
+
+/* The first `count` of 16 lanes (all 16 past that). */
+static inline __mmask16 first_lanes(int count) {
+    return count >= 16 ? 0xFFFF : count > 0 ? (__mmask16)((1u << count) - 1) : 0;
+}
+
+/* One output row: `width` float32 sums times `scale` (exact where it is a power of two), plus
+ * the bias, in float32 (y_f32) or rounded once to bf16. */
+static inline void store_scaled_row(const float *sums, float scale, const float *bias, int width,
+                                    int y_f32, void *y) {
+    for (int j = 0; j < width; j += 16) {
+        const __mmask16 mask = first_lanes(width - j);
+        __m512 value = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, sums + j), _mm512_set1_ps(scale));
+        if (bias) value = _mm512_add_ps(value, _mm512_maskz_loadu_ps(mask, bias + j));
+        if (y_f32)
+            _mm512_mask_storeu_ps((float *)y + j, mask, value);
+        else
+            _mm256_mask_storeu_epi16((uint16_t *)y + j, mask, float_to_bf16x16(value));
+    }
 }
 #endif
 

@@ -141,16 +141,10 @@ int pdserve_quantized_quads_dequantize(const uint8_t *packed, int kind, int grou
             const float *offsets = has_offsets ? scales + TILE : NULL;
             const uint8_t *codes = at + header_bytes(has_offsets != 0);
             for (int k = 0; k < rows; k++)
-                for (int j = 0; j < width; j++) {
-                    const float w = scales[j] * (float)quad_code(kind, codes, k, j) -
-                                    (offsets ? offsets[j] : 0.0f);
-                    const int64_t at_out = transposed ? (int64_t)(k0 + k) * N + n0 + j
-                                                      : (int64_t)(n0 + j) * K + k0 + k;
-                    if (out_dtype == KV_F32)
-                        ((float *)out)[at_out] = w;
-                    else
-                        ((uint16_t *)out)[at_out] = float_to_bf16(w);
-                }
+                for (int j = 0; j < width; j++)
+                    put_weight(out, out_dtype == KV_F32, transposed, N, K, n0 + j, k0 + k,
+                               scales[j] * (float)quad_code(kind, codes, k, j) -
+                                   (offsets ? offsets[j] : 0.0f));
             at = codes + (int64_t)padded_rows(rows) / QUAD * quad_bytes(kind);
         }
     }
@@ -186,10 +180,6 @@ static inline __m512 load16(const void *at, int io_f32, __mmask16 mask) {
     if (io_f32) return _mm512_maskz_loadu_ps(mask, at);
     const __m256i bits = _mm256_maskz_loadu_epi16(mask, at);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
-static inline __mmask16 first_lanes(int count) {
-    return count >= 16 ? 0xFFFF : count > 0 ? (__mmask16)((1u << count) - 1) : 0;
 }
 
 /* Row m of x (io dtype) as limb rows, its 2^-s, its top limb's block sums and its group sums
@@ -247,14 +237,12 @@ static void make_limbs(const void *x, int64_t x_stride, int io_f32, int m, int K
     }
 }
 
-/* Where a block's sums go: scaled into the outputs' sums (the block is its whole group), or
- * into the group's partial sums (the first block of several), or added to them. */
-enum block_end { SCALE_INTO_ACC = 0, START_PART = 1, ADD_TO_PART = 2 };
-
 /* For nr rows (row r's limb i at limbs + (nl r + i) limb_stride) over nt tiles side by side
  * (their streams tile_stride bytes apart), nq quads of codes from `codes`: each row's sum of
- * code times X over the block, P (see the top), ended as `end` says: part or acc [r][t * TILE +
- * 0..TILE), `width` floats a row, the scales and offsets those of the tiles' group. The low
+ * code times X over the block, P (see the top), added to the group's partial sums in part
+ * [r][t * TILE + 0..TILE) (`width` floats a row) unless the block starts its group (`first`),
+ * and where it ends its group (`last`) scaled into acc, laid out alike, by the scales and
+ * offsets of the tiles' group. The low
  * limbs are unsigned bytes against signed codes; the top limb is signed, so it runs against
  * the codes as unsigned bytes: int8 codes plus 128 (an XOR of the sign bit), 128 times the
  * limb's sum (top_sums, per row) taken off after. nl, nr, nt and kind are constants after
@@ -263,7 +251,8 @@ static inline __attribute__((always_inline)) void quad_block(
     const uint8_t *codes, int64_t tile_stride, const int kind, const int nl, int nq,
     const uint8_t *limbs, int64_t limb_stride, const int nr, const int nt,
     const int32_t *top_sums, int64_t top_stride, const float *scales, const float *offsets,
-    const float *xsum, int64_t xsum_stride, int end, float *part, float *acc, int width) {
+    const float *xsum, int64_t xsum_stride, int first, int last, float *part, float *acc,
+    int width) {
     __m512i sums[MAX_BLOCK_ROWS][LIMBS_F32][4][2];
 #pragma GCC unroll 4
     for (int r = 0; r < nr; r++)
@@ -335,18 +324,18 @@ static inline __attribute__((always_inline)) void quad_block(
                                               _mm512_set1_ps(256.0f),
                                               _mm512_cvtepi32_ps(sums[r][0][t][h])));
                 const int64_t at = (int64_t)r * width + t * TILE + 16 * h;
-                if (end == START_PART) {
-                    _mm512_storeu_ps(part + at, whole);
-                } else if (end == ADD_TO_PART) {
-                    _mm512_storeu_ps(part + at, _mm512_add_ps(_mm512_loadu_ps(part + at), whole));
-                } else {
-                    const int64_t column = t * tile_stride / 4 + 16 * h;
-                    __m512 sum = _mm512_fmadd_ps(_mm512_loadu_ps(scales + column), whole,
-                                                 _mm512_loadu_ps(acc + at));
-                    if (offsets)
-                        sum = _mm512_fmadd_ps(_mm512_loadu_ps(offsets + column), minus_sum, sum);
-                    _mm512_storeu_ps(acc + at, sum);
+                const __m512 partial =
+                    first ? whole : _mm512_add_ps(_mm512_loadu_ps(part + at), whole);
+                if (!last) {
+                    _mm512_storeu_ps(part + at, partial);
+                    continue;
                 }
+                const int64_t column = t * tile_stride / 4 + 16 * h;
+                __m512 sum = _mm512_fmadd_ps(_mm512_loadu_ps(scales + column), partial,
+                                             _mm512_loadu_ps(acc + at));
+                if (offsets)
+                    sum = _mm512_fmadd_ps(_mm512_loadu_ps(offsets + column), minus_sum, sum);
+                _mm512_storeu_ps(acc + at, sum);
             }
     }
 }
@@ -356,13 +345,13 @@ static inline __attribute__((always_inline)) void quad_block(
 #define BLOCK_ARGS                                                                             \
     const uint8_t *codes, int64_t tile_stride, int nq, const uint8_t *limbs,                   \
         int64_t limb_stride, const int32_t *top_sums, int64_t top_stride, const float *scales, \
-        const float *offsets, const float *xsum, int64_t xsum_stride, int end, float *part,    \
-        float *acc, int width
+        const float *offsets, const float *xsum, int64_t xsum_stride, int first, int last,     \
+        float *part, float *acc, int width
 #define BLOCK_SHAPE(name, code, limbs_per_row, rows, tiles)                                    \
     static __attribute__((noinline)) void name(BLOCK_ARGS) {                                   \
         quad_block(codes, tile_stride, code, limbs_per_row, nq, limbs, limb_stride, rows,      \
-                   tiles, top_sums, top_stride, scales, offsets, xsum, xsum_stride, end, part, \
-                   acc, width);                                                                \
+                   tiles, top_sums, top_stride, scales, offsets, xsum, xsum_stride, first,     \
+                   last, part, acc, width);                                                    \
     }
 /* Per kind and limb count: one row over four tiles, two over two, 1 to `most` over one. */
 #define BLOCK_SHAPES(name, code, limbs_per_row, most)                                          \
@@ -414,53 +403,23 @@ static void run_tiles(const uint8_t *tile, int64_t tile_stride, int nt, int kind
         const float *scales = (const float *)at;
         const float *offsets = has_offsets ? scales + TILE : NULL;
         const uint8_t *codes = at + header_bytes(has_offsets);
-        const int whole = rows <= BLOCK_K;
         for (int b0 = 0; b0 < rows; b0 += BLOCK_K, block++) {
             const int nq = padded_rows(rows - b0 < BLOCK_K ? rows - b0 : BLOCK_K) / QUAD;
-            const int end = whole ? SCALE_INTO_ACC : b0 ? ADD_TO_PART : START_PART;
             for (int m = 0; m < M; m += most) {
                 const int nr = M - m < most ? M - m : most;
                 block_for(kind, nl, nr, nt)(
                     codes + (int64_t)b0 / QUAD * quad_bytes(kind), tile_stride, nq,
                     r->limbs + ((int64_t)m * nl * r->K4) + k0 + b0, r->K4,
                     r->top_sums + (int64_t)m * r->blocks + block, r->blocks, scales, offsets,
-                    r->xsum + (int64_t)m * r->groups + g, r->groups, end,
-                    part + (int64_t)m * width, acc + (int64_t)m * width, width);
-            }
-        }
-        /* A group of several blocks: its partial sums scaled into the outputs' sums. */
-        for (int m = 0; m < M && !whole; m++) {
-            const __m512 minus_sum =
-                _mm512_set1_ps(offsets ? -r->xsum[(int64_t)m * r->groups + g] : 0.0f);
-            for (int c = 0; c < width; c += 16) {
-                const int64_t column = c / TILE * tile_stride / 4 + c % TILE;
-                float *a = acc + (int64_t)m * width + c;
-                __m512 sum = _mm512_fmadd_ps(_mm512_loadu_ps(scales + column),
-                                             _mm512_loadu_ps(part + (int64_t)m * width + c),
-                                             _mm512_loadu_ps(a));
-                if (offsets)
-                    sum = _mm512_fmadd_ps(_mm512_loadu_ps(offsets + column), minus_sum, sum);
-                _mm512_storeu_ps(a, sum);
+                    r->xsum + (int64_t)m * r->groups + g, r->groups, b0 == 0,
+                    b0 + BLOCK_K >= rows, part + (int64_t)m * width, acc + (int64_t)m * width,
+                    width);
             }
         }
         at = codes + (int64_t)padded_rows(rows) / QUAD * quad_bytes(kind);
     }
 }
 
-/* One output row's `width` columns from its sums in units of X (times `unscale`, 2^-s), plus
- * the bias, in the output dtype. */
-static void store_row(const float *acc, float unscale, const float *bias, int width, int y_f32,
-                      void *y) {
-    for (int j = 0; j < width; j += 16) {
-        const __mmask16 mask = first_lanes(width - j);
-        __m512 value = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, acc + j), _mm512_set1_ps(unscale));
-        if (bias) value = _mm512_add_ps(value, _mm512_maskz_loadu_ps(mask, bias + j));
-        if (y_f32)
-            _mm512_mask_storeu_ps((float *)y + j, mask, value);
-        else
-            _mm256_mask_storeu_epi16((uint16_t *)y + j, mask, float_to_bf16x16(value));
-    }
-}
 #endif
 
 int pdserve_quantized_quads_linear(const void *x, int64_t x_stride, const uint8_t *packed,
@@ -539,9 +498,10 @@ int pdserve_quantized_quads_linear(const void *x, int64_t x_stride, const uint8_
                         const int n0 = (t0 + t + u) * TILE;
                         const int columns = N - n0 < TILE ? N - n0 : TILE;
                         for (int m = 0; m < rows_here; m++)
-                            store_row(acc + (int64_t)m * run * TILE + u * TILE, rows.unscale[m],
-                                      bias ? bias + n0 : NULL, columns, io_f32,
-                                      y_here + ((int64_t)m * y_stride + n0) * in_size);
+                            store_scaled_row(acc + (int64_t)m * run * TILE + u * TILE,
+                                             rows.unscale[m], bias ? bias + n0 : NULL, columns,
+                                             io_f32,
+                                             y_here + ((int64_t)m * y_stride + n0) * in_size);
                     }
                 }
             }

@@ -64,6 +64,11 @@ static inline int64_t tile_bytes(int kind, int has_offsets, int group, int K) {
            group_bytes(kind, has_offsets, last);
 }
 
+/* Codes in quads of k-rows, summed in integers: quantized_quads.c's. */
+static inline int quads_kind(int kind) {
+    return kind == QUANT_INT8_QUADS || kind == QUANT_UINT4_QUADS;
+}
+
 /* An e4m3 code's value over 256 (its scale holds the 256): the code's bits moved into an fp16,
  * sign to bit 15, exponent and mantissa under bit 14, read as 2^(e - 15) (1 + m / 8) where the
  * code means 2^(e - 7) (1 + m / 8) (and alike for the subnormals): exact. */
@@ -448,15 +453,7 @@ static void tile_sums(const quantized_shape *q, const uint8_t *tile, int64_t til
 /* One output row's `width` columns from its float32 sums, plus the bias, in the output dtype. */
 static void store_row(const float *acc, const float *bias, int width, int y_f32, void *y) {
 #ifdef __AVX512F__
-    for (int j = 0; j < width; j += 16) {
-        const __mmask16 mask = width - j >= 16 ? 0xFFFF : (__mmask16)((1u << (width - j)) - 1);
-        __m512 value = _mm512_maskz_loadu_ps(mask, acc + j);
-        if (bias) value = _mm512_add_ps(value, _mm512_maskz_loadu_ps(mask, bias + j));
-        if (y_f32)
-            _mm512_mask_storeu_ps((float *)y + j, mask, value);
-        else
-            _mm256_mask_storeu_epi16((uint16_t *)y + j, mask, float_to_bf16x16(value));
-    }
+    store_scaled_row(acc, 1.0f, bias, width, y_f32, y);
 #else
     if (y_f32) {
         for (int j = 0; j < width; j++) ((float *)y)[j] = bias ? acc[j] + bias[j] : acc[j];
@@ -475,7 +472,7 @@ static int valid_shape(int kind, int group, int M, int N, int K) {
 }
 
 int pdserve_quantized_tile_bytes(int kind, int group_size, int has_offsets, int K) {
-    if (kind == QUANT_INT8_QUADS || kind == QUANT_UINT4_QUADS)
+    if (quads_kind(kind))
         return pdserve_quantized_quads_tile_bytes(kind, group_size, has_offsets, K);
     if (!valid_shape(kind, group_size, 0, 1, K)) return -1;
     return (int)tile_bytes(kind, has_offsets != 0, group_size, K);
@@ -485,7 +482,7 @@ int pdserve_quantized_linear(const void *x, int64_t x_stride, const uint8_t *pac
                              int group_size, int has_offsets, const float *bias, void *y,
                              int64_t y_stride, int io_dtype, int M, int N, int K,
                              int num_threads) {
-    if (kind == QUANT_INT8_QUADS || kind == QUANT_UINT4_QUADS)
+    if (quads_kind(kind))
         return pdserve_quantized_quads_linear(x, x_stride, packed, kind, group_size, has_offsets,
                                               bias, y, y_stride, io_dtype, M, N, K, num_threads);
     if (!valid_shape(kind, group_size, M, N, K) || (io_dtype != KV_F32 && io_dtype != KV_BF16))
@@ -564,7 +561,7 @@ int pdserve_quantized_linear(const void *x, int64_t x_stride, const uint8_t *pac
 int pdserve_quantized_dequantize(const uint8_t *packed, int kind, int group_size,
                                  int has_offsets, void *out, int out_dtype, int transposed,
                                  int N, int K, int num_threads) {
-    if (kind == QUANT_INT8_QUADS || kind == QUANT_UINT4_QUADS)
+    if (quads_kind(kind))
         return pdserve_quantized_quads_dequantize(packed, kind, group_size, has_offsets, out,
                                                   out_dtype, transposed, N, K, num_threads);
     if (!valid_shape(kind, group_size, 0, N, K) || (out_dtype != KV_F32 && out_dtype != KV_BF16))
@@ -574,9 +571,10 @@ int pdserve_quantized_dequantize(const uint8_t *packed, int kind, int group_size
     const int64_t header = (int64_t)TILE * (1 + (has_offsets != 0));
     const int64_t stride_bytes = tile_bytes(kind, has_offsets != 0, group_size, K);
     const int num_tiles = (N + TILE - 1) / TILE;
+#ifdef __AVX512F__
     const int streamed =
         transposed && out_dtype == KV_F32 && N % 16 == 0 && ((uintptr_t)out & 63) == 0;
-    (void)streamed; /* AVX-512 only */
+#endif
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
@@ -619,17 +617,11 @@ int pdserve_quantized_dequantize(const uint8_t *packed, int kind, int group_size
                     }
 #endif
                     for (int k = 0; k < kc && k0 + c0 + k < K; k++)
-                        for (int j = 0; j < width; j++) {
-                            const float w = scales[j] * wide[k * TILE + j] -
-                                            (offsets ? offsets[j] : 0.0f);
-                            const int64_t at_out =
-                                transposed ? (int64_t)(k0 + c0 + k) * N + n0 + j
-                                           : (int64_t)(n0 + j) * K + k0 + c0 + k;
-                            if (out_dtype == KV_F32)
-                                ((float *)out)[at_out] = w;
-                            else
-                                ((uint16_t *)out)[at_out] = float_to_bf16(w);
-                        }
+                        for (int j = 0; j < width; j++)
+                            put_weight(out, out_dtype == KV_F32, transposed, N, K, n0 + j,
+                                       k0 + c0 + k,
+                                       scales[j] * wide[k * TILE + j] -
+                                           (offsets ? offsets[j] : 0.0f));
                 }
                 at = codes + code_bytes(kind, rows);
             }
