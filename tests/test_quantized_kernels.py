@@ -84,7 +84,7 @@ def layer_for(weight, bias, dtype, kernel: str, **options) -> CpuQuantizedLinear
     if kernel == INTEGER_SUMS and not (integer_sums_here() and integer_sums_fit(weight)):
         pytest.skip("no AVX512_VNNI here: no integer sums")
     layer = CpuQuantizedLinear(weight, bias, dtype, integer_sums=kernel == INTEGER_SUMS, **options)
-    assert (layer.packed.code in QUAD_CODES.values()) == (kernel == INTEGER_SUMS)
+    assert layer.packed.integer_sums == (kernel == INTEGER_SUMS)
     return layer
 
 
@@ -342,7 +342,7 @@ def test_groups_off_the_quads_take_the_float_tiles() -> None:
     weight = random_weight(INT8, 96, 6, False, seed=37)
     assert not integer_sums_fit(weight)
     layer = CpuQuantizedLinear(weight, None, torch.float32, tiles_only=True)
-    assert layer.packed.code not in QUAD_CODES.values()
+    assert not layer.packed.integer_sums
     x = torch.randn(3, 96)
     torch.testing.assert_close(layer(x), twin(x, weight, None), **TOLERANCE[torch.float32])
     with pytest.raises(ValueError, match="cannot be summed in integers"):

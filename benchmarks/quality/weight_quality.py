@@ -33,6 +33,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from unittest import mock
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -54,7 +55,7 @@ from benchmarks.quality.kv_quality import (
 )
 from common.model.quantization.writer import SCHEMES, write_compressed_tensors
 from common.tokenizer import Tokenizer
-from kernels.cpu.quantized_linear import ENV_INTEGER_SUMS, QUAD_CODES, CpuQuantizedLinear
+from kernels.cpu.quantized_linear import ENV_INTEGER_SUMS, CpuQuantizedLinear
 
 SIXTEEN_BIT = "16-bit"
 DEQUANTIZED = "dequantized"
@@ -124,14 +125,8 @@ def checkpoints(name: str, base: Path, scratch: Path) -> tuple[Path, Path, Path]
 def float_tiles_engine(model: str, segments: Segments, dtype: str):
     """An engine over ``model`` whose int8 and 4-bit codes take the float32 tiles, not the
     integer sums (``kernels/cpu/quantized_linear.py``)."""
-    previous = os.environ.get(ENV_INTEGER_SUMS)
-    os.environ[ENV_INTEGER_SUMS] = "0"
-    try:
+    with mock.patch.dict(os.environ, {ENV_INTEGER_SUMS: "0"}):
         return build_engine(model, KV_FORMATS[BF16_KV], segments, dtype=dtype)
-    finally:
-        os.environ.pop(ENV_INTEGER_SUMS)
-        if previous is not None:
-            os.environ[ENV_INTEGER_SUMS] = previous
 
 
 def quality_of(
@@ -158,7 +153,7 @@ def quality_of(
 def integer_sums_run(engine) -> bool:
     """Whether any of ``engine``'s linear layers sums its codes in integers."""
     return any(
-        isinstance(module, CpuQuantizedLinear) and module.packed.code in QUAD_CODES.values()
+        isinstance(module, CpuQuantizedLinear) and module.packed.integer_sums
         for module in engine.model.modules()
     )
 

@@ -83,6 +83,11 @@ class QuantizedTiles:
     out_features: int
     in_features: int
 
+    @property
+    def integer_sums(self) -> bool:
+        """Whether the integer sums read these tiles (else the float32 tiles do)."""
+        return self.code in QUAD_CODES.values()
+
 
 def integer_sums_fit(weight: QuantizedWeight) -> bool:
     """Whether this machine can sum ``weight``'s codes in integers (``quantized_quads.c``): int8
@@ -123,86 +128,77 @@ def pack_quantized_tiles(
             f"4-bit codes pair two input columns in a byte; a group of {weight.group_size} "
             "would split a pair"
         )
-    out_features, in_features = weight.shape
-    num_tiles = ceil_div(out_features, TILE)
-    pad_n = num_tiles * TILE - out_features
-    values = weight.codes.view(torch.uint8)
-    if weight.kind == UINT4:
-        # [N, ceil(K / 2)] -> [N, K_pad] of nibbles, K_pad even.
-        values = torch.stack((values & 0x0F, values >> 4), dim=-1).flatten(1)
+    num_tiles = ceil_div(weight.shape[0], TILE)
+    values = nibbles(weight) if weight.kind == UINT4 else weight.codes.view(torch.uint8)
     # [N, K_pad] -> [tiles, K_pad, 32]: each tile's k-rows of 32 columns.
-    tiles = F.pad(values, (0, 0, 0, pad_n)).view(num_tiles, TILE, -1).transpose(1, 2)
+    tiles = padded_columns(values, num_tiles).transpose(1, 2)
     if weight.kind == UINT4:
         tiles = tiles[:, 0::2] | (tiles[:, 1::2] << 4)
-    scales = weight.scales * (FP8_DECODE_SCALE if weight.kind == FP8_E4M3 else 1.0)
-    columns = [scales] if weight.offsets is None else [scales, weight.offsets]
-    # [N, groups] -> [tiles, groups, 32 * len(columns)] as bytes: each group's header.
-    headers = torch.cat(
-        [
-            F.pad(part, (0, 0, 0, pad_n)).view(num_tiles, TILE, -1).transpose(1, 2)
-            for part in columns
-        ],
-        dim=2,
-    )
-    headers = headers.contiguous().view(torch.uint8)
     code_rows = weight.group_size // 2 if weight.kind == UINT4 else weight.group_size
-    groups = headers.shape[1]
-    blocks = []
-    for group in range(groups):
-        codes = tiles[:, group * code_rows : (group + 1) * code_rows].reshape(num_tiles, -1)
-        blocks += [headers[:, group], codes]
-    packed = torch.cat(blocks, dim=1).contiguous()
-    expected = cpu_library.load().pdserve_quantized_tile_bytes(
-        KIND_CODES[weight.kind], weight.group_size, int(weight.offsets is not None), in_features
-    )
-    assert packed.shape[1] == expected, (packed.shape, expected)
-    return QuantizedTiles(
-        tiles=packed,
-        kind=weight.kind,
-        code=KIND_CODES[weight.kind],
-        group_size=weight.group_size,
-        has_offsets=weight.offsets is not None,
-        out_features=out_features,
-        in_features=in_features,
-    )
+    groups = ceil_div(weight.in_features, weight.group_size)
+    codes = [
+        tiles[:, group * code_rows : (group + 1) * code_rows].reshape(num_tiles, -1)
+        for group in range(groups)
+    ]
+    scale = FP8_DECODE_SCALE if weight.kind == FP8_E4M3 else 1.0
+    return tiles_of(weight, KIND_CODES[weight.kind], codes, scale)
 
 
 def pack_quads(weight: QuantizedWeight) -> QuantizedTiles:
     """``weight`` in tiles for the integer sums (the layout is described in
     ``kernels/cpu/quantized_quads.c``): per group, its scales (and offsets), then its codes in
     quads of k-rows, the last group padded with zero codes to a whole quad."""
-    out_features, in_features = weight.shape
-    num_tiles = ceil_div(out_features, TILE)
-    pad_n = num_tiles * TILE - out_features
-    if weight.kind == INT8:
-        values = weight.codes.view(torch.uint8)
-    else:
-        pairs = weight.codes.view(torch.uint8)
-        values = torch.stack((pairs & 0x0F, pairs >> 4), dim=-1).flatten(1)[:, :in_features]
-    values = F.pad(values, (0, 0, 0, pad_n))
-    columns = [weight.scales] if weight.offsets is None else [weight.scales, weight.offsets]
-    # [tiles, groups, 32] each: a group's scales (and offsets) of the tile's columns.
-    columns = [
-        F.pad(part.float(), (0, 0, 0, pad_n)).view(num_tiles, TILE, -1).transpose(1, 2)
-        for part in columns
-    ]
-    blocks = []
-    for group, k0 in enumerate(range(0, in_features, weight.group_size)):
+    num_tiles = ceil_div(weight.shape[0], TILE)
+    values = weight.codes.view(torch.uint8) if weight.kind == INT8 else nibbles(weight)
+    values = padded_columns(values[:, : weight.in_features], num_tiles).flatten(0, 1)
+    codes = []
+    for k0 in range(0, weight.in_features, weight.group_size):
         part = values[:, k0 : k0 + weight.group_size]
         rows = ceil_div(part.shape[1], QUAD) * QUAD
-        header = [column[:, group].contiguous().view(torch.uint8) for column in columns]
         part = F.pad(part, (0, rows - part.shape[1]))
         # [tiles, half h, column j, quad q, row i]: column 16 h + j's code of k-row 4 q + i.
         part = part.reshape(num_tiles, 2, 16, rows // QUAD, QUAD)
         if weight.kind == INT8:
-            codes = part.permute(0, 3, 1, 2, 4)  # byte 64 h + 4 j + i of each quad
+            group_codes = part.permute(0, 3, 1, 2, 4)  # byte 64 h + 4 j + i of each quad
         else:
-            codes = (part[:, 0] | (part[:, 1] << 4)).permute(0, 2, 1, 3)  # byte 4 j + i
-        blocks += [*header, codes.reshape(num_tiles, -1)]
+            group_codes = (part[:, 0] | (part[:, 1] << 4)).permute(0, 2, 1, 3)  # byte 4 j + i
+        codes.append(group_codes.reshape(num_tiles, -1))
+    return tiles_of(weight, QUAD_CODES[weight.kind], codes)
+
+
+def nibbles(weight: QuantizedWeight) -> torch.Tensor:
+    """4-bit codes ``[N, ceil(K / 2)]``, two a byte, as ``[N, K_pad]``, one a byte (K_pad even)."""
+    pairs = weight.codes.view(torch.uint8)
+    return torch.stack((pairs & 0x0F, pairs >> 4), dim=-1).flatten(1)
+
+
+def padded_columns(values: torch.Tensor, num_tiles: int) -> torch.Tensor:
+    """``[N, ...]`` as ``[tiles, 32, ...]``, the output columns past N zero."""
+    pad_n = num_tiles * TILE - values.shape[0]
+    return F.pad(values, (0, 0, 0, pad_n)).view(num_tiles, TILE, *values.shape[1:])
+
+
+def tiles_of(
+    weight: QuantizedWeight, code: int, codes: list[torch.Tensor], scale: float = 1.0
+) -> QuantizedTiles:
+    """The tiles of ``weight`` for the kernel of ``code``: per tile, each group's header (its
+    scales, times ``scale``, and offsets over the tile's 32 columns) then that group's
+    ``codes`` (``[tiles, bytes]`` each, in the kernel's layout)."""
+    columns = [weight.scales * scale]
+    if weight.offsets is not None:
+        columns.append(weight.offsets)
+    num_tiles = codes[0].shape[0]
+    # [N, groups] -> [tiles, groups, 32 * len(columns)] as bytes: each group's header.
+    headers = torch.cat(
+        [padded_columns(part.float(), num_tiles).transpose(1, 2) for part in columns], dim=2
+    )
+    headers = headers.contiguous().view(torch.uint8)
+    blocks = []
+    for group, group_codes in enumerate(codes):
+        blocks += [headers[:, group], group_codes]
     packed = torch.cat(blocks, dim=1).contiguous()
-    code = QUAD_CODES[weight.kind]
     expected = cpu_library.load().pdserve_quantized_tile_bytes(
-        code, weight.group_size, int(weight.offsets is not None), in_features
+        code, weight.group_size, int(weight.offsets is not None), weight.in_features
     )
     assert packed.shape[1] == expected, (packed.shape, expected)
     return QuantizedTiles(
@@ -211,8 +207,8 @@ def pack_quads(weight: QuantizedWeight) -> QuantizedTiles:
         code=code,
         group_size=weight.group_size,
         has_offsets=weight.offsets is not None,
-        out_features=out_features,
-        in_features=in_features,
+        out_features=weight.shape[0],
+        in_features=weight.in_features,
     )
 
 
@@ -267,9 +263,8 @@ class CpuQuantizedLinear(nn.Module):
         bf16_blas = dtype == torch.bfloat16 and has_amx_bf16()
         self.blas_dtype = BF16_BLAS if bf16_blas else FLOAT32_BLAS
         # Past this many rows the weight is dequantized for the BLAS; None: never.
-        integer_sums = self.packed.code in QUAD_CODES.values()
         self.tile_max_rows = (
-            None if integer_sums and not bf16_blas else TILE_MAX_ROWS[self.blas_dtype]
+            None if self.packed.integer_sums and not bf16_blas else TILE_MAX_ROWS[self.blas_dtype]
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -360,7 +355,7 @@ class CpuQuantizedLinear(nn.Module):
             if self.tiles_only or self.tile_max_rows is None
             else f"up to {self.tile_max_rows} rows, {self.blas_dtype} BLAS beyond"
         )
-        sums = "integer sums" if packed.code in QUAD_CODES.values() else "float32 tiles"
+        sums = "integer sums" if packed.integer_sums else "float32 tiles"
         return (
             f"in={self.in_features}, out={self.out_features}, {packed.kind} in groups of "
             f"{packed.group_size}{offsets}, {sums} at {rows}"
